@@ -1,0 +1,25 @@
+# `make demo` and `make test` each do all set-up on a fresh machine (first run ~6 min: the pinned
+# sglang goes into a cache venv outside the clone) and cost seconds on the next run.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export CUDA_HOME ?= /usr/local/cuda
+
+.PHONY: setup demo test test-unit test-e2e test-gpu clean
+
+setup:
+	@bash scripts/ensure_env.sh
+
+demo: setup
+	$(PY) -m sglang_hs.demo
+
+test: setup
+	$(PY) -m pytest -q -ra tests
+
+test-unit: setup
+	$(PY) -m pytest -q -ra tests/unit
+
+test-e2e: setup
+	$(PY) -m pytest -q -ra tests/e2e
+
+clean:
+	rm -rf .venv build *.egg-info sglang_hs/_C*.so

@@ -1,0 +1,32 @@
+// Python bindings of sglang_hs._C. Importing sglang_hs never loads this module; sglang_hs/_ext.py does,
+// on first use, and says why when it cannot.
+#include <torch/extension.h>
+
+namespace sglang_hs {
+at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create);
+int64_t load_acquire(const at::Tensor& buf, int64_t offset);
+void store_release(const at::Tensor& buf, int64_t offset, int64_t value);
+int64_t fetch_add(const at::Tensor& buf, int64_t offset, int64_t delta);
+#ifdef SGLANG_HS_WITH_CUDA
+void host_register(const at::Tensor& buf);
+void host_unregister(const at::Tensor& buf);
+int64_t device_pointer(const at::Tensor& buf);
+#endif
+}  // namespace sglang_hs
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace sglang_hs;
+  m.def("map_file", &map_file, "Map (or create, 0600, O_EXCL) a file under a folder, never via a symlink",
+        py::arg("dir"), py::arg("name"), py::arg("nbytes"), py::arg("create"));
+  m.def("load_acquire", &load_acquire, py::arg("buf"), py::arg("offset"));
+  m.def("store_release", &store_release, py::arg("buf"), py::arg("offset"), py::arg("value"));
+  m.def("fetch_add", &fetch_add, py::arg("buf"), py::arg("offset"), py::arg("delta"));
+#ifdef SGLANG_HS_WITH_CUDA
+  m.attr("with_cuda") = true;
+  m.def("host_register", &host_register, py::arg("buf"));
+  m.def("host_unregister", &host_unregister, py::arg("buf"));
+  m.def("device_pointer", &device_pointer, py::arg("buf"));
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,103 @@
+// Shared-memory primitives of the sglang-hs store and output ring (CPU; always built).
+//
+//   map_file(dir, name, nbytes, create) -> uint8 tensor over a MAP_SHARED mapping
+//       The file is opened relative to `dir` (opened O_DIRECTORY|O_NOFOLLOW) with O_NOFOLLOW, so neither
+//       the folder nor the file is ever followed through a symlink. create=True makes a new file
+//       (O_EXCL, mode 0600) and reserves its pages with posix_fallocate, so a full /dev/shm fails here
+//       with ENOSPC instead of SIGBUS on a later write. create=False maps an existing regular file owned
+//       by this user, of exactly `nbytes` bytes (or any size if nbytes == 0). The mapping is unmapped
+//       when the last tensor view of it is freed.
+//   load_acquire(buf, offset) / store_release(buf, offset, value) / fetch_add(buf, offset, delta)
+//       64-bit atomics on an 8-byte-aligned word inside such a mapping, with C++11 acquire / release /
+//       acq_rel ordering: a writer fills a record, then store_release()s the counter that publishes it;
+//       a reader that load_acquire()s the new counter value sees the whole record.
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <string>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace sglang_hs {
+namespace {
+
+[[noreturn]] void fail_errno(const std::string& what, const std::string& path, int err) {
+  TORCH_CHECK(false, what, " ", path, ": ", std::strerror(err), " (errno ", err, ")");
+}
+
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  ~Fd() { if (fd >= 0) ::close(fd); }
+};
+
+uint64_t* word(const at::Tensor& buf, int64_t offset) {
+  TORCH_CHECK(buf.device().is_cpu(), "sglang_hs atomics: buffer must be a CPU (host) tensor");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(),
+              "sglang_hs atomics: buffer must be a contiguous uint8 tensor, got ", buf.scalar_type());
+  TORCH_CHECK(offset >= 0 && offset + 8 <= buf.numel(), "sglang_hs atomics: offset ", offset,
+              " outside a buffer of ", buf.numel(), " bytes");
+  auto* p = static_cast<uint8_t*>(buf.data_ptr()) + offset;
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % alignof(uint64_t) == 0,
+              "sglang_hs atomics: offset ", offset, " is not 8-byte aligned");
+  return reinterpret_cast<uint64_t*>(p);
+}
+
+}  // namespace
+
+at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create) {
+  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
+              "sglang_hs.map_file: name must be a plain file name, got '", name, "'");
+  TORCH_CHECK(nbytes >= 0, "sglang_hs.map_file: nbytes must be >= 0, got ", nbytes);
+  TORCH_CHECK(!create || nbytes > 0, "sglang_hs.map_file: a new file needs nbytes > 0");
+  const std::string path = dir + "/" + name;
+
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (dfd.fd < 0) fail_errno("cannot open dump folder", dir, errno);
+  int flags = O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? (O_CREAT | O_EXCL) : 0);
+  Fd fd(::openat(dfd.fd, name.c_str(), flags, 0600));
+  if (fd.fd < 0) fail_errno(create ? "cannot create" : "cannot open", path, errno);
+
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0) fail_errno("cannot stat", path, errno);
+  TORCH_CHECK(S_ISREG(st.st_mode), "sglang_hs.map_file: ", path, " is not a regular file");
+  TORCH_CHECK(st.st_uid == ::geteuid(), "sglang_hs.map_file: ", path, " is owned by uid ", st.st_uid,
+              ", not by this user (uid ", ::geteuid(), ")");
+  if (create) {
+    if (::fchmod(fd.fd, 0600) != 0) fail_errno("cannot chmod", path, errno);  // despite the umask
+    int err = ::posix_fallocate(fd.fd, 0, nbytes);
+    if (err != 0) {
+      ::unlinkat(dfd.fd, name.c_str(), 0);
+      fail_errno("cannot reserve " + std::to_string(nbytes) + " bytes for", path, err);
+    }
+  } else {
+    TORCH_CHECK(nbytes == 0 || st.st_size == nbytes, "sglang_hs.map_file: ", path, " has ", st.st_size,
+                " bytes, expected ", nbytes);
+    nbytes = st.st_size;
+    TORCH_CHECK(nbytes > 0, "sglang_hs.map_file: ", path, " is empty");
+  }
+  void* p = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0);
+  if (p == MAP_FAILED) fail_errno("cannot mmap", path, errno);
+  const size_t len = static_cast<size_t>(nbytes);
+  return torch::from_blob(p, {nbytes}, [len](void* q) { ::munmap(q, len); },
+                          torch::TensorOptions().dtype(torch::kUInt8));
+}
+
+int64_t load_acquire(const at::Tensor& buf, int64_t offset) {
+  return static_cast<int64_t>(__atomic_load_n(word(buf, offset), __ATOMIC_ACQUIRE));
+}
+
+void store_release(const at::Tensor& buf, int64_t offset, int64_t value) {
+  __atomic_store_n(word(buf, offset), static_cast<uint64_t>(value), __ATOMIC_RELEASE);
+}
+
+int64_t fetch_add(const at::Tensor& buf, int64_t offset, int64_t delta) {
+  return static_cast<int64_t>(
+      __atomic_fetch_add(word(buf, offset), static_cast<uint64_t>(delta), __ATOMIC_ACQ_REL));
+}
+
+}  // namespace sglang_hs

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent set-up, cheap on the second run.
+#
+# Heavy, pinned dependencies (sglang 0.5.23 and its torch, ~11 GB) live in a cache venv OUTSIDE the
+# clone, keyed by the hash of requirements/pinned.txt and the Python version:
+#     ${SGLANG_HS_CACHE:-~/.cache/sglang-hs}/venvs/<key>/
+# The clone's own .venv is a light venv that sees the cache through a .pth file; sglang-hs itself is
+# installed into .venv from THIS clone on every run (editable, extension rebuilt if sources changed),
+# so a test never runs another checkout's code and the cache is never written to after it is built.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+cache=${SGLANG_HS_CACHE:-$HOME/.cache/sglang-hs}
+pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+key=$( (cat requirements/pinned.txt; echo "py$pyver") | sha256sum | cut -c1-16)
+deps="$cache/venvs/$key"
+
+if [ ! -f "$deps/.complete" ]; then
+    echo "[setup] building the dependency cache $deps (once; ~5 min, ~11 GB)"
+    rm -rf "$deps"   # an interrupted build leaves no .complete marker: start it over
+    mkdir -p "$cache/venvs"
+    "$PY" -m venv "$deps"
+    # (grep drops the machine's harmless "Location ... is ignored" index warnings)
+    "$deps/bin/pip" install -q -r requirements/pinned.txt 2>&1 | grep -v "is ignored: it is neither" || true
+    "$deps/bin/python" -c "import sglang, torch"   # fail here, not later, if the install did not work
+    touch "$deps/.complete"
+fi
+
+site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.deps 2>/dev/null)" != "$deps" ]; then
+    rm -rf .venv
+    "$PY" -m venv .venv
+    vsite=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    # `import` lines in a .pth run at start-up; addsitedir also processes the cache's own .pth files.
+    echo "import site; site.addsitedir('$site')" > "$vsite/_sglang_hs_deps.pth"
+    ln -sf "$deps/bin/ninja" .venv/bin/ninja
+    echo "$deps" > .venv/.deps
+fi
+
+# sglang-hs from this clone, every run; setup.py's build is incremental (ninja), so this is seconds.
+.venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[setup] building sglang-hs failed" >&2; exit 1; }
+.venv/bin/python -c "import sglang_hs, sglang; print('[setup] sglang-hs', sglang_hs.__version__, 'from', sglang_hs.__path__[0], '| sglang', sglang.__version__)"

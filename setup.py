@@ -1,0 +1,76 @@
+"""Build of the sglang_hs._C extension (csrc/). Metadata lives in pyproject.toml.
+
+Switches (environment):
+  SGLANG_HS_SKIP_CUDA_BUILD=1   build the CPU extension only, even where a CUDA toolkit exists
+  SGLANG_HS_SKIP_EXT_BUILD=1    build no extension at all (pure-Python wheel; the store then refuses to
+                                start, naming this switch)
+  MAX_JOBS=N                    parallel compile jobs (default: bounded by cores and free memory)
+  CUDA_HOME                     the toolkit (default: /usr/local/cuda when it exists)
+
+Build without isolation so the installed torch is used: `pip install --no-build-isolation .`
+This file never imports sglang_hs.
+"""
+import os
+import warnings
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _default_max_jobs() -> str:
+    # Each translation unit that includes torch/extension.h needs ~1.5 GB of RAM to compile.
+    cores = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo") as f:
+            avail_kb = next(int(l.split()[1]) for l in f if l.startswith("MemAvailable:"))
+        by_mem = max(1, int(avail_kb / (1.5 * 1024 * 1024)))
+    except (OSError, StopIteration, ValueError):
+        by_mem = 1
+    return str(max(1, min(cores, by_mem)))
+
+
+def _cuda_home():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home and os.path.exists("/usr/local/cuda/include/cuda_runtime.h"):
+        home = "/usr/local/cuda"  # torch guesses /usr/local, which lacks the headers on some images
+    if home and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        os.environ["CUDA_HOME"] = home
+        return home
+    return None
+
+
+def _extensions():
+    if _flag("SGLANG_HS_SKIP_EXT_BUILD"):
+        warnings.warn("SGLANG_HS_SKIP_EXT_BUILD is set: building sglang-hs without its extension")
+        return [], {}
+    # Before importing cpp_extension, which reads CUDA_HOME once at import.
+    cuda_home = None if _flag("SGLANG_HS_SKIP_CUDA_BUILD") else _cuda_home()
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    os.environ.setdefault("MAX_JOBS", _default_max_jobs())
+    sources = ["csrc/shm.cpp", "csrc/bindings.cpp"]
+    cxx = ["-O3"]  # the C++ standard comes from torch (C++20 for torch 2.14)
+    if cuda_home:
+        ext = CUDAExtension(
+            "sglang_hs._C",
+            sources + ["csrc/cuda_host.cpp"],
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=[("SGLANG_HS_WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+        )
+    else:
+        if not _flag("SGLANG_HS_SKIP_CUDA_BUILD"):
+            warnings.warn("no CUDA toolkit found (set CUDA_HOME): building the CPU-only extension")
+        ext = CppExtension(
+            "sglang_hs._C", sources, include_dirs=[os.path.join(ROOT, "csrc")], extra_compile_args=cxx
+        )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

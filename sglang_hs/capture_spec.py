@@ -1,0 +1,114 @@
+"""What to capture: layer ids, the final state, and the architectures that support it.
+
+One convention, recorded in every output: layer id i (0 <= i < n) is the residual stream ENTERING
+decoder layer i, which is HF transformers' `output_hidden_states[i]` (the output of layer i-1; id 0 is
+the embedding output). The final post-norm state, HF `output_hidden_states[n]`, is not a layer id:
+it is captured with `--hs-last`. Ids are set on the model directly, never through SGLang's
+`set_eagle3_layers_to_capture`, which shifts every id by one when the first one is 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+# Architectures whose SGLang class is DeepseekV2ForCausalLM or its subclass DeepseekV3ForCausalLM
+# (DeepSeek-V2/V2.5/V3/R1, Kimi-K2 and other checkpoints declaring these names).
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MIN_LAYERS_FOR_DEFAULT = 8
+CONVENTION = (
+    "layer id i = residual stream entering decoder layer i = HF output_hidden_states[i]; "
+    "last = final post-norm hidden state = HF output_hidden_states[num_hidden_layers]"
+)
+
+
+class CaptureConfigError(ValueError):
+    """Bad capture settings; the message is one line naming the flag or file."""
+
+
+def parse_layer_ids(text: str) -> List[int]:
+    """Parse `--hs-layers` ("2,4,5") into ints; only the format is checked here."""
+    if text is None or not text.strip():
+        raise CaptureConfigError("--hs-layers: empty; give comma-separated layer ids, e.g. --hs-layers 2,30,58")
+    ids = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise CaptureConfigError(
+                f"--hs-layers: {part!r} is not an integer; give comma-separated layer ids, e.g. 2,30,58"
+            ) from None
+    return ids
+
+
+def default_layer_ids(num_layers: int) -> List[int]:
+    """The EAGLE-3 choice [2, n//2, n-3] (61 layers -> [2, 30, 58])."""
+    if num_layers < MIN_LAYERS_FOR_DEFAULT:
+        raise CaptureConfigError(
+            f"--hs-layers: the default [2, n//2, n-3] needs at least {MIN_LAYERS_FOR_DEFAULT} layers, "
+            f"the model has {num_layers}; pass --hs-layers explicitly"
+        )
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_layer_ids(ids: Sequence[int], num_layers: int) -> List[int]:
+    ids = list(ids)
+    if not ids:
+        raise CaptureConfigError("--hs-layers: empty; give at least one layer id")
+    bad = [i for i in ids if i < 0]
+    if bad:
+        raise CaptureConfigError(f"--hs-layers: negative id {bad[0]}; ids are 0 <= i < {num_layers}")
+    big = [i for i in ids if i >= num_layers]
+    if big:
+        raise CaptureConfigError(
+            f"--hs-layers: id {big[0]} is out of range for a model with {num_layers} layers (0 <= i < "
+            f"{num_layers}); the final post-norm state (HF output_hidden_states[{num_layers}]) is --hs-last"
+        )
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise CaptureConfigError(
+            f"--hs-layers: duplicate id(s) {dup}; did you mean --hs-layers {','.join(map(str, sorted(set(ids))))}?"
+        )
+    if ids != sorted(ids):
+        raise CaptureConfigError(
+            f"--hs-layers: ids must be strictly increasing, got {','.join(map(str, ids))}; "
+            f"did you mean --hs-layers {','.join(map(str, sorted(ids)))}?"
+        )
+    return ids
+
+
+def check_architecture(architectures: Optional[Sequence[str]], where: str = "the model's config.json") -> str:
+    archs = list(architectures or [])
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise CaptureConfigError(
+            f"unsupported architecture {archs[0] if archs else None!r} in {where}: sglang-hs captures "
+            f"{' and '.join(SUPPORTED_ARCHITECTURES)} models only"
+        )
+    return archs[0]
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    layers: tuple
+    last: bool
+    hidden_size: int
+    num_layers: int
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.layers)
+
+    @classmethod
+    def resolve(cls, layer_ids: Optional[Sequence[int]], last: bool, num_layers: int, hidden_size: int):
+        ids = default_layer_ids(num_layers) if layer_ids is None else validate_layer_ids(layer_ids, num_layers)
+        return cls(layers=tuple(ids), last=bool(last), hidden_size=int(hidden_size), num_layers=int(num_layers))
+
+    def describe(self) -> dict:
+        return {
+            "layer_ids": list(self.layers),
+            "last": self.last,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "hf_output_hidden_states_index": list(self.layers) + ([self.num_layers] if self.last else []),
+            "convention": CONVENTION,
+        }

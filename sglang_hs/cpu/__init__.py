@@ -1,0 +1,7 @@
+"""CPU-engine support, used only in CPU mode (no CUDA device, or --device cpu)."""
+import os
+
+
+def stubs_dir() -> str:
+    """The folder the launcher puts first on PYTHONPATH so `import sgl_kernel` finds the stand-in."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")

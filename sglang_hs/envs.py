@@ -1,0 +1,71 @@
+"""Every setting sglang-hs reads from the environment, in one place, read lazily.
+
+The launcher turns its `--hs-*` flags into these variables before SGLang starts, so every process
+(the launcher, the scheduler and detokenizer processes that SGLang spawns, a reader) sees the same
+values: `from sglang_hs import envs; envs.SGLANG_HS_DUMP_DIR`. Nothing is cached: each access reads
+os.environ, so a test or a child process that changes a variable sees the change.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+
+def _bool(name: str, default: bool = False) -> Callable[[], bool]:
+    def get() -> bool:
+        v = os.environ.get(name)
+        if v is None or v == "":
+            return default
+        return v.strip().lower() in ("1", "true", "yes", "on")
+
+    return get
+
+
+def _str(name: str, default: Optional[str] = None) -> Callable[[], Optional[str]]:
+    return lambda: os.environ.get(name) or default
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name) or default)
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    return lambda: float(os.environ.get(name) or default)
+
+
+def _layers() -> Optional[List[int]]:
+    v = os.environ.get("SGLANG_HS_LAYERS")
+    return [int(x) for x in v.split(",")] if v else None
+
+
+env_variables: Dict[str, Callable[[], Any]] = {
+    # Capture is on when this is set: the folder of the manifest, the store and the output rings.
+    "SGLANG_HS_DUMP_DIR": _str("SGLANG_HS_DUMP_DIR"),
+    # Layer ids, validated by the launcher: id i = residual stream entering decoder layer i
+    # = HF output_hidden_states[i]. Unset: the EAGLE-3 default [2, n//2, n-3].
+    "SGLANG_HS_LAYERS": _layers,
+    # Also capture the final post-norm hidden state (HF output_hidden_states[n]).
+    "SGLANG_HS_LAST": _bool("SGLANG_HS_LAST"),
+    # Bytes of the output ring of finished records, per writer.
+    "SGLANG_HS_RING_SIZE": _int("SGLANG_HS_RING_SIZE", 1 << 30),
+    # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).
+    "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
+    # Set by the launcher: the overlay is expected to serve (the plugin then insists on it).
+    "SGLANG_HS_ACTIVE": _bool("SGLANG_HS_ACTIVE"),
+    # Seconds of start-up without any sign of progress after which the launcher gives up.
+    "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", 1200.0),
+    # Test-only: hang in this start-up phase ("load", "warmup") to exercise the stall detector.
+    "SGLANG_HS_TEST_HANG_PHASE": _str("SGLANG_HS_TEST_HANG_PHASE"),
+    # Cache of generated checkpoints (and, for the Makefile, the dependency venvs).
+    "SGLANG_HS_CACHE": _str("SGLANG_HS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang-hs")),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in env_variables:
+        return env_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return list(env_variables)

@@ -1,0 +1,45 @@
+"""File-system helpers for the dump dir: private modes, never through a symlink, atomic replace."""
+from __future__ import annotations
+
+import os
+import stat
+import uuid
+
+
+def ensure_private_dir(path: str) -> str:
+    """Create `path` (mode 0700) if missing; refuse a symlink, a non-folder or another user's folder."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"--hs-dump-dir {path}: parent folder {parent} does not exist")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"--hs-dump-dir {path}: is a symlink; give the real folder")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"--hs-dump-dir {path}: exists and is not a folder")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"--hs-dump-dir {path}: owned by uid {st.st_uid}, not by this user")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"--hs-dump-dir {path}: not writable")
+    return path
+
+
+def write_private_file(dir_path: str, name: str, data: bytes) -> None:
+    """Write `dir_path/name` atomically (temp file + rename), mode 0600, never following a symlink."""
+    dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,210 @@
+"""python -m sglang_hs.launch_server [--hs-* flags] [any SGLang flag]
+
+SGLang 0.5.23's server with the sglang-hs overlay. The `--hs-*` flags are taken out of argv before
+SGLang parses it and reach every process through environment variables (sglang_hs/envs.py); the rest
+goes to SGLang unchanged. Without --model-path it serves the embedded tiny DeepSeek-V3. Without a
+CUDA device (or with --device cpu) it runs SGLang's CPU engine. `--help` lists both sets of flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import List, Optional, Tuple
+
+from sglang_hs.capture_spec import (
+    CaptureConfigError,
+    CaptureSpec,
+    check_architecture,
+    parse_layer_ids,
+)
+
+PROG = "python -m sglang_hs.launch_server"
+CPU_DEFAULT_MAX_TOTAL_TOKENS = "4096"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str = "--hs-ring-size") -> int:
+    """'8GiB' -> 8589934592; units k/M/G/T (decimal) and KiB/MiB/GiB/TiB (binary)."""
+    m = _SIZE.match(text or "")
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise CaptureConfigError(f"{flag}: {text!r} is not a size; write e.g. 8GiB, 512MiB or 1000000000")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise CaptureConfigError(f"{flag}: must be more than 0 bytes, got {text!r}")
+    return n
+
+
+def add_hs_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "sglang-hs (hidden-state capture)",
+        "Layer id i = residual stream entering decoder layer i = HF output_hidden_states[i].",
+    )
+    g.add_argument("--hs-dump-dir", default=None, metavar="DIR",
+                   help="capture hidden states into this folder (e.g. /dev/shm/hs); default: plain serving")
+    g.add_argument("--hs-layers", default=None, metavar="IDS",
+                   help="comma-separated, strictly increasing layer ids 0 <= i < n (default: 2,n//2,n-3)")
+    g.add_argument("--hs-last", action="store_true",
+                   help="also capture the final post-norm hidden state (HF output_hidden_states[n])")
+    g.add_argument("--hs-ring-size", default="1GiB", metavar="SIZE",
+                   help="bytes of the output ring of finished records per writer, e.g. 8GiB (default 1GiB)")
+    g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
+                   help="give up when start-up shows no progress for this long (default 1200)")
+
+
+def split_argv(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
+    """Take the --hs-* flags out of argv; refuse unknown ones (SGLang would only say 'unrecognized')."""
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    add_hs_args(parser)
+    ns, rest = parser.parse_known_args(argv)
+    unknown = [a.split("=", 1)[0] for a in rest if a.startswith("--hs-") or a.startswith("--hs_")]
+    if unknown:
+        known = ", ".join(sorted(a for act in parser._actions for a in act.option_strings))
+        raise CaptureConfigError(f"unknown sglang-hs flag {unknown[0]}; the sglang-hs flags are {known}")
+    return ns, rest
+
+
+def print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
+    add_hs_args(parser)
+    ServerArgs.add_cli_args(parser)
+    parser.print_help()
+
+
+def _flag_value(argv: List[str], *flags: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        for flag in flags:
+            if a == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _has_flag(argv: List[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken CUDA install means: no CUDA device for us
+        return False
+
+
+def read_model_config(model_path: str, trust_remote_code: bool) -> dict:
+    local = os.path.join(model_path, "config.json")
+    if os.path.isfile(local):
+        try:
+            with open(local) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise CaptureConfigError(f"--model-path: cannot read {local}: {e}") from None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).to_dict()
+
+
+def fs_type(path: str) -> str:
+    """File-system type of the mount holding `path` (from /proc/self/mounts), '' if unknown."""
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
+    """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
+    server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
+    from sglang_hs import fsutil, tiny_model
+    from sglang_hs.cpu import stubs_dir
+
+    ns, sg_argv = split_argv(argv)
+    env = os.environ
+    env["SGLANG_HS_ACTIVE"] = "1"
+    # SGLang imports every module of this package and registers its EntryClass (ours win).
+    env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "sglang_hs.models"
+
+    model_path = _flag_value(sg_argv, "--model-path", "--model")
+    if model_path is None:
+        model_path = tiny_model.ensure()
+        sg_argv = ["--model-path", model_path] + sg_argv
+
+    device = _flag_value(sg_argv, "--device")
+    if device == "cpu" or (device is None and not cuda_available()):
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["SGLANG_HS_CPU_MODE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (stubs_dir(), env.get("PYTHONPATH")) if p)
+        if device is None:
+            sg_argv += ["--device", "cpu"]
+        if not _has_flag(sg_argv, "--max-total-tokens", "--mem-fraction-static"):
+            sg_argv += ["--max-total-tokens", CPU_DEFAULT_MAX_TOTAL_TOKENS]
+    else:
+        env.pop("SGLANG_HS_CPU_MODE", None)
+
+    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST"):
+        env.pop(key, None)
+    dump_dir = None
+    if ns.hs_dump_dir:
+        config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
+        check_architecture(config.get("architectures"), where=f"{model_path}/config.json")
+        ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
+        spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"])
+        try:
+            dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir)
+        except (OSError, ValueError) as e:
+            raise CaptureConfigError(str(e)) from None
+        if fs_type(dump_dir) not in ("tmpfs", "ramfs"):
+            print(f"[sglang-hs] warning: --hs-dump-dir {dump_dir} is not on tmpfs (e.g. /dev/shm): the "
+                  "store and ring will page to disk", file=sys.stderr)
+        env["SGLANG_HS_DUMP_DIR"] = dump_dir
+        env["SGLANG_HS_LAYERS"] = ",".join(map(str, spec.layers))
+        if spec.last:
+            env["SGLANG_HS_LAST"] = "1"
+        print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
+              f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
+    elif ns.hs_layers is not None or ns.hs_last:
+        raise CaptureConfigError("--hs-layers/--hs-last need --hs-dump-dir (where to write the capture)")
+    env["SGLANG_HS_RING_SIZE"] = str(parse_size(ns.hs_ring_size))
+    if ns.hs_startup_timeout is not None:
+        if ns.hs_startup_timeout <= 0:
+            raise CaptureConfigError(f"--hs-startup-timeout: must be > 0 seconds, got {ns.hs_startup_timeout}")
+        env["SGLANG_HS_STARTUP_TIMEOUT"] = str(ns.hs_startup_timeout)
+    return sg_argv, dump_dir
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
+    try:
+        sg_argv, dump_dir = prepare(argv)
+    except CaptureConfigError as e:
+        print(f"sglang-hs: error: {e}", file=sys.stderr)
+        return 2
+    from sglang_hs import envs
+    from sglang_hs.supervisor import Supervisor
+
+    cmd = [sys.executable, "-m", "sglang_hs.serve"] + sg_argv
+    return Supervisor(cmd, envs.SGLANG_HS_STARTUP_TIMEOUT, dump_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

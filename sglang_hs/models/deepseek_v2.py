@@ -1,0 +1,144 @@
+"""The sglang-hs overlay of SGLang's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM.
+
+Registration: the launcher sets SGLANG_EXTERNAL_MODEL_PACKAGE=sglang_hs.models. SGLang's model
+registry then imports this module in every process that builds a model and registers `EntryClass` by
+class name, external classes winning over built-ins; our classes keep the upstream names, so a
+checkpoint declaring DeepseekV3ForCausalLM resolves to the subclass below. We do not use a
+`sglang.srt.plugins` entry point for this: the registry is the documented way to provide a model
+class. The registry only logs an import error of this module and silently serves the built-in class,
+so the overlay announces itself (a `[sglang-hs] overlay ready` line on stderr, a status file in the
+dump dir) and the launcher refuses to report the server ready without that announcement.
+
+With capture on (SGLANG_HS_DUMP_DIR set), the inner model returns `(hidden, aux)` of one fixed
+structure on every path (warm-up, dummy and idle batches, graph capture, chunked prefill, decode):
+`hidden` [T, H] post-norm, `aux` [T, K*H], the K layers in ascending id order. `forward` never unpacks
+a plain tensor: anything else stops the server with a clear error instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+from sglang.srt.models import deepseek_v2 as upstream
+
+from sglang_hs import envs
+from sglang_hs.capture_spec import CaptureSpec, check_architecture
+from sglang_hs.overlay_status import OverlayStatus
+
+OriginalDeepseekV2ForCausalLM = upstream.DeepseekV2ForCausalLM
+OriginalDeepseekV3ForCausalLM = upstream.DeepseekV3ForCausalLM
+OriginalDeepseekV2Model = upstream.DeepseekV2Model
+
+
+def _maybe_hang(phase: str) -> None:
+    """Test-only switch (SGLANG_HS_TEST_HANG_PHASE) that plants a start-up hang."""
+    if envs.SGLANG_HS_TEST_HANG_PHASE == phase:
+        print(f"[sglang-hs] test switch: hanging in phase {phase!r}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(1)
+
+
+class _CapturingDeepseekModel(OriginalDeepseekV2Model):
+    """The inner model with its output fixed to `(hidden, aux[T, K*H])` when capture is on.
+
+    Upstream returns a bare tensor when no layer appended a capture (0-row idle batches): a 2-row
+    bare tensor would then be silently split by `hidden, aux = ...`. Instances get this class by
+    `__class__` assignment in the overlay's constructor (upstream builds `self.model` inline); it adds
+    no state. SGLang's prefill graph runner captures this forward, so it holds no tensor work beyond an
+    empty tensor for a 0-row batch.
+    """
+
+    hs_spec: Optional[CaptureSpec] = None
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        out = super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        spec = self.hs_spec
+        if spec is None:
+            return out
+        width = spec.num_aux * spec.hidden_size
+        if isinstance(out, torch.Tensor):
+            if out.shape[0] == 0:
+                return out, out.new_empty((0, width))
+            raise RuntimeError(
+                f"sglang-hs: the model captured no aux layer for a {out.shape[0]}-row "
+                f"{forward_batch.forward_mode.name} batch (layers_to_capture={self.layers_to_capture})"
+            )
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor)):
+            raise RuntimeError(f"sglang-hs: unexpected inner model output {type(out).__name__}")
+        hidden, aux = out
+        if aux.shape != (hidden.shape[0], width):
+            raise RuntimeError(
+                f"sglang-hs: aux hidden states of shape {tuple(aux.shape)}, expected "
+                f"({hidden.shape[0]}, {width}) for layers {list(spec.layers)}"
+            )
+        return hidden, aux
+
+
+class _HiddenStateOverlay:
+    """Mixed in before the upstream class: runs the patches, the upstream constructor, then ours."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        from sglang_hs import patches
+
+        patches.apply()
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self._hs_init(config)
+
+    def _hs_init(self, config) -> None:
+        dump_dir = envs.SGLANG_HS_DUMP_DIR
+        self.hs_spec = None
+        self.hs_status = None
+        if dump_dir:
+            check_architecture(getattr(config, "architectures", None), where="the served model's config")
+            self.hs_spec = CaptureSpec.resolve(
+                envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size
+            )
+            # Set on the model directly, before any CUDA-graph capture, never via
+            # set_eagle3_layers_to_capture (which shifts ids by one when the first is 1).
+            self.capture_aux_hidden_states = True
+            self.model.layers_to_capture = list(self.hs_spec.layers)
+            self.model.__class__ = _CapturingDeepseekModel
+            self.model.hs_spec = self.hs_spec
+            self.hs_status = OverlayStatus(dump_dir, type(self).__name__, self.hs_spec)
+        _maybe_hang("load")
+        print(
+            f"[sglang-hs] overlay ready: {type(self).__module__}.{type(self).__name__} pid={os.getpid()} "
+            f"capture={'on ' + str(self.hs_spec.describe()['layer_ids']) if self.hs_spec else 'off'}"
+            f"{' +last' if self.hs_spec and self.hs_spec.last else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        if self.hs_spec is not None:
+            raise RuntimeError(
+                "sglang-hs: speculative decoding (EAGLE-3 aux capture) cannot run together with "
+                "--hs-dump-dir; the overlay owns the layer ids"
+            )
+        return super().set_eagle3_layers_to_capture(layer_ids)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        if self.hs_spec is None:
+            return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        with upstream.get_attn_tp_context().maybe_input_scattered(forward_batch):
+            hidden, aux = self.model(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        if forward_batch.rids:
+            _maybe_hang("warmup")
+        self.hs_status.record(forward_batch, hidden.shape[0], tuple(aux.shape))
+        # aux stays ours: the logits processor gets None, so SGLang's own aux JSON path stays off.
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None)
+
+
+class DeepseekV2ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV2ForCausalLM):
+    pass
+
+
+class DeepseekV3ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV3ForCausalLM):
+    pass
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

@@ -1,0 +1,64 @@
+"""A small status file the overlay keeps in the dump dir: proof, from the serving process, that the
+overlay class served the requests with capture on.
+
+`<dump_dir>/overlay-<pid>.json`: class, pid, capture spec, forwards and rows per forward mode, the
+aux shape last seen and the last request ids served. Counted in Python, so forwards replayed from a
+CUDA graph are not counted (on the CPU engine every forward is). Rewritten atomically by a daemon
+thread at most twice a second, never from the forward itself.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+
+from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.fsutil import write_private_file
+
+FLUSH_INTERVAL_S = 0.5
+
+
+class OverlayStatus:
+    def __init__(self, dump_dir: str, class_name: str, spec: CaptureSpec) -> None:
+        self.dump_dir = dump_dir
+        self.name = f"overlay-{os.getpid()}.json"
+        self._lock = threading.Lock()
+        self._dirty = True
+        self._data = {
+            "class": class_name,
+            "module": "sglang_hs.models.deepseek_v2",
+            "pid": os.getpid(),
+            "capture": spec.describe(),
+            "forwards": collections.Counter(),
+            "rows": collections.Counter(),
+            "last_aux_shape": None,
+            "recent_rids": collections.deque(maxlen=256),
+        }
+        self._flush()
+        threading.Thread(target=self._run, name="sglang-hs-status", daemon=True).start()
+
+    def record(self, forward_batch, rows: int, aux_shape: tuple) -> None:
+        mode = forward_batch.forward_mode.name
+        with self._lock:
+            self._data["forwards"][mode] += 1
+            self._data["rows"][mode] += rows
+            self._data["last_aux_shape"] = list(aux_shape)
+            for rid in forward_batch.rids or ():
+                if rid not in self._data["recent_rids"]:
+                    self._data["recent_rids"].append(rid)
+            self._dirty = True
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(FLUSH_INTERVAL_S)
+            if self._dirty:
+                self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._dirty = False
+            payload = {k: (list(v) if isinstance(v, collections.deque) else v) for k, v in self._data.items()}
+            text = json.dumps(payload, default=dict)
+        write_private_file(self.dump_dir, self.name, text.encode())

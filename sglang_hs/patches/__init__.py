@@ -1,0 +1,42 @@
+"""Runtime patches of SGLang 0.5.23, each in its own module, applied lazily and once per process.
+
+Ledger (what / why / upstream status / removal plan):
+
+| module            | what                                         | when applied     |
+|-------------------|----------------------------------------------|------------------|
+| mla_torch_native  | registers a `torch_native` attention handler | CPU mode only    |
+|                   | for DeepSeek MLA that always dispatches to   |                  |
+|                   | the absorbed MLA path                        |                  |
+
+mla_torch_native
+  why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
+            default sends a prefill without a cached prefix down the MHA path, where
+            `TorchNativeAttnBackend.forward_extend` ignores the k/v it is given and attends over the
+            latent MLA cache: wrong numerics (or a shape error, depending on head sizes).
+  upstream: present in sglang 0.5.23; not reported upstream by us yet.
+  removal:  when the pinned sglang registers a correct torch_native handler; the numerics e2e test
+            (tests/e2e/test_numerics.py) fails without this patch, so it shows when it can go.
+
+Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
+processes that build the model, before any forward. Not a `sglang.srt.plugins` entry point: SGLang
+logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
+environment, plain `sglang serve` runs included.
+"""
+from __future__ import annotations
+
+import threading
+
+from sglang_hs import envs
+
+_lock = threading.Lock()
+_applied: dict = {}
+
+
+def apply() -> dict:
+    """Apply the patches this process needs; idempotent. Returns {name: original} for tests."""
+    with _lock:
+        if envs.SGLANG_HS_CPU_MODE and "mla_torch_native" not in _applied:
+            from sglang_hs.patches import mla_torch_native
+
+            _applied["mla_torch_native"] = mla_torch_native.apply()
+        return dict(_applied)

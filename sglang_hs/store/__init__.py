@@ -1,0 +1,1 @@
+"""Shared-memory store, output ring, writer and reader of captured hidden states."""

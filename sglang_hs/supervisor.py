@@ -1,0 +1,234 @@
+"""Start-up that never hangs silently: run the server in its own process group and watch it.
+
+The launcher starts `python -m sglang_hs.serve` as a new session, relays its output and reads start-up
+phases from it. Start-up fails (non-zero exit, nothing left running) when:
+  - the server process exits;
+  - no output and no new phase for `startup_timeout` seconds: the stalled phase is named and the
+    Python stacks of every process of the group are printed (py-spy, else faulthandler via SIGUSR1);
+  - SGLang reports ready but no process announced the sglang-hs overlay (SGLang silently serves its
+    built-in class when the overlay fails to import).
+After start-up it relays output until the server exits; SIGINT/SIGTERM stop the whole group.
+On the way out it kills what is left of the group and removes the files the server left in the dump dir.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from typing import List, Optional
+
+# (pattern in SGLang 0.5.23's start-up log, phase entered). Any output also counts as progress.
+PHASES = [
+    (re.compile(rb"Init parallel begin"), "initialising parallel groups"),
+    (re.compile(rb"Load weight begin"), "loading weights"),
+    (re.compile(rb"\[sglang-hs\] overlay ready"), "overlay constructed"),
+    (re.compile(rb"Load weight end"), "allocating the KV cache"),
+    (re.compile(rb"KV Cache is allocated|Memory pool end"), "graph capture and scheduler start"),
+    (re.compile(rb"Uvicorn running on"), "server warm-up"),
+    (re.compile(rb"fired up and ready to roll"), "ready"),
+]
+OVERLAY_MARK = re.compile(rb"\[sglang-hs\] overlay ready")
+
+EXIT_STALL = 3
+EXIT_NO_OVERLAY = 4
+
+
+def log(msg: str) -> None:
+    print(f"[sglang-hs] {msg}", file=sys.stderr, flush=True)
+
+
+def _py_spy() -> Optional[str]:
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for base in {sysconfig.get_paths()["scripts"], os.path.dirname(sys.executable)} | {
+        os.path.normpath(os.path.join(p, "..", "..", "..", "bin")) for p in sys.path if p.endswith("site-packages")
+    }:
+        cand = os.path.join(base, "py-spy")
+        if os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class Supervisor:
+    def __init__(self, cmd: List[str], startup_timeout: float, dump_dir: Optional[str]) -> None:
+        self.cmd, self.startup_timeout, self.dump_dir = cmd, startup_timeout, dump_dir
+        self.phase = "starting the server process"
+        self.phase_since = self.last_progress = time.monotonic()
+        self.ready = self.overlay_seen = False
+        self.stop_signal: Optional[int] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self._pgid: Optional[int] = None
+
+    # -- output relay and phase tracking (reader thread) --
+    def _relay(self) -> None:
+        out = sys.stdout.buffer
+        pending = b""
+        while True:
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            out.write(chunk)
+            out.flush()
+            self.last_progress = time.monotonic()
+            pending = (pending + chunk)[-4096:]
+            if OVERLAY_MARK.search(pending):
+                self.overlay_seen = True
+            for pattern, phase in PHASES:
+                if pattern.search(pending) and self.phase != phase and not self.ready:
+                    self._enter(phase)
+            # keep only the tail after the last newline so one line is not matched twice
+            nl = pending.rfind(b"\n")
+            if nl >= 0:
+                pending = pending[nl + 1 :]
+
+    def _enter(self, phase: str) -> None:
+        now = time.monotonic()
+        log(f"start-up phase: {phase} (after {now - self.phase_since:.1f}s in {self.phase})")
+        self.phase, self.phase_since = phase, now
+        if phase == "ready":
+            self.ready = True
+
+    # -- signals --
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+        self._terminate_server()
+
+    def _terminate_server(self) -> None:
+        # The server's main process first: SGLang then stops its own children in order.
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+        except (ProcessLookupError, AttributeError):
+            pass
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self._pgid, sig)
+        except (ProcessLookupError, PermissionError, TypeError):
+            pass
+
+    def _group_pids(self) -> List[int]:
+        pids = []
+        for d in glob.glob("/proc/[0-9]*"):
+            try:
+                if os.getpgid(int(d[6:])) == self._pgid:
+                    pids.append(int(d[6:]))
+            except (OSError, ValueError):
+                pass
+        return sorted(pids)
+
+    def dump_stacks(self) -> None:
+        spy = _py_spy()
+        for pid in self._group_pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+            except OSError:
+                continue
+            log(f"Python stacks of pid {pid} ({cmdline.strip()}):")
+            ok = False
+            if spy:
+                r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+                ok = r.returncode == 0
+                print(r.stdout if ok else "", file=sys.stderr, flush=True)
+            if not ok:  # faulthandler (registered by sglang_hs.serve in every process) writes to our pipe
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(1.0)  # let the relay thread print what faulthandler wrote
+
+    def _shutdown_group(self, grace: float = 15.0) -> None:
+        if self._pgid is None:
+            return
+        self._terminate_server()
+        deadline = time.monotonic() + grace / 2
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace / 2
+        while self._group_pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while self._group_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _cleanup_dump_dir(self) -> None:
+        if not self.dump_dir:
+            return
+        for path in glob.glob(os.path.join(self.dump_dir, "overlay-*.json")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def run(self) -> int:
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._pgid = self.proc.pid
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        relay = threading.Thread(target=self._relay, name="relay", daemon=True)
+        relay.start()
+        code = 0
+        try:
+            while self.proc.poll() is None:
+                time.sleep(0.2)
+                if self.stop_signal is not None:
+                    continue
+                if not self.ready and time.monotonic() - self.last_progress > self.startup_timeout:
+                    log(
+                        f"start-up stalled in phase '{self.phase}': no progress for {self.startup_timeout:.0f}s "
+                        "(--hs-startup-timeout); Python stacks follow, then the server is stopped"
+                    )
+                    self.dump_stacks()
+                    code = EXIT_STALL
+                    break
+                if self.ready and not self.overlay_seen:
+                    log(
+                        "error: SGLang is ready but the sglang-hs overlay never announced itself; SGLang fell "
+                        "back to its built-in model class (look for 'Ignore import error' above)"
+                    )
+                    code = EXIT_NO_OVERLAY
+                    break
+                if self.ready and self.phase == "ready":
+                    log(f"server ready: {self.server_url()}")
+                    self.phase = "serving"
+        finally:
+            self._shutdown_group()
+            relay.join(timeout=5)
+            self._cleanup_dump_dir()
+        if code:
+            return code
+        if self.stop_signal is not None:
+            log(f"stopped by {signal.Signals(self.stop_signal).name}; all server processes are gone")
+            return 128 + self.stop_signal
+        rc = self.proc.returncode
+        if rc != 0:
+            log(f"server exited with status {rc} during '{self.phase}'")
+            return rc if rc > 0 else 128 - rc  # negative: killed by signal -rc
+        return 0
+
+    def server_url(self) -> str:
+        args = self.cmd
+        host = _flag_value(args, "--host") or "127.0.0.1"
+        port = _flag_value(args, "--port") or "30000"
+        return f"http://{host}:{port}"
+
+
+def _flag_value(argv: List[str], flag: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
