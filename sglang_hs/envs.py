@@ -50,12 +50,17 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "SGLANG_HS_RING_SIZE": _int("SGLANG_HS_RING_SIZE", 1 << 30),
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
+    # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was
+    # patched instead (patches/*.patch) or to show what a patch fixes.
+    "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},
     # Set by the launcher: the overlay is expected to serve (the plugin then insists on it).
     "SGLANG_HS_ACTIVE": _bool("SGLANG_HS_ACTIVE"),
     # Seconds of start-up without any sign of progress after which the launcher gives up.
     "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", 1200.0),
     # Test-only: hang in this start-up phase ("load", "warmup") to exercise the stall detector.
     "SGLANG_HS_TEST_HANG_PHASE": _str("SGLANG_HS_TEST_HANG_PHASE"),
+    # Test-only: make the overlay module fail to import, as a broken install would.
+    "SGLANG_HS_TEST_BREAK_OVERLAY": _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
     # Cache of generated checkpoints (and, for the Makefile, the dependency venvs).
     "SGLANG_HS_CACHE": _str("SGLANG_HS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang-hs")),
 }

@@ -5,8 +5,8 @@ phases from it. Start-up fails (non-zero exit, nothing left running) when:
   - the server process exits;
   - no output and no new phase for `startup_timeout` seconds: the stalled phase is named and the
     Python stacks of every process of the group are printed (py-spy, else faulthandler via SIGUSR1);
-  - SGLang reports ready but no process announced the sglang-hs overlay (SGLang silently serves its
-    built-in class when the overlay fails to import).
+  - SGLang finished loading the model, or reports ready, but no process announced the sglang-hs
+    overlay (SGLang silently serves its built-in class when the overlay fails to import).
 After start-up it relays output until the server exits; SIGINT/SIGTERM stop the whole group.
 On the way out it kills what is left of the group and removes the files the server left in the dump dir.
 """
@@ -29,7 +29,7 @@ PHASES = [
     (re.compile(rb"Init parallel begin"), "initialising parallel groups"),
     (re.compile(rb"Load weight begin"), "loading weights"),
     (re.compile(rb"\[sglang-hs\] overlay ready"), "overlay constructed"),
-    (re.compile(rb"Load weight end"), "allocating the KV cache"),
+    (LOAD_END := re.compile(rb"Load weight end"), "allocating the KV cache"),
     (re.compile(rb"KV Cache is allocated|Memory pool end"), "graph capture and scheduler start"),
     (re.compile(rb"Uvicorn running on"), "server warm-up"),
     (re.compile(rb"fired up and ready to roll"), "ready"),
@@ -62,7 +62,7 @@ class Supervisor:
         self.cmd, self.startup_timeout, self.dump_dir = cmd, startup_timeout, dump_dir
         self.phase = "starting the server process"
         self.phase_since = self.last_progress = time.monotonic()
-        self.ready = self.overlay_seen = False
+        self.ready = self.overlay_seen = self.model_loaded = False
         self.stop_signal: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self._pgid: Optional[int] = None
@@ -81,6 +81,8 @@ class Supervisor:
             pending = (pending + chunk)[-4096:]
             if OVERLAY_MARK.search(pending):
                 self.overlay_seen = True
+            if LOAD_END.search(pending) or b"fired up and ready" in pending:
+                self.model_loaded = True
             for pattern, phase in PHASES:
                 if pattern.search(pending) and self.phase != phase and not self.ready:
                     self._enter(phase)
@@ -193,10 +195,10 @@ class Supervisor:
                     self.dump_stacks()
                     code = EXIT_STALL
                     break
-                if self.ready and not self.overlay_seen:
+                if self.model_loaded and not self.overlay_seen:
                     log(
-                        "error: SGLang is ready but the sglang-hs overlay never announced itself; SGLang fell "
-                        "back to its built-in model class (look for 'Ignore import error' above)"
+                        "error: SGLang loaded the model but the sglang-hs overlay never announced itself; SGLang "
+                        "fell back to its built-in model class (look for 'Ignore import error' above)"
                     )
                     code = EXIT_NO_OVERLAY
                     break

@@ -28,6 +28,9 @@ from sglang_hs import envs
 from sglang_hs.capture_spec import CaptureSpec, check_architecture
 from sglang_hs.overlay_status import OverlayStatus
 
+if envs.SGLANG_HS_TEST_BREAK_OVERLAY:
+    raise ImportError("sglang-hs test switch SGLANG_HS_TEST_BREAK_OVERLAY is set")
+
 OriginalDeepseekV2ForCausalLM = upstream.DeepseekV2ForCausalLM
 OriginalDeepseekV3ForCausalLM = upstream.DeepseekV3ForCausalLM
 OriginalDeepseekV2Model = upstream.DeepseekV2Model

@@ -35,7 +35,8 @@ _applied: dict = {}
 def apply() -> dict:
     """Apply the patches this process needs; idempotent. Returns {name: original} for tests."""
     with _lock:
-        if envs.SGLANG_HS_CPU_MODE and "mla_torch_native" not in _applied:
+        wanted = envs.SGLANG_HS_CPU_MODE and "mla_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "mla_torch_native" not in _applied:
             from sglang_hs.patches import mla_torch_native
 
             _applied["mla_torch_native"] = mla_torch_native.apply()

@@ -1,0 +1,37 @@
+"""Start-up never hangs silently and never falls back silently to SGLang's built-in class."""
+import os
+import uuid
+
+import pytest
+
+from helpers import Launcher, processes_matching
+from sglang_hs.supervisor import EXIT_NO_OVERLAY, EXIT_STALL
+
+pytestmark = pytest.mark.e2e
+
+
+def test_stall_names_phase_prints_stacks_and_cleans_up(tmp_path):
+    dump = tmp_path / f"hs-{uuid.uuid4().hex[:8]}"
+    server = Launcher(["--hs-dump-dir", str(dump), "--hs-startup-timeout", "20"],
+                      env={"SGLANG_HS_TEST_HANG_PHASE": "load"})
+    rc = server.wait_exit(timeout=400)
+    out = server.output
+    assert rc == EXIT_STALL, server.tail()
+    assert "start-up stalled in phase 'loading weights': no progress for 20s" in out
+    # The stuck scheduler's Python stack shows where it hangs.
+    assert "_maybe_hang" in out and "Python stacks of pid" in out
+    assert not processes_matching(str(dump))
+    assert os.listdir(dump) == []  # no status or shared-memory file left
+
+
+def test_overlay_import_failure_is_fatal(tmp_path):
+    """SGLang's registry only logs an import error of the overlay and serves its built-in class;
+    the launcher must refuse to report such a server ready."""
+    dump = tmp_path / f"hs-{uuid.uuid4().hex[:8]}"
+    server = Launcher(["--hs-dump-dir", str(dump)], env={"SGLANG_HS_TEST_BREAK_OVERLAY": "1"})
+    rc = server.wait_exit(timeout=400)
+    assert rc == EXIT_NO_OVERLAY, server.tail()
+    assert "SGLang fell back to its built-in model class" in server.output  # noticed right after loading
+    assert "Ignore import error when loading sglang_hs.models.deepseek_v2" in server.output
+    assert "[sglang-hs] server ready" not in server.output
+    assert not processes_matching(str(dump))

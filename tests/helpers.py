@@ -1,0 +1,128 @@
+"""Shared test helpers: run the real launcher, wait for it, talk to it, stop it."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import List, Optional
+
+import requests
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_matching(marker: str) -> List[int]:
+    """Pids (other than ours) whose command line contains `marker`."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(d))
+        except OSError:
+            pass
+    return pids
+
+
+class Launcher:
+    """`python -m sglang_hs.launch_server ARGS` as a child, its output collected in `self.output`."""
+
+    def __init__(self, args: List[str], env: Optional[dict] = None, port: Optional[int] = None) -> None:
+        self.port = port or free_port()
+        self.args = list(args) + ["--port", str(self.port)]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: List[str] = []
+        self._lock = threading.Lock()
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_hs.launch_server", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=tempfile.gettempdir(),
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            with self._lock:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float = 600) -> "Launcher":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "[sglang-hs] server ready" in self.output:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.tail()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        self._reader.join(timeout=5)
+        return rc
+
+    def tail(self, n: int = 60) -> str:
+        with self._lock:
+            return "\n".join(self.lines[-n:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._reader.join(timeout=5)
+        return self.proc.returncode
+
+    # -- HTTP --
+    def generate(self, **payload) -> dict:
+        r = requests.post(f"{self.url}/generate", json=payload, timeout=300)
+        r.raise_for_status()
+        return r.json()
+
+    def chat(self, messages, **kw) -> dict:
+        body = {"model": "default", "messages": messages, **kw}
+        r = requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()
+
+
+def run_launcher(args: List[str], env: Optional[dict] = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_hs.launch_server", *args],
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=tempfile.gettempdir(),
+    )
+
+
+def error_lines(text: str) -> List[str]:
+    return [l for l in text.splitlines() if re.match(r"^sglang-hs: error: ", l)]

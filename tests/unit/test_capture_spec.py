@@ -1,0 +1,63 @@
+import pytest
+
+from sglang_hs.capture_spec import (
+    CaptureConfigError,
+    CaptureSpec,
+    check_architecture,
+    default_layer_ids,
+    parse_layer_ids,
+    validate_layer_ids,
+)
+
+
+def test_default_is_eagle3_choice():
+    assert default_layer_ids(61) == [2, 30, 58]  # DeepSeek-V3 / Kimi-K2
+    assert default_layer_ids(8) == [2, 4, 5]  # the embedded tiny model
+    with pytest.raises(CaptureConfigError, match="at least 8 layers"):
+        default_layer_ids(7)
+
+
+def test_ids_are_taken_verbatim_no_shift_when_first_is_one():
+    # SGLang's set_eagle3_layers_to_capture would turn [1, 30, 57] into [2, 31, 58].
+    assert CaptureSpec.resolve([1, 30, 57], False, 61, 7168).layers == (1, 30, 57)
+    assert CaptureSpec.resolve([0], True, 61, 7168).describe()["hf_output_hidden_states_index"] == [0, 61]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ("  ", "empty"),
+        ("2,x,5", "'x' is not an integer"),
+        ("2,,5", "'' is not an integer"),
+        ("2.5", "'2.5' is not an integer"),
+    ],
+)
+def test_parse_rejects_malformed(text, message):
+    with pytest.raises(CaptureConfigError, match=message) as e:
+        parse_layer_ids(text)
+    assert str(e.value).startswith("--hs-layers:") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([], "empty"),
+        ([-1, 2], "negative id -1"),
+        ([2, 8], "id 8 is out of range .* is --hs-last"),
+        ([2, 2, 5], r"duplicate id\(s\) \[2\]; did you mean --hs-layers 2,5\?"),
+        ([5, 2, 4], "strictly increasing, got 5,2,4; did you mean --hs-layers 2,4,5\\?"),
+    ],
+)
+def test_validate_rejects(ids, message):
+    with pytest.raises(CaptureConfigError, match=message) as e:
+        validate_layer_ids(ids, 8)
+    assert "\n" not in str(e.value)
+
+
+def test_architectures():
+    assert check_architecture(["DeepseekV3ForCausalLM"]) == "DeepseekV3ForCausalLM"
+    assert check_architecture(["DeepseekV2ForCausalLM"]) == "DeepseekV2ForCausalLM"
+    for bad in (["DeepseekV32ForCausalLM"], ["LlamaForCausalLM"], [], None):
+        with pytest.raises(CaptureConfigError, match="unsupported architecture"):
+            check_architecture(bad)

@@ -1,0 +1,117 @@
+"""The launcher's own flag handling (no server is started here)."""
+import json
+import os
+
+import pytest
+
+from sglang_hs import envs, launch_server
+from sglang_hs.capture_spec import CaptureConfigError
+
+
+@pytest.fixture
+def clean_env():
+    """prepare() writes the settings into os.environ (the server inherits them): restore it whole."""
+    saved = dict(os.environ)
+    for k in list(os.environ):
+        if k.startswith("SGLANG_HS_") or k in ("SGLANG_USE_CPU_ENGINE", "SGLANG_EXTERNAL_MODEL_PACKAGE"):
+            del os.environ[k]
+    os.environ["PYTHONPATH"] = "/orig"
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _model_dir(tmp_path, arch="DeepseekV3ForCausalLM", layers=8):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": [arch], "num_hidden_layers": layers, "hidden_size": 64}))
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1G", 10**9), ("1000", 1000), ("1.5 KiB", 1536), ("2tb", 2 * 10**12)],
+)
+def test_parse_size(text, expected):
+    assert launch_server.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "8 gigs", "0", "1.2.3M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(CaptureConfigError, match="--hs-ring-size"):
+        launch_server.parse_size(text)
+
+
+def test_split_argv_keeps_sglang_flags_and_refuses_unknown_hs_flags():
+    ns, rest = launch_server.split_argv(["--hs-dump-dir", "/x", "--tp", "8", "--hs-last", "--port=1"])
+    assert ns.hs_dump_dir == "/x" and ns.hs_last and rest == ["--tp", "8", "--port=1"]
+    with pytest.raises(CaptureConfigError, match="unknown sglang-hs flag --hs-layer;"):
+        launch_server.split_argv(["--hs-layer", "2"])  # no abbreviation of --hs-layers either
+    with pytest.raises(CaptureConfigError, match="unknown sglang-hs flag --hs-bogus"):
+        launch_server.split_argv(["--hs-bogus=1"])
+
+
+def test_prepare_cpu_mode_capture(tmp_path, clean_env):
+    model = _model_dir(tmp_path)
+    dump = tmp_path / "hs"
+    argv, dump_dir = launch_server.prepare(
+        ["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(dump), "--hs-layers", "1,3", "--hs-last",
+         "--hs-ring-size", "64MiB"]
+    )
+    assert dump_dir == str(dump) and oct(os.stat(dump).st_mode & 0o777) == "0o700"
+    assert argv[argv.index("--max-total-tokens") + 1] == launch_server.CPU_DEFAULT_MAX_TOTAL_TOKENS
+    assert envs.SGLANG_HS_LAYERS == [1, 3] and envs.SGLANG_HS_LAST and envs.SGLANG_HS_DUMP_DIR == str(dump)
+    assert envs.SGLANG_HS_RING_SIZE == 64 << 20 and envs.SGLANG_HS_CPU_MODE
+    assert os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_hs.models"
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("sglang_hs", "cpu", "stubs"))
+    assert os.environ["PYTHONPATH"].endswith("/orig")
+
+
+def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
+    model = _model_dir(tmp_path, layers=61)
+    argv, _ = launch_server.prepare(["--model-path", model, "--device", "cpu", "--mem-fraction-static", "0.05",
+                                     "--hs-dump-dir", str(tmp_path / "hs")])
+    assert envs.SGLANG_HS_LAYERS == [2, 30, 58] and not envs.SGLANG_HS_LAST
+    assert "--max-total-tokens" not in argv
+
+
+@pytest.mark.parametrize(
+    "extra, arch, message",
+    [
+        (["--hs-layers", "2,9"], "DeepseekV3ForCausalLM", "id 9 is out of range"),
+        (["--hs-layers", "4,2"], "DeepseekV3ForCausalLM", "strictly increasing"),
+        ([], "LlamaForCausalLM", "unsupported architecture 'LlamaForCausalLM'"),
+        ([], "DeepseekV32ForCausalLM", "unsupported architecture 'DeepseekV32ForCausalLM'"),
+        (["--hs-startup-timeout", "0"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
+    ],
+)
+def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
+    model = _model_dir(tmp_path, arch=arch)
+    with pytest.raises(CaptureConfigError, match=message):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"), *extra])
+
+
+def test_prepare_layers_without_dump_dir(tmp_path, clean_env):
+    with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
+        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", "--hs-layers", "2"])
+
+
+@pytest.mark.parametrize("kind", ["missing-parent", "file", "symlink"])
+def test_prepare_refuses_bad_dump_dir(tmp_path, clean_env, kind):
+    model = _model_dir(tmp_path)
+    if kind == "missing-parent":
+        target, message = tmp_path / "no" / "hs", "parent folder .* does not exist"
+    elif kind == "file":
+        target, message = tmp_path / "f", "exists and is not a folder"
+        target.write_text("x")
+    else:
+        (tmp_path / "real").mkdir()
+        target, message = tmp_path / "link", "is a symlink"
+        target.symlink_to(tmp_path / "real")
+    with pytest.raises(CaptureConfigError, match=f"--hs-dump-dir .*{message}"):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(target)])
+
+
+def test_fs_type_of_dev_shm():
+    if os.path.isdir("/dev/shm"):
+        assert launch_server.fs_type("/dev/shm/anything") == "tmpfs"
