@@ -39,7 +39,13 @@ if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.deps 2>/dev/null)" != "$deps" ];
     echo "$deps" > .venv/.deps
 fi
 
-# sglang-hs from this clone, every run; setup.py's build is incremental (ninja), so this is seconds.
-.venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[setup] building sglang-hs failed" >&2; exit 1; }
-.venv/bin/python -c "import sglang_hs, sglang; print('[setup] sglang-hs', sglang_hs.__version__, 'from', sglang_hs.__path__[0], '| sglang', sglang.__version__)"
+# sglang-hs from this clone, every run: an editable install, so Python sources are live. The compiled
+# extension is rebuilt only when its inputs change (a stamp of their hash), since a rebuild costs ~1 min.
+stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.sglang-hs-build 2>/dev/null)" != "$stamp" ] || ! ls sglang_hs/_C*.so >/dev/null 2>&1; then
+    echo "[setup] building sglang-hs (extension from csrc/) into .venv"
+    .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[setup] building sglang-hs failed" >&2; exit 1; }
+    echo "$stamp" > .venv/.sglang-hs-build
+fi
+.venv/bin/python -c "import sglang_hs, sglang; assert sglang_hs.__path__[0].startswith('$here'), sglang_hs.__path__; print('[setup] sglang-hs', sglang_hs.__version__, 'from', sglang_hs.__path__[0], '| sglang', sglang.__version__)"

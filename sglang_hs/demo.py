@@ -1,0 +1,88 @@
+"""`make demo`: the real SGLang server with the sglang-hs overlay on the embedded tiny DeepSeek-V3.
+
+Starts `python -m sglang_hs.launch_server --hs-dump-dir <tmp> --hs-last` (CPU engine when there is no
+GPU), sends a few chat requests, prints what was served and what the overlay saw, and stops the
+server. Extra arguments go to the launcher, e.g. `python -m sglang_hs.demo --chunked-prefill-size 16`.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "How do I sort a list in Python?",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    port = _free_port()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    dump_dir = os.path.join(tempfile.mkdtemp(prefix="sglang-hs-demo-", dir=base), "hs")
+    cmd = [sys.executable, "-m", "sglang_hs.launch_server", "--hs-dump-dir", dump_dir, "--hs-last",
+           "--port", str(port), *argv]
+    print("$", " ".join(cmd), flush=True)
+    log_path = os.path.join(tempfile.gettempdir(), "sglang-hs-demo-server.log")
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while "[sglang-hs] server ready" not in open(log_path, errors="replace").read():
+            if server.poll() is not None:
+                print(open(log_path, errors="replace").read()[-4000:])
+                print(f"server failed to start (exit {server.returncode}); full log: {log_path}")
+                return 1
+            time.sleep(0.5)
+        print(f"server ready in {time.monotonic() - t0:.0f}s (log: {log_path})\n")
+        for q in QUESTIONS:
+            t = time.monotonic()
+            r = requests.post(f"{url}/v1/chat/completions", timeout=300, json={
+                "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 16,
+                "temperature": 0})
+            r.raise_for_status()
+            out = r.json()
+            print(f"user:      {q}")
+            print(f"assistant: {out['choices'][0]['message']['content']!r}")
+            print(f"           ({out['usage']['prompt_tokens']} prompt + {out['usage']['completion_tokens']} "
+                  f"generated tokens, {time.monotonic() - t:.2f}s; random weights, so the words are noise)\n")
+        time.sleep(1.2)  # the overlay flushes its status every 0.5 s
+        for path in glob.glob(os.path.join(dump_dir, "overlay-*.json")):
+            st = json.load(open(path))
+            cap = st["capture"]
+            print(f"served by:  {st['module']}.{st['class']} (scheduler pid {st['pid']})")
+            print(f"capture:    layer ids {cap['layer_ids']} + last = HF output_hidden_states "
+                  f"{cap['hf_output_hidden_states_index']} of a {cap['num_hidden_layers']}-layer model")
+            print(f"forwards:   {dict(st['forwards'])}; rows {dict(st['rows'])}; packed aux rows of width "
+                  f"{st['last_aux_shape'][1]} (= K x hidden)")
+        print("\nThe capture path (store, reader, training files) comes with the next milestone.")
+        return 0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(os.path.dirname(dump_dir), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
