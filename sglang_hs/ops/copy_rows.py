@@ -1,0 +1,108 @@
+"""Copy each forwarded row's captured hidden states to its KV-cache slot in the store.
+
+    copy_rows(aux [T, K*H], last [T, H] | None, loc [T], store [S, P, H])
+        store[loc[t], k, :] = aux[t, k*H:(k+1)*H]   for k < K
+        store[loc[t], K, :] = last[t, :]            when last is given (P = K + 1; else P = K)
+
+Three layers, Liger-Kernel style: the private `@triton.jit` kernel, `copy_rows` (the launcher, which
+asserts the contract and takes its block sizes from `_launch_config`), and the capture code that calls
+it. One launch per forward step, with no host synchronisation and no data-dependent shapes, so SGLang's
+CUDA graphs capture it: `loc` is the graph's `out_cache_loc` input buffer and the store's address is
+fixed, so each replay writes the new step's rows to the new step's slots. Graph padding rows point at
+the padding slot, which no request reads; several of them may write it in the same launch.
+
+`store` is a tensor the kernel can address: on CUDA a device tensor (the staging strategy, with `loc`
+the identity) or a `HostStore` over registered, mapped host memory (writing straight into /dev/shm);
+on the CPU, only under TRITON_INTERPRET=1 (the tests), since the server's CPU path uses the C++ op.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_rows_kernel(
+    aux_ptr,
+    last_ptr,
+    loc_ptr,
+    store_ptr,
+    aux_row_stride,
+    last_row_stride,
+    store_slot_stride,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0)
+    part = tl.program_id(1)  # 0..K-1: an aux layer; K: the final state
+    blk = tl.program_id(2)
+    slot = tl.load(loc_ptr + row).to(tl.int64)
+    offs = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    dst = store_ptr + slot * store_slot_stride + part * H + offs
+    if part < K:
+        vals = tl.load(aux_ptr + row.to(tl.int64) * aux_row_stride + part * H + offs, mask=mask)
+    else:
+        vals = tl.load(last_ptr + row.to(tl.int64) * last_row_stride + offs, mask=mask)
+    tl.store(dst, vals, mask=mask)
+
+
+def _launch_config(hidden: int, elem_size: int) -> Tuple[int, int]:
+    """(BLOCK_H, num_warps): one program copies up to 8 KiB of a row part; 16-byte vectors per thread."""
+    block = min(triton.next_power_of_2(hidden), max(16, 8192 // elem_size))
+    num_warps = max(1, min(8, block * elem_size // (16 * 32)))
+    return block, num_warps
+
+
+class HostStore:
+    """A store in host memory that the GPU can address (cudaHostRegister'ed with the Mapped flag).
+
+    Triton takes any object with `data_ptr()` and `dtype`; this one carries the device address of the
+    mapping and the shape the launcher checks. Keep `host` (the mapping) alive as long as this lives.
+    """
+
+    def __init__(self, host: torch.Tensor, device_ptr: int) -> None:
+        self.host, self._ptr = host, int(device_ptr)
+        self.dtype, self.shape = host.dtype, host.shape
+        self.device = torch.device("cuda")
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def stride(self, dim: int) -> int:
+        return self.host.stride(dim)
+
+    def dim(self) -> int:
+        return self.host.dim()
+
+    def is_contiguous(self) -> bool:
+        return self.host.is_contiguous()
+
+
+def copy_rows(aux: torch.Tensor, last: Optional[torch.Tensor], loc: torch.Tensor, store) -> None:
+    T = aux.shape[0]
+    assert store.dim() == 3 and store.is_contiguous(), "store must be a contiguous [S, P, H] buffer"
+    S, P, H = store.shape
+    K = P - (last is not None)
+    assert K >= 1 and aux.dim() == 2 and aux.shape[1] == K * H, (
+        f"aux {tuple(aux.shape)} does not hold K={K} layers of H={H} for a store of {tuple(store.shape)}")
+    assert aux.stride(1) == 1, "aux rows must be contiguous"
+    assert aux.dtype == store.dtype, f"aux is {aux.dtype}, store is {store.dtype}"
+    if last is not None:
+        assert last.shape == (T, H) and last.stride(1) == 1 and last.dtype == store.dtype, (
+            f"last {tuple(last.shape)} {last.dtype} does not match [T={T}, H={H}] {store.dtype}")
+    assert loc.shape == (T,) and loc.dtype in (torch.int32, torch.int64), f"loc must be [T={T}] int32/int64"
+    assert loc.device == aux.device, "loc and aux must be on the same device"
+    if T == 0:
+        return
+    block, num_warps = _launch_config(H, aux.element_size())
+    grid = (T, P, triton.cdiv(H, block))
+    _copy_rows_kernel[grid](
+        aux, last if last is not None else aux, loc, store,
+        aux.stride(0), last.stride(0) if last is not None else 0, P * H,
+        H=H, K=K, BLOCK_H=block, num_warps=num_warps,
+    )

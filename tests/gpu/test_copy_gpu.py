@@ -1,0 +1,147 @@
+"""The capture copy on a real GPU: the Triton kernel compiled for the device, a store in registered
+/dev/shm memory written by the kernel and read by another process, and the kernel inside CUDA graphs
+replayed with changing slots, batch sizes and padding."""
+import multiprocessing as mp
+import os
+import tempfile
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # keep the kernel module unimported: CPU tests import it interpreted
+    pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
+
+from reference import copy_rows_ref  # noqa: E402
+from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
+from sglang_hs.store import pinned  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+PAD_SLOT = 0
+
+
+def _rows(T, K, H, dtype, last, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    aux = torch.randn(T, K * H + 5, device=DEV, dtype=torch.float32, generator=g).to(dtype)[:, 5:]
+    fin = torch.randn(T, H, device=DEV, generator=g).to(dtype) if last else None
+    return aux, fin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K,H,last", [(1, 111, True), (2, 500, False), (3, 7168, True), (4, 257, True)])
+def test_kernel_matches_reference_on_device(dtype, K, H, last):
+    T, S = 37, 128
+    aux, fin = _rows(T, K, H, dtype, last, seed=K * 1000 + H)
+    loc = torch.cat([torch.randperm(S - 1, device=DEV)[: T - 5] + 1, torch.zeros(5, device=DEV, dtype=torch.long)])
+    store = torch.full((S, K + int(last), H), float("nan"), device=DEV, dtype=dtype)
+    copy_rows(aux, fin, loc, store)
+    want = copy_rows_ref(aux[: T - 5], fin[: T - 5] if last else None, loc[: T - 5], torch.full_like(store, float("nan")))
+    real = loc[: T - 5]
+    assert torch.equal(store[real], want[real])
+    mask = torch.ones(S, dtype=torch.bool, device=DEV)
+    mask[real] = False
+    mask[PAD_SLOT] = False
+    assert store[mask].isnan().all()
+
+
+def _reader(path, nbytes, slots, expected_path, q):
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
+    host = torch.frombuffer(mm, dtype=torch.uint8).view(torch.bfloat16)
+    expected = torch.load(expected_path)
+    store = host.view(-1, *expected.shape[1:])
+    q.put(bool(torch.equal(store[slots], expected)))
+
+
+def test_registered_shm_store_written_by_kernel_read_by_another_process():
+    from sglang_hs.store.shm import SharedRegion
+
+    K, H, S, T = 3, 7168, 4096, 512
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    nbytes = S * (K + 1) * H * 2
+    region = SharedRegion.create(d, "store", nbytes)
+    host = region.buf.view(torch.bfloat16).view(S, K + 1, H)
+    dev_ptr = pinned.register(region.buf)
+    try:
+        store = HostStore(host, dev_ptr)
+        aux, fin = _rows(T, K, H, torch.bfloat16, True, seed=1)
+        slots = torch.randperm(S - 1, device=DEV)[:T] + 1
+        copy_rows(aux, fin, slots, store)
+        torch.cuda.synchronize()
+        expected = torch.cat([aux.reshape(T, K, H), fin[:, None]], 1).cpu()
+        assert torch.equal(host[slots.cpu()], expected)
+        torch.save(expected, os.path.join(d, "expected.pt"))
+        q = mp.get_context("spawn").Queue()
+        p = mp.get_context("spawn").Process(target=_reader, args=(region.path, nbytes, slots.cpu(), os.path.join(d, "expected.pt"), q))
+        p.start()
+        assert q.get(timeout=120) is True
+        p.join(30)
+    finally:
+        pinned.unregister(region.buf)
+        region.unlink()
+
+
+@pytest.mark.parametrize("target", ["device", "registered-host"])
+def test_copy_inside_cuda_graph_replays(target):
+    """A stand-in model step (matmul -> aux, norm -> last) and the copy, captured once per batch-size
+    bucket; replays with new inputs, new slots and padding write every real row to its slot."""
+    K, H, S = 3, 512, 2048
+    buckets = [1, 4, 8, 16]
+    torch.manual_seed(0)
+    w = torch.randn(H, K * H, device=DEV, dtype=torch.bfloat16) / H**0.5
+    if target == "device":
+        store_t = torch.full((S, K + 1, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        store, region = store_t, None
+        host_view = store_t
+    else:
+        from sglang_hs.store.shm import SharedRegion
+
+        d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        region = SharedRegion.create(d, "store", S * (K + 1) * H * 2)
+        host_view = region.buf.view(torch.bfloat16).view(S, K + 1, H)
+        host_view.fill_(float("nan"))
+        store = HostStore(host_view, pinned.register(region.buf))
+    graphs = {}
+    try:
+        for bs in buckets:
+            x = torch.zeros(bs, H, device=DEV, dtype=torch.bfloat16)
+            loc = torch.zeros(bs, device=DEV, dtype=torch.int64)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # warm-up outside capture (Triton compiles here)
+                aux = x @ w
+                copy_rows(aux, torch.nn.functional.rms_norm(x, (H,)), loc, store)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                aux = x @ w
+                last = torch.nn.functional.rms_norm(x, (H,))
+                copy_rows(aux, last, loc, store)
+            graphs[bs] = (g, x, loc, aux, last)
+        expected = {}
+        free = torch.randperm(S - 1) + 1
+        cursor = 0
+        for step in range(60):
+            n = [1, 3, 4, 7, 8, 13, 16][step % 7]
+            bs = next(b for b in buckets if b >= n)
+            g, x, loc, aux, last = graphs[bs]
+            new_slots = free[cursor : cursor + n]
+            cursor = (cursor + n) % (S - 64)
+            x.copy_(torch.randn(bs, H, device=DEV, dtype=torch.bfloat16))
+            loc.copy_(torch.cat([new_slots, torch.full((bs - n,), PAD_SLOT)]).to(DEV))
+            g.replay()
+            torch.cuda.synchronize()
+            rows = torch.cat([aux.reshape(bs, K, H), last[:, None]], 1)[:n].cpu()
+            got = host_view[new_slots.to(host_view.device)].cpu()
+            assert torch.equal(got, rows), f"step {step}: replayed rows did not land at their slots"
+            for i, sl in enumerate(new_slots.tolist()):
+                expected[sl] = rows[i]
+        # Every slot holds the last row aimed at it: no replay wrote anywhere else.
+        for sl, row in expected.items():
+            assert torch.equal(host_view[sl].cpu(), row)
+    finally:
+        if region is not None:
+            pinned.unregister(region.buf)
+            region.unlink()

@@ -1,0 +1,94 @@
+"""The Triton copy kernel against the plain-torch reference, on the CPU under TRITON_INTERPRET=1.
+
+Odd hidden sizes, K = 1..4, bf16 and fp16, with and without the final state, int32 and int64 slots,
+non-contiguous aux rows, and graph-style padded rows aimed at the padding slot 0. A copy is exact, so
+the tolerance is zero for every dtype; the store is poisoned first so an unwritten element shows.
+"""
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is (re)imported: @triton.jit reads it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from reference import copy_rows_ref  # noqa: E402
+
+if "sglang_hs.ops.copy_rows" in sys.modules:
+    mod = importlib.reload(sys.modules["sglang_hs.ops.copy_rows"])
+else:
+    mod = importlib.import_module("sglang_hs.ops.copy_rows")
+
+PAD_SLOT = 0
+
+
+def _case(T, K, H, dtype, last, loc_dtype, n_pad=0, slots=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(T + n_pad, K * H + 7, generator=g).to(dtype)
+    aux = wide[:, 3 : 3 + K * H]  # row stride K*H+7: not contiguous as a whole
+    fin = torch.randn(T + n_pad, H, generator=g).to(dtype) if last else None
+    real = torch.randperm(slots - 1, generator=g)[:T] + 1  # distinct, never the padding slot
+    loc = torch.cat([real, torch.full((n_pad,), PAD_SLOT)]).to(loc_dtype)
+    return aux, fin, loc
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("H,last", [(111, True), (500, False), (256, True), (7, False)])
+def test_matches_reference(dtype, K, H, last):
+    aux, fin, loc = _case(T=5, K=K, H=H, dtype=dtype, last=last, loc_dtype=torch.int64)
+    P = K + int(last)
+    poison = torch.full((64, P, H), float("nan"), dtype=dtype)
+    got, want = poison.clone(), poison.clone()
+    mod.copy_rows(aux, fin, loc, got)
+    copy_rows_ref(aux, fin, loc, want)
+    diff = (got.float() - want.float()).nan_to_num(0).abs()
+    print(f"K={K} H={H} {dtype}: max diff {diff.max().item()} mean {diff.mean().item()}")
+    assert torch.equal(got.isnan(), want.isnan())  # exactly the addressed slots were written
+    assert torch.equal(got[loc.long()], want[loc.long()])  # bit-exact copy
+
+
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
+def test_padding_rows_never_reach_a_real_slot(loc_dtype):
+    """Graph replays pad the batch up to its bucket; padded rows point at the padding slot."""
+    K, H = 3, 96
+    aux, fin, loc = _case(T=6, K=K, H=H, dtype=torch.bfloat16, last=True, loc_dtype=loc_dtype, n_pad=4)
+    store = torch.full((64, K + 1, H), float("nan"), dtype=torch.bfloat16)
+    mod.copy_rows(aux, fin, loc, store)
+    ref = copy_rows_ref(aux[:6], fin[:6], loc[:6], torch.full_like(store, float("nan")))
+    real = loc[:6].long()
+    assert torch.equal(store[real], ref[real])
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[real] = False
+    untouched[PAD_SLOT] = False
+    assert store[untouched].isnan().all()
+    # The padding slot holds one of the padding rows, whole (which one is unspecified).
+    pad_rows = torch.cat([aux[6:].reshape(4, K, H), fin[6:, None]], 1)
+    assert any(torch.equal(store[PAD_SLOT], r) for r in pad_rows)
+
+
+def test_zero_rows_is_a_no_op():
+    store = torch.zeros(4, 2, 8, dtype=torch.float16)
+    mod.copy_rows(torch.empty(0, 16, dtype=torch.float16), None, torch.empty(0, dtype=torch.int32), store)
+    assert not store.any()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(aux_width=3 * 64 + 1), "does not hold K=3 layers"),
+        (dict(aux_dtype=torch.float16), "aux is torch.float16, store is torch.bfloat16"),
+        (dict(loc_dtype=torch.float32), "int32/int64"),
+        (dict(loc_len=3), "loc must be"),
+        (dict(last_h=63), "does not match"),
+    ],
+)
+def test_launcher_asserts_its_contract(change, message):
+    T, K, H = 4, 3, 64
+    aux = torch.zeros(T, change.get("aux_width", K * H), dtype=change.get("aux_dtype", torch.bfloat16))
+    last = torch.zeros(T, change.get("last_h", H), dtype=torch.bfloat16)
+    loc = torch.arange(change.get("loc_len", T)).to(change.get("loc_dtype", torch.int64))
+    store = torch.zeros(8, K + 1, H, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match=message):
+        mod.copy_rows(aux, last, loc, store)
