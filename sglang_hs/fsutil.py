@@ -1,9 +1,12 @@
 """File-system helpers for the dump dir: private modes, never through a symlink, atomic replace."""
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import uuid
+
+LOCK_NAME = ".lock"
 
 
 def ensure_private_dir(path: str) -> str:
@@ -43,3 +46,20 @@ def write_private_file(dir_path: str, name: str, data: bytes) -> None:
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     finally:
         os.close(dfd)
+
+
+def lock_dump_dir(path: str) -> int:
+    """Hold an exclusive lock on the dump dir for this process's lifetime; returns the fd.
+
+    One server per dump dir: a second launcher on the same folder is refused, and files a dead server
+    left behind (its lock died with it) can be replaced safely."""
+    fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ValueError(f"--hs-dump-dir {path}: in use by another sglang-hs server (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

@@ -22,7 +22,9 @@ from sglang_hs.capture_spec import (
 )
 
 PROG = "python -m sglang_hs.launch_server"
+_dump_dir_lock = None
 CPU_DEFAULT_MAX_TOTAL_TOKENS = "4096"
+CPU_DEFAULT_RING_SIZE = "256MiB"  # the CPU engine's models are small; /dev/shm is RAM
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -51,8 +53,9 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated, strictly increasing layer ids 0 <= i < n (default: 2,n//2,n-3)")
     g.add_argument("--hs-last", action="store_true",
                    help="also capture the final post-norm hidden state (HF output_hidden_states[n])")
-    g.add_argument("--hs-ring-size", default="1GiB", metavar="SIZE",
-                   help="bytes of the output ring of finished records per writer, e.g. 8GiB (default 1GiB)")
+    g.add_argument("--hs-ring-size", default=None, metavar="SIZE",
+                   help="bytes of the output ring of finished records per writer, e.g. 8GiB "
+                        f"(default 1GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode)")
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
                    help="give up when start-up shows no progress for this long (default 1200)")
 
@@ -155,6 +158,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             sg_argv += ["--device", "cpu"]
         if not _has_flag(sg_argv, "--max-total-tokens", "--mem-fraction-static"):
             sg_argv += ["--max-total-tokens", CPU_DEFAULT_MAX_TOTAL_TOKENS]
+        if ns.hs_ring_size is None:
+            ns.hs_ring_size = CPU_DEFAULT_RING_SIZE
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
@@ -168,6 +173,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"])
         try:
             dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir)
+            global _dump_dir_lock
+            _dump_dir_lock = fsutil.lock_dump_dir(dump_dir)  # held until this process exits
         except (OSError, ValueError) as e:
             raise CaptureConfigError(str(e)) from None
         if fs_type(dump_dir) not in ("tmpfs", "ramfs"):
@@ -181,7 +188,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last:
         raise CaptureConfigError("--hs-layers/--hs-last need --hs-dump-dir (where to write the capture)")
-    env["SGLANG_HS_RING_SIZE"] = str(parse_size(ns.hs_ring_size))
+    env["SGLANG_HS_RING_SIZE"] = str(parse_size(ns.hs_ring_size or "1GiB"))
     if ns.hs_startup_timeout is not None:
         if ns.hs_startup_timeout <= 0:
             raise CaptureConfigError(f"--hs-startup-timeout: must be > 0 seconds, got {ns.hs_startup_timeout}")

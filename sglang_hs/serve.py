@@ -30,6 +30,8 @@ def check_server_args(cfg) -> None:
         and "--speculative-algorithm: speculative decoding cannot run with --hs-dump-dir",
         getattr(cfg, "enable_torch_compile", False)
         and "--enable-torch-compile: the capture copy is not a registered custom op yet",
+        (getattr(cfg, "dp_size", 1) or 1) > 1
+        and "--dp-size > 1: one writer per data-parallel group is not supported yet; use --tp",
         (getattr(cfg, "attn_cp_size", 1) or 1) > 1
         and "--attn-cp-size > 1 (context parallel): its extend path bypasses the overlay's forward",
     ]

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import List, Optional
 
+from sglang_hs.fsutil import LOCK_NAME
+
 # (pattern in SGLang 0.5.23's start-up log, phase entered). Any output also counts as progress.
 PHASES = [
     (re.compile(rb"Init parallel begin"), "initialising parallel groups"),
@@ -164,9 +166,14 @@ class Supervisor:
             time.sleep(0.1)
 
     def _cleanup_dump_dir(self) -> None:
+        """The stores and status files always go; the output rings and the manifest stay after a server
+        that served, so a reader can drain what is left (the next server replaces them)."""
         if not self.dump_dir:
             return
-        for path in glob.glob(os.path.join(self.dump_dir, "overlay-*.json")):
+        patterns = ["overlay-*.json", "store-*.bin", LOCK_NAME]  # this process's lock: it exits next
+        if not self.ready:
+            patterns += ["ring-*.bin", "manifest.json"]
+        for path in (p for pat in patterns for p in glob.glob(os.path.join(self.dump_dir, pat))):
             try:
                 os.unlink(path)
             except OSError:
@@ -177,6 +184,7 @@ class Supervisor:
             self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         self._pgid = self.proc.pid
+        log(f"server session {self._pgid}: every server process runs in it")
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         relay = threading.Thread(target=self._relay, name="relay", daemon=True)

@@ -38,6 +38,34 @@ def processes_matching(marker: str) -> List[int]:
     return pids
 
 
+def processes_in_session(sid: int) -> List[int]:
+    """Pids of session `sid`: the launcher starts the server as a new session, and every process SGLang
+    spawns stays in it (command lines and environments are no guide: schedulers rename themselves)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
+                pids.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return pids
+
+
+def server_session(output: str) -> Optional[int]:
+    m = re.search(r"\[sglang-hs\] server session (\d+)", output)
+    return int(m.group(1)) if m else None
+
+
+def leftover_server_processes(output: str) -> List[int]:
+    """Processes still alive in the server session a launcher reported in `output` ([] if none started)."""
+    sid = server_session(output)
+    return processes_in_session(sid) if sid else []
+
+
 class Launcher:
     """`python -m sglang_hs.launch_server ARGS` as a child, its output collected in `self.output`."""
 

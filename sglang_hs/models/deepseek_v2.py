@@ -44,40 +44,46 @@ def _maybe_hang(phase: str) -> None:
             time.sleep(1)
 
 
-class _CapturingDeepseekModel(OriginalDeepseekV2Model):
-    """The inner model with its output fixed to `(hidden, aux[T, K*H])` when capture is on.
+def fixed_capture_output(out, spec: CaptureSpec, mode: str):
+    """Normalise the inner model's output to `(hidden [T, H], aux [T, K*H])`, or raise.
 
-    Upstream returns a bare tensor when no layer appended a capture (0-row idle batches): a 2-row
-    bare tensor would then be silently split by `hidden, aux = ...`. Instances get this class by
-    `__class__` assignment in the overlay's constructor (upstream builds `self.model` inline); it adds
-    no state. SGLang's prefill graph runner captures this forward, so it holds no tensor work beyond an
-    empty tensor for a 0-row batch.
+    Upstream returns a bare tensor when no layer appended a capture (0-row idle batches): a 2-row bare
+    tensor would then be silently split by `hidden, aux = ...`. Pure shape logic and, for a 0-row
+    batch, an empty tensor: safe inside a captured CUDA graph.
+    """
+    width = spec.num_aux * spec.hidden_size
+    if isinstance(out, torch.Tensor):
+        if out.shape[0] == 0:
+            return out, out.new_empty((0, width))
+        raise RuntimeError(
+            f"sglang-hs: the model captured no aux layer for a {out.shape[0]}-row {mode} batch "
+            f"(layers {list(spec.layers)})"
+        )
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise RuntimeError(f"sglang-hs: unexpected inner model output {type(out).__name__} in a {mode} batch")
+    hidden, aux = out
+    if aux.shape != (hidden.shape[0], width):
+        raise RuntimeError(
+            f"sglang-hs: aux hidden states of shape {tuple(aux.shape)} in a {mode} batch, expected "
+            f"({hidden.shape[0]}, {width}) for layers {list(spec.layers)}"
+        )
+    return hidden, aux
+
+
+class _CapturingDeepseekModel(OriginalDeepseekV2Model):
+    """The inner model with its output fixed by `fixed_capture_output` when capture is on.
+
+    Instances get this class by `__class__` assignment in the overlay's constructor (upstream builds
+    `self.model` inline); it adds no state. SGLang's prefill graph runner captures this forward.
     """
 
     hs_spec: Optional[CaptureSpec] = None
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
         out = super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
-        spec = self.hs_spec
-        if spec is None:
+        if self.hs_spec is None:
             return out
-        width = spec.num_aux * spec.hidden_size
-        if isinstance(out, torch.Tensor):
-            if out.shape[0] == 0:
-                return out, out.new_empty((0, width))
-            raise RuntimeError(
-                f"sglang-hs: the model captured no aux layer for a {out.shape[0]}-row "
-                f"{forward_batch.forward_mode.name} batch (layers_to_capture={self.layers_to_capture})"
-            )
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor)):
-            raise RuntimeError(f"sglang-hs: unexpected inner model output {type(out).__name__}")
-        hidden, aux = out
-        if aux.shape != (hidden.shape[0], width):
-            raise RuntimeError(
-                f"sglang-hs: aux hidden states of shape {tuple(aux.shape)}, expected "
-                f"({hidden.shape[0]}, {width}) for layers {list(spec.layers)}"
-            )
-        return hidden, aux
+        return fixed_capture_output(out, self.hs_spec, forward_batch.forward_mode.name)
 
 
 class _HiddenStateOverlay:
@@ -94,6 +100,7 @@ class _HiddenStateOverlay:
         dump_dir = envs.SGLANG_HS_DUMP_DIR
         self.hs_spec = None
         self.hs_status = None
+        self.hs_writer = None  # set by the capture hooks once the KV pool is sized (writer ranks only)
         if dump_dir:
             check_architecture(getattr(config, "architectures", None), where="the served model's config")
             self.hs_spec = CaptureSpec.resolve(
@@ -132,6 +139,9 @@ class _HiddenStateOverlay:
         if forward_batch.rids:
             _maybe_hang("warmup")
         self.hs_status.record(forward_batch, hidden.shape[0], tuple(aux.shape))
+        if self.hs_writer is not None:
+            loc = getattr(forward_batch, "out_cache_loc_virtual", None)
+            self.hs_writer.copy(aux, hidden, forward_batch.out_cache_loc if loc is None else loc)
         # aux stays ours: the logits processor gets None, so SGLang's own aux JSON path stays off.
         return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None)
 

@@ -7,6 +7,10 @@ Ledger (what / why / upstream status / removal plan):
 | mla_torch_native  | registers a `torch_native` attention handler | CPU mode only    |
 |                   | for DeepSeek MLA that always dispatches to   |                  |
 |                   | the absorbed MLA path                        |                  |
+| capture_hooks     | wraps ModelRunner.init_routed_experts_       | capture on       |
+|                   | capturer (create the store) and              |                  |
+|                   | SchedulerBatchResultProcessor._maybe_collect_|                  |
+|                   | routed_experts (publish a finished request)  |                  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -16,6 +20,16 @@ mla_torch_native
   upstream: present in sglang 0.5.23; not reported upstream by us yet.
   removal:  when the pinned sglang registers a correct torch_native handler; the numerics e2e test
             (tests/e2e/test_numerics.py) fails without this patch, so it shows when it can go.
+
+capture_hooks
+  why:      the store must be sized from the KV pool (known to the ModelRunner, after the model is
+            built, before CUDA-graph capture), and records must be published where SGLang finishes a
+            request, before its KV slots are released. SGLang's own routed-experts capturer has exactly
+            these two points; we wrap them (original called first, unchanged).
+  upstream: no extension point for per-token capturers in 0.5.23 besides these.
+  removal:  if SGLang grows a capturer registry or a `sglang.srt.plugins` hook at both points, move
+            there. A change of either method's name or signature fails `apply()` loudly (AttributeError
+            at start-up) and the version gate refuses any sglang but 0.5.23.
 
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward. Not a `sglang.srt.plugins` entry point: SGLang
@@ -40,4 +54,8 @@ def apply() -> dict:
             from sglang_hs.patches import mla_torch_native
 
             _applied["mla_torch_native"] = mla_torch_native.apply()
+        if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
+            from sglang_hs.patches import capture_hooks
+
+            _applied["capture_hooks"] = capture_hooks.apply()
         return dict(_applied)

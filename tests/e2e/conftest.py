@@ -1,7 +1,7 @@
 """One real server per configuration, shared by the tests of a session."""
 import pytest
 
-from helpers import Launcher
+from helpers import Launcher, leftover_server_processes
 
 CHUNK = 16
 
@@ -15,9 +15,27 @@ def dump_dir(tmp_path_factory):
 def capture_server(dump_dir):
     """The embedded tiny DeepSeek-V3 on the CPU engine with capture on, chunked prefill of 16 tokens,
     radix cache, overlap scheduler and the server's own warm-up all left on."""
-    server = Launcher(["--hs-dump-dir", str(dump_dir), "--hs-last", "--chunked-prefill-size", str(CHUNK)])
+    yield from _serve(dump_dir, ["--hs-last", "--chunked-prefill-size", str(CHUNK)])
+
+
+@pytest.fixture(scope="session")
+def plain_dump_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hs-plain") / "dump"
+
+
+@pytest.fixture(scope="session")
+def plain_sched_server(plain_dump_dir):
+    """The same model with the scheduling features off: no chunking (prompts fit one chunk), no radix
+    cache, no overlap scheduler. Records must agree with the capture server's."""
+    yield from _serve(plain_dump_dir, ["--hs-last", "--disable-radix-cache", "--disable-overlap-schedule"])
+
+
+def _serve(dump_dir, args):
+    server = Launcher(["--hs-dump-dir", str(dump_dir), "--hs-ring-size", "64MiB", *args])
     try:
         yield server.wait_ready()
     finally:
         rc = server.stop()
         assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"  # stopped by our SIGTERM
+        assert not leftover_server_processes(server.output)
+        assert not list(dump_dir.glob("overlay-*.json")) and not list(dump_dir.glob("store-*.bin"))

@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from helpers import error_lines, processes_matching, run_launcher
+from helpers import error_lines, leftover_server_processes, processes_matching, run_launcher
 
 pytestmark = pytest.mark.e2e
 
@@ -15,6 +15,7 @@ def _assert_refused(r, message, marker):
     assert r.returncode == 2, out[-2000:]
     assert len(errors) == 1 and message in errors[0], out[-2000:]
     assert not processes_matching(marker)
+    assert not leftover_server_processes(out)
 
 
 @pytest.mark.parametrize(

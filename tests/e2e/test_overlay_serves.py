@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import CHUNK
-from helpers import processes_matching
+from helpers import leftover_server_processes
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def test_chunked_prefill_and_decode_go_through_the_overlay(capture_server, dump_
     assert out["meta_info"]["completion_tokens"] == 8
     path, status = _status(dump_dir, "e2e-chunked-decode")
     # Written by the scheduler process that served the request, not by the launcher.
-    assert status["pid"] != capture_server.proc.pid and status["pid"] in processes_matching("sglang")
+    assert status["pid"] != capture_server.proc.pid and status["pid"] in leftover_server_processes(capture_server.output)
     assert status["module"] == "sglang_hs.models.deepseek_v2" and status["class"] == "DeepseekV3ForCausalLM"
     assert status["capture"]["layer_ids"] == [2, 4, 5] and status["capture"]["last"] is True
     assert status["capture"]["hf_output_hidden_states_index"] == [2, 4, 5, 8]

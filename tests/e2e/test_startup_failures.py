@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from helpers import Launcher, processes_matching
+from helpers import Launcher, leftover_server_processes
 from sglang_hs.supervisor import EXIT_NO_OVERLAY, EXIT_STALL
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +20,7 @@ def test_stall_names_phase_prints_stacks_and_cleans_up(tmp_path):
     assert "start-up stalled in phase 'loading weights': no progress for 20s" in out
     # The stuck scheduler's Python stack shows where it hangs.
     assert "_maybe_hang" in out and "Python stacks of pid" in out
-    assert not processes_matching(str(dump))
+    assert not leftover_server_processes(server.output)
     assert os.listdir(dump) == []  # no status or shared-memory file left
 
 
@@ -34,4 +34,4 @@ def test_overlay_import_failure_is_fatal(tmp_path):
     assert "SGLang fell back to its built-in model class" in server.output  # noticed right after loading
     assert "Ignore import error when loading sglang_hs.models.deepseek_v2" in server.output
     assert "[sglang-hs] server ready" not in server.output
-    assert not processes_matching(str(dump))
+    assert not leftover_server_processes(server.output)

@@ -1,0 +1,72 @@
+"""Capture on: create the store when SGLang sizes its own per-token capturers, and publish a record
+where SGLang finishes a request.
+
+See the ledger in sglang_hs/patches/__init__.py. Both wrap upstream methods (the originals stay
+reachable as `ORIGINALS`) and call them first, unchanged.
+"""
+from __future__ import annotations
+
+import logging
+
+from sglang_hs.version import SGLANG_VERSION
+
+logger = logging.getLogger(__name__)
+ORIGINALS = {}
+_writer = None  # this process's CaptureWriter, when it is a writer rank
+
+
+def get_writer():
+    return _writer
+
+
+def _after_init_capturers(self) -> None:
+    ORIGINALS["init_routed_experts_capturer"](self)
+    global _writer
+    from sglang.srt.runtime_context import get_parallel
+
+    model, par = self.model, get_parallel()
+    if getattr(model, "hs_spec", None) is None or getattr(self, "is_draft_worker", False):
+        return
+    if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
+        return  # one writer per data-parallel attention group: its attention-TP rank 0
+    from sglang_hs import envs
+    from sglang_hs.store.writer import CaptureWriter
+
+    num_slots = self.kv_index_translator.capture_token_capacity(self.max_token_pool_size)
+    _writer = CaptureWriter(
+        envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
+        model_path=self.model_config.model_path,
+        architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
+    )
+    model.hs_writer = _writer
+
+
+def _after_collect(self, req) -> None:
+    ORIGINALS["_maybe_collect_routed_experts"](self, req)
+    if _writer is None:
+        return
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith("HEALTH_CHECK"):
+        return  # aborted requests and health checks are not emitted
+    output = list(req.output_ids_through_stop)
+    tokens = list(req.origin_input_ids) + output
+    T = len(tokens) - 1  # every prompt token, every generated token but the last
+    slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
+    _writer.finish(str(req.rid), tokens[:T], slots)
+
+
+def apply():
+    import sglang
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as BatchResultProcessor,
+    )
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(f"sglang-hs capture hooks target sglang {SGLANG_VERSION}, found {sglang.__version__}")
+    ORIGINALS["init_routed_experts_capturer"] = ModelRunner.init_routed_experts_capturer
+    ORIGINALS["_maybe_collect_routed_experts"] = BatchResultProcessor._maybe_collect_routed_experts
+    ModelRunner.init_routed_experts_capturer = _after_init_capturers
+    BatchResultProcessor._maybe_collect_routed_experts = _after_collect
+    return dict(ORIGINALS)

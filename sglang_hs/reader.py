@@ -1,0 +1,100 @@
+"""Read captured hidden states back, per request, from another process.
+
+    from sglang_hs import HiddenStateReader
+    reader = HiddenStateReader("/dev/shm/hs")
+    rec = reader.take("my-request-id", timeout=60)     # that request's record, once it finished
+    for rec in reader: ...                              # finished records in completion order
+
+A record holds `input_ids` [T] and `positions` [T] (int32; row t is position t), `aux_hidden_states`
+[T, K, H] (the layers of `reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), and
+`last_hidden_state` [T, H] (HF `output_hidden_states[n]`) when the server runs with `--hs-last`.
+T = every prompt token, then every generated token but the last. The reader drains the ring eagerly
+(one copy per record, then the bytes go back to the server), so holding on to one record never stalls
+the server. Aborted requests and `HEALTH_CHECK` requests are not emitted.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional
+
+import torch
+
+from sglang_hs.store.ring import RingReader
+from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
+
+
+@dataclass
+class HiddenStateRecord:
+    rid: str
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    aux_hidden_states: torch.Tensor
+    last_hidden_state: Optional[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class HiddenStateReader:
+    def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002) -> None:
+        self.dump_dir = os.path.abspath(dump_dir)
+        self.poll_interval = poll_interval
+        path = os.path.join(self.dump_dir, MANIFEST)
+        deadline = time.monotonic() + wait
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise FileNotFoundError(f"{path}: no manifest after {wait}s; is a server capturing into "
+                                        f"--hs-dump-dir {self.dump_dir}?")
+            time.sleep(0.05)
+        with open(path) as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: format version {self.manifest.get('format_version')}, this reader reads "
+                             f"{FORMAT_VERSION}")
+        self.num_aux = len(self.manifest["layer_ids"])
+        self.has_last = bool(self.manifest["last"])
+        self._rings = [RingReader.open(self.dump_dir, w["ring"]) for w in self.manifest["writers"]]
+        self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
+
+    def poll(self) -> int:
+        """Drain every ring; returns how many records arrived."""
+        n = 0
+        for ring in self._rings:
+            for rec in ring.drain():
+                K = self.num_aux
+                self._ready[rec.rid] = HiddenStateRecord(
+                    rid=rec.rid,
+                    input_ids=rec.input_ids,
+                    positions=torch.arange(rec.num_tokens, dtype=torch.int32),
+                    aux_hidden_states=rec.rows[:, :K],
+                    last_hidden_state=rec.rows[:, K] if self.has_last else None,
+                )
+                n += 1
+        return n
+
+    def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while rid not in self._ready:
+            if not self.poll():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no record for request {rid!r} after {timeout}s")
+                time.sleep(self.poll_interval)
+        return self._ready.pop(rid)
+
+    def next(self, timeout: Optional[float] = None) -> HiddenStateRecord:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            if not self.poll():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no record after {timeout}s")
+                time.sleep(self.poll_interval)
+        return self._ready.popitem(last=False)[1]
+
+    def __iter__(self) -> Iterator[HiddenStateRecord]:
+        while True:
+            yield self.next()

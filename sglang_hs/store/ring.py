@@ -1,0 +1,185 @@
+"""The output ring: finished records, from one writer (the scheduler) to one reader process.
+
+File layout (`ring-<writer>.bin`, created 0600 under the dump dir):
+
+    [0, 4096)              header: magic, format version, capacity, writer pid; counters on their own
+                           cache lines: HEAD (bytes published, written by the writer with a release
+                           store) and TAIL (bytes consumed, written by the reader with a release store)
+    [4096, 4096+capacity)  records at logical offsets that only grow, placed at offset % capacity
+
+A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
+rid length), the request id (utf-8), input_ids int32[T], rows [T, P, H], then a 64-byte trailer that
+repeats magic, sequence number and length. A record never wraps: when one does not fit before the end
+of the buffer the writer publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and
+starts again at 0. The writer only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and
+the reader only reads bytes below the HEAD it acquire-loaded, so a record is either wholly visible or
+not at all; header/trailer mismatches (a corrupted or foreign file) are reported as torn, never emitted.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+import torch
+
+from sglang_hs.store.shm import SharedRegion
+
+MAGIC = b"SGLHSRNG"
+VERSION = 1
+HEADER_BYTES = 4096
+OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
+OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
+REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
+_REC = struct.Struct("<IIQQIHIBxH")  # magic, flags, total, seq, T, P, H, dtype, pad, rid_len
+_TRAIL = struct.Struct("<IIQQ")  # magic, pad, seq, total
+ALIGN = 64
+DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+DTYPE_OF = {v: k for k, v in DTYPES.items()}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int) -> int:
+    return ALIGN + _align(rid_len) + _align(4 * T) + _align(T * P * H * elem) + ALIGN
+
+
+class TornRecord(RuntimeError):
+    pass
+
+
+@dataclass
+class Record:
+    rid: str
+    seq: int
+    input_ids: torch.Tensor  # [T] int32
+    rows: torch.Tensor  # [T, P, H]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class RingWriter:
+    def __init__(self, region: SharedRegion) -> None:
+        self.r = region
+        self.capacity = region.nbytes - HEADER_BYTES
+        self.seq = 0
+
+    @classmethod
+    def create(cls, dir_path: str, name: str, capacity: int) -> "RingWriter":
+        capacity = _align(capacity)
+        region = SharedRegion.create(dir_path, name, HEADER_BYTES + capacity)
+        hdr = region.buf
+        hdr[OFF_MAGIC : OFF_MAGIC + 8] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
+        hdr[OFF_VERSION : OFF_VERSION + 4] = torch.frombuffer(bytearray(struct.pack("<I", VERSION)), dtype=torch.uint8)
+        region.store_release(OFF_CAPACITY, capacity)
+        region.store_release(OFF_PID, os.getpid())
+        return cls(region)
+
+    def free_bytes(self) -> int:
+        return self.capacity - (self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL))
+
+    def _wait_for(self, nbytes: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.free_bytes() < nbytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"output ring {self.r.path}: no room for {nbytes} bytes after {timeout}s "
+                                   "(is a reader consuming it?)")
+            time.sleep(0.001)
+
+    def publish(self, rid: str, input_ids: torch.Tensor, rows: torch.Tensor, timeout: float = 60.0) -> int:
+        """Append one record; returns its sequence number. Blocks while the ring is full (bounded)."""
+        T, P, H = rows.shape
+        assert input_ids.shape == (T,) and rows.dtype in DTYPES
+        rid_b = rid.encode()
+        total = record_bytes(T, P, H, rows.element_size(), len(rid_b))
+        if total > self.capacity:
+            raise ValueError(f"record of {total} bytes (rid {rid!r}, {T} tokens) exceeds the output ring's "
+                             f"capacity of {self.capacity} bytes: raise --hs-ring-size")
+        head = self.r.load_acquire(OFF_HEAD)
+        pos = head % self.capacity
+        if pos + total > self.capacity:  # does not fit before the end: skip to 0
+            skip = self.capacity - pos
+            self._wait_for(skip + total, timeout)
+            if skip >= ALIGN:
+                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0))
+            head += skip
+            self.r.store_release(OFF_HEAD, head)
+            pos = 0
+        else:
+            self._wait_for(total, timeout)
+        self.seq += 1
+        base = HEADER_BYTES + pos
+        buf = self.r.buf
+        o = ALIGN
+        buf[base + o : base + o + len(rid_b)] = torch.frombuffer(bytearray(rid_b), dtype=torch.uint8) if rid_b else buf[:0]
+        o += _align(len(rid_b))
+        buf[base + o : base + o + 4 * T] = input_ids.to(torch.int32).contiguous().view(torch.uint8)
+        o += _align(4 * T)
+        n = T * P * H * rows.element_size()
+        buf[base + o : base + o + n] = rows.contiguous().view(-1).view(torch.uint8)
+        o += _align(n)
+        self._write(pos + o, _TRAIL.pack(REC_MAGIC, 0, self.seq, total))
+        self._write(pos, _REC.pack(REC_MAGIC, 0, total, self.seq, T, P, H, DTYPES[rows.dtype], len(rid_b)))
+        self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
+        return self.seq
+
+    def _write(self, pos: int, data: bytes) -> None:
+        base = HEADER_BYTES + pos
+        self.r.buf[base : base + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class RingReader:
+    def __init__(self, region: SharedRegion) -> None:
+        hdr = bytes(region.buf[:32].tolist())
+        if hdr[:8] != MAGIC:
+            raise ValueError(f"{region.path}: not an sglang-hs output ring (bad magic)")
+        (version,) = struct.unpack_from("<I", hdr, OFF_VERSION)
+        if version != VERSION:
+            raise ValueError(f"{region.path}: output ring format version {version}, this reader reads {VERSION}")
+        self.r = region
+        self.capacity = region.load_acquire(OFF_CAPACITY)
+        if self.capacity + HEADER_BYTES != region.nbytes:
+            raise ValueError(f"{region.path}: capacity {self.capacity} does not match the file size {region.nbytes}")
+
+    @classmethod
+    def open(cls, dir_path: str, name: str) -> "RingReader":
+        return cls(SharedRegion.open(dir_path, name))
+
+    def drain(self) -> List[Record]:
+        """Copy out every published record (one copy each) and release their bytes to the writer."""
+        out = []
+        head = self.r.load_acquire(OFF_HEAD)
+        tail = self.r.load_acquire(OFF_TAIL)
+        while tail < head:
+            pos = tail % self.capacity
+            if self.capacity - pos < ALIGN:  # too little room for a SKIP marker: implicit wrap
+                tail += self.capacity - pos
+                continue
+            base = HEADER_BYTES + pos
+            magic, _, total, seq, T, P, H, dt, rid_len = _REC.unpack(bytes(self.r.buf[base : base + _REC.size].tolist()))
+            if magic == SKIP_MAGIC:
+                tail += total
+                continue
+            if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF:
+                raise TornRecord(f"{self.r.path}: corrupt record header at offset {tail}")
+            tm, _, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
+            dtype = DTYPE_OF[dt]
+            elem = torch.empty(0, dtype=dtype).element_size()
+            if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len):
+                raise TornRecord(f"{self.r.path}: torn record seq {seq} at offset {tail}")
+            o = base + ALIGN
+            rid = bytes(self.r.buf[o : o + rid_len].tolist()).decode()
+            o += _align(rid_len)
+            ids = self.r.buf[o : o + 4 * T].clone().view(torch.int32)
+            o += _align(4 * T)
+            rows = self.r.buf[o : o + T * P * H * elem].clone().view(dtype).view(T, P, H)
+            out.append(Record(rid=rid, seq=seq, input_ids=ids, rows=rows))
+            tail += total
+        self.r.store_release(OFF_TAIL, tail)
+        return out

@@ -1,0 +1,113 @@
+"""The scheduler side of the capture: the store indexed by KV slot, and publishing finished records.
+
+One writer per attention-TP rank 0 (this slice: a single data-parallel group, writer 0). Files under
+the dump dir, all 0600, never through a symlink:
+    manifest.json      what the dump holds (see `manifest()`), rewritten atomically
+    store-w0.bin       [num_slots, P, H] rows, row s = the token whose KV lives in slot s
+    ring-w0.bin        the output ring of finished records (sglang_hs/store/ring.py)
+
+`copy()` runs inside every forward: the step's rows go to their KV slots (`out_cache_loc`). Prefix rows
+served by the radix cache are already in the store, written when that prefix was computed; chunked
+prefill needs no stitching. `finish()` runs where SGLang finishes a request (result processing, one
+step late under the overlap scheduler, before the KV slots are released): it gathers the request's
+rows through `req_to_token` in position order, checks the count, and publishes one record.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.fsutil import write_private_file
+from sglang_hs.store.ring import RingWriter
+from sglang_hs.store.shm import SharedRegion
+from sglang_hs.version import SGLANG_VERSION, __version__
+
+logger = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CaptureWriter:
+    def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
+                 model_path: str = "", architecture: str = "", writer_id: int = 0) -> None:
+        self.dump_dir, self.spec, self.writer_id = dump_dir, spec, writer_id
+        self.P = spec.num_aux + int(spec.last)
+        H = spec.hidden_size
+        elem = torch.empty(0, dtype=dtype).element_size()
+        for name in (f"store-w{writer_id}.bin", f"ring-w{writer_id}.bin"):
+            _remove_stale(dump_dir, name)
+        self.region = SharedRegion.create(dump_dir, f"store-w{writer_id}.bin", num_slots * self.P * H * elem)
+        self.store = self.region.buf.view(dtype).view(num_slots, self.P, H)
+        self.ring = RingWriter.create(dump_dir, f"ring-w{writer_id}.bin", ring_bytes)
+        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0}
+        self._manifest = {
+            "format_version": FORMAT_VERSION,
+            "sglang_hs_version": __version__,
+            "sglang_version": SGLANG_VERSION,
+            "model_path": model_path,
+            "architecture": architecture,
+            "dtype": str(dtype).replace("torch.", ""),
+            **spec.describe(),
+            "rows_per_token": self.P,
+            "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
+                         "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
+        }
+        write_private_file(dump_dir, MANIFEST, json.dumps(self._manifest, indent=1).encode())
+        logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
+                    dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
+
+    def copy(self, aux: torch.Tensor, last: Optional[torch.Tensor], loc: torch.Tensor) -> None:
+        T = aux.shape[0]
+        if T == 0:
+            return
+        if loc.shape[0] != T:  # out_cache_loc_virtual excludes kernel padding rows: keep the real ones
+            aux, last = aux[: loc.shape[0]], (last[: loc.shape[0]] if last is not None else None)
+            T = loc.shape[0]
+        if aux.is_cuda:
+            from sglang_hs.ops.copy_rows import copy_rows
+
+            copy_rows(aux, last if self.spec.last else None, loc, self._host_store())
+            return
+        rows = aux.view(T, self.spec.num_aux, self.spec.hidden_size)
+        if self.spec.last:
+            rows = torch.cat([rows, last.view(T, 1, -1)], dim=1)
+        self.store.index_copy_(0, loc.long(), rows.to(self.store.dtype))
+
+    def _host_store(self):
+        hs = getattr(self, "_registered", None)
+        if hs is None:
+            from sglang_hs.ops.copy_rows import HostStore
+            from sglang_hs.store import pinned
+
+            hs = self._registered = HostStore(self.store, pinned.register(self.region.buf))
+        return hs
+
+    def finish(self, rid: str, token_ids, slots: torch.Tensor) -> None:
+        """Publish the record of a finished request: `slots` are its KV slots in position order."""
+        t0 = time.perf_counter()
+        T = len(token_ids)
+        if slots.shape[0] != T:
+            raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
+        if slots.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
+        rows = self.store[slots.long().cpu()]
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
+        self.ring.publish(rid, ids, rows)
+        self.stats["records"] += 1
+        self.stats["rows"] += T
+        self.stats["bytes"] += rows.numel() * rows.element_size()
+        self.stats["gather_s"] += time.perf_counter() - t0
+
+
+def _remove_stale(dump_dir: str, name: str) -> None:
+    """A store or ring left by a dead server is replaced (a live one holds the launcher's lock)."""
+    path = os.path.join(dump_dir, name)
+    if os.path.lexists(path):
+        logger.warning("sglang-hs: replacing stale %s", path)
+        os.unlink(path)

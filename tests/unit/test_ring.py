@@ -1,0 +1,95 @@
+"""The output ring: records cross processes whole and in order, wrap around, and corruption is caught."""
+import multiprocessing as mp
+import struct
+
+import pytest
+import torch
+
+from sglang_hs._ext import ExtensionNotBuilt, ext
+
+try:
+    ext()
+except ExtensionNotBuilt as e:  # pragma: no cover
+    pytest.skip(f"extension not built: {e}", allow_module_level=True)
+
+from sglang_hs.store import ring  # noqa: E402
+from sglang_hs.store.shm import SharedRegion  # noqa: E402
+
+N, P, H = 300, 3, 40
+
+
+def _record(i):
+    g = torch.Generator().manual_seed(i)
+    T = 1 + (i * 7919) % 57
+    ids = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    rows = torch.randn(T, P, H, generator=g).to(torch.bfloat16)
+    return f"req-{i}-é", ids, rows
+
+
+def _writer(dir_path, capacity):
+    w = ring.RingWriter.create(dir_path, "ring-w0.bin", capacity)
+    for i in range(N):
+        rid, ids, rows = _record(i)
+        w.publish(rid, ids, rows, timeout=60)
+
+
+def test_records_cross_processes_whole_in_order_with_wraparound(tmp_path):
+    capacity = 3 * ring.record_bytes(57, P, H, 2, 16) + 1000  # small: forces wraps and back-pressure
+    p = mp.get_context("spawn").Process(target=_writer, args=(str(tmp_path), capacity))
+    p.start()
+    while not (tmp_path / "ring-w0.bin").exists():
+        assert p.exitcode is None
+    import time
+
+    time.sleep(0.2)  # creation happens before the header is written
+    reader = ring.RingReader.open(str(tmp_path), "ring-w0.bin")
+    got = []
+    deadline = time.monotonic() + 120
+    while len(got) < N and time.monotonic() < deadline:
+        got += reader.drain()
+    p.join(30)
+    assert p.exitcode == 0 and len(got) == N
+    for i, rec in enumerate(got):
+        rid, ids, rows = _record(i)
+        assert (rec.rid, rec.seq) == (rid, i + 1)
+        assert torch.equal(rec.input_ids, ids) and torch.equal(rec.rows, rows)
+
+
+def test_full_ring_blocks_then_times_out_without_overwriting(tmp_path):
+    w = ring.RingWriter.create(str(tmp_path), "r", ring.record_bytes(10, P, H, 2, 8) * 2)
+    rid, ids, rows = "a", torch.arange(10, dtype=torch.int32), torch.ones(10, P, H, dtype=torch.bfloat16)
+    w.publish(rid, ids, rows)
+    w.publish("b", ids, rows)
+    with pytest.raises(TimeoutError, match="no room"):
+        w.publish("c", ids, rows, timeout=0.2)
+    recs = ring.RingReader.open(str(tmp_path), "r").drain()
+    assert [r.rid for r in recs] == ["a", "b"]
+    w.publish("c", ids, rows, timeout=1)  # room again once read
+
+
+def test_record_larger_than_ring_is_refused(tmp_path):
+    w = ring.RingWriter.create(str(tmp_path), "r", 4096)
+    with pytest.raises(ValueError, match="exceeds the output ring's capacity .* --hs-ring-size"):
+        w.publish("big", torch.zeros(100, dtype=torch.int32), torch.zeros(100, P, H, dtype=torch.bfloat16))
+
+
+def test_corruption_is_detected_never_emitted(tmp_path):
+    w = ring.RingWriter.create(str(tmp_path), "r", 1 << 16)
+    w.publish("x", torch.arange(5, dtype=torch.int32), torch.ones(5, P, H, dtype=torch.bfloat16))
+    region = SharedRegion.open(str(tmp_path), "r")
+    trailer = ring.HEADER_BYTES + ring.record_bytes(5, P, H, 2, 1) - ring.ALIGN
+    region.buf[trailer + 8] ^= 0xFF  # the trailer's sequence number
+    with pytest.raises(ring.TornRecord, match="torn record seq 1"):
+        ring.RingReader.open(str(tmp_path), "r").drain()
+
+
+@pytest.mark.parametrize("what, message", [("magic", "not an sglang-hs output ring"), ("version", "format version 99")])
+def test_foreign_or_future_files_are_refused(tmp_path, what, message):
+    ring.RingWriter.create(str(tmp_path), "r", 4096)
+    region = SharedRegion.open(str(tmp_path), "r")
+    if what == "magic":
+        region.buf[0] = ord("X")
+    else:
+        region.buf[ring.OFF_VERSION : ring.OFF_VERSION + 4] = torch.frombuffer(bytearray(struct.pack("<I", 99)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        ring.RingReader.open(str(tmp_path), "r")
