@@ -1,8 +1,10 @@
 """`make demo`: the real SGLang server with the sglang-hs overlay on the embedded tiny DeepSeek-V3.
 
 Starts `python -m sglang_hs.launch_server --hs-dump-dir <tmp> --hs-last` (CPU engine when there is no
-GPU), sends a few chat requests, prints what was served and what the overlay saw, and stops the
-server. Extra arguments go to the launcher, e.g. `python -m sglang_hs.demo --chunked-prefill-size 16`.
+GPU), sends a few chat requests, reads each request's captured hidden states back from another
+process (`HiddenStateReader`), verifies them against HF transformers' `output_hidden_states` on the
+same checkpoint, prints a summary and stops the server. Extra arguments go to the launcher, e.g.
+`python -m sglang_hs.demo --chunked-prefill-size 16`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def verify(manifest: dict, records) -> None:
+    """Each captured row against HF transformers' output_hidden_states (float32, same checkpoint)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(manifest["model_path"], dtype=torch.float32).eval()
+    idx = manifest["hf_output_hidden_states_index"]
+    print(f"verification against HF transformers (relative row error, median / worst) for "
+          f"output_hidden_states{idx}:")
+    for rec in records:
+        with torch.no_grad():
+            hs = model(rec.input_ids[None].long(), output_hidden_states=True).hidden_states
+        got = list(rec.aux_hidden_states.unbind(1)) + [rec.last_hidden_state]
+        errs = [((g.float() - hs[i][0]).norm(dim=-1) / hs[i][0].norm(dim=-1)) for g, i in zip(got, idx)]
+        cells = "  ".join(f"[{i}] {e.median():.3f}/{e.max():.3f}" for i, e in zip(idx, errs))
+        print(f"  {rec.rid}: {cells}")
+    print("  (bf16 server vs float32 reference: ~0.01 is rounding; a wrong layer would be ~0.5)\n")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     port = _free_port()
@@ -53,17 +74,26 @@ def main(argv=None) -> int:
                 return 1
             time.sleep(0.5)
         print(f"server ready in {time.monotonic() - t0:.0f}s (log: {log_path})\n")
-        for q in QUESTIONS:
+        from sglang_hs import HiddenStateReader
+
+        reader = HiddenStateReader(dump_dir)
+        records = []
+        for i, q in enumerate(QUESTIONS):
             t = time.monotonic()
             r = requests.post(f"{url}/v1/chat/completions", timeout=300, json={
                 "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 16,
-                "temperature": 0})
+                "temperature": 0, "rid": f"demo-{i}"})
             r.raise_for_status()
             out = r.json()
+            rec = reader.take(f"demo-{i}", timeout=60)
+            records.append(rec)
             print(f"user:      {q}")
             print(f"assistant: {out['choices'][0]['message']['content']!r}")
             print(f"           ({out['usage']['prompt_tokens']} prompt + {out['usage']['completion_tokens']} "
-                  f"generated tokens, {time.monotonic() - t:.2f}s; random weights, so the words are noise)\n")
+                  f"generated tokens, {time.monotonic() - t:.2f}s; random weights, so the words are noise)")
+            print(f"captured:  {rec.num_tokens} rows (prompt + generated - 1): aux {tuple(rec.aux_hidden_states.shape)}"
+                  f", last {tuple(rec.last_hidden_state.shape)}\n")
+        verify(reader.manifest, records)
         time.sleep(1.2)  # the overlay flushes its status every 0.5 s
         for path in glob.glob(os.path.join(dump_dir, "overlay-*.json")):
             st = json.load(open(path))
@@ -73,7 +103,6 @@ def main(argv=None) -> int:
                   f"{cap['hf_output_hidden_states_index']} of a {cap['num_hidden_layers']}-layer model")
             print(f"forwards:   {dict(st['forwards'])}; rows {dict(st['rows'])}; packed aux rows of width "
                   f"{st['last_aux_shape'][1]} (= K x hidden)")
-        print("\nThe capture path (store, reader, training files) comes with the next milestone.")
         return 0
     finally:
         server.send_signal(signal.SIGTERM)

@@ -160,6 +160,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             sg_argv += ["--max-total-tokens", CPU_DEFAULT_MAX_TOTAL_TOKENS]
         if ns.hs_ring_size is None:
             ns.hs_ring_size = CPU_DEFAULT_RING_SIZE
+        if not _has_flag(sg_argv, "--sleep-on-idle"):
+            sg_argv += ["--sleep-on-idle"]  # an idle scheduler otherwise spins a core the CPU engine needs
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 

@@ -37,6 +37,7 @@ def _after_init_capturers(self) -> None:
         envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
         model_path=self.model_config.model_path,
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
+        device=self.device,
     )
     model.hs_writer = _writer
 
@@ -53,7 +54,11 @@ def _after_collect(self, req) -> None:
     tokens = list(req.origin_input_ids) + output
     T = len(tokens) - 1  # every prompt token, every generated token but the last
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
-    _writer.finish(str(req.rid), tokens[:T], slots)
+    try:
+        _writer.finish(str(req.rid), tokens[:T], slots)
+    except TimeoutError as e:  # until admission control lands: lose this record loudly, not the server
+        _writer.stats["dropped"] = _writer.stats.get("dropped", 0) + 1
+        logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
 
 
 def apply():

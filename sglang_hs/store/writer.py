@@ -35,7 +35,7 @@ MANIFEST = "manifest.json"
 
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
-                 model_path: str = "", architecture: str = "", writer_id: int = 0) -> None:
+                 model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu") -> None:
         self.dump_dir, self.spec, self.writer_id = dump_dir, spec, writer_id
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size
@@ -58,6 +58,8 @@ class CaptureWriter:
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
                          "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
         }
+        if str(device).startswith("cuda"):
+            self._host_store()  # register now: never during CUDA-graph capture
         write_private_file(dump_dir, MANIFEST, json.dumps(self._manifest, indent=1).encode())
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)

@@ -60,6 +60,7 @@ def test_prepare_cpu_mode_capture(tmp_path, clean_env):
     )
     assert dump_dir == str(dump) and oct(os.stat(dump).st_mode & 0o777) == "0o700"
     assert argv[argv.index("--max-total-tokens") + 1] == launch_server.CPU_DEFAULT_MAX_TOTAL_TOKENS
+    assert "--sleep-on-idle" in argv
     assert envs.SGLANG_HS_LAYERS == [1, 3] and envs.SGLANG_HS_LAST and envs.SGLANG_HS_DUMP_DIR == str(dump)
     assert envs.SGLANG_HS_RING_SIZE == 64 << 20 and envs.SGLANG_HS_CPU_MODE
     assert os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_hs.models"
