@@ -41,16 +41,18 @@ def verify(manifest: dict, records) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(manifest["model_path"], dtype=torch.float32).eval()
     idx = manifest["hf_output_hidden_states_index"]
-    print(f"verification against HF transformers (relative row error, median / worst) for "
-          f"output_hidden_states{idx}:")
+    print(f"verification against HF transformers for output_hidden_states{idx}: median relative row "
+          f"error / share of rows within 0.05")
     for rec in records:
         with torch.no_grad():
             hs = model(rec.input_ids[None].long(), output_hidden_states=True).hidden_states
         got = list(rec.aux_hidden_states.unbind(1)) + [rec.last_hidden_state]
         errs = [((g.float() - hs[i][0]).norm(dim=-1) / hs[i][0].norm(dim=-1)) for g, i in zip(got, idx)]
-        cells = "  ".join(f"[{i}] {e.median():.3f}/{e.max():.3f}" for i, e in zip(idx, errs))
+        cells = "  ".join(f"[{i}] {e.median():.3f} / {100 * (e < 0.05).float().mean():.0f}%" for i, e in zip(idx, errs))
         print(f"  {rec.rid}: {cells}")
-    print("  (bf16 server vs float32 reference: ~0.01 is rounding; a wrong layer would be ~0.5)\n")
+    print("  bf16 server vs float32 reference: ~0.01 is rounding. A row far off is a MoE routing near-tie (a\n"
+          "  token whose expert-group scores tie within ~1e-3 is routed differently in bf16; attention then\n"
+          "  carries a little of it to later tokens). A wrong layer id would be off by ~0.5 on every row.\n")
 
 
 def main(argv=None) -> int:
