@@ -30,13 +30,12 @@ from sglang_hs.fsutil import LOCK_NAME
 PHASES = [
     (re.compile(rb"Init parallel begin"), "initialising parallel groups"),
     (re.compile(rb"Load weight begin"), "loading weights"),
-    (re.compile(rb"\[sglang-hs\] overlay ready"), "overlay constructed"),
-    (LOAD_END := re.compile(rb"Load weight end"), "allocating the KV cache"),
+    (re.compile(rb"\[sglang-hs\] overlay ready"), OVERLAY := "overlay constructed"),
+    (re.compile(rb"Load weight end"), LOADED := "allocating the KV cache"),
     (re.compile(rb"KV Cache is allocated|Memory pool end"), "graph capture and scheduler start"),
     (re.compile(rb"Uvicorn running on"), "server warm-up"),
     (re.compile(rb"fired up and ready to roll"), "ready"),
 ]
-OVERLAY_MARK = re.compile(rb"\[sglang-hs\] overlay ready")
 
 EXIT_STALL = 3
 EXIT_NO_OVERLAY = 4
@@ -64,7 +63,8 @@ class Supervisor:
         self.cmd, self.startup_timeout, self.dump_dir = cmd, startup_timeout, dump_dir
         self.phase = "starting the server process"
         self.phase_since = self.last_progress = time.monotonic()
-        self.ready = self.overlay_seen = self.model_loaded = False
+        self.ready = False
+        self.seen: set = set()  # phases whose log line has appeared, in any order
         self.stop_signal: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self._pgid: Optional[int] = None
@@ -81,13 +81,11 @@ class Supervisor:
             out.flush()
             self.last_progress = time.monotonic()
             pending = (pending + chunk)[-4096:]
-            if OVERLAY_MARK.search(pending):
-                self.overlay_seen = True
-            if LOAD_END.search(pending) or b"fired up and ready" in pending:
-                self.model_loaded = True
             for pattern, phase in PHASES:
-                if pattern.search(pending) and self.phase != phase and not self.ready:
-                    self._enter(phase)
+                if phase not in self.seen and pattern.search(pending):
+                    self.seen.add(phase)
+                    if not self.ready:
+                        self._enter(phase)
             # keep only the tail after the last newline so one line is not matched twice
             nl = pending.rfind(b"\n")
             if nl >= 0:
@@ -203,7 +201,7 @@ class Supervisor:
                     self.dump_stacks()
                     code = EXIT_STALL
                     break
-                if self.model_loaded and not self.overlay_seen:
+                if (LOADED in self.seen or self.ready) and OVERLAY not in self.seen:
                     log(
                         "error: SGLang loaded the model but the sglang-hs overlay never announced itself; SGLang "
                         "fell back to its built-in model class (look for 'Ignore import error' above)"

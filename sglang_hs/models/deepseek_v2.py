@@ -114,6 +114,7 @@ class _HiddenStateOverlay:
             self.model.hs_spec = self.hs_spec
             self.hs_status = OverlayStatus(dump_dir, type(self).__name__, self.hs_spec)
         _maybe_hang("load")
+        self._hs_hang_in_warmup = envs.SGLANG_HS_TEST_HANG_PHASE == "warmup"
         print(
             f"[sglang-hs] overlay ready: {type(self).__module__}.{type(self).__name__} pid={os.getpid()} "
             f"capture={'on ' + str(self.hs_spec.describe()['layer_ids']) if self.hs_spec else 'off'}"
@@ -136,7 +137,7 @@ class _HiddenStateOverlay:
             return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         with upstream.get_attn_tp_context().maybe_input_scattered(forward_batch):
             hidden, aux = self.model(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
-        if forward_batch.rids:
+        if self._hs_hang_in_warmup and getattr(forward_batch, "rids", None):
             _maybe_hang("warmup")
         self.hs_status.record(forward_batch, hidden.shape[0], tuple(aux.shape))
         if self.hs_writer is not None:
