@@ -2,7 +2,7 @@
 overlay class served the requests with capture on.
 
 `<dump_dir>/overlay-<pid>.json`: class, pid, capture spec, forwards and rows per forward mode, the
-aux shape last seen and the last request ids served. Counted in Python, so forwards replayed from a
+aux shape last seen, the last request ids served, and the writer's and admission control's counters. Counted in Python, so forwards replayed from a
 CUDA graph are not counted (on the CPU engine every forward is). Rewritten atomically by a daemon
 thread at most twice a second, never from the forward itself.
 """
@@ -36,6 +36,7 @@ class OverlayStatus:
             "last_aux_shape": None,
             "recent_rids": collections.deque(maxlen=256),
         }
+        self.sources = {}  # name -> dict of counters kept elsewhere (the writer, admission control)
         self._flush()
         threading.Thread(target=self._run, name="sglang-hs-status", daemon=True).start()
 
@@ -53,12 +54,13 @@ class OverlayStatus:
     def _run(self) -> None:
         while True:
             time.sleep(FLUSH_INTERVAL_S)
-            if self._dirty:
+            if self._dirty or self.sources:
                 self._flush()
 
     def _flush(self) -> None:
         with self._lock:
             self._dirty = False
             payload = {k: (list(v) if isinstance(v, collections.deque) else v) for k, v in self._data.items()}
+            payload.update({name: dict(counters) for name, counters in self.sources.items()})
             text = json.dumps(payload, default=dict)
         write_private_file(self.dump_dir, self.name, text.encode())

@@ -8,9 +8,12 @@ Ledger (what / why / upstream status / removal plan):
 |                   | for DeepSeek MLA that always dispatches to   |                  |
 |                   | the absorbed MLA path                        |                  |
 | capture_hooks     | wraps ModelRunner.init_routed_experts_       | capture on       |
-|                   | capturer (create the store) and              |                  |
+|                   | capturer (create the store),                 |                  |
 |                   | SchedulerBatchResultProcessor._maybe_collect_|                  |
-|                   | routed_experts (publish a finished request)  |                  |
+|                   | routed_experts (publish a finished request), |                  |
+|                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
+|                   | (admission control) and                      |                  |
+|                   | Scheduler.ingest_requests (to see its queues)|                  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -25,7 +28,9 @@ capture_hooks
   why:      the store must be sized from the KV pool (known to the ModelRunner, after the model is
             built, before CUDA-graph capture), and records must be published where SGLang finishes a
             request, before its KV slots are released. SGLang's own routed-experts capturer has exactly
-            these two points; we wrap them (original called first, unchanged).
+            these two points; we wrap them (original called first, unchanged). Admission control must
+            decide on the writer rank before SGLang broadcasts new requests to the other ranks, which
+            is `_pull_raw_reqs` (sglang_hs/store/admission.py says why).
   upstream: no extension point for per-token capturers in 0.5.23 besides these.
   removal:  if SGLang grows a capturer registry or a `sglang.srt.plugins` hook at both points, move
             there. A change of either method's name or signature fails `apply()` loudly (AttributeError

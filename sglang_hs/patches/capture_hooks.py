@@ -13,6 +13,8 @@ from sglang_hs.version import SGLANG_VERSION
 logger = logging.getLogger(__name__)
 ORIGINALS = {}
 _writer = None  # this process's CaptureWriter, when it is a writer rank
+_admission = None  # its AdmissionControl
+_scheduler = None  # the Scheduler of this process, for reconciling reservations
 
 
 def get_writer():
@@ -21,7 +23,7 @@ def get_writer():
 
 def _after_init_capturers(self) -> None:
     ORIGINALS["init_routed_experts_capturer"](self)
-    global _writer
+    global _writer, _admission
     from sglang.srt.runtime_context import get_parallel
 
     model, par = self.model, get_parallel()
@@ -40,12 +42,19 @@ def _after_init_capturers(self) -> None:
         device=self.device,
     )
     model.hs_writer = _writer
+    from sglang_hs.store.admission import AdmissionControl
+
+    _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
+                                  self.model_config.context_len)
+    if model.hs_status is not None:  # shown in the overlay's status file
+        model.hs_status.sources.update(writer=_writer.stats, admission=_admission.stats)
 
 
 def _after_collect(self, req) -> None:
     ORIGINALS["_maybe_collect_routed_experts"](self, req)
     if _writer is None:
         return
+    _admission.release(req.rid)
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith("HEALTH_CHECK"):
@@ -56,9 +65,35 @@ def _after_collect(self, req) -> None:
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
     try:
         _writer.finish(str(req.rid), tokens[:T], slots)
-    except TimeoutError as e:  # until admission control lands: lose this record loudly, not the server
+    except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
         _writer.stats["dropped"] = _writer.stats.get("dropped", 0) + 1
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
+
+
+def _ingest_requests(self, *args, **kwargs):
+    global _scheduler
+    _scheduler = self
+    return ORIGINALS["ingest_requests"](self, *args, **kwargs)
+
+
+def _known_rids():
+    s = _scheduler
+    if s is None:
+        return None
+    rids = {r.rid for r in s.waiting_queue}
+    for batch in (s.running_batch, s.last_batch):
+        if batch is not None:
+            rids.update(r.rid for r in batch.reqs)
+    if s.chunked_req is not None:
+        rids.add(s.chunked_req.rid)
+    return rids
+
+
+def _pull_raw_reqs(self):
+    pulled = ORIGINALS["_pull_raw_reqs"](self)
+    if _admission is None or pulled is None:
+        return pulled
+    return _admission.filter(pulled, _known_rids())
 
 
 def apply():
@@ -66,12 +101,18 @@ def apply():
     from sglang.srt.managers.scheduler_components.batch_result_processor import (
         SchedulerBatchResultProcessor as BatchResultProcessor,
     )
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     if sglang.__version__ != SGLANG_VERSION:
         raise RuntimeError(f"sglang-hs capture hooks target sglang {SGLANG_VERSION}, found {sglang.__version__}")
     ORIGINALS["init_routed_experts_capturer"] = ModelRunner.init_routed_experts_capturer
     ORIGINALS["_maybe_collect_routed_experts"] = BatchResultProcessor._maybe_collect_routed_experts
+    ORIGINALS["ingest_requests"] = Scheduler.ingest_requests
+    ORIGINALS["_pull_raw_reqs"] = SchedulerRequestReceiver._pull_raw_reqs
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
+    Scheduler.ingest_requests = _ingest_requests
+    SchedulerRequestReceiver._pull_raw_reqs = _pull_raw_reqs
     return dict(ORIGINALS)

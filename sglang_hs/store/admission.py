@@ -1,0 +1,96 @@
+"""Admission control: a request enters SGLang only when the output ring is sure to have room for its
+record, so nothing waits inside a forward step and nothing is overwritten or dropped.
+
+Where: on the writer rank (attention-TP rank 0), where SGLang pulls new requests from the tokenizer,
+BEFORE it broadcasts them to the other ranks: every rank sees the same request stream, so their
+scheduling stays identical. Requests that do not fit are held here, in arrival order, and pulled again
+on the next scheduler iteration; other messages (aborts, control) pass at once, and an abort of a
+held request releases that request with it, so SGLang answers both as usual.
+
+Accounting: each admitted request reserves twice its worst-case record (prompt + max_new_tokens - 1
+rows; twice, since a record that does not fit before the end of the ring wastes up to its own size
+there). A reservation is released when the request finishes (published or not), and reconciled
+against the scheduler's queues every half second, so a request that leaves any other way (rejected,
+aborted while waiting) frees its share too. Invariant: reserved bytes <= free ring bytes at admission,
+and free bytes only grow as the reader consumes, so `publish` never has to wait.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Dict, List, Optional
+
+from sglang_hs.store.ring import record_bytes
+
+logger = logging.getLogger(__name__)
+RECONCILE_EVERY_S = 0.5
+LOG_EVERY_S = 10.0
+
+
+class AdmissionControl:
+    def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int) -> None:
+        self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
+        self.reserved: Dict[str, int] = {}
+        self.held: "collections.deque" = collections.deque()
+        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0}
+        self._last_reconcile = self._last_log = 0.0
+
+    def need(self, req) -> int:
+        n_in = len(req.input_ids) if req.input_ids is not None else 0
+        max_new = getattr(req.sampling_params, "max_new_tokens", None)
+        if max_new is None:
+            max_new = max(1, self.context_len - n_in)
+        rows = max(0, n_in + max_new - 1)
+        return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()))
+
+    def filter(self, pulled: Optional[List], known_rids=None) -> Optional[List]:
+        """Called with what the writer rank pulled this iteration; returns what may enter now."""
+        if pulled is None:
+            return None
+        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+
+        now = time.monotonic()
+        if known_rids is not None and self.reserved and now - self._last_reconcile > RECONCILE_EVERY_S:
+            self._last_reconcile = now
+            for rid in [r for r in self.reserved if r not in known_rids]:
+                self.release(rid)
+        out = []
+        for msg in pulled:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.held.append(msg)
+            elif isinstance(msg, AbortReq) and self.held:
+                keep = collections.deque()
+                for h in self.held:  # an aborted held request goes in with its abort
+                    (out if (msg.abort_all or h.rid == msg.rid) else keep).append(h)
+                self.held = keep
+                out.append(msg)
+            else:
+                out.append(msg)
+        free = self.ring.free_bytes() - sum(self.reserved.values())
+        while self.held:
+            req = self.held[0]
+            need = self.need(req)
+            if need > self.ring.capacity:  # could never fit: let SGLang run it; its record is refused
+                self.stats["oversized"] += 1
+                logger.error("sglang-hs: request %s may need %d bytes of output ring, more than its %d: "
+                             "raise --hs-ring-size", req.rid, need, self.ring.capacity)
+                out.append(self.held.popleft())
+                continue
+            if need > free:
+                break
+            self.reserved[str(req.rid)] = need
+            free -= need
+            out.append(self.held.popleft())
+        if self.held:
+            self.stats["admission_waits"] += 1
+            if now - self._last_log > LOG_EVERY_S:
+                self._last_log = now
+                logger.warning("sglang-hs: admission waiting: %d request(s) held until the reader frees the output "
+                               "ring (%d bytes free, %d reserved)", len(self.held), self.ring.free_bytes(),
+                               sum(self.reserved.values()))
+        self.stats["held_now"] = len(self.held)
+        return out
+
+    def release(self, rid: str) -> None:
+        self.reserved.pop(str(rid), None)
