@@ -1,0 +1,138 @@
+"""The server's own capture code on a GPU, without SGLang: CaptureWriter copying inside CUDA graph
+replays into a registered /dev/shm store, finish-time gather through a req_to_token table, publish
+into the output ring, and HiddenStateReader in another process reading every record back."""
+import multiprocessing as mp
+import os
+import tempfile
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
+
+from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
+from sglang_hs.store import pinned  # noqa: E402
+from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+K, H, SLOTS, PAD = 3, 512, 4096, 0
+
+
+def _read_all(dump_dir, rids, out_path):
+    from sglang_hs import HiddenStateReader
+
+    r = HiddenStateReader(dump_dir)
+    recs = {rid: r.take(rid, timeout=120) for rid in rids}
+    torch.save({rid: (rec.input_ids, rec.aux_hidden_states, rec.last_hidden_state) for rid, rec in recs.items()},
+               out_path)
+
+
+def test_writer_through_graph_replays_to_a_reader_process():
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
+    w = CaptureWriter(d, spec, SLOTS, torch.bfloat16, 64 << 20, device="cuda")
+    torch.manual_seed(0)
+    wt = torch.randn(H, K * H, device="cuda", dtype=torch.bfloat16) / H**0.5
+
+    def step(x, loc):  # a stand-in model step: aux and final state from x, then the overlay's copy
+        aux = x @ wt
+        last = torch.nn.functional.rms_norm(x, (H,))
+        w.copy(aux, last, loc)
+        return aux, last
+
+    # Decode: one graph per batch-size bucket, static inputs as SGLang's runner keeps them.
+    graphs = {}
+    for bs in (1, 2, 4, 8):
+        x = torch.zeros(bs, H, device="cuda", dtype=torch.bfloat16)
+        loc = torch.zeros(bs, device="cuda", dtype=torch.int64)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(x, loc)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            aux, last = step(x, loc)
+        graphs[bs] = (g, x, loc, aux, last)
+
+    n_req = 6
+    prompt_len = [5, 17, 1, 33, 9, 12]
+    new_tokens = [4, 1, 7, 3, 5, 2]
+    free = (torch.randperm(SLOTS - 1) + 1).tolist()
+    req_to_token = torch.zeros(n_req, 64, dtype=torch.int64, device="cuda")
+    expected = {i: [] for i in range(n_req)}
+    tokens = {i: list(range(100 * i, 100 * i + prompt_len[i])) for i in range(n_req)}
+    # Prefill (eager, like SGLang's outer forward), all prompts in one batch.
+    locs, xs = [], []
+    for i in range(n_req):
+        sl = [free.pop() for _ in range(prompt_len[i])]
+        req_to_token[i, : prompt_len[i]] = torch.tensor(sl)
+        xi = torch.randn(prompt_len[i], H, device="cuda", dtype=torch.bfloat16)
+        xs.append(xi)
+        locs += sl
+    aux, last = step(torch.cat(xs), torch.tensor(locs, device="cuda"))
+    rows = torch.cat([aux.view(-1, K, H), last[:, None]], 1).cpu()
+    o = 0
+    for i in range(n_req):
+        expected[i].append(rows[o : o + prompt_len[i]])
+        o += prompt_len[i]
+    # Decode steps through the graphs, padded to the bucket; requests finish at different steps.
+    seq = list(prompt_len)
+    finished = set()
+    for t in range(max(new_tokens) - 1):  # every generated token but the last is forwarded
+        live = [i for i in range(n_req) if t < new_tokens[i] - 1]
+        bs = next(b for b in (1, 2, 4, 8) if b >= len(live))
+        g, x, loc, aux, last = graphs[bs]
+        sl = [free.pop() for _ in live]
+        for i, s_ in zip(live, sl):
+            req_to_token[i, seq[i]] = s_
+            tokens[i].append(1000 + t)
+            seq[i] += 1
+        x.copy_(torch.randn(bs, H, device="cuda", dtype=torch.bfloat16))
+        loc.copy_(torch.tensor(sl + [PAD] * (bs - len(live)), device="cuda"))
+        g.replay()
+        step_rows = torch.cat([aux.view(bs, K, H), last[:, None]], 1).cpu()
+        for j, i in enumerate(live):
+            expected[i].append(step_rows[j : j + 1])
+        for i in range(n_req):  # finish the ones whose last forwarded row was this step
+            if i not in finished and (new_tokens[i] - 1 == t + 1 or new_tokens[i] == 1):
+                finished.add(i)
+                w.finish(f"gpu-{i}", tokens[i], req_to_token[i, : seq[i]])
+    for i in range(n_req):
+        if i not in finished:
+            w.finish(f"gpu-{i}", tokens[i], req_to_token[i, : seq[i]])
+    out_path = os.path.join(d, "read.pt")
+    p = mp.get_context("spawn").Process(target=_read_all, args=(d, [f"gpu-{i}" for i in range(n_req)], out_path))
+    p.start()
+    p.join(180)
+    assert p.exitcode == 0
+    got = torch.load(out_path)
+    for i in range(n_req):
+        ids, aux_rows, last_rows = got[f"gpu-{i}"]
+        want = torch.cat(expected[i])
+        assert ids.tolist() == tokens[i] and want.shape[0] == prompt_len[i] + new_tokens[i] - 1
+        assert torch.equal(aux_rows, want[:, :K]) and torch.equal(last_rows, want[:, K]), f"request {i}"
+    assert w.stats["records"] == n_req
+    pinned.unregister(w.region.buf)
+
+
+def test_torch_cudart_fallback_registration_is_equivalent(monkeypatch):
+    """Without the extension's CUDA part, registration goes through torch's cudart binding and the
+    host address serves as the device address; the kernel writes the same bytes."""
+    monkeypatch.setattr(pinned, "_cuda_ext", lambda: None)
+    S, T = 256, 40
+    host = torch.empty(S * (K + 1) * H * 2, dtype=torch.uint8)
+    view = host.view(torch.bfloat16).view(S, K + 1, H)
+    view.fill_(float("nan"))
+    store = HostStore(view, pinned.register(host))
+    try:
+        aux = torch.randn(T, K * H, device="cuda", dtype=torch.bfloat16)
+        last = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        slots = torch.randperm(S - 1, device="cuda")[:T] + 1
+        copy_rows(aux, last, slots, store)
+        torch.cuda.synchronize()
+        assert torch.equal(view[slots.cpu()], torch.cat([aux.view(T, K, H), last[:, None]], 1).cpu())
+    finally:
+        pinned.unregister(host)
