@@ -92,8 +92,9 @@ class _HiddenStateOverlay:
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         from sglang_hs import patches
 
-        patches.apply()
+        applied = sorted(patches.apply())
         super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self._hs_patches = applied
         self._hs_init(config)
 
     def _hs_init(self, config) -> None:
@@ -118,7 +119,7 @@ class _HiddenStateOverlay:
         print(
             f"[sglang-hs] overlay ready: {type(self).__module__}.{type(self).__name__} pid={os.getpid()} "
             f"capture={'on ' + str(self.hs_spec.describe()['layer_ids']) if self.hs_spec else 'off'}"
-            f"{' +last' if self.hs_spec and self.hs_spec.last else ''}",
+            f"{' +last' if self.hs_spec and self.hs_spec.last else ''} runtime-patches={self._hs_patches}",
             file=sys.stderr,
             flush=True,
         )

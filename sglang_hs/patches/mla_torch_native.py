@@ -1,6 +1,7 @@
 """CPU engine: dispatch DeepSeek MLA attention under `torch_native` to the absorbed MLA path.
 
-See the ledger in sglang_hs/patches/__init__.py.
+See the ledger in sglang_hs/patches/__init__.py. patches/0001-torch-native-mla-dispatch.patch is the
+same change as a source patch; where it is applied, this one stands aside.
 """
 from __future__ import annotations
 
@@ -25,5 +26,7 @@ def apply():
             f"sglang-hs patch mla_torch_native targets sglang {SGLANG_VERSION}, found {sglang.__version__}"
         )
     original = abh.AttentionBackendRegistry._handlers.get(BACKEND)
+    if getattr(abh, "handle_attention_torch_native", None) is original is not None:
+        return original  # sglang's source carries patches/0001: nothing to do
     abh.AttentionBackendRegistry.register(BACKEND, handle_attention_torch_native)
     return original

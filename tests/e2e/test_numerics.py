@@ -12,6 +12,8 @@ from the reference moves the median far beyond that (checked below), so the test
 model, bf16 noise" from "wrong computation". Greedy tokens are compared only where the reference's
 top-1 margin exceeds 0.1 nats: random weights give near-ties elsewhere.
 """
+import functools
+
 import pytest
 import torch
 
@@ -27,8 +29,8 @@ TEXT = (
 MEDIAN, P90, WORST, MARGIN = 0.01, 0.03, 0.3, 0.1
 
 
-@pytest.fixture(scope="module")
-def hf():
+@functools.lru_cache(maxsize=1)
+def _hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_model.ensure()
@@ -41,11 +43,15 @@ def _ref_logprobs(model, ids):
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
-def test_prompt_logprobs_match_hf(capture_server, hf):
-    model, tok = hf
+def test_prompt_logprobs_match_hf(capture_server):
+    check_prompt_logprobs(capture_server)
+
+
+def check_prompt_logprobs(server):
+    model, tok = _hf()
     ids = [tok.bos_token_id] + tok(TEXT, add_special_tokens=False)["input_ids"]
     assert len(ids) > 2 * CHUNK + 1  # spans three prefill chunks: prefix attention is exercised too
-    out = capture_server.generate(
+    out = server.generate(
         input_ids=ids, rid="e2e-numerics", return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
         sampling_params={"max_new_tokens": 1, "temperature": 0},
     )
