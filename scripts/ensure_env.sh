@@ -39,6 +39,16 @@ if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.deps 2>/dev/null)" != "$deps" ];
     echo "$deps" > .venv/.deps
 fi
 
+# Tools (a Dockerfile linter): their own small cache, keyed by requirements/tools.txt.
+tkey=$(cat requirements/tools.txt | sha256sum | cut -c1-16)
+tools="$cache/tools/$tkey"
+if [ ! -f "$tools/.complete" ]; then
+    rm -rf "$tools"
+    .venv/bin/pip install -q --target "$tools" -r requirements/tools.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    touch "$tools/.complete"
+fi
+ln -sf "$tools/bin/hadolint" .venv/bin/hadolint
+
 # sglang-hs from this clone, every run: an editable install, so Python sources are live. The compiled
 # extension is rebuilt only when its inputs change (a stamp of their hash), since a rebuild costs ~1 min.
 stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)

@@ -132,12 +132,27 @@ def fs_type(path: str) -> str:
     return kind
 
 
+def check_sglang_version() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from sglang_hs.version import SGLANG_VERSION, __version__
+
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        found = "none"
+    if found != SGLANG_VERSION:
+        raise CaptureConfigError(f"sglang-hs {__version__} runs on sglang {SGLANG_VERSION} only, found sglang "
+                                 f"{found}: pip install sglang=={SGLANG_VERSION}")
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
     from sglang_hs import fsutil, tiny_model
     from sglang_hs.cpu import stubs_dir
 
+    check_sglang_version()
     ns, sg_argv = split_argv(argv)
     env = os.environ
     env["SGLANG_HS_ACTIVE"] = "1"

@@ -69,7 +69,8 @@ def leftover_server_processes(output: str) -> List[int]:
 class Launcher:
     """`python -m sglang_hs.launch_server ARGS` as a child, its output collected in `self.output`."""
 
-    def __init__(self, args: List[str], env: Optional[dict] = None, port: Optional[int] = None) -> None:
+    def __init__(self, args: List[str], env: Optional[dict] = None, port: Optional[int] = None,
+                 python: str = sys.executable) -> None:
         self.port = port or free_port()
         self.args = list(args) + ["--port", str(self.port)]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -79,7 +80,7 @@ class Launcher:
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_hs.launch_server", *self.args],
+            [python, "-m", "sglang_hs.launch_server", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=tempfile.gettempdir(),
         )
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -116,3 +116,11 @@ def test_prepare_refuses_bad_dump_dir(tmp_path, clean_env, kind):
 def test_fs_type_of_dev_shm():
     if os.path.isdir("/dev/shm"):
         assert launch_server.fs_type("/dev/shm/anything") == "tmpfs"
+
+
+def test_refuses_any_other_sglang(tmp_path, clean_env, monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.22" if name == "sglang" else "0")
+    with pytest.raises(CaptureConfigError, match="runs on sglang 0.5.23 only, found sglang 0.5.22"):
+        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu"])
