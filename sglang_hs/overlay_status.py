@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 import threading
 import time
 
@@ -18,6 +19,7 @@ from sglang_hs.capture_spec import CaptureSpec
 from sglang_hs.fsutil import write_private_file
 
 FLUSH_INTERVAL_S = 0.5
+LOG_INTERVAL_S = 60.0
 
 
 class OverlayStatus:
@@ -52,10 +54,22 @@ class OverlayStatus:
             self._dirty = True
 
     def _run(self) -> None:
+        last_log = time.monotonic()
         while True:
             time.sleep(FLUSH_INTERVAL_S)
             if self._dirty or self.sources:
                 self._flush()
+            if self.sources and time.monotonic() - last_log >= LOG_INTERVAL_S:
+                last_log = time.monotonic()
+                self._log_line()
+
+    def _log_line(self) -> None:
+        """One line a minute: what was captured and published, and how admission is doing."""
+        w, a = self.sources.get("writer", {}), self.sources.get("admission", {})
+        print(f"[sglang-hs] published {w.get('records', 0)} records, {w.get('rows', 0)} rows, "
+              f"{w.get('bytes', 0) / 1e9:.3f} GB (gather {w.get('gather_s', 0.0):.2f}s in all); "
+              f"admission waits {a.get('admission_waits', 0)}, held now {a.get('held_now', 0)}; "
+              f"dropped {w.get('dropped', 0)}", file=sys.stderr, flush=True)
 
     def _flush(self) -> None:
         with self._lock:

@@ -42,9 +42,20 @@ class CaptureWriter:
         elem = torch.empty(0, dtype=dtype).element_size()
         for name in (f"store-w{writer_id}.bin", f"ring-w{writer_id}.bin"):
             _remove_stale(dump_dir, name)
-        self.region = SharedRegion.create(dump_dir, f"store-w{writer_id}.bin", num_slots * self.P * H * elem)
+        nbytes = num_slots * self.P * H * elem
+        try:
+            self.region = SharedRegion.create(dump_dir, f"store-w{writer_id}.bin", nbytes)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"sglang-hs: the store needs {nbytes / 1e9:.2f} GB ({num_slots} KV slots x {self.P} x {H} x {elem} "
+                f"bytes) in {dump_dir} ({e}); shrink it with --max-total-tokens or --mem-fraction-static, or "
+                "give the dump dir's filesystem more room") from None
         self.store = self.region.buf.view(dtype).view(num_slots, self.P, H)
-        self.ring = RingWriter.create(dump_dir, f"ring-w{writer_id}.bin", ring_bytes)
+        try:
+            self.ring = RingWriter.create(dump_dir, f"ring-w{writer_id}.bin", ring_bytes)
+        except RuntimeError as e:
+            raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
+                               "lower --hs-ring-size") from None
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0}
         self._manifest = {
             "format_version": FORMAT_VERSION,

@@ -93,3 +93,22 @@ def test_foreign_or_future_files_are_refused(tmp_path, what, message):
         region.buf[ring.OFF_VERSION : ring.OFF_VERSION + 4] = torch.frombuffer(bytearray(struct.pack("<I", 99)), dtype=torch.uint8)
     with pytest.raises(ValueError, match=message):
         ring.RingReader.open(str(tmp_path), "r")
+
+
+def test_store_that_does_not_fit_names_the_flags(tmp_path):
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.store.writer import CaptureWriter
+
+    spec = CaptureSpec.resolve([0], True, 8, 7168)
+    import os
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="shrink it with --max-total-tokens or --mem-fraction-static"):
+            CaptureWriter(d, spec, 1 << 40, torch.bfloat16, 1 << 20)
+        with pytest.raises(RuntimeError, match="lower --hs-ring-size"):
+            CaptureWriter(d, spec, 16, torch.bfloat16, 1 << 50)
+    finally:
+        shutil.rmtree(d)
