@@ -8,7 +8,9 @@ phases from it. Start-up fails (non-zero exit, nothing left running) when:
   - SGLang finished loading the model, or reports ready, but no process announced the sglang-hs
     overlay (SGLang silently serves its built-in class when the overlay fails to import).
 After start-up it relays output until the server exits; SIGINT/SIGTERM stop the whole group.
-On the way out it kills what is left of the group and removes the files the server left in the dump dir.
+On the way out it kills what is left of the group and removes the files the server left in the dump dir,
+and the `/dev/shm/sglang_loads_*.shm` segments SGLang 0.5.23 creates at start-up and never unlinks
+(16 KB each; upstream sweeps them only in its own CI), when no live process maps them any more.
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class Supervisor:
         self.ready = False
         self.seen: set = set()  # phases whose log line has appeared, in any order
         self.stop_signal: Optional[int] = None
+        self.started_at = time.time()
         self.proc: Optional[subprocess.Popen] = None
         self._pgid: Optional[int] = None
 
@@ -177,6 +180,25 @@ class Supervisor:
             except OSError:
                 pass
 
+    def _cleanup_sglang_shm(self) -> None:
+        candidates = [p for p in glob.glob("/dev/shm/sglang_loads_*.shm")
+                      if os.stat(p).st_mtime >= self.started_at - 1]
+        if not candidates:
+            return
+        mapped = set()
+        for maps in glob.glob("/proc/[0-9]*/maps"):
+            try:
+                with open(maps) as f:
+                    mapped.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/sglang_loads_" in line)
+            except OSError:
+                pass
+        for path in candidates:
+            if path not in mapped:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
     def run(self) -> int:
         self.proc = subprocess.Popen(
             self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -215,6 +237,7 @@ class Supervisor:
             self._shutdown_group()
             relay.join(timeout=5)
             self._cleanup_dump_dir()
+            self._cleanup_sglang_shm()
         if code:
             return code
         if self.stop_signal is not None:

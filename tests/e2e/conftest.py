@@ -1,4 +1,6 @@
 """One real server per configuration, shared by the tests of a session."""
+import glob
+
 import pytest
 
 from helpers import Launcher, leftover_server_processes
@@ -30,7 +32,12 @@ def plain_sched_server(plain_dump_dir):
     yield from _serve(plain_dump_dir, ["--hs-last", "--disable-radix-cache", "--disable-overlap-schedule"])
 
 
+def _sglang_shm():
+    return set(glob.glob("/dev/shm/sglang_loads_*.shm"))
+
+
 def _serve(dump_dir, args):
+    before = _sglang_shm()
     server = Launcher(["--hs-dump-dir", str(dump_dir), "--hs-ring-size", "64MiB", *args])
     try:
         yield server.wait_ready()
@@ -39,3 +46,4 @@ def _serve(dump_dir, args):
         assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"  # stopped by our SIGTERM
         assert not leftover_server_processes(server.output)
         assert not list(dump_dir.glob("overlay-*.json")) and not list(dump_dir.glob("store-*.bin"))
+        assert not _sglang_shm() - before  # nor SGLang's own start-up segments

@@ -3,6 +3,7 @@ replays into a registered /dev/shm store, finish-time gather through a req_to_to
 into the output ring, and HiddenStateReader in another process reading every record back."""
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -116,6 +117,7 @@ def test_writer_through_graph_replays_to_a_reader_process():
         assert torch.equal(aux_rows, want[:, :K]) and torch.equal(last_rows, want[:, K]), f"request {i}"
     assert w.stats["records"] == n_req
     pinned.unregister(w.region.buf)
+    shutil.rmtree(d)
 
 
 def test_torch_cudart_fallback_registration_is_equivalent(monkeypatch):
