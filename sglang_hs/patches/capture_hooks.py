@@ -81,6 +81,7 @@ def _known_rids():
     if s is None:
         return None
     rids = {r.rid for r in s.waiting_queue}
+    rids.update(getattr(r, "rid", None) for r in getattr(s, "_deferred_input_requests", ()))
     for batch in (s.running_batch, s.last_batch):
         if batch is not None:
             rids.update(r.rid for r in batch.reqs)
