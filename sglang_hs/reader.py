@@ -10,7 +10,8 @@ A record holds `input_ids` [T] and `positions` [T] (int32; row t is position t),
 `last_hidden_state` [T, H] (HF `output_hidden_states[n]`) when the server runs with `--hs-last`.
 T = every prompt token, then every generated token but the last. The reader drains the ring eagerly
 (one copy per record, then the bytes go back to the server), so holding on to one record never stalls
-the server. Aborted requests and `HEALTH_CHECK` requests are not emitted.
+the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
+emitted.
 """
 from __future__ import annotations
 

@@ -49,7 +49,12 @@ def main(argv) -> int:
 
     from sglang_hs.capture_spec import CaptureConfigError
 
+    from sglang_hs import envs
+    from sglang_hs.patches import warmup_rid
+
     load_plugins()
+    if envs.SGLANG_HS_DUMP_DIR:
+        warmup_rid.apply()  # this process serves HTTP: SGLang's warm-up request gets a recognisable rid
     server_args = prepare_server_args(argv)
     server_args.resolve_once()
     try:

@@ -14,6 +14,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
 |                   | (admission control) and                      |                  |
 |                   | Scheduler.ingest_requests (to see its queues)|                  |
+| warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
+|                   | rid-less request before the server is Up     | server process   |
+|                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -36,8 +39,14 @@ capture_hooks
             there. A change of either method's name or signature fails `apply()` loudly (AttributeError
             at start-up) and the version gate refuses any sglang but 0.5.23.
 
+warmup_rid
+  why:      SGLang's own warm-up request has no rid, so its record would reach readers like a user's.
+  upstream: no way to name the warm-up request in 0.5.23.
+  removal:  if SGLang gives its warm-up request a recognisable rid (as it does for HEALTH_CHECK).
+
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
-processes that build the model, before any forward. Not a `sglang.srt.plugins` entry point: SGLang
+processes that build the model, before any forward; warmup_rid, which concerns the HTTP server
+process, is applied by sglang_hs/serve.py. Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
 environment, plain `sglang serve` runs included.
 """

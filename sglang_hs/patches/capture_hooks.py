@@ -57,8 +57,10 @@ def _after_collect(self, req) -> None:
     _admission.release(req.rid)
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith("HEALTH_CHECK"):
-        return  # aborted requests and health checks are not emitted
+    from sglang_hs.patches.warmup_rid import PREFIX as WARMUP
+
+    if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith(("HEALTH_CHECK", WARMUP)):
+        return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
     output = list(req.output_ids_through_stop)
     tokens = list(req.origin_input_ids) + output
     T = len(tokens) - 1  # every prompt token, every generated token but the last
