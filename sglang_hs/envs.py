@@ -53,8 +53,6 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was
     # patched instead (patches/*.patch) or to show what a patch fixes.
     "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},
-    # Set by the launcher: the overlay is expected to serve (the plugin then insists on it).
-    "SGLANG_HS_ACTIVE": _bool("SGLANG_HS_ACTIVE"),
     # Seconds of start-up without any sign of progress after which the launcher gives up.
     "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", 1200.0),
     # Test-only: hang in this start-up phase ("load", "warmup") to exercise the stall detector.

@@ -155,7 +155,6 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     check_sglang_version()
     ns, sg_argv = split_argv(argv)
     env = os.environ
-    env["SGLANG_HS_ACTIVE"] = "1"
     # SGLang imports every module of this package and registers its EntryClass (ours win).
     env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "sglang_hs.models"
 
