@@ -250,16 +250,10 @@ class Supervisor:
         return 0
 
     def server_url(self) -> str:
+        from sglang_hs.launch_server import _flag_value
+
         args = self.cmd
         host = _flag_value(args, "--host") or "127.0.0.1"
         port = _flag_value(args, "--port") or "30000"
         return f"http://{host}:{port}"
 
-
-def _flag_value(argv: List[str], flag: str) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None

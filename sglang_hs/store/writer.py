@@ -36,7 +36,7 @@ MANIFEST = "manifest.json"
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu") -> None:
-        self.dump_dir, self.spec, self.writer_id = dump_dir, spec, writer_id
+        self.spec = spec
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -57,7 +57,7 @@ class CaptureWriter:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0}
-        self._manifest = {
+        manifest = {
             "format_version": FORMAT_VERSION,
             "sglang_hs_version": __version__,
             "sglang_version": SGLANG_VERSION,
@@ -71,7 +71,7 @@ class CaptureWriter:
         }
         if str(device).startswith("cuda"):
             self._host_store()  # register now: never during CUDA-graph capture
-        write_private_file(dump_dir, MANIFEST, json.dumps(self._manifest, indent=1).encode())
+        write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode())
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
 
