@@ -2,9 +2,10 @@
 overlay class served the requests with capture on.
 
 `<dump_dir>/overlay-<pid>.json`: class, pid, capture spec, forwards and rows per forward mode, the
-aux shape last seen, the last request ids served, and the writer's and admission control's counters. Counted in Python, so forwards replayed from a
-CUDA graph are not counted (on the CPU engine every forward is). Rewritten atomically by a daemon
-thread at most twice a second, never from the forward itself.
+aux shape last seen, the last request ids served, and the writer's and admission control's counters.
+Counted in Python, so forwards replayed from a CUDA graph are not counted (on the CPU engine every
+forward is). Rewritten atomically by a daemon thread at most twice a second, only when its content
+changed, never from the forward itself.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from sglang_hs.fsutil import write_private_file
 
 FLUSH_INTERVAL_S = 0.5
 LOG_INTERVAL_S = 60.0
+RECENT_RIDS = 256
 
 
 class OverlayStatus:
@@ -27,7 +29,7 @@ class OverlayStatus:
         self.dump_dir = dump_dir
         self.name = f"overlay-{os.getpid()}.json"
         self._lock = threading.Lock()
-        self._dirty = True
+        self._written = None  # the text last written
         self._data = {
             "class": class_name,
             "module": "sglang_hs.models.deepseek_v2",
@@ -36,7 +38,7 @@ class OverlayStatus:
             "forwards": collections.Counter(),
             "rows": collections.Counter(),
             "last_aux_shape": None,
-            "recent_rids": collections.deque(maxlen=256),
+            "recent_rids": collections.OrderedDict(),  # an ordered set of the last RECENT_RIDS request ids
         }
         self.sources = {}  # name -> dict of counters kept elsewhere (the writer, admission control)
         self._flush()
@@ -48,17 +50,18 @@ class OverlayStatus:
             self._data["forwards"][mode] += 1
             self._data["rows"][mode] += rows
             self._data["last_aux_shape"] = list(aux_shape)
-            for rid in forward_batch.rids or ():
-                if rid not in self._data["recent_rids"]:
-                    self._data["recent_rids"].append(rid)
-            self._dirty = True
+            recent = self._data["recent_rids"]
+            for rid in forward_batch.rids or ():  # O(1) each: this runs in every forward
+                if rid not in recent:
+                    recent[rid] = None
+                    if len(recent) > RECENT_RIDS:
+                        recent.popitem(last=False)
 
     def _run(self) -> None:
         last_log = time.monotonic()
         while True:
             time.sleep(FLUSH_INTERVAL_S)
-            if self._dirty or self.sources:
-                self._flush()
+            self._flush()
             if self.sources and time.monotonic() - last_log >= LOG_INTERVAL_S:
                 last_log = time.monotonic()
                 self._log_line()
@@ -73,8 +76,9 @@ class OverlayStatus:
 
     def _flush(self) -> None:
         with self._lock:
-            self._dirty = False
-            payload = {k: (list(v) if isinstance(v, collections.deque) else v) for k, v in self._data.items()}
+            payload = {k: (list(v) if isinstance(v, collections.OrderedDict) else v) for k, v in self._data.items()}
             payload.update({name: dict(counters) for name, counters in self.sources.items()})
             text = json.dumps(payload, default=dict)
-        write_private_file(self.dump_dir, self.name, text.encode())
+        if text != self._written:
+            write_private_file(self.dump_dir, self.name, text.encode())
+            self._written = text

@@ -20,7 +20,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 

@@ -1,8 +1,8 @@
-"""Capture on: create the store when SGLang sizes its own per-token capturers, and publish a record
-where SGLang finishes a request.
+"""Capture on: create the store when SGLang sizes its own per-token capturers, publish a record where
+SGLang finishes a request, and hold new requests back while the output ring lacks room for them.
 
-See the ledger in sglang_hs/patches/__init__.py. Both wrap upstream methods (the originals stay
-reachable as `ORIGINALS`) and call them first, unchanged.
+See the ledger in sglang_hs/patches/__init__.py. Each hook wraps an upstream method (the originals
+stay reachable as `ORIGINALS`) and calls it first, unchanged.
 """
 from __future__ import annotations
 
@@ -15,10 +15,6 @@ ORIGINALS = {}
 _writer = None  # this process's CaptureWriter, when it is a writer rank
 _admission = None  # its AdmissionControl
 _scheduler = None  # the Scheduler of this process, for reconciling reservations
-
-
-def get_writer():
-    return _writer
 
 
 def _after_init_capturers(self) -> None:
@@ -68,7 +64,7 @@ def _after_collect(self, req) -> None:
     try:
         _writer.finish(str(req.rid), tokens[:T], slots)
     except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
-        _writer.stats["dropped"] = _writer.stats.get("dropped", 0) + 1
+        _writer.stats["dropped"] += 1
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
 
 
@@ -96,7 +92,7 @@ def _pull_raw_reqs(self):
     pulled = ORIGINALS["_pull_raw_reqs"](self)
     if _admission is None or pulled is None:
         return pulled
-    return _admission.filter(pulled, _known_rids())
+    return _admission.filter(pulled, _known_rids)
 
 
 def apply():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from sglang_hs.store.ring import record_bytes
 
@@ -44,8 +44,9 @@ class AdmissionControl:
         rows = max(0, n_in + max_new - 1)
         return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()))
 
-    def filter(self, pulled: Optional[List], known_rids=None) -> Optional[List]:
-        """Called with what the writer rank pulled this iteration; returns what may enter now."""
+    def filter(self, pulled: Optional[List], known_rids: Optional[Callable[[], Optional[set]]] = None) -> Optional[List]:
+        """Called with what the writer rank pulled this iteration; returns what may enter now.
+        `known_rids()` (the scheduler's request ids) is only called when a reconcile is due."""
         if pulled is None:
             return None
         from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
@@ -53,8 +54,10 @@ class AdmissionControl:
         now = time.monotonic()
         if known_rids is not None and self.reserved and now - self._last_reconcile > RECONCILE_EVERY_S:
             self._last_reconcile = now
-            for rid in [r for r in self.reserved if r not in known_rids]:
-                self.release(rid)
+            known = known_rids()
+            if known is not None:
+                for rid in [r for r in self.reserved if r not in known]:
+                    self.release(rid)
         out = []
         for msg in pulled:
             if isinstance(msg, TokenizedGenerateReqInput):

@@ -21,7 +21,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import List
 
 import torch
 

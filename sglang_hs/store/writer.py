@@ -2,7 +2,7 @@
 
 One writer per attention-TP rank 0 (this slice: a single data-parallel group, writer 0). Files under
 the dump dir, all 0600, never through a symlink:
-    manifest.json      what the dump holds (see `manifest()`), rewritten atomically
+    manifest.json      what the dump holds (versions, model, layer ids and their HF meaning, writers)
     store-w0.bin       [num_slots, P, H] rows, row s = the token whose KV lives in slot s
     ring-w0.bin        the output ring of finished records (sglang_hs/store/ring.py)
 
@@ -56,7 +56,7 @@ class CaptureWriter:
         except RuntimeError as e:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
-        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0}
+        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0}
         manifest = {
             "format_version": FORMAT_VERSION,
             "sglang_hs_version": __version__,
