@@ -7,6 +7,8 @@ at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nby
 int64_t load_acquire(const at::Tensor& buf, int64_t offset);
 void store_release(const at::Tensor& buf, int64_t offset, int64_t value);
 int64_t fetch_add(const at::Tensor& buf, int64_t offset, int64_t delta);
+void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last, const at::Tensor& loc,
+                   at::Tensor& store);
 #ifdef SGLANG_HS_WITH_CUDA
 void host_register(const at::Tensor& buf);
 void host_unregister(const at::Tensor& buf);
@@ -21,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_acquire", &load_acquire, py::arg("buf"), py::arg("offset"));
   m.def("store_release", &store_release, py::arg("buf"), py::arg("offset"), py::arg("value"));
   m.def("fetch_add", &fetch_add, py::arg("buf"), py::arg("offset"), py::arg("delta"));
+  m.def("copy_rows_cpu", &copy_rows_cpu, "store[loc[t]] = aux[t] as K rows (+ last[t]); the CPU capture copy",
+        py::arg("aux"), py::arg("last"), py::arg("loc"), py::arg("store"));
 #ifdef SGLANG_HS_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("host_register", &host_register, py::arg("buf"));

@@ -6,7 +6,8 @@ the dump dir, all 0600, never through a symlink:
     store-w0.bin       [num_slots, P, H] rows, row s = the token whose KV lives in slot s
     ring-w0.bin        the output ring of finished records (sglang_hs/store/ring.py)
 
-`copy()` runs inside every forward: the step's rows go to their KV slots (`out_cache_loc`). Prefix rows
+`copy()` runs inside every forward: the step's rows go to their KV slots (`out_cache_loc`), by the Triton
+kernel on CUDA (sglang_hs/ops/copy_rows.py) and the C++ op on CPU (csrc/copy_rows_cpu.cpp). Prefix rows
 served by the radix cache are already in the store, written when that prefix was computed; chunked
 prefill needs no stitching. `finish()` runs where SGLang finishes a request (result processing, one
 step late under the overlap scheduler, before the KV slots are released): it gathers the request's
@@ -87,10 +88,9 @@ class CaptureWriter:
 
             copy_rows(aux, last if self.spec.last else None, loc, self._host_store())
             return
-        rows = aux.view(T, self.spec.num_aux, self.spec.hidden_size)
-        if self.spec.last:
-            rows = torch.cat([rows, last.view(T, 1, -1)], dim=1)
-        self.store.index_copy_(0, loc.long(), rows.to(self.store.dtype))
+        from sglang_hs._ext import ext
+
+        ext().copy_rows_cpu(aux, last if self.spec.last else None, loc, self.store)
 
     def _host_store(self):
         hs = getattr(self, "_registered", None)

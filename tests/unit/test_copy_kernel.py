@@ -1,4 +1,5 @@
-"""The Triton copy kernel against the plain-torch reference, on the CPU under TRITON_INTERPRET=1.
+"""Both capture copies against the plain-torch reference: the Triton kernel (the CUDA path) on the CPU
+under TRITON_INTERPRET=1, and the compiled C++ op the server's CPU path uses (csrc/copy_rows_cpu.cpp).
 
 Odd hidden sizes, K = 1..4, bf16 and fp16, with and without the final state, int32 and int64 slots,
 non-contiguous aux rows, and graph-style padded rows aimed at the padding slot 0. A copy is exact, so
@@ -23,6 +24,21 @@ else:
 PAD_SLOT = 0
 
 
+def _cpp_copy_rows(aux, last, loc, store):
+    from sglang_hs._ext import ExtensionNotBuilt, ext
+
+    try:
+        op = ext().copy_rows_cpu
+    except ExtensionNotBuilt as e:
+        pytest.skip(f"extension not built: {e}")
+    op(aux, last, loc, store)
+
+
+@pytest.fixture(params=["triton-interpret", "cpp"])
+def copy_rows(request):
+    return mod.copy_rows if request.param == "triton-interpret" else _cpp_copy_rows
+
+
 def _case(T, K, H, dtype, last, loc_dtype, n_pad=0, slots=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(T + n_pad, K * H + 7, generator=g).to(dtype)
@@ -36,12 +52,12 @@ def _case(T, K, H, dtype, last, loc_dtype, n_pad=0, slots=64, seed=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.parametrize("H,last", [(111, True), (500, False), (256, True), (7, False)])
-def test_matches_reference(dtype, K, H, last):
+def test_matches_reference(copy_rows, dtype, K, H, last):
     aux, fin, loc = _case(T=5, K=K, H=H, dtype=dtype, last=last, loc_dtype=torch.int64)
     P = K + int(last)
     poison = torch.full((64, P, H), float("nan"), dtype=dtype)
     got, want = poison.clone(), poison.clone()
-    mod.copy_rows(aux, fin, loc, got)
+    copy_rows(aux, fin, loc, got)
     copy_rows_ref(aux, fin, loc, want)
     diff = (got.float() - want.float()).nan_to_num(0).abs()
     print(f"K={K} H={H} {dtype}: max diff {diff.max().item()} mean {diff.mean().item()}")
@@ -50,12 +66,12 @@ def test_matches_reference(dtype, K, H, last):
 
 
 @pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
-def test_padding_rows_never_reach_a_real_slot(loc_dtype):
+def test_padding_rows_never_reach_a_real_slot(copy_rows, loc_dtype):
     """Graph replays pad the batch up to its bucket; padded rows point at the padding slot."""
     K, H = 3, 96
     aux, fin, loc = _case(T=6, K=K, H=H, dtype=torch.bfloat16, last=True, loc_dtype=loc_dtype, n_pad=4)
     store = torch.full((64, K + 1, H), float("nan"), dtype=torch.bfloat16)
-    mod.copy_rows(aux, fin, loc, store)
+    copy_rows(aux, fin, loc, store)
     ref = copy_rows_ref(aux[:6], fin[:6], loc[:6], torch.full_like(store, float("nan")))
     real = loc[:6].long()
     assert torch.equal(store[real], ref[real])
@@ -68,9 +84,9 @@ def test_padding_rows_never_reach_a_real_slot(loc_dtype):
     assert any(torch.equal(store[PAD_SLOT], r) for r in pad_rows)
 
 
-def test_zero_rows_is_a_no_op():
+def test_zero_rows_is_a_no_op(copy_rows):
     store = torch.zeros(4, 2, 8, dtype=torch.float16)
-    mod.copy_rows(torch.empty(0, 16, dtype=torch.float16), None, torch.empty(0, dtype=torch.int32), store)
+    copy_rows(torch.empty(0, 16, dtype=torch.float16), None, torch.empty(0, dtype=torch.int32), store)
     assert not store.any()
 
 
@@ -78,17 +94,25 @@ def test_zero_rows_is_a_no_op():
     "change, message",
     [
         (dict(aux_width=3 * 64 + 1), "does not hold K=3 layers"),
-        (dict(aux_dtype=torch.float16), "aux is torch.float16, store is torch.bfloat16"),
+        (dict(aux_dtype=torch.float16), "aux is (torch.float16|Half), store is (torch.bfloat16|BFloat16)"),
         (dict(loc_dtype=torch.float32), "int32/int64"),
         (dict(loc_len=3), "loc must be"),
         (dict(last_h=63), "does not match"),
     ],
 )
-def test_launcher_asserts_its_contract(change, message):
+def test_launcher_asserts_its_contract(copy_rows, change, message):
     T, K, H = 4, 3, 64
     aux = torch.zeros(T, change.get("aux_width", K * H), dtype=change.get("aux_dtype", torch.bfloat16))
     last = torch.zeros(T, change.get("last_h", H), dtype=torch.bfloat16)
     loc = torch.arange(change.get("loc_len", T)).to(change.get("loc_dtype", torch.int64))
     store = torch.zeros(8, K + 1, H, dtype=torch.bfloat16)
-    with pytest.raises(AssertionError, match=message):
-        mod.copy_rows(aux, last, loc, store)
+    with pytest.raises((AssertionError, RuntimeError), match=message):  # the launcher asserts, C++ checks
+        copy_rows(aux, last, loc, store)
+
+
+def test_cpp_op_refuses_slots_outside_the_store_before_writing():
+    store = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
+    aux = torch.ones(3, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot 8 of row 2 outside"):
+        _cpp_copy_rows(aux, None, torch.tensor([1, 2, 8]), store)
+    assert not store.any()

@@ -1,0 +1,65 @@
+// The CPU path of the capture copy (the CUDA path is the Triton kernel in sglang_hs/ops/copy_rows.py).
+//
+//   copy_rows_cpu(aux [T, K*H], last [T, H] | None, loc [T] int32/int64, store [S, P, H])
+//       store[loc[t], k, :] = aux[t, k*H:(k+1)*H]   for k < K
+//       store[loc[t], K, :] = last[t, :]            when last is given (P = K + 1; else P = K)
+//
+// Same contract as the Triton launcher: same dtype everywhere (a copy, never a cast), unit stride
+// along H, a contiguous store, every slot in range (checked before anything is written). Rows are
+// copied in parallel with one memcpy per row part. Graph-style padding rows all aim at the padding
+// slot, which no request reads; which of them lands there last is unspecified.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Optional.h>
+
+#include <cstring>
+
+namespace sglang_hs {
+
+void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last, const at::Tensor& loc,
+                   at::Tensor& store) {
+  TORCH_CHECK(store.device().is_cpu() && aux.device().is_cpu() && loc.device().is_cpu(),
+              "copy_rows_cpu: aux, loc and store must be CPU tensors");
+  TORCH_CHECK(store.dim() == 3 && store.is_contiguous(), "copy_rows_cpu: store must be a contiguous [S, P, H]");
+  const int64_t S = store.size(0), P = store.size(1), H = store.size(2);
+  const bool has_last = last.has_value() && last->defined();
+  const int64_t K = P - (has_last ? 1 : 0);
+  const int64_t T = aux.size(0);
+  TORCH_CHECK(K >= 1 && aux.dim() == 2 && aux.size(1) == K * H, "copy_rows_cpu: aux ", aux.sizes(),
+              " does not hold K=", K, " layers of H=", H, " for a store of ", store.sizes());
+  TORCH_CHECK(aux.stride(1) == 1, "copy_rows_cpu: aux rows must be contiguous");
+  TORCH_CHECK(aux.scalar_type() == store.scalar_type(), "copy_rows_cpu: aux is ", aux.scalar_type(),
+              ", store is ", store.scalar_type());
+  if (has_last) {
+    TORCH_CHECK(last->device().is_cpu() && last->dim() == 2 && last->size(0) == T && last->size(1) == H &&
+                    last->stride(1) == 1 && last->scalar_type() == store.scalar_type(),
+                "copy_rows_cpu: last ", last->sizes(), " does not match [T=", T, ", H=", H, "] ",
+                store.scalar_type());
+  }
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == T &&
+                  (loc.scalar_type() == at::kInt || loc.scalar_type() == at::kLong),
+              "copy_rows_cpu: loc must be [T=", T, "] int32/int64");
+  if (T == 0) return;
+  const at::Tensor slots = loc.to(at::kLong).contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < S, "copy_rows_cpu: slot ", s[t], " of row ", t, " outside [0, ", S, ")");
+  }
+  const int64_t esz = store.element_size();
+  const int64_t part = H * esz;
+  const char* a = static_cast<const char*>(aux.data_ptr());
+  const char* l = has_last ? static_cast<const char*>(last->data_ptr()) : nullptr;
+  char* dst = static_cast<char*>(store.data_ptr());
+  const int64_t a_row = aux.stride(0) * esz, l_row = has_last ? last->stride(0) * esz : 0;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, P * part));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      char* row = dst + s[t] * P * part;
+      std::memcpy(row, a + t * a_row, K * part);  // the K aux parts are adjacent in aux and in the store
+      if (l) std::memcpy(row + K * part, l + t * l_row, part);
+    }
+  });
+}
+
+}  // namespace sglang_hs
