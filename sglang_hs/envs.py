@@ -38,6 +38,9 @@ def _layers() -> Optional[List[int]]:
     return [int(x) for x in v.split(",")] if v else None
 
 
+DEFAULT_RING_BYTES = 1 << 30
+DEFAULT_ADMISSION_TIMEOUT_S = 300.0
+
 env_variables: Dict[str, Callable[[], Any]] = {
     # Capture is on when this is set: the folder of the manifest, the store and the output rings.
     "SGLANG_HS_DUMP_DIR": _str("SGLANG_HS_DUMP_DIR"),
@@ -47,7 +50,10 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Also capture the final post-norm hidden state (HF output_hidden_states[n]).
     "SGLANG_HS_LAST": _bool("SGLANG_HS_LAST"),
     # Bytes of the output ring of finished records, per writer.
-    "SGLANG_HS_RING_SIZE": _int("SGLANG_HS_RING_SIZE", 1 << 30),
+    "SGLANG_HS_RING_SIZE": _int("SGLANG_HS_RING_SIZE", DEFAULT_RING_BYTES),
+    # Seconds a request may be held by admission control (output ring full: the reader is behind)
+    # before the server fails it with a clear error; 0 = hold as long as it takes.
+    "SGLANG_HS_ADMISSION_TIMEOUT": _float("SGLANG_HS_ADMISSION_TIMEOUT", DEFAULT_ADMISSION_TIMEOUT_S),
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
     # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was

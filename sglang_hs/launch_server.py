@@ -56,6 +56,9 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-ring-size", default=None, metavar="SIZE",
                    help="bytes of the output ring of finished records per writer, e.g. 8GiB "
                         f"(default 1GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode)")
+    g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
+                   help="fail a request held this long because the output ring is full (the reader is behind) "
+                        "instead of holding it forever; 0 = no limit (default 300)")
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
                    help="give up when start-up shows no progress for this long (default 1200)")
 
@@ -204,7 +207,15 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last:
         raise CaptureConfigError("--hs-layers/--hs-last need --hs-dump-dir (where to write the capture)")
-    env["SGLANG_HS_RING_SIZE"] = str(parse_size(ns.hs_ring_size or "1GiB"))
+    from sglang_hs import envs
+
+    env["SGLANG_HS_RING_SIZE"] = str(parse_size(ns.hs_ring_size) if ns.hs_ring_size else envs.DEFAULT_RING_BYTES)
+    env.pop("SGLANG_HS_ADMISSION_TIMEOUT", None)
+    if ns.hs_admission_timeout is not None:
+        if not ns.hs_admission_timeout >= 0:
+            raise CaptureConfigError(f"--hs-admission-timeout: must be >= 0 seconds (0 = no limit), got "
+                                     f"{ns.hs_admission_timeout}")
+        env["SGLANG_HS_ADMISSION_TIMEOUT"] = str(ns.hs_admission_timeout)
     if ns.hs_startup_timeout is not None:
         if ns.hs_startup_timeout <= 0:
             raise CaptureConfigError(f"--hs-startup-timeout: must be > 0 seconds, got {ns.hs_startup_timeout}")

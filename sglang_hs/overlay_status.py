@@ -41,6 +41,8 @@ class OverlayStatus:
             "recent_rids": collections.OrderedDict(),  # an ordered set of the last RECENT_RIDS request ids
         }
         self.sources = {}  # name -> dict of counters kept elsewhere (the writer, admission control)
+        self.ring_fill = None  # () -> unread fraction of the output ring, on a writer rank
+        self.listeners = []  # called after each flush (the Prometheus metrics)
         self._flush()
         threading.Thread(target=self._run, name="sglang-hs-status", daemon=True).start()
 
@@ -62,6 +64,13 @@ class OverlayStatus:
         while True:
             time.sleep(FLUSH_INTERVAL_S)
             self._flush()
+            for listener in list(self.listeners):
+                try:
+                    listener()
+                except Exception as e:  # noqa: BLE001 - metrics must never take the status file down
+                    self.listeners.remove(listener)
+                    print(f"[sglang-hs] warning: {listener!r} failed and is switched off: {e!r}", file=sys.stderr,
+                          flush=True)
             if self.sources and time.monotonic() - last_log >= LOG_INTERVAL_S:
                 last_log = time.monotonic()
                 self._log_line()
@@ -69,15 +78,18 @@ class OverlayStatus:
     def _log_line(self) -> None:
         """One line a minute: what was captured and published, and how admission is doing."""
         w, a = self.sources.get("writer", {}), self.sources.get("admission", {})
+        fill = f"output ring {100 * self.ring_fill():.0f}% full; " if self.ring_fill else ""
         print(f"[sglang-hs] published {w.get('records', 0)} records, {w.get('rows', 0)} rows, "
-              f"{w.get('bytes', 0) / 1e9:.3f} GB (gather {w.get('gather_s', 0.0):.2f}s in all); "
-              f"admission waits {a.get('admission_waits', 0)}, held now {a.get('held_now', 0)}; "
-              f"dropped {w.get('dropped', 0)}", file=sys.stderr, flush=True)
+              f"{w.get('bytes', 0) / 1e9:.3f} GB (gather {w.get('gather_s', 0.0):.2f}s in all); {fill}"
+              f"admission waits {a.get('admission_waits', 0)}, held now {a.get('held_now', 0)}, "
+              f"failed {a.get('failed', 0)}; dropped {w.get('dropped', 0)}", file=sys.stderr, flush=True)
 
     def _flush(self) -> None:
         with self._lock:
             payload = {k: (list(v) if isinstance(v, collections.OrderedDict) else v) for k, v in self._data.items()}
             payload.update({name: dict(counters) for name, counters in self.sources.items()})
+            if self.ring_fill is not None:
+                payload["output_ring_fill"] = round(self.ring_fill(), 4)
             text = json.dumps(payload, default=dict)
         if text != self._written:
             write_private_file(self.dump_dir, self.name, text.encode())

@@ -41,9 +41,15 @@ def _after_init_capturers(self) -> None:
     from sglang_hs.store.admission import AdmissionControl
 
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
-                                  self.model_config.context_len)
-    if model.hs_status is not None:  # shown in the overlay's status file
-        model.hs_status.sources.update(writer=_writer.stats, admission=_admission.stats)
+                                  self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT)
+    if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
+        status = model.hs_status
+        status.sources.update(writer=_writer.stats, admission=_admission.stats)
+        status.ring_fill = _writer.ring.fill_ratio
+        from sglang_hs import metrics
+
+        if metrics.enabled():
+            status.listeners.append(metrics.CaptureMetrics(status.sources, _writer.ring.fill_ratio).refresh)
 
 
 def _after_collect(self, req) -> None:

@@ -13,11 +13,18 @@ there). A reservation is released when the request finishes (published or not), 
 against the scheduler's queues every half second, so a request that leaves any other way (rejected,
 aborted while waiting) frees its share too. Invariant: reserved bytes <= free ring bytes at admission,
 and free bytes only grow as the reader consumes, so `publish` never has to wait.
+
+Time limit: a request held longer than `timeout` seconds (--hs-admission-timeout; 0 = no limit) is
+failed: it goes in together with an AbortReq carrying a clear message (status 503), which SGLang
+answers from its waiting queue before the request ever runs. SGLang aborts by rid PREFIX, so a held
+request whose rid prefixes another live request's is held on rather than failed with a bystander.
+Forward steps never wait, so SGLang's watchdog never fires.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -29,11 +36,16 @@ LOG_EVERY_S = 10.0
 
 
 class AdmissionControl:
-    def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int) -> None:
+    def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
+                 timeout: float = 0.0) -> None:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
+        self.timeout = timeout
+        region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
+        self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
         self.reserved: Dict[str, int] = {}
-        self.held: "collections.deque" = collections.deque()
-        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0}
+        self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
+        self.held_since: Dict[str, float] = {}
+        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0}
         self._last_reconcile = self._last_log = 0.0
 
     def need(self, req) -> int:
@@ -62,10 +74,15 @@ class AdmissionControl:
         for msg in pulled:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.held.append(msg)
+                self.held_since.setdefault(str(msg.rid), now)
             elif isinstance(msg, AbortReq) and self.held:
                 keep = collections.deque()
                 for h in self.held:  # an aborted held request goes in with its abort
-                    (out if (msg.abort_all or h.rid == msg.rid) else keep).append(h)
+                    if msg.abort_all or h.rid == msg.rid:
+                        out.append(h)
+                        self.held_since.pop(str(h.rid), None)
+                    else:
+                        keep.append(h)
                 self.held = keep
                 out.append(msg)
             else:
@@ -78,13 +95,15 @@ class AdmissionControl:
                 self.stats["oversized"] += 1
                 logger.error("sglang-hs: request %s may need %d bytes of output ring, more than its %d: "
                              "raise --hs-ring-size", req.rid, need, self.ring.capacity)
-                out.append(self.held.popleft())
+                out.append(self._admit())
                 continue
             if need > free:
                 break
             self.reserved[str(req.rid)] = need
             free -= need
-            out.append(self.held.popleft())
+            out.append(self._admit())
+        if self.held and self.timeout > 0:
+            out = self._fail_expired(now, known_rids) + out
         if self.held:
             self.stats["admission_waits"] += 1
             if now - self._last_log > LOG_EVERY_S:
@@ -93,6 +112,37 @@ class AdmissionControl:
                                "ring (%d bytes free, %d reserved)", len(self.held), self.ring.free_bytes(),
                                sum(self.reserved.values()))
         self.stats["held_now"] = len(self.held)
+        return out
+
+    def _admit(self):
+        req = self.held.popleft()
+        self.held_since.pop(str(req.rid), None)
+        return req
+
+    def _fail_expired(self, now: float, known_rids) -> List:
+        """Requests held past the timeout go in with an abort naming the reason (SGLang answers them
+        from its waiting queue); first in the list, so the abort meets only its own request there."""
+        expired = [h for h in self.held if now - self.held_since.get(str(h.rid), now) > self.timeout]
+        if not expired:
+            return []
+        from sglang.srt.managers.io_struct import AbortReq
+
+        live = set(known_rids() or ()) if known_rids is not None else set()
+        live.update(str(h.rid) for h in self.held)
+        out = []
+        for req in expired:
+            rid = str(req.rid)
+            if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
+                continue  # SGLang's abort matches by prefix: it would take a bystander with it
+            message = (f"sglang-hs: request {rid} held {now - self.held_since[rid]:.0f}s by admission control: the "
+                       f"hidden-state output ring stayed full (is the reader of {self.ring_name} running?); "
+                       "raise --hs-ring-size or --hs-admission-timeout")
+            logger.error("%s", message)
+            self.held.remove(req)
+            del self.held_since[rid]
+            self.stats["failed"] += 1
+            out += [req, AbortReq(rid=rid, abort_message=message,
+                                  finished_reason={"type": "abort", "message": message, "status_code": 503})]
         return out
 
     def release(self, rid: str) -> None:

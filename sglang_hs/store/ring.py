@@ -84,6 +84,10 @@ class RingWriter:
     def free_bytes(self) -> int:
         return self.capacity - (self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL))
 
+    def fill_ratio(self) -> float:
+        """Unread bytes / capacity."""
+        return 1.0 - self.free_bytes() / self.capacity
+
     def _wait_for(self, nbytes: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while self.free_bytes() < nbytes:

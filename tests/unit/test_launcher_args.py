@@ -84,6 +84,8 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         ([], "LlamaForCausalLM", "unsupported architecture 'LlamaForCausalLM'"),
         ([], "DeepseekV32ForCausalLM", "unsupported architecture 'DeepseekV32ForCausalLM'"),
         (["--hs-startup-timeout", "0"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
+        (["--hs-admission-timeout", "-1"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
+        (["--hs-admission-timeout", "nan"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
     ],
 )
 def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):

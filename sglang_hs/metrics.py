@@ -1,0 +1,61 @@
+"""Prometheus metrics of the capture, served on SGLang's own `/metrics` (launch with `--enable-metrics`).
+
+SGLang sets PROMETHEUS_MULTIPROC_DIR before it starts the scheduler processes and its HTTP server
+aggregates every process's metric files, so metrics created here, in the writer's scheduler process,
+appear beside SGLang's `sglang:*` ones. They are refreshed from the writer's and admission control's
+counters by the overlay's status thread (twice a second), never from the forward or the scheduler loop:
+
+    sglang_hs:records_published_total     finished requests published to the output ring
+    sglang_hs:rows_captured_total         token rows in those records
+    sglang_hs:bytes_published_total       record bytes written to the output ring
+    sglang_hs:gather_seconds_total        scheduler time spent gathering and publishing records
+    sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
+    sglang_hs:admission_waits_total       scheduler iterations that held requests back
+    sglang_hs:admission_failed_total      held requests failed after --hs-admission-timeout
+    sglang_hs:admission_held              requests held right now
+    sglang_hs:output_ring_fill_ratio      unread bytes / capacity of the output ring
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict
+
+COUNTERS = {  # metric name -> (source, key, help)
+    "records_published": ("writer", "records", "Finished requests published to the output ring."),
+    "rows_captured": ("writer", "rows", "Token rows in the published records."),
+    "bytes_published": ("writer", "bytes", "Record bytes written to the output ring."),
+    "gather_seconds": ("writer", "gather_s", "Scheduler time spent gathering and publishing records."),
+    "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
+    "admission_waits": ("admission", "admission_waits", "Scheduler iterations that held requests back."),
+    "admission_failed": ("admission", "failed", "Held requests failed after the admission timeout."),
+}
+
+
+def enabled() -> bool:
+    """True in a server started with --enable-metrics (SGLang exported the multiprocess folder)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class CaptureMetrics:
+    def __init__(self, sources: Dict[str, dict], ring_fill: Callable[[], float], writer_id: int = 0) -> None:
+        from prometheus_client import Counter, Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
+
+        self.sources, self.ring_fill = sources, ring_fill
+        labels = {"writer": str(writer_id)}
+        self._counters = {}
+        for name, (source, key, doc) in COUNTERS.items():
+            self._counters[name] = (source, key, Counter(f"sglang_hs:{name}", doc, list(labels)).labels(**labels))
+        self._seen = {name: 0 for name in COUNTERS}
+        self._held = Gauge("sglang_hs:admission_held", "Requests held right now until the output ring has room.",
+                           list(labels), multiprocess_mode="mostrecent").labels(**labels)
+        self._fill = Gauge("sglang_hs:output_ring_fill_ratio", "Unread bytes / capacity of the output ring.",
+                           list(labels), multiprocess_mode="mostrecent").labels(**labels)
+
+    def refresh(self) -> None:
+        for name, (source, key, counter) in self._counters.items():
+            value = self.sources.get(source, {}).get(key, 0)
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name])
+                self._seen[name] = value
+        self._held.set(self.sources.get("admission", {}).get("held_now", 0))
+        self._fill.set(self.ring_fill())
