@@ -12,9 +12,6 @@ import glob
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,12 +23,6 @@ QUESTIONS = [
     "Write a short poem about the sea.",
     "How do I sort a list in Python?",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def verify(manifest: dict, records) -> None:
@@ -57,24 +48,21 @@ def verify(manifest: dict, records) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    port = _free_port()
+    from sglang_hs.server_process import ServerProcess, ServerStartError
+
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     dump_dir = os.path.join(tempfile.mkdtemp(prefix="sglang-hs-demo-", dir=base), "hs")
-    cmd = [sys.executable, "-m", "sglang_hs.launch_server", "--hs-dump-dir", dump_dir, "--hs-last",
-           "--port", str(port), *argv]
-    print("$", " ".join(cmd), flush=True)
     log_path = os.path.join(tempfile.gettempdir(), "sglang-hs-demo-server.log")
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(["--hs-dump-dir", dump_dir, "--hs-last", *argv], log_path=log_path)
+    print("$", " ".join(server.cmd), flush=True)
+    url = server.url
     try:
         t0 = time.monotonic()
-        while "[sglang-hs] server ready" not in open(log_path, errors="replace").read():
-            if server.poll() is not None:
-                print(open(log_path, errors="replace").read()[-4000:])
-                print(f"server failed to start (exit {server.returncode}); full log: {log_path}")
-                return 1
-            time.sleep(0.5)
+        try:
+            server.wait_ready()
+        except ServerStartError as e:
+            print(e)
+            return 1
         print(f"server ready in {time.monotonic() - t0:.0f}s (log: {log_path})\n")
         from sglang_hs import HiddenStateReader
 
@@ -107,11 +95,7 @@ def main(argv=None) -> int:
                   f"{st['last_aux_shape'][1]} (= K x hidden)")
         return 0
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop()
         shutil.rmtree(os.path.dirname(dump_dir), ignore_errors=True)
 
 

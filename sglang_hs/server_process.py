@@ -1,0 +1,83 @@
+"""Run `python -m sglang_hs.launch_server` as a child process: start, wait until ready, stop cleanly.
+
+Used by the demo, the self-test and the extraction CLI. The launcher's output goes to a log file (its
+last lines are shown when start-up fails); `stop()` sends SIGTERM, which the launcher turns into a
+clean shutdown of every server process, and escalates to SIGKILL only after `grace` seconds.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+READY = "[sglang-hs] server ready"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    def __init__(self, launcher_args: List[str], log_path: Optional[str] = None, host: str = "127.0.0.1") -> None:
+        self.port = free_port()
+        self.url = f"http://{host}:{self.port}"
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="sglang-hs-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.cmd = [sys.executable, "-m", "sglang_hs.launch_server", *launcher_args,
+                    "--host", host, "--port", str(self.port)]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 1800) -> "ServerProcess":
+        t0 = time.monotonic()
+        while True:
+            with open(self.log_path, errors="replace") as f:
+                if READY in f.read():
+                    return self
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"the server exited with {self.proc.returncode} during start-up "
+                                       f"(log {self.log_path}):\n{self.log_tail()}")
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise ServerStartError(f"the server was not ready after {timeout:.0f}s (log {self.log_path})")
+            time.sleep(0.3)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,29 @@
+"""`python -m sglang_hs.selftest` on the real server: every configuration (warm radix cache, chunks of 16,
+the plain scheduler, SGLang's own capture-only JSON path) agrees with the reference. Layer ids start at
+1, where SGLang's EAGLE3 convention shifts every id by one: the self-test must ask it for [0, 1, 4, 6]
+and drop the extra block, or the JSON row would fail as another layer's rows."""
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_selftest_passes_every_configuration(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sglang_hs.selftest", "--hs-layers", "1,4,6", "--hs-last"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    table = {line.split("  ")[0].strip(): line for line in proc.stdout.splitlines() if line.endswith(("PASS", "FAIL"))}
+    assert set(table) == {"reference, warm radix cache", "chunked-16", "plain-scheduler", "sglang-json (aux layers)"}
+    assert all(line.endswith("PASS") and " same " in line for line in table.values()), proc.stdout
+    assert "layers [1, 4, 6] + last" in proc.stdout and "PASS: 4 of 4" in proc.stdout
+
+
+def test_selftest_refuses_a_dump_dir_and_bad_flags(tmp_path):
+    for args, message in ((["--hs-dump-dir", str(tmp_path)], "--hs-dump-dir is chosen by the self-test"),
+                          (["--hs-lyers", "2"], "unknown sglang-hs flag --hs-lyers")):
+        proc = subprocess.run([sys.executable, "-m", "sglang_hs.selftest", *args], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
