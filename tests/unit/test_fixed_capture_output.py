@@ -1,30 +1,13 @@
 """The overlay's inner model returns one fixed structure on every path, or stops with a clear error."""
-import os
-
 import pytest
 import torch
 
 from sglang_hs.capture_spec import CaptureSpec
-from sglang_hs.cpu import stubs_dir
 
 
 @pytest.fixture(scope="module")
-def fixed():
-    # The overlay module imports SGLang's deepseek_v2 (CPU engine: the sgl_kernel stand-in is needed).
-    import sys
-
-    saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    sys.path.insert(0, stubs_dir())
-    try:
-        from sglang_hs.models.deepseek_v2 import fixed_capture_output
-    finally:
-        sys.path.remove(stubs_dir())
-        if saved is None:
-            del os.environ["SGLANG_USE_CPU_ENGINE"]
-        else:
-            os.environ["SGLANG_USE_CPU_ENGINE"] = saved
-    return fixed_capture_output
+def fixed(overlay_module):
+    return overlay_module.fixed_capture_output
 
 
 SPEC = CaptureSpec.resolve([2, 4, 5], True, 8, 16)

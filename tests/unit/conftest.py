@@ -1,0 +1,24 @@
+import os
+import sys
+
+import pytest
+
+from sglang_hs.cpu import stubs_dir
+
+
+@pytest.fixture(scope="session")
+def overlay_module():
+    """sglang_hs.models.deepseek_v2, imported the way the CPU engine does (it imports SGLang's
+    deepseek_v2, which needs the sgl_kernel stand-in on this machine)."""
+    saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    sys.path.insert(0, stubs_dir())
+    try:
+        from sglang_hs.models import deepseek_v2
+    finally:
+        sys.path.remove(stubs_dir())
+        if saved is None:
+            del os.environ["SGLANG_USE_CPU_ENGINE"]
+        else:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = saved
+    return deepseek_v2
