@@ -78,6 +78,17 @@ class HiddenStateReader:
                 n += 1
         return n
 
+    def pop_ready(self, rid: str) -> Optional[HiddenStateRecord]:
+        """That request's record if a poll() already brought it in, else None (never waits)."""
+        return self._ready.pop(rid, None)
+
+    def ready_rids(self) -> list:
+        return list(self._ready)
+
+    def unread_bytes(self) -> int:
+        """Bytes published to the rings and not yet drained: how far this reader lags the server."""
+        return sum(ring.unread_bytes() for ring in self._rings)
+
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
         deadline = None if timeout is None else time.monotonic() + timeout
         while rid not in self._ready:

@@ -35,7 +35,7 @@ def _after_init_capturers(self) -> None:
         envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
         model_path=self.model_config.model_path,
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
-        device=self.device,
+        device=self.device, context_len=self.model_config.context_len,
     )
     model.hs_writer = _writer
     from sglang_hs.store.admission import AdmissionControl

@@ -155,6 +155,9 @@ class RingReader:
     def open(cls, dir_path: str, name: str) -> "RingReader":
         return cls(SharedRegion.open(dir_path, name))
 
+    def unread_bytes(self) -> int:
+        return self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL)
+
     def drain(self) -> List[Record]:
         """Copy out every published record (one copy each) and release their bytes to the writer."""
         out = []

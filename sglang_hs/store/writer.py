@@ -36,7 +36,8 @@ MANIFEST = "manifest.json"
 
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
-                 model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu") -> None:
+                 model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
+                 context_len: int = 0) -> None:
         self.spec = spec
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size
@@ -67,6 +68,7 @@ class CaptureWriter:
             "dtype": str(dtype).replace("torch.", ""),
             **spec.describe(),
             "rows_per_token": self.P,
+            "context_len": context_len,
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
                          "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
         }

@@ -1,0 +1,1 @@
+"""The extraction CLI: `python -m sglang_hs.extract` (see sglang_hs/extract/cli.py)."""

@@ -1,0 +1,5 @@
+import sys
+
+from sglang_hs.extract.cli import main
+
+sys.exit(main())

@@ -1,0 +1,460 @@
+"""python -m sglang_hs.extract --data FILE --output DIR [--server URL --hs-dump-dir DIR | <launcher flags>]
+
+A training dataset in, drafter-ready hidden-state files out. Without --server it starts
+`python -m sglang_hs.launch_server` itself with the launcher flags given (default: the embedded tiny
+model, on the CPU engine when there is no GPU), waits for it and stops it at the end, also on Ctrl-C.
+Each sample is one request (`rid` = run id + sample index, never reused) sent with up to --concurrency
+in flight; its record comes back through the reader (sglang_hs.HiddenStateReader) and is written to one
+file per sample (sglang_hs/extract/sinks.py). `--resume` skips samples whose file exists (files are
+renamed into place only when complete). A manifest.json beside the files says what they hold.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from typing import Dict, List, Optional, Tuple
+
+PROG = "python -m sglang_hs.extract"
+RECORD_GRACE_S = 120.0  # after a reply, how long its record may take to reach the reader
+
+
+class ExtractError(RuntimeError):
+    """A one-line error for the user; the run exits non-zero after writing what it completed."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
+                                epilog="Any other flag goes to python -m sglang_hs.launch_server (without --server).")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="JSON Lines (conversations/messages, or input_ids [+ loss_mask]), or a Hugging Face dataset")
+    p.add_argument("--output", required=True, metavar="DIR", help="folder of the training files and manifest.json")
+    p.add_argument("--format", choices=["specforge", "safetensors"], default="specforge",
+                   help="specforge: rows_*/data_{i}.ckpt (needs the final state); safetensors: hs_{i}.safetensors")
+    p.add_argument("--server", default=None, metavar="URL", help="a running sglang-hs server (with --hs-dump-dir)")
+    p.add_argument("--hs-dump-dir", default=None, metavar="DIR",
+                   help="the server's dump dir (required with --server; default without: a fresh one in /dev/shm)")
+    p.add_argument("--max-samples", type=int, default=None, metavar="N", help="only the first N records")
+    p.add_argument("--shard", default="0/1", metavar="I/N", help="only records whose index is I modulo N")
+    p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default 8)")
+    p.add_argument("--resume", action="store_true", help="skip samples whose file exists in --output")
+    p.add_argument("--verify", type=float, default=0.0, metavar="FRACTION",
+                   help="check this fraction of samples against the server's own logprobs (needs the final state)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="send only the prompt of each conversation and capture the target's own reply")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="--regenerate: reply length limit")
+    p.add_argument("--temperature", type=float, default=0.0, help="--regenerate: sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="--regenerate: nucleus sampling")
+    p.add_argument("--request-timeout", type=float, default=3600.0, metavar="SECONDS")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (a line per 1000 samples instead)")
+    return p
+
+
+def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
+    ns, launcher_args = build_parser().parse_known_args(argv)
+    try:
+        i, n = (int(x) for x in ns.shard.split("/"))
+        assert n >= 1 and 0 <= i < n
+    except (ValueError, AssertionError):
+        raise ExtractError(f"--shard: {ns.shard!r} is not I/N with 0 <= I < N") from None
+    ns.shard_index, ns.shard_count = i, n
+    if ns.concurrency < 1:
+        raise ExtractError(f"--concurrency: must be >= 1, got {ns.concurrency}")
+    if not 0.0 <= ns.verify <= 1.0:
+        raise ExtractError(f"--verify: a fraction in [0, 1], got {ns.verify}")
+    if ns.max_samples is not None and ns.max_samples < 0:
+        raise ExtractError(f"--max-samples: must be >= 0, got {ns.max_samples}")
+    if ns.server and launcher_args:
+        raise ExtractError(f"{launcher_args[0]}: launcher flags need no --server (the server is already running)")
+    if ns.server and not ns.hs_dump_dir:
+        raise ExtractError("--server needs --hs-dump-dir: the dump dir that server captures into")
+    if not os.path.exists(ns.data) and os.path.sep in ns.data:
+        raise ExtractError(f"--data: {ns.data} does not exist")
+    return ns, launcher_args
+
+
+def _selected_for_verify(index: int, fraction: float) -> bool:
+    return fraction > 0 and ((index * 2654435761) % 2**32) / 2**32 < fraction
+
+
+def count_records(path: str) -> Optional[int]:
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    return None
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.done = self.tokens = self.bytes = self.resumed = self.verified = 0
+        self.verify_max_diff = 0.0
+        self.skipped: "collections.Counter[str]" = collections.Counter()
+        self.failed: List[Tuple[int, str]] = []
+        self.foreign = 0
+        self.t0 = time.monotonic()
+        self.t1 = None  # when the run loop ended (the summary excludes server start and stop)
+
+    def summary(self) -> dict:
+        wall = (self.t1 or time.monotonic()) - self.t0
+        return {"samples_written": self.done, "samples_already_done": self.resumed, "skipped": dict(self.skipped),
+                "failed": [{"index": i, "error": e} for i, e in self.failed], "tokens": self.tokens,
+                "bytes": self.bytes, "verified": self.verified, "verify_max_logprob_diff": round(self.verify_max_diff, 5),
+                "wall_s": round(wall, 2),
+                "samples_per_s": round(self.done / wall, 3) if wall else 0.0,
+                "tokens_per_s": round(self.tokens / wall, 1) if wall else 0.0,
+                "foreign_records_dropped": self.foreign}
+
+
+def draft_config(manifest: dict) -> dict:
+    """Draft-model config fields for these layers, in SGLang's EAGLE-3 id convention."""
+    layers = manifest["layer_ids"]
+    note = ("SGLang's set_eagle3_layers_to_capture adds 1 to every id when the first id is 1 (SpecForge "
+            "writes [1, n//2-1, n-4] for HF output_hidden_states [2, n//2, n-3]); otherwise ids are used as "
+            "given. These ids make SGLang capture exactly HF output_hidden_states "
+            f"{layers}, the rows in these files.")
+    if layers[0] == 2:
+        ids = [i - 1 for i in layers]
+    elif layers[0] != 1:
+        ids = list(layers)
+    else:
+        ids, note = None, ("no EAGLE-3 id list makes SGLang capture a first layer of 1 (HF output_hidden_states"
+                           "[1]): it adds 1 when the first id is 1; capture other layers to serve this draft")
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "target_hidden_size": manifest["hidden_size"], "sglang_id_convention": note,
+            "speculators_layer_ids": list(layers) + ([manifest["num_hidden_layers"]] if manifest["last"] else [])}
+
+
+def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, status: str) -> None:
+    from sglang_hs.version import SGLANG_VERSION, __version__
+
+    m = server_manifest
+    doc = {
+        "status": status, "format": sink.name, "sglang_hs_version": __version__, "sglang_version": SGLANG_VERSION,
+        "model_path": m["model_path"], "architecture": m["architecture"], "dtype": m["dtype"],
+        "hidden_size": m["hidden_size"], "num_hidden_layers": m["num_hidden_layers"], "layer_ids": m["layer_ids"],
+        "last_hidden_state": m["last"], "hf_output_hidden_states_index": m["hf_output_hidden_states_index"],
+        "convention": m["convention"], "draft_model_config": draft_config(m),
+        "data": os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data,
+        "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
+        "samples_on_disk": sink.existing(), **stats.summary(),
+    }
+    tmp = os.path.join(out_dir, f".manifest.json.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+
+
+class Extraction:
+    def __init__(self, ns, url: str, reader, sink, preparer, lm_head, server=None) -> None:
+        self.ns, self.url, self.reader, self.sink, self.prep = ns, url, reader, sink, preparer
+        self.lm_head, self.server = lm_head, server
+        self.stats = Stats()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.session = None
+        self.pending: Dict[str, tuple] = {}  # rid -> (sample, future, reply-time)
+
+    # -- requests --
+    def _send(self, sample, verify: bool) -> dict:
+        import requests
+
+        params = {"max_new_tokens": 1, "temperature": 0.0}
+        if self.ns.regenerate:
+            params = {"max_new_tokens": self.ns.max_new_tokens, "temperature": self.ns.temperature,
+                      "top_p": self.ns.top_p}
+        body = {"input_ids": sample.input_ids, "rid": self._rid(sample.index), "sampling_params": params}
+        if verify:
+            body.update(return_logprob=True, logprob_start_len=0)
+        r = requests.post(f"{self.url}/generate", json=body, timeout=self.ns.request_timeout)
+        if r.status_code != 200:
+            raise ExtractError(f"HTTP {r.status_code}: {r.text[:300]}")
+        reply = r.json()
+        reason = (reply.get("meta_info", {}).get("finish_reason") or {})
+        if reason.get("type") == "abort":
+            raise ExtractError(f"the server aborted the request: {reason.get('message', '')}")
+        return reply
+
+    def _rid(self, index: int) -> str:
+        return f"hsx-{self.run_id}-{index}"
+
+    def _server_dead(self) -> Optional[str]:
+        import requests
+
+        if self.server is not None and not self.server.alive():
+            return f"the server exited with {self.server.proc.returncode} (log {self.server.log_path})"
+        try:
+            requests.get(f"{self.url}/health", timeout=10)
+            return None
+        except requests.RequestException as e:
+            return f"the server at {self.url} does not answer ({type(e).__name__})"
+
+    # -- records --
+    def _complete(self, sample, reply: dict, rec, verify: bool) -> None:
+        import torch
+
+        from sglang_hs.extract.verify import check
+
+        T = rec.num_tokens
+        output = reply.get("output_ids", [])
+        expect = len(sample.input_ids) if sample.prompt_len is None else sample.prompt_len + len(output) - 1
+        want = (sample.input_ids + output)[:T]
+        if T != expect or rec.input_ids.tolist() != want:
+            raise ExtractError(f"the record holds {T} rows, not the {expect} tokens forwarded for this sample")
+        if sample.prompt_len is None:
+            mask = torch.tensor(sample.loss_mask[:T])
+        else:
+            mask = (torch.arange(T) >= sample.prompt_len).long()
+        if verify:
+            logprobs = [x[0] for x in reply["meta_info"]["input_token_logprobs"]]
+            diff = check(sample.index, want, rec.last_hidden_state, self.lm_head, logprobs)
+            self.stats.verified += 1
+            self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
+        try:
+            self.stats.bytes += self.sink.write(sample.index, rec.input_ids, mask, rec.aux_hidden_states,
+                                                rec.last_hidden_state)
+        except OSError as e:
+            raise OSError(f"cannot write {self.sink.path(sample.index)}: {e.strerror or e}") from e
+        self.stats.done += 1
+        self.stats.tokens += T
+
+    def run(self, samples, total: Optional[int]) -> None:
+        from tqdm import tqdm
+
+        from sglang_hs.extract.dataset import SkipSample
+
+        ns = self.ns
+        bar = tqdm(total=total, unit="sample", disable=ns.no_progress, dynamic_ncols=True, smoothing=0.1)
+        pool = cf.ThreadPoolExecutor(ns.concurrency, thread_name_prefix="sglang-hs-extract")
+        fatal = None
+        self.stats.t0 = time.monotonic()
+        try:
+            it = iter(samples)
+            exhausted = False
+            while not exhausted or self.pending:
+                while not exhausted and fatal is None and len(self.pending) < ns.concurrency:
+                    try:
+                        index, record = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    if self.sink.done(index):
+                        self.stats.resumed += 1
+                        bar.update(1)
+                        continue
+                    try:
+                        sample = self.prep(index, record)
+                    except SkipSample as e:
+                        self.stats.skipped[e.reason] += 1
+                        bar.update(1)
+                        continue
+                    verify = _selected_for_verify(index, ns.verify)
+                    self.pending[self._rid(index)] = (sample, pool.submit(self._send, sample, verify), verify, None)
+                if not self.pending:
+                    continue
+                self.reader.poll()
+                progressed = False
+                for rid, (sample, fut, verify, t_reply) in list(self.pending.items()):
+                    if not fut.done():
+                        continue
+                    err = fut.exception()
+                    if err is not None:
+                        del self.pending[rid]
+                        self.reader.pop_ready(rid)
+                        self._fail(sample.index, err, bar)
+                        dead = self._server_dead()
+                        if dead:
+                            fatal = f"{dead}; stopped at sample {sample.index}"
+                        progressed = True
+                        continue
+                    rec = self.reader.pop_ready(rid)
+                    if rec is None:
+                        if t_reply is None:
+                            self.pending[rid] = (sample, fut, verify, time.monotonic())
+                        elif time.monotonic() - t_reply > RECORD_GRACE_S:
+                            del self.pending[rid]
+                            self._fail(sample.index, f"no record arrived {RECORD_GRACE_S:.0f}s after the reply", bar)
+                        continue
+                    del self.pending[rid]
+                    try:
+                        self._complete(sample, fut.result(), rec, verify)
+                    except OSError as e:
+                        fatal = f"sample {sample.index}: {e}"
+                    except Exception as e:  # noqa: BLE001 - reported per sample, the run goes on
+                        if type(e).__name__ == "VerificationError":
+                            fatal = str(e)
+                        self._fail(sample.index, e, bar)
+                    else:
+                        bar.update(1)
+                    progressed = True
+                ours = f"hsx-{self.run_id}-"
+                for rid in self.reader.ready_rids():
+                    if not rid.startswith(ours):
+                        self.reader.pop_ready(rid)
+                        self.stats.foreign += 1
+                if fatal is not None and not any(f.done() is False for _, f, _, _ in self.pending.values()):
+                    break
+                if progressed:
+                    self._postfix(bar)
+                else:
+                    time.sleep(0.002)
+        finally:
+            self.stats.t1 = time.monotonic()
+            pool.shutdown(wait=False, cancel_futures=True)
+            bar.close()
+        if fatal:
+            raise ExtractError(fatal)
+
+    def abort_pending(self) -> None:
+        import requests
+
+        for rid in list(self.pending):
+            try:
+                requests.post(f"{self.url}/abort_request", json={"rid": rid}, timeout=5)
+            except requests.RequestException:
+                pass
+
+    def _fail(self, index: int, err, bar) -> None:
+        self.stats.failed.append((index, str(err)))
+        bar.write(f"[extract] sample {index} failed: {err}")
+        bar.update(1)
+
+    def _postfix(self, bar) -> None:
+        wall = max(1e-6, time.monotonic() - self.stats.t0)
+        bar.set_postfix_str(f"{self.stats.tokens / wall:,.0f} tok/s, {self.stats.bytes / wall / 1e6:,.1f} MB/s, "
+                            f"lag {self.reader.unread_bytes() / 1e6:,.1f} MB, skipped {sum(self.stats.skipped.values())}"
+                            f", failed {len(self.stats.failed)}", refresh=False)
+
+
+def _samples(ns):
+    from sglang_hs.extract.dataset import read_records
+
+    for index, record in read_records(ns.data):
+        if ns.max_samples is not None and index >= ns.max_samples:
+            break
+        if index % ns.shard_count == ns.shard_index:
+            yield index, record
+
+
+def _print_summary(stats: Stats, out_dir: str) -> None:
+    s = stats.summary()
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s["skipped"].items())) or "none"
+    print(f"[extract] {s['samples_written']} samples written ({s['samples_already_done']} already done), "
+          f"skipped: {skipped}; failed: {len(s['failed'])}; {s['tokens']} tokens, {s['bytes'] / 1e6:.1f} MB in "
+          f"{s['wall_s']:.1f}s ({s['samples_per_s']:.2f} samples/s, {s['tokens_per_s']:.0f} tokens/s); "
+          f"verified {s['verified']} (max logprob difference {s['verify_max_logprob_diff']:.4f}); output {out_dir}", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns, launcher_args = parse_args(argv)
+    except ExtractError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    from sglang_hs.extract.sinks import SINKS
+
+    out_dir = os.path.abspath(ns.output)
+    sink = SINKS[ns.format](out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        have = sink.existing()
+        if have and not ns.resume:
+            raise ExtractError(f"--output {out_dir} already holds {have} {ns.format} sample files; pass --resume "
+                               "to continue that run, or choose another folder")
+        removed = sink.remove_partial()
+        if removed:
+            print(f"[extract] removed {removed} partial file(s) an interrupted run left", file=sys.stderr)
+    except (OSError, ExtractError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    def _on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_term)
+    server = extraction = manifest = None
+    status, rc = "failed", 1
+    try:
+        url, dump_dir, server = _connect(ns, launcher_args)
+        from sglang_hs.reader import HiddenStateReader
+
+        reader = HiddenStateReader(dump_dir, wait=30)
+        manifest = reader.manifest
+        if sink.needs_last and not manifest["last"]:
+            raise ExtractError(f"--format {ns.format} needs the final hidden state: the server at {url} runs "
+                               "without --hs-last (restart it with --hs-last, or use --format safetensors)")
+        if ns.verify and not manifest["last"]:
+            raise ExtractError("--verify needs the final hidden state: run the server with --hs-last")
+        preparer, lm_head = _model_side(ns, manifest)
+        extraction = Extraction(ns, url, reader, sink, preparer, lm_head, server)
+        total = count_records(ns.data)
+        if total is not None:
+            total = min(total, ns.max_samples if ns.max_samples is not None else total)
+            total = max(0, math.ceil((total - ns.shard_index) / ns.shard_count))
+        extraction.run(_samples(ns), total)
+        status, rc = ("complete", 0) if not extraction.stats.failed else ("complete with failures", 1)
+    except KeyboardInterrupt:
+        status, rc = "interrupted", 130
+        print(f"\n{PROG}: interrupted; completed files are kept, rerun with --resume", file=sys.stderr)
+        if extraction is not None:
+            extraction.abort_pending()
+    except (ExtractError, OSError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if server is not None:
+            server.stop()
+            if not ns.hs_dump_dir:  # the dump dir we made: its ring and manifest outlive the server
+                shutil.rmtree(os.path.dirname(server.dump_dir), ignore_errors=True)
+    if extraction is not None:
+        _print_summary(extraction.stats, out_dir)
+        write_manifest(out_dir, manifest, ns, extraction.stats, sink, status)
+    return rc
+
+
+def _connect(ns, launcher_args):
+    """(url, dump dir, the ServerProcess we started or None)."""
+    if ns.server:
+        return ns.server.rstrip("/"), ns.hs_dump_dir, None
+    from sglang_hs.server_process import ServerProcess, ServerStartError
+
+    dump_dir = ns.hs_dump_dir or os.path.join(
+        tempfile.mkdtemp(prefix="sglang-hs-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), "hs")
+    args = ["--hs-dump-dir", dump_dir, *launcher_args]
+    if (ns.format == "specforge" or ns.verify) and "--hs-last" not in launcher_args:
+        args.append("--hs-last")
+    server = ServerProcess(args)
+    server.dump_dir = dump_dir
+    print(f"[extract] starting the server: {' '.join(server.cmd)} (log {server.log_path})", file=sys.stderr,
+          flush=True)
+    try:
+        server.wait_ready()
+    except ServerStartError as e:
+        raise ExtractError(str(e)) from None
+    return server.url, dump_dir, server
+
+
+def _model_side(ns, manifest):
+    """The sample preparer (tokenizer, context length) and, for --verify, the lm_head weight."""
+    from transformers import AutoTokenizer
+
+    from sglang_hs.extract.dataset import Preparer
+
+    model_path = manifest["model_path"]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    limit = min(x for x in (manifest.get("context_len") or 10**12, manifest["writers"][0]["num_slots"]))
+    preparer = Preparer(tokenizer, limit, regenerate=ns.regenerate, max_new_tokens=ns.max_new_tokens)
+    lm_head = None
+    if ns.verify:
+        from sglang_hs.extract.verify import load_lm_head
+
+        lm_head = load_lm_head(model_path)
+    return preparer, lm_head
