@@ -1,0 +1,165 @@
+"""The extraction CLI's parts without a server: loss masks from chat templates, skip reasons, the two
+file layouts (read back the SpecForge way and the safetensors way), atomic writes, the draft-config
+layer ids, and the logprob verification."""
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import specforge_way
+from sglang_hs import tiny_model
+from sglang_hs.extract.cli import draft_config
+from sglang_hs.extract.dataset import Preparer, SkipSample
+from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
+from sglang_hs.extract.verify import VerificationError, check
+
+CONV = [{"from": "human", "value": "What is the capital of France?"}, {"from": "gpt", "value": "Paris, of course."},
+        {"from": "human", "value": "And of Spain?"}, {"from": "gpt", "value": "Madrid."}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(tiny_model.ensure())
+
+
+def _masked_text(tok, s):
+    runs, cur = [], []
+    for t, m in zip(s.input_ids, s.loss_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])
+
+
+def test_loss_mask_is_exactly_the_replies_and_their_end_of_turn(tok):
+    s = Preparer(tok, 4096)(0, {"conversations": CONV})
+    eos = tok.eos_token
+    assert _masked_text(tok, s) == ["Paris, of course." + eos, "Madrid." + eos]
+    assert tok.decode(s.input_ids) == tok.apply_chat_template(
+        [{"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in CONV], tokenize=False)
+    # OpenAI style gives the same sample.
+    openai = [{"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in CONV]
+    s2 = Preparer(tok, 4096)(0, {"messages": openai})
+    assert (s2.input_ids, s2.loss_mask) == (s.input_ids, s.loss_mask)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_matched_by_the_final_answer(tok):
+    """DeepSeek-R1-style: earlier assistant turns lose their reasoning in the rendered text."""
+    tok = AutoTokenizer.from_pretrained(tiny_model.ensure())
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+        "{% else %}{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+        "{{ '<｜Assistant｜>' + c + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}")
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>greet back</think>Hello!"},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    s = Preparer(tok, 4096)(0, {"messages": conv})
+    assert _masked_text(tok, s) == ["Hello!" + tok.eos_token, "Goodbye." + tok.eos_token]
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"messages": []}, "empty-conversation"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "empty-conversation"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown-role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "wrong-type"),
+    ({"conversations": "hello"}, "wrong-type"),
+    ({"input_ids": [1, 2, 100000]}, "token-out-of-vocab"),
+    ({"input_ids": [1, -2]}, "token-out-of-vocab"),
+    ({"input_ids": ["a"]}, "wrong-type"),
+    ({"input_ids": []}, "empty-input"),
+    ({"input_ids": [1, 2], "loss_mask": [1]}, "bad-loss-mask"),
+    ({"input_ids": list(range(1, 40))}, "too-long"),
+    ({"text": "no fields"}, "missing-fields"),
+    (["not", "an", "object"], "wrong-type"),
+])
+def test_bad_records_are_skipped_with_a_reason(tok, record, reason):
+    with pytest.raises(SkipSample) as e:
+        Preparer(tok, 32)(0, record)
+    assert e.value.reason == reason
+
+
+def test_regenerate_sends_the_prompt_with_the_generation_header(tok):
+    s = Preparer(tok, 4096, regenerate=True, max_new_tokens=16)(3, {"conversations": CONV})
+    assert tok.decode(s.input_ids).endswith("And of Spain?<｜Assistant｜>") and s.prompt_len == len(s.input_ids)
+    with pytest.raises(SkipSample, match="too-long"):
+        Preparer(tok, len(s.input_ids) + 8, regenerate=True, max_new_tokens=16)(3, {"conversations": CONV})
+
+
+def _record(T=7, K=3, H=16):
+    g = torch.Generator().manual_seed(T)
+    return (torch.arange(T), torch.tensor([0, 0, 1, 1, 1, 0, 1][:T]), torch.randn(T, K, H, generator=g).bfloat16(),
+            torch.randn(T, H, generator=g).bfloat16())
+
+
+def test_specforge_files_load_the_specforge_way(tmp_path):
+    sink = SpecForgeSink(str(tmp_path))
+    ids, mask, aux, last = _record()
+    for i in (0, 1999, 2000, 4711):
+        sink.write(i, ids, mask, aux, last)
+    files = specforge_way.find_files(str(tmp_path))
+    assert [os.path.relpath(f, tmp_path) for f in files] == [
+        "rows_0-2000/data_0.ckpt", "rows_0-2000/data_1999.ckpt", "rows_2000-4000/data_2000.ckpt",
+        "rows_4000-6000/data_4711.ckpt"]
+    s = specforge_way.load_sample(files[0])
+    assert torch.equal(s["input_ids"][0], ids) and s["input_ids"].dtype == torch.int64
+    assert torch.equal(s["hidden_state"][0], aux.reshape(7, -1)) and s["hidden_state"].shape == (1, 7, 48)
+    assert torch.equal(s["target"][0], last) and s["target"].dtype == torch.bfloat16
+    assert s["loss_mask"][0].tolist() == mask.tolist()[:-1] + [0]
+    assert sink.done(4711) and not sink.done(4712) and sink.existing() == 4
+
+
+def test_safetensors_files_hold_layers_then_the_final_state(tmp_path):
+    from safetensors.torch import load_file
+
+    sink = SafetensorsSink(str(tmp_path))
+    ids, mask, aux, last = _record()
+    nbytes = sink.write(5, ids, mask, aux, last)
+    t = load_file(str(tmp_path / "hs_5.safetensors"))
+    assert nbytes == os.path.getsize(tmp_path / "hs_5.safetensors")
+    assert t["hidden_states"].shape == (7, 4, 16) and torch.equal(t["hidden_states"][:, :3], aux)
+    assert torch.equal(t["hidden_states"][:, 3], last) and torch.equal(t["token_ids"], ids)
+    assert torch.equal(t["loss_mask"], mask)
+
+
+def test_a_failed_write_leaves_no_file_that_looks_done(tmp_path, monkeypatch):
+    sink = SpecForgeSink(str(tmp_path))
+    ids, mask, aux, last = _record()
+
+    def full_disk(obj, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        sink.write(3, ids, mask, aux, last)
+    assert not sink.done(3) and not list(tmp_path.rglob("*.tmp")) and sink.existing() == 0
+    # A crash (no exception handler ran) leaves only a temporary name, removed by the next run.
+    (tmp_path / "rows_0-2000" / "data_4.ckpt.123.tmp").write_bytes(b"partial")
+    assert not sink.done(4) and sink.remove_partial() == 1
+
+
+@pytest.mark.parametrize("layers, ids", [([2, 4, 5], [1, 3, 4]), ([3, 30, 58], [3, 30, 58]), ([0, 5], [0, 5]),
+                                         ([1, 4, 6], None)])
+def test_draft_config_ids_make_sglang_capture_the_same_layers(layers, ids):
+    cfg = draft_config({"layer_ids": layers, "hidden_size": 64, "last": True, "num_hidden_layers": 61})
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
+    if ids is not None:  # SGLang's set_eagle3_layers_to_capture: +1 on every id when the first is 1
+        assert ([i + 1 for i in ids] if ids[0] == 1 else ids) == layers
+    assert cfg["speculators_layer_ids"] == layers + [61]
+
+
+def test_verification_passes_the_true_states_and_fails_shifted_ones():
+    g = torch.Generator().manual_seed(0)
+    V, H, T = 50, 16, 12
+    head = torch.randn(V, H, generator=g)
+    last = torch.randn(T, H, generator=g) * 3
+    ids = torch.randint(0, V, (T,), generator=g).tolist()
+    server = [None] + torch.log_softmax(last[:-1] @ head.T, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert check(0, ids, last.bfloat16().float(), head, server) < 0.08
+    with pytest.raises(VerificationError, match="sample 7: at position"):
+        check(7, ids, torch.cat([last[1:], last[:1]]), head, server)
+    with pytest.raises(VerificationError, match="captured rows for"):
+        check(7, ids, last[:-1], head, server)
