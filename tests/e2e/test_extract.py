@@ -1,0 +1,241 @@
+"""`python -m sglang_hs.extract` end to end on the real server: conversations and pre-tokenized records in
+both formats (read back the SpecForge way, checked against the reader's records and the server's own
+logprobs), bad records skipped and counted, a run killed halfway and resumed, a server that dies
+mid-run, SIGTERM, a full disk, and a server without the final state refused up front."""
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import specforge_way
+from helpers import Launcher, leftover_server_processes, processes_in_session
+from sglang_hs import HiddenStateReader, tiny_model
+from sglang_hs.extract.dataset import Preparer
+
+pytestmark = pytest.mark.e2e
+WORDS = ("the a of to and in is it that was for on are with as be at by this have from or one had not but what "
+         "all were when we there can an your which their said if do will each about how up out them then she many "
+         "some so these would other into has more her two like him see time could no make than first").split()
+
+
+def conversations(n, seed=0, long=False):
+    rng = random.Random(seed)
+
+    def text(lo, hi):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for i in range(n):
+        turns = [{"from": "human", "value": text(3, 20)}, {"from": "gpt", "value": text(3, 40 if not long else 200)}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": text(2, 10)}, {"from": "gpt", "value": text(2, 15)}]
+        out.append({"conversations": turns} if i % 2 else
+                   {"messages": [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                                 for t in turns]})
+    return out
+
+
+def write_jsonl(path, records, raw_lines=()):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def extract(args, timeout=600, **kw):
+    return subprocess.run([sys.executable, "-m", "sglang_hs.extract", "--no-progress", *args], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def start_extract(args):
+    return subprocess.Popen([sys.executable, "-m", "sglang_hs.extract", "--no-progress", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def count_files(out, pattern):
+    return len(list(out.glob(pattern))) if out.exists() else 0
+
+
+def wait_for_files(out, pattern, n, proc, timeout=240):
+    deadline = time.monotonic() + timeout
+    while count_files(out, pattern) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"fewer than {n} files after {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(tiny_model.ensure())
+
+
+def _server_args(capture_server, dump_dir):
+    return ["--server", capture_server.url, "--hs-dump-dir", str(dump_dir)]
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "safetensors"])
+def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, fmt):
+    convs = conversations(6, seed=1)
+    pretok = [{"input_ids": [5 + (7 * j) % 900 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30},
+              {"input_ids": [9 + (3 * j) % 800 for j in range(25)]}]
+    bad = ['{"messages": [', json.dumps({"input_ids": [5 + j % 900 for j in range(5000)]}), json.dumps({"input_ids": [1, 10**6]}),
+           json.dumps({"messages": [{"role": "user", "content": "no reply"}]})]
+    data = write_jsonl(tmp_path / "data.jsonl", convs + pretok, bad)
+    out = tmp_path / "out"
+    proc = extract(["--data", data, "--output", str(out), "--format", fmt, "--verify", "1.0", "--concurrency", "4",
+                    *_server_args(capture_server, dump_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["status"] == "complete" and manifest["samples_written"] == 8 and manifest["verified"] == 8
+    assert manifest["skipped"] == {"invalid-json": 1, "too-long": 1, "token-out-of-vocab": 1, "empty-conversation": 1}
+    assert manifest["layer_ids"] == [2, 4, 5] and manifest["draft_model_config"]["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert "samples written" in proc.stderr and "skipped: empty-conversation 1" in proc.stderr
+
+    prep = Preparer(tok, 4096)
+    reader = HiddenStateReader(str(dump_dir))
+    for i, record in enumerate(convs + pretok):
+        want = prep(i, record)
+        if fmt == "specforge":
+            s = specforge_way.load_sample(str(out / "rows_0-2000" / f"data_{i}.ckpt"))
+            ids, mask, aux, last = s["input_ids"][0], s["loss_mask"][0], s["hidden_state"][0], s["target"][0]
+            mask = torch.cat([mask[:-1], torch.tensor([want.loss_mask[-1]])])  # SpecForge zeroes the last
+            aux = aux.view(len(ids), 3, -1)
+        else:
+            t = load_file(str(out / f"hs_{i}.safetensors"))
+            ids, mask, aux, last = t["token_ids"], t["loss_mask"], t["hidden_states"][:, :3], t["hidden_states"][:, 3]
+        assert ids.tolist() == want.input_ids and mask.tolist() == want.loss_mask
+        if i < len(convs):  # the mask covers exactly the assistant replies and their end-of-turn token
+            replies = [m.get("value", m.get("content")) for m in record.get("conversations", record.get("messages"))
+                       if m.get("from", m.get("role")) in ("gpt", "assistant")]
+            masked = tok.decode([t for t, m in zip(want.input_ids, want.loss_mask) if m])
+            assert masked == "".join(r + tok.eos_token for r in replies)
+        # The same tokens sent again: the radix cache serves every row but the last from the store, so
+        # the files must hold exactly the reader's rows there (and the recomputed last row within bf16).
+        capture_server.generate(input_ids=want.input_ids, rid=f"again-{fmt}-{i}",
+                                sampling_params={"max_new_tokens": 1, "temperature": 0})
+        rec = reader.take(f"again-{fmt}-{i}", timeout=60)
+        assert torch.equal(rec.aux_hidden_states[:-1], aux[:-1]) and torch.equal(rec.last_hidden_state[:-1], last[:-1])
+        assert torch.allclose(rec.last_hidden_state[-1].float(), last[-1].float(), rtol=0.05, atol=0.05)
+
+
+def test_killed_run_resumes_to_the_same_output(capture_server, dump_dir, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(40, seed=2))
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    base = ["--data", data, "--format", "safetensors", "--concurrency", "2", *_server_args(capture_server, dump_dir)]
+    assert extract([*base, "--output", str(full)]).returncode == 0
+    proc = start_extract([*base, "--output", str(resumed)])
+    wait_for_files(resumed, "hs_*.safetensors", 12, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    before = count_files(resumed, "hs_*.safetensors")
+    assert before < 40
+    again = extract([*base, "--output", str(resumed)])
+    assert again.returncode == 2 and "--resume" in again.stderr  # refuses to mix runs silently
+    again = extract([*base, "--output", str(resumed), "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    m = json.load(open(resumed / "manifest.json"))
+    assert m["samples_already_done"] == before and m["samples_written"] == 40 - before and m["samples_on_disk"] == 40
+    assert sorted(p.name for p in full.glob("hs_*")) == sorted(p.name for p in resumed.glob("hs_*"))
+    assert not list(resumed.rglob("*.tmp"))
+    for p in full.glob("hs_*.safetensors"):
+        a, b = load_file(str(p)), load_file(str(resumed / p.name))
+        assert torch.equal(a["token_ids"], b["token_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        err = (a["hidden_states"].float() - b["hidden_states"].float()).norm(dim=-1) / a["hidden_states"].float().norm(dim=-1)
+        assert err.median() < 1e-3 and err.max() < 0.05, (p.name, err.max())
+
+
+def test_disk_full_mid_run_names_the_file_and_keeps_what_is_done(capture_server, dump_dir, tmp_path, monkeypatch, capsys):
+    from sglang_hs.extract import cli, sinks
+
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(10, seed=3))
+    out = tmp_path / "out"
+    real, calls = sinks.SpecForgeSink._save, []
+
+    def fills_up(self, tmp, *a):
+        calls.append(tmp)
+        if len(calls) > 3:
+            with open(tmp, "wb") as f:
+                f.write(b"half")
+            raise OSError(28, "No space left on device")
+        real(self, tmp, *a)
+
+    monkeypatch.setattr(sinks.SpecForgeSink, "_save", fills_up)
+    rc = cli.main(["--data", data, "--output", str(out), "--concurrency", "1", "--no-progress",
+                   *_server_args(capture_server, dump_dir)])
+    err = capsys.readouterr().err
+    assert rc == 1 and re.search(r"cannot write \S+/rows_0-2000/data_\d+\.ckpt: No space left on device", err), err
+    files = specforge_way.find_files(str(out))
+    assert len(files) == 3 and not list(out.rglob("*.tmp"))
+    for f in files:
+        specforge_way.load_sample(f)
+    assert json.load(open(out / "manifest.json"))["status"] == "failed"
+
+
+@pytest.fixture(scope="module")
+def no_last_server(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("hs-nolast") / "dump"
+    server = Launcher(["--hs-dump-dir", str(dump)])
+    server.dump = dump
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def test_server_without_the_final_state_is_refused_up_front(no_last_server, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(2))
+    args = ["--data", data, "--server", no_last_server.url, "--hs-dump-dir", str(no_last_server.dump)]
+    proc = extract([*args, "--output", str(tmp_path / "a")])
+    assert proc.returncode == 1 and "--format specforge needs the final hidden state" in proc.stderr
+    assert "--hs-last" in proc.stderr
+    proc = extract([*args, "--output", str(tmp_path / "b"), "--format", "safetensors", "--verify", "0.5"])
+    assert proc.returncode == 1 and "--verify needs the final hidden state" in proc.stderr
+
+
+def test_server_dying_mid_run_is_reported_and_completed_files_stay(no_last_server, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(300, seed=4, long=True))
+    out = tmp_path / "out"
+    proc = start_extract(["--data", data, "--output", str(out), "--format", "safetensors", "--concurrency", "2",
+                          "--server", no_last_server.url, "--hs-dump-dir", str(no_last_server.dump)])
+    wait_for_files(out, "hs_*.safetensors", 5, proc)
+    for pid in leftover_server_processes(no_last_server.output):  # the whole server, without warning
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"does not answer .*stopped at sample \d+", err), err[-3000:]
+    done = list(out.glob("hs_*.safetensors"))
+    assert 5 <= len(done) < 300 and not list(out.rglob("*.tmp"))
+    for p in done:
+        assert load_file(str(p))["hidden_states"].shape[1:] == (3, 256)
+    m = json.load(open(out / "manifest.json"))
+    assert m["status"] == "failed" and m["samples_written"] == len(done)
+
+
+def test_sigterm_stops_the_run_and_the_server_it_started(tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(300, seed=5, long=True))
+    out = tmp_path / "out"
+    proc = start_extract(["--data", data, "--output", str(out), "--concurrency", "1"])
+    wait_for_files(out, "rows_0-2000/data_*.ckpt", 3, proc, timeout=300)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err and "--resume" in err, err[-3000:]
+    log = re.search(r"\(log (\S+)\)", err).group(1)
+    sid = int(re.search(r"\[sglang-hs\] server session (\d+)", open(log).read()).group(1))
+    assert processes_in_session(sid) == []
+    dump = re.search(r"--hs-dump-dir (\S+)", err).group(1)
+    assert not os.path.exists(os.path.dirname(dump))  # the dump dir it made, ring and all
+    assert json.load(open(out / "manifest.json"))["status"] == "interrupted"
+    for f in specforge_way.find_files(str(out)):
+        specforge_way.load_sample(f)
