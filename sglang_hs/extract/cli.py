@@ -386,7 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         url, dump_dir, server = _connect(ns, launcher_args)
         from sglang_hs.reader import HiddenStateReader
 
-        reader = HiddenStateReader(dump_dir, wait=30)
+        reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True)
         manifest = reader.manifest
         if sink.needs_last and not manifest["last"]:
             raise ExtractError(f"--format {ns.format} needs the final hidden state: the server at {url} runs "

@@ -21,7 +21,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -96,12 +96,21 @@ class RingWriter:
                                    "(is a reader consuming it?)")
             time.sleep(0.001)
 
-    def publish(self, rid: str, input_ids: torch.Tensor, rows: torch.Tensor, timeout: float = 60.0) -> int:
-        """Append one record; returns its sequence number. Blocks while the ring is full (bounded)."""
-        T, P, H = rows.shape
-        assert input_ids.shape == (T,) and rows.dtype in DTYPES
+    def publish(self, rid: str, input_ids: torch.Tensor, rows: Optional[torch.Tensor] = None, timeout: float = 60.0,
+                *, gather_from: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None) -> int:
+        """Append one record; returns its sequence number. Blocks while the ring is full (bounded).
+
+        The rows are either `rows` [T, P, H], or gathered straight into the ring as
+        `gather_from[slots]` (a store [S, P, H] and its KV slots [T]): one copy fewer."""
+        if rows is not None:
+            T, P, H = rows.shape
+            dtype = rows.dtype
+        else:
+            T, (_, P, H), dtype = slots.shape[0], gather_from.shape, gather_from.dtype
+        assert input_ids.shape == (T,) and dtype in DTYPES
+        elem = torch.empty(0, dtype=dtype).element_size()
         rid_b = rid.encode()
-        total = record_bytes(T, P, H, rows.element_size(), len(rid_b))
+        total = record_bytes(T, P, H, elem, len(rid_b))
         if total > self.capacity:
             raise ValueError(f"record of {total} bytes (rid {rid!r}, {T} tokens) exceeds the output ring's "
                              f"capacity of {self.capacity} bytes: raise --hs-ring-size")
@@ -125,11 +134,15 @@ class RingWriter:
         o += _align(len(rid_b))
         buf[base + o : base + o + 4 * T] = input_ids.to(torch.int32).contiguous().view(torch.uint8)
         o += _align(4 * T)
-        n = T * P * H * rows.element_size()
-        buf[base + o : base + o + n] = rows.contiguous().view(-1).view(torch.uint8)
+        n = T * P * H * elem
+        dst = buf[base + o : base + o + n].view(dtype).view(T, P, H)
+        if rows is not None:
+            dst.copy_(rows)
+        else:
+            torch.index_select(gather_from, 0, slots.long(), out=dst)
         o += _align(n)
         self._write(pos + o, _TRAIL.pack(REC_MAGIC, 0, self.seq, total))
-        self._write(pos, _REC.pack(REC_MAGIC, 0, total, self.seq, T, P, H, DTYPES[rows.dtype], len(rid_b)))
+        self._write(pos, _REC.pack(REC_MAGIC, 0, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b)))
         self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
         return self.seq
 

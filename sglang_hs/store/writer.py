@@ -111,12 +111,11 @@ class CaptureWriter:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
         if slots.is_cuda:
             torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
-        rows = self.store[slots.long().cpu()]
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
-        self.ring.publish(rid, ids, rows)
+        self.ring.publish(rid, ids, gather_from=self.store, slots=slots.cpu())  # gathered straight into the ring
         self.stats["records"] += 1
         self.stats["rows"] += T
-        self.stats["bytes"] += rows.numel() * rows.element_size()
+        self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
         self.stats["gather_s"] += time.perf_counter() - t0
 
 

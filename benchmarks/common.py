@@ -1,0 +1,55 @@
+"""Shared by the benchmarks: the machine's name, CSV output, and plots (when matplotlib is there)."""
+from __future__ import annotations
+
+import csv
+import os
+import platform
+from typing import Dict, List
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores {cpu}, {mem:.0f} GiB"
+
+
+def write_csv(path: str, rows: List[dict]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib missing: no plot (make bench installs it)")
+        return None
+
+
+def plot_bars(path: str, values: Dict[str, float], ylabel: str, title: str) -> None:
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(list(values), list(values.values()), color=["#888", "#2a7"][: len(values)] + ["#27a"] * 8)
+    for i, v in enumerate(values.values()):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
