@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: setup demo test test-unit test-e2e test-gpu clean
+.PHONY: setup demo test test-unit test-e2e test-gpu bench clean
 
 setup:
 	@bash scripts/ensure_env.sh
@@ -20,6 +20,11 @@ test-unit: setup
 
 test-e2e: setup
 	$(PY) -m pytest -q -ra tests/e2e
+
+bench: setup
+	@SGLANG_HS_BENCH=1 bash scripts/ensure_env.sh >/dev/null
+	$(PY) benchmarks/bench_ring.py --out benchmarks/results
+	$(PY) benchmarks/bench_extract.py --out benchmarks/results
 
 clean:
 	rm -rf .venv build *.egg-info sglang_hs/_C*.so

@@ -49,6 +49,19 @@ if [ ! -f "$tools/.complete" ]; then
 fi
 ln -sf "$tools/bin/hadolint" .venv/bin/hadolint
 
+# Benchmark plots (make bench only): matplotlib and its small dependencies, cached like the tools.
+if [ "${SGLANG_HS_BENCH:-0}" = "1" ]; then
+    bkey=$(cat requirements/bench.txt | sha256sum | cut -c1-16)
+    bench="$cache/bench/$bkey"
+    if [ ! -f "$bench/.complete" ]; then
+        rm -rf "$bench"
+        .venv/bin/pip install -q --no-deps --target "$bench" -r requirements/bench.txt
+        touch "$bench/.complete"
+    fi
+    vsite=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$bench" > "$vsite/_sglang_hs_bench.pth"
+fi
+
 # sglang-hs from this clone, every run: an editable install, so Python sources are live. The compiled
 # extension is rebuilt only when its inputs change (a stamp of their hash), since a rebuild costs ~1 min.
 stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
