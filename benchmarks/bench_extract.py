@@ -114,6 +114,11 @@ def run_json(server, prompts, out, concurrency) -> dict:
             "bytes": nbytes}
 
 
+def _warm(server, length) -> None:
+    for _ in range(2):
+        _post(server.url, {"input_ids": [7] * min(length, 64), "sampling_params": {"max_new_tokens": 1}})
+
+
 def run_plain(server, prompts, concurrency) -> dict:
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
@@ -162,6 +167,7 @@ def main(argv=None) -> int:
                     for method, server in servers.items():
                         out = os.path.join(files, f"{method}-{L}-{conc}-{rep}")
                         pids = session_pids(server)
+                        _warm(server, L)  # an idle server sleeps (--sleep-on-idle): wake it before timing
                         reset_peak(pids + [os.getpid()])
                         if method == "a_sglang_hs":
                             r = run_sglang_hs(server, dump, data, out, conc)

@@ -63,3 +63,27 @@ def lock_dump_dir(path: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def check_private_file(path: str) -> os.stat_result:
+    """Refuse a dump file that is not a regular file of this user, or that others may write."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file (a symlink or special file); refusing it")
+    owner = _user(st.st_uid)
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{path}: owned by {owner}, not by this user ({_user(os.geteuid())}); run the reader as "
+                         "the server's user (in a container: docker run --user $(id -u):$(id -g))")
+    if st.st_mode & 0o022:
+        raise ValueError(f"{path}: group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}, owner {owner}): "
+                         "anyone could have altered it; refusing it")
+    return st
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"

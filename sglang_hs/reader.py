@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from sglang_hs.fsutil import check_private_file
 from sglang_hs.store.ring import RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
@@ -40,6 +41,25 @@ def recycle_freed_memory() -> bool:
         return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 1 << 30))  # M_MMAP_MAX, M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         return False
+
+
+def read_manifest(path: str) -> dict:
+    check_private_file(path)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a valid manifest (truncated or corrupted JSON: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        found = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ValueError(f"{path}: format version {found}, this reader reads {FORMAT_VERSION}")
+    missing = [k for k in ("layer_ids", "last", "writers", "hidden_size") if k not in manifest]
+    if missing or not manifest["writers"] or not all(isinstance(w, dict) and "ring" in w for w in manifest["writers"]):
+        raise ValueError(f"{path}: not a valid manifest (missing {missing or 'writers'})")
+    for w in manifest["writers"]:
+        if os.path.basename(str(w["ring"])) != w["ring"]:
+            raise ValueError(f"{path}: writer ring {w['ring']!r} is not a file name inside the dump dir")
+    return manifest
 
 
 @dataclass
@@ -69,11 +89,7 @@ class HiddenStateReader:
                 raise FileNotFoundError(f"{path}: no manifest after {wait}s; is a server capturing into "
                                         f"--hs-dump-dir {self.dump_dir}?")
             time.sleep(0.05)
-        with open(path) as f:
-            self.manifest = json.load(f)
-        if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: format version {self.manifest.get('format_version')}, this reader reads "
-                             f"{FORMAT_VERSION}")
+        self.manifest = read_manifest(path)
         self.num_aux = len(self.manifest["layer_ids"])
         self.has_last = bool(self.manifest["last"])
         self._rings = [RingReader.open(self.dump_dir, w["ring"]) for w in self.manifest["writers"]]

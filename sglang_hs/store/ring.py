@@ -14,6 +14,9 @@ of the buffer the writer publishes a SKIP marker (or nothing, when fewer than 64
 starts again at 0. The writer only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and
 the reader only reads bytes below the HEAD it acquire-loaded, so a record is either wholly visible or
 not at all; header/trailer mismatches (a corrupted or foreign file) are reported as torn, never emitted.
+Sequence numbers run 1, 2, 3, ... without gaps; the reader stores the last one it consumed beside TAIL
+(TAIL first, then TAIL_SEQ), so a reader that starts later resumes where the last one stopped; a
+record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refused, as is a gap after it.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ VERSION = 1
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
+OFF_TAIL_SEQ = 136  # sequence number of the last record consumed, written by the reader after TAIL
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
 _REC = struct.Struct("<IIQQIHIBxH")  # magic, flags, total, seq, T, P, H, dtype, pad, rid_len
 _TRAIL = struct.Struct("<IIQQ")  # magic, pad, seq, total
@@ -166,6 +170,9 @@ class RingReader:
 
     @classmethod
     def open(cls, dir_path: str, name: str) -> "RingReader":
+        from sglang_hs.fsutil import check_private_file
+
+        check_private_file(os.path.join(dir_path, name))
         return cls(SharedRegion.open(dir_path, name))
 
     def unread_bytes(self) -> int:
@@ -176,6 +183,10 @@ class RingReader:
         out = []
         head = self.r.load_acquire(OFF_HEAD)
         tail = self.r.load_acquire(OFF_TAIL)
+        if tail > head or head - tail > self.capacity:
+            raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "
+                             f"{self.capacity})")
+        last_seq = self.r.load_acquire(OFF_TAIL_SEQ)
         while tail < head:
             pos = tail % self.capacity
             if self.capacity - pos < ALIGN:  # too little room for a SKIP marker: implicit wrap
@@ -193,6 +204,11 @@ class RingReader:
             elem = torch.empty(0, dtype=dtype).element_size()
             if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len):
                 raise TornRecord(f"{self.r.path}: torn record seq {seq} at offset {tail}")
+            # The first record may be further on: a reader killed between storing TAIL and TAIL_SEQ.
+            if seq <= last_seq or (out and seq != last_seq + 1):
+                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} after seq {last_seq} "
+                                 "(the ring's counters were moved: a replay or a gap)")
+            last_seq = seq
             o = base + ALIGN
             rid = bytes(self.r.buf[o : o + rid_len].tolist()).decode()
             o += _align(rid_len)
@@ -202,4 +218,5 @@ class RingReader:
             out.append(Record(rid=rid, seq=seq, input_ids=ids, rows=rows))
             tail += total
         self.r.store_release(OFF_TAIL, tail)
+        self.r.store_release(OFF_TAIL_SEQ, last_seq)  # after TAIL: a reader killed in between still resumes
         return out

@@ -239,3 +239,29 @@ def test_sigterm_stops_the_run_and_the_server_it_started(tmp_path):
     assert json.load(open(out / "manifest.json"))["status"] == "interrupted"
     for f in specforge_way.find_files(str(out)):
         specforge_way.load_sample(f)
+
+
+def test_regenerate_captures_the_targets_own_reply_and_shards_split_the_data(capture_server, dump_dir, tmp_path, tok):
+    """--regenerate: the prompt is sent, the target writes the reply, loss_mask is 1 on the generated rows;
+    verified against the server's logprobs. --shard 1/2 takes the odd sample indices only."""
+    convs = conversations(6, seed=6)
+    data = write_jsonl(tmp_path / "data.jsonl", convs)
+    out = tmp_path / "out"
+    proc = extract(["--data", data, "--output", str(out), "--format", "safetensors", "--regenerate",
+                    "--max-new-tokens", "6", "--shard", "1/2", "--verify", "1.0",
+                    *_server_args(capture_server, dump_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("hs_*.safetensors")) == ["hs_1.safetensors", "hs_3.safetensors",
+                                                                    "hs_5.safetensors"]
+    m = json.load(open(out / "manifest.json"))
+    assert m["shard"] == "1/2" and m["regenerate"] and m["verified"] == 3
+    prep = Preparer(tok, 4096, regenerate=True, max_new_tokens=6)
+    for i in (1, 3, 5):
+        prompt = prep(i, convs[i]).input_ids
+        t = load_file(str(out / f"hs_{i}.safetensors"))
+        ids, mask = t["token_ids"].tolist(), t["loss_mask"].tolist()
+        assert ids[: len(prompt)] == prompt and tok.decode(prompt).endswith("<｜Assistant｜>")
+        generated = len(ids) - len(prompt) + 1  # the last generated token has no row
+        assert 1 <= generated <= 6
+        assert mask == [0] * len(prompt) + [1] * (generated - 1)
+        assert t["hidden_states"].shape == (len(ids), 4, 256)
