@@ -149,6 +149,37 @@ def check_sglang_version() -> None:
                                  f"{found}: pip install sglang=={SGLANG_VERSION}")
 
 
+def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, argv: List[str],
+                    dump_dir: str) -> int:
+    """The output ring must hold one record at the server's maximal context length (twice: admission
+    reserves room to wrap) and fit the dump dir's filesystem. A default ring grows to that; a size the
+    user gave is refused, naming the flags."""
+    from sglang_hs.store.ring import record_bytes
+
+    ctx = _flag_value(argv, "--context-length") or config.get("max_position_embeddings")
+    dtype = str(_flag_value(argv, "--dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    elem = 4 if dtype in ("float32", "float") else 2
+    P = spec.num_aux + int(spec.last)
+    if ctx:
+        need = 2 * record_bytes(int(ctx), P, spec.hidden_size, elem, 256)
+        if ring < need and explicit:
+            raise CaptureConfigError(
+                f"--hs-ring-size: {ring} bytes cannot hold one record at the server's maximal context length "
+                f"({int(ctx)} tokens x {P} x {spec.hidden_size} x {elem} bytes, twice to wrap: {need} bytes); raise "
+                f"it to at least {need / 2**30:.2f}GiB or lower --context-length")
+        if ring < need:
+            print(f"[sglang-hs] output ring: {need / 2**30:.2f} GiB (room for one record at the {int(ctx)}-token "
+                  "context; set --hs-ring-size for more)", file=sys.stderr)
+            ring = need
+    st = os.statvfs(dump_dir)
+    free = st.f_bavail * st.f_frsize
+    if ring > free:
+        raise CaptureConfigError(f"--hs-ring-size: {ring / 2**30:.2f} GiB does not fit the {free / 2**30:.2f} GiB free "
+                                 f"in {dump_dir}'s filesystem (and the store needs room too); lower --hs-ring-size or "
+                                 "--context-length, or give the filesystem more room (docker: --shm-size)")
+    return ring
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -209,7 +240,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         raise CaptureConfigError("--hs-layers/--hs-last need --hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
-    env["SGLANG_HS_RING_SIZE"] = str(parse_size(ns.hs_ring_size) if ns.hs_ring_size else envs.DEFAULT_RING_BYTES)
+    ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else envs.DEFAULT_RING_BYTES
+    if dump_dir:
+        ring = check_ring_size(ring, explicit=bool(ns.hs_ring_size), spec=spec, config=config, argv=sg_argv,
+                               dump_dir=dump_dir)
+    env["SGLANG_HS_RING_SIZE"] = str(ring)
     env.pop("SGLANG_HS_ADMISSION_TIMEOUT", None)
     if ns.hs_admission_timeout is not None:
         if not ns.hs_admission_timeout >= 0:

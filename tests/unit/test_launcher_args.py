@@ -21,10 +21,11 @@ def clean_env():
     os.environ.update(saved)
 
 
-def _model_dir(tmp_path, arch="DeepseekV3ForCausalLM", layers=8):
+def _model_dir(tmp_path, arch="DeepseekV3ForCausalLM", layers=8, **extra):
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": [arch], "num_hidden_layers": layers, "hidden_size": 64}))
+    (d / "config.json").write_text(json.dumps({"architectures": [arch], "num_hidden_layers": layers, "hidden_size": 64,
+                                               **extra}))
     return str(d)
 
 
@@ -126,3 +127,29 @@ def test_refuses_any_other_sglang(tmp_path, clean_env, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.22" if name == "sglang" else "0")
     with pytest.raises(CaptureConfigError, match="runs on sglang 0.5.23 only, found sglang 0.5.22"):
         launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu"])
+
+
+def test_ring_must_hold_one_record_at_the_maximal_context(tmp_path, clean_env, capsys):
+    from sglang_hs.store.ring import record_bytes
+
+    model = _model_dir(tmp_path, max_position_embeddings=163840)
+    need = 2 * record_bytes(163840, 4, 64, 2, 256)  # 3 aux layers + last, bf16: ~168 MB
+    def base(n):
+        return ["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / f"hs{n}"), "--hs-last"]
+
+    with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: 67108864 bytes cannot hold one record at the "
+                                                 r"server's maximal context length \(163840 tokens"):
+        launch_server.prepare(base(1) + ["--hs-ring-size", "64MiB"])
+    launch_server.prepare(base(2) + ["--hs-ring-size", "64MiB", "--context-length", "32768"])  # a shorter context fits
+    assert envs.SGLANG_HS_RING_SIZE == 64 << 20
+    assert need < 256 << 20
+    launch_server.prepare(base(3) + ["--context-length", "400000"])  # the CPU default (256MiB) grows to one record
+    assert envs.SGLANG_HS_RING_SIZE == 2 * record_bytes(400000, 4, 64, 2, 256) > 256 << 20
+    assert "room for one record at the 400000-token context" in capsys.readouterr().err
+
+
+def test_ring_larger_than_the_filesystem_is_refused(tmp_path, clean_env):
+    model = _model_dir(tmp_path)
+    with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: .* GiB does not fit the .* GiB free"):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                               "--hs-ring-size", "100TiB"])
