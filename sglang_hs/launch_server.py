@@ -189,6 +189,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     check_sglang_version()
     ns, sg_argv = split_argv(argv)
     env = os.environ
+    default_ring = None  # bytes; None: envs.DEFAULT_RING_BYTES
     # SGLang imports every module of this package and registers its EntryClass (ours win).
     env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "sglang_hs.models"
 
@@ -206,8 +207,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             sg_argv += ["--device", "cpu"]
         if not _has_flag(sg_argv, "--max-total-tokens", "--mem-fraction-static"):
             sg_argv += ["--max-total-tokens", CPU_DEFAULT_MAX_TOTAL_TOKENS]
-        if ns.hs_ring_size is None:
-            ns.hs_ring_size = CPU_DEFAULT_RING_SIZE
+        default_ring = parse_size(CPU_DEFAULT_RING_SIZE)
         if not _has_flag(sg_argv, "--sleep-on-idle"):
             sg_argv += ["--sleep-on-idle"]  # an idle scheduler otherwise spins a core the CPU engine needs
     else:
@@ -240,7 +240,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         raise CaptureConfigError("--hs-layers/--hs-last need --hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
-    ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else envs.DEFAULT_RING_BYTES
+    ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (default_ring or envs.DEFAULT_RING_BYTES)
     if dump_dir:
         ring = check_ring_size(ring, explicit=bool(ns.hs_ring_size), spec=spec, config=config, argv=sg_argv,
                                dump_dir=dump_dir)
