@@ -213,8 +213,12 @@ class Extraction:
         else:
             mask = (torch.arange(T) >= sample.prompt_len).long()
         if verify:
-            logprobs = [x[0] for x in reply["meta_info"]["input_token_logprobs"]]
-            diff = check(sample.index, want, rec.last_hidden_state, self.lm_head, logprobs)
+            meta = reply["meta_info"]
+            logprobs = [x[0] for x in meta["input_token_logprobs"]]
+            if sample.prompt_len is not None and not self.ns.temperature:  # greedy replies: their logprobs too
+                logprobs += [x[0] for x in meta.get("output_token_logprobs", [])]
+            n = min(T, len(logprobs))  # sampled replies: the prompt positions only
+            diff = check(sample.index, want[:n], rec.last_hidden_state[:n], self.lm_head, logprobs)
             self.stats.verified += 1
             self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
         try:
