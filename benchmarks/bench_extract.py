@@ -6,6 +6,9 @@
                 --speculative-algorithm EAGLE3, return_hidden_states): JSON parsed and saved with
                 torch.save by a straightforward threaded client
   c_plain       plain SGLang serving of the same prompts, no capture (the upper bound)
+  a_server_only the sglang-hs server driven like c_plain while a reader thread drains the ring and
+                writes nothing, on prompts of the same shape it has not cached: the in-server cost of
+                capture, sinks excluded (1 - a_server_only/c)
 
 Same build, same generated tiny checkpoint, same prompts (random token ids, one new token each). The
 three servers run at once (idle ones sleep); each (prompt length, concurrency) point runs a, b, c in
@@ -119,6 +122,29 @@ def _warm(server, length) -> None:
         _post(server.url, {"input_ids": [7] * min(length, 64), "sampling_params": {"max_new_tokens": 1}})
 
 
+def run_capture_only(server, dump, prompts, concurrency) -> dict:
+    """The plain client against the capturing server, with a reader draining (and dropping) records."""
+    import threading
+
+    from sglang_hs.reader import HiddenStateReader
+
+    reader, stop = HiddenStateReader(dump, recycle_memory=True), threading.Event()
+
+    def drain():
+        while not stop.is_set():
+            if not reader.poll():
+                time.sleep(0.001)
+            reader._ready.clear()
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    try:
+        return run_plain(server, prompts, concurrency)
+    finally:
+        stop.set()
+        t.join(5)
+
+
 def run_plain(server, prompts, concurrency) -> dict:
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
@@ -164,7 +190,7 @@ def main(argv=None) -> int:
                     data = os.path.join(work, "data.jsonl")
                     with open(data, "w") as f:
                         f.writelines(json.dumps({"input_ids": p}) + "\n" for p in prompts)
-                    for method, server in servers.items():
+                    for method, server in [*servers.items(), ("a_server_only", servers["a_sglang_hs"])]:
                         out = os.path.join(files, f"{method}-{L}-{conc}-{rep}")
                         pids = session_pids(server)
                         _warm(server, L)  # an idle server sleeps (--sleep-on-idle): wake it before timing
@@ -173,6 +199,8 @@ def main(argv=None) -> int:
                             r = run_sglang_hs(server, dump, data, out, conc)
                         elif method == "b_sglang_json":
                             r = run_json(server, prompts, out, conc)
+                        elif method == "a_server_only":  # same shape, other tokens: this server has cached the first set
+                            r = run_capture_only(server, dump, [[t % 900 + 7 for t in p[::-1]] for p in prompts], conc)
                         else:
                             r = run_plain(server, prompts, conc)
                         shutil.rmtree(out, ignore_errors=True)
@@ -195,7 +223,8 @@ def main(argv=None) -> int:
     print(f"\nmedians ({machine()}):")
     for s in summary:
         print(f"L={s['prompt_len']:5d} conc={s['concurrency']:3d}: sglang-hs {s['a_tok_s']:>8,.0f}  json "
-              f"{s['b_tok_s']:>8,.0f}  plain {s['c_tok_s']:>8,.0f} tok/s   a/b {s['a_over_b']:.2f}  a/c {s['a_over_c']:.2f}")
+              f"{s['b_tok_s']:>8,.0f}  plain {s['c_tok_s']:>8,.0f} tok/s   a/b {s['a_over_b']:.2f}  a/c {s['a_over_c']:.2f}"
+              f"  in-server capture cost {100 * s['in_server_capture_cost']:+.1f}%")
     plot(summary, os.path.join(args.out, "bench_extract.png"))
     return 0
 
@@ -205,10 +234,12 @@ def summarise(rows):
     keys = sorted({(r["prompt_len"], r["concurrency"]) for r in rows})
     for L, c in keys:
         med = {m: statistics.median(r["tokens_per_s"] for r in rows if (r["prompt_len"], r["concurrency"], r["method"])
-                                    == (L, c, m)) for m in ("a_sglang_hs", "b_sglang_json", "c_plain")}
+                                    == (L, c, m)) for m in ("a_sglang_hs", "b_sglang_json", "c_plain", "a_server_only")}
         out.append({"prompt_len": L, "concurrency": c, "a_tok_s": med["a_sglang_hs"], "b_tok_s": med["b_sglang_json"],
                     "c_tok_s": med["c_plain"], "a_over_b": round(med["a_sglang_hs"] / med["b_sglang_json"], 3),
-                    "a_over_c": round(med["a_sglang_hs"] / med["c_plain"], 3)})
+                    "a_over_c": round(med["a_sglang_hs"] / med["c_plain"], 3),
+                    "server_only_tok_s": med["a_server_only"],
+                    "in_server_capture_cost": round(1 - med["a_server_only"] / med["c_plain"], 3)})
     return out
 
 

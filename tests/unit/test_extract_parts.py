@@ -163,3 +163,21 @@ def test_verification_passes_the_true_states_and_fails_shifted_ones():
         check(7, ids, torch.cat([last[1:], last[:1]]), head, server)
     with pytest.raises(VerificationError, match="captured rows for"):
         check(7, ids, last[:-1], head, server)
+
+
+def test_a_hugging_face_dataset_on_disk_is_read_like_json_lines(tmp_path, tok):
+    datasets = pytest.importorskip("datasets", reason="the datasets library is optional")
+    from sglang_hs.extract.dataset import read_records
+
+    rows = [{"conversations": CONV}, {"conversations": CONV[:2]}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    got = list(read_records(str(tmp_path / "ds")))
+    assert [i for i, _ in got] == [0, 1]
+    s = Preparer(tok, 4096)(0, got[0][1])
+    assert s.input_ids == Preparer(tok, 4096)(0, rows[0]).input_ids
+
+
+def test_a_missing_data_file_is_named(tmp_path):
+    from sglang_hs.extract.cli import main
+
+    assert main(["--data", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")]) == 2
