@@ -149,6 +149,10 @@ def check_sglang_version() -> None:
                                  f"{found}: pip install sglang=={SGLANG_VERSION}")
 
 
+def _human(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f}GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f}MiB"
+
+
 def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, argv: List[str],
                     dump_dir: str) -> int:
     """The output ring must hold one record at the server's maximal context length (twice: admission
@@ -166,15 +170,15 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
             raise CaptureConfigError(
                 f"--hs-ring-size: {ring} bytes cannot hold one record at the server's maximal context length "
                 f"({int(ctx)} tokens x {P} x {spec.hidden_size} x {elem} bytes, twice to wrap: {need} bytes); raise "
-                f"it to at least {need / 2**30:.2f}GiB or lower --context-length")
+                f"it to at least {_human(need)} or lower --context-length")
         if ring < need:
-            print(f"[sglang-hs] output ring: {need / 2**30:.2f} GiB (room for one record at the {int(ctx)}-token "
+            print(f"[sglang-hs] output ring: {_human(need)} (room for one record at the {int(ctx)}-token "
                   "context; set --hs-ring-size for more)", file=sys.stderr)
             ring = need
     st = os.statvfs(dump_dir)
     free = st.f_bavail * st.f_frsize
     if ring > free:
-        raise CaptureConfigError(f"--hs-ring-size: {ring / 2**30:.2f} GiB does not fit the {free / 2**30:.2f} GiB free "
+        raise CaptureConfigError(f"--hs-ring-size: {_human(ring)} does not fit the {_human(free)} free "
                                  f"in {dump_dir}'s filesystem (and the store needs room too); lower --hs-ring-size or "
                                  "--context-length, or give the filesystem more room (docker: --shm-size)")
     return ring

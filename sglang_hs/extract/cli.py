@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Dict, List, Optional, Tuple
@@ -159,13 +160,20 @@ class Extraction:
         self.lm_head, self.server = lm_head, server
         self.stats = Stats()
         self.run_id = uuid.uuid4().hex[:12]
-        self.session = None
+        self._local = threading.local()
         self.pending: Dict[str, tuple] = {}  # rid -> (sample, future, reply-time)
 
     # -- requests --
-    def _send(self, sample, verify: bool) -> dict:
+    def _session(self):
+        """One keep-alive HTTP session per worker thread (no new connection per sample)."""
         import requests
 
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = self._local.session = requests.Session()
+        return s
+
+    def _send(self, sample, verify: bool) -> dict:
         params = {"max_new_tokens": 1, "temperature": 0.0}
         if self.ns.regenerate:
             params = {"max_new_tokens": self.ns.max_new_tokens, "temperature": self.ns.temperature,
@@ -173,7 +181,7 @@ class Extraction:
         body = {"input_ids": sample.input_ids, "rid": self._rid(sample.index), "sampling_params": params}
         if verify:
             body.update(return_logprob=True, logprob_start_len=0)
-        r = requests.post(f"{self.url}/generate", json=body, timeout=self.ns.request_timeout)
+        r = self._session().post(f"{self.url}/generate", json=body, timeout=self.ns.request_timeout)
         if r.status_code != 200:
             raise ExtractError(f"HTTP {r.status_code}: {r.text[:300]}")
         reply = r.json()
@@ -387,7 +395,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     server = extraction = manifest = None
     status, rc = "failed", 1
     try:
-        url, dump_dir, server = _connect(ns, launcher_args)
+        if ns.server:
+            url, dump_dir = ns.server.rstrip("/"), ns.hs_dump_dir
+        else:
+            server = _start_server(ns, launcher_args)  # assigned before the wait: Ctrl-C then stops it too
+            url, dump_dir = server.url, server.dump_dir
+            _wait_ready(server)
         from sglang_hs.reader import HiddenStateReader
 
         reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True)
@@ -424,11 +437,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     return rc
 
 
-def _connect(ns, launcher_args):
-    """(url, dump dir, the ServerProcess we started or None)."""
-    if ns.server:
-        return ns.server.rstrip("/"), ns.hs_dump_dir, None
-    from sglang_hs.server_process import ServerProcess, ServerStartError
+def _start_server(ns, launcher_args):
+    """Start `python -m sglang_hs.launch_server` with the user's launcher flags (not yet waited for)."""
+    from sglang_hs.server_process import ServerProcess
 
     dump_dir = ns.hs_dump_dir or os.path.join(
         tempfile.mkdtemp(prefix="sglang-hs-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), "hs")
@@ -439,11 +450,16 @@ def _connect(ns, launcher_args):
     server.dump_dir = dump_dir
     print(f"[extract] starting the server: {' '.join(server.cmd)} (log {server.log_path})", file=sys.stderr,
           flush=True)
+    return server
+
+
+def _wait_ready(server) -> None:
+    from sglang_hs.server_process import ServerStartError
+
     try:
         server.wait_ready()
     except ServerStartError as e:
         raise ExtractError(str(e)) from None
-    return server.url, dump_dir, server
 
 
 def _model_side(ns, manifest):

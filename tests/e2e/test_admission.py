@@ -26,7 +26,8 @@ HOLD_LIMIT = 30  # --hs-admission-timeout, seconds
 def small_ring_server(tmp_path_factory):
     dump = tmp_path_factory.mktemp("hs-admission") / "dump"
     server = Launcher(["--hs-dump-dir", str(dump), "--hs-last", "--hs-ring-size", str(RING),
-                       "--hs-admission-timeout", str(HOLD_LIMIT), "--enable-metrics"])
+                       "--hs-admission-timeout", str(HOLD_LIMIT), "--enable-metrics",
+                       "--context-length", "200"])  # a 1 MiB ring must hold one record at the maximal context
     server.dump = dump
     try:
         yield server.wait_ready()

@@ -26,6 +26,9 @@ def _assert_refused(r, message, marker):
         (["--hs-layers", "2,8"], "--hs-layers: id 8 is out of range for a model with 8 layers"),
         (["--hs-layers", "5,2"], "did you mean --hs-layers 2,5?"),
         (["--hs-ring-size", "lots"], "--hs-ring-size: 'lots' is not a size"),
+        (["--hs-ring-size", "1MiB"], "cannot hold one record at the server's maximal context length (4096 tokens"),
+        (["--hs-ring-size", "100TiB"], "102400.00GiB does not fit the"),
+        (["--hs-admission-timeout", "-5"], "--hs-admission-timeout: must be >= 0"),
     ],
 )
 def test_refused_before_anything_starts(tmp_path, args, message):

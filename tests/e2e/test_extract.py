@@ -265,3 +265,23 @@ def test_regenerate_captures_the_targets_own_reply_and_shards_split_the_data(cap
         assert 1 <= generated <= 6
         assert mask == [0] * len(prompt) + [1] * (generated - 1)
         assert t["hidden_states"].shape == (len(ids), 4, 256)
+
+
+def test_sigterm_while_the_server_starts_stops_it_too(tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(2))
+    proc = start_extract(["--data", data, "--output", str(tmp_path / "out")])
+    deadline, log, sid = time.monotonic() + 120, None, None
+    while sid is None:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+        if log is None:
+            line = proc.stderr.readline()
+            m = re.search(r"\(log (\S+)\)", line)
+            log = m.group(1) if m else None
+        else:
+            m = re.search(r"\[sglang-hs\] server session (\d+)", open(log).read())
+            sid = int(m.group(1)) if m else None
+    proc.send_signal(signal.SIGTERM)  # before the server is ready
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert processes_in_session(sid) == []

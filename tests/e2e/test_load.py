@@ -39,7 +39,8 @@ def _requests():
 def load_server(tmp_path_factory):
     dump = tmp_path_factory.mktemp("hs-load") / "dump"
     server = Launcher(["--hs-dump-dir", str(dump), "--hs-last", "--hs-ring-size", RING,
-                       "--chunked-prefill-size", "64", "--max-total-tokens", "8192"])
+                       "--chunked-prefill-size", "64", "--max-total-tokens", "8192",
+                       "--context-length", "1600"])  # an 8 MiB ring must hold one record at the maximal context
     server.dump = dump
     try:
         yield server.wait_ready()

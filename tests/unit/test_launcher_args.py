@@ -150,6 +150,6 @@ def test_ring_must_hold_one_record_at_the_maximal_context(tmp_path, clean_env, c
 
 def test_ring_larger_than_the_filesystem_is_refused(tmp_path, clean_env):
     model = _model_dir(tmp_path)
-    with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: .* GiB does not fit the .* GiB free"):
+    with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: 102400.00GiB does not fit the .*iB free"):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                                "--hs-ring-size", "100TiB"])
