@@ -50,24 +50,6 @@ def _status_kb(pid: int, key: str) -> int:
         return 0
 
 
-def session_pids(server: ServerProcess):
-    """The server's processes: the launcher and its session (schedulers rename themselves)."""
-    import re
-
-    m = re.search(r"server session (\d+)", open(server.log_path, errors="replace").read())
-    sid = int(m.group(1)) if m else -1
-    out = [server.proc.pid]
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 def reset_peak(pids) -> None:
     for pid in pids:
         try:
@@ -192,7 +174,7 @@ def main(argv=None) -> int:
                         f.writelines(json.dumps({"input_ids": p}) + "\n" for p in prompts)
                     for method, server in [*servers.items(), ("a_server_only", servers["a_sglang_hs"])]:
                         out = os.path.join(files, f"{method}-{L}-{conc}-{rep}")
-                        pids = session_pids(server)
+                        pids = server.pids()
                         _warm(server, L)  # an idle server sleeps (--sleep-on-idle): wake it before timing
                         reset_peak(pids + [os.getpid()])
                         if method == "a_sglang_hs":

@@ -7,6 +7,7 @@ clean shutdown of every server process, and escalates to SIGKILL only after `gra
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,12 +17,36 @@ import time
 from typing import List, Optional
 
 READY = "[sglang-hs] server ready"
+SESSION = re.compile(r"\[sglang-hs\] server session (\d+)")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_session(output: str) -> Optional[int]:
+    """The session id a launcher reported in its output ("[sglang-hs] server session N"), if any."""
+    m = SESSION.search(output)
+    return int(m.group(1)) if m else None
+
+
+def processes_in_session(sid: int) -> List[int]:
+    """Live pids of session `sid`: the launcher starts the server as a new session, and every process
+    SGLang spawns stays in it (command lines and environments are no guide: schedulers rename themselves)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
+                pids.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return pids
 
 
 class ServerStartError(RuntimeError):
@@ -62,6 +87,11 @@ class ServerProcess:
                 self.stop()
                 raise ServerStartError(f"the server was not ready after {timeout:.0f}s (log {self.log_path})")
             time.sleep(0.3)
+
+    def pids(self) -> List[int]:
+        """The launcher and every process of the server session it reported."""
+        sid = server_session(self.log_tail(10**6))
+        return [self.proc.pid] + (processes_in_session(sid) if sid else [])
 
     def alive(self) -> bool:
         return self.proc.poll() is None

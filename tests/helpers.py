@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,9 @@ from typing import List, Optional
 
 import requests
 
+from sglang_hs.server_process import free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_matching(marker: str) -> List[int]:
@@ -36,28 +31,6 @@ def processes_matching(marker: str) -> List[int]:
         except OSError:
             pass
     return pids
-
-
-def processes_in_session(sid: int) -> List[int]:
-    """Pids of session `sid`: the launcher starts the server as a new session, and every process SGLang
-    spawns stays in it (command lines and environments are no guide: schedulers rename themselves)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
-                pids.append(int(d))
-        except (OSError, IndexError, ValueError):
-            pass
-    return pids
-
-
-def server_session(output: str) -> Optional[int]:
-    m = re.search(r"\[sglang-hs\] server session (\d+)", output)
-    return int(m.group(1)) if m else None
 
 
 def leftover_server_processes(output: str) -> List[int]:
@@ -142,6 +115,18 @@ class Launcher:
         r = requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=300)
         r.raise_for_status()
         return r.json()
+
+
+def serving(dump, args: List[str]):
+    """A fixture body: a capturing server on `dump` (as `.dump`) for the fixture's scope, then stopped by
+    SIGTERM with nothing left running."""
+    server = Launcher(["--hs-dump-dir", str(dump), *args])
+    server.dump = dump
+    try:
+        yield server.wait_ready()
+    finally:
+        assert server.stop() == 128 + 15, f"launcher exit {server.proc.returncode}:\n{server.tail()}"
+        assert not leftover_server_processes(server.output)
 
 
 def run_launcher(args: List[str], env: Optional[dict] = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 import specforge_way
-from helpers import Launcher, leftover_server_processes, processes_in_session
+from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
 from sglang_hs import HiddenStateReader, tiny_model
 from sglang_hs.extract.dataset import Preparer
 
@@ -232,7 +232,7 @@ def test_sigterm_stops_the_run_and_the_server_it_started(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in err and "--resume" in err, err[-3000:]
     log = re.search(r"\(log (\S+)\)", err).group(1)
-    sid = int(re.search(r"\[sglang-hs\] server session (\d+)", open(log).read()).group(1))
+    sid = server_session(open(log).read())
     assert processes_in_session(sid) == []
     dump = re.search(r"--hs-dump-dir (\S+)", err).group(1)
     assert not os.path.exists(os.path.dirname(dump))  # the dump dir it made, ring and all
@@ -279,8 +279,7 @@ def test_sigterm_while_the_server_starts_stops_it_too(tmp_path):
             m = re.search(r"\(log (\S+)\)", line)
             log = m.group(1) if m else None
         else:
-            m = re.search(r"\[sglang-hs\] server session (\d+)", open(log).read())
-            sid = int(m.group(1)) if m else None
+            sid = server_session(open(log).read())
     proc.send_signal(signal.SIGTERM)  # before the server is ready
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
