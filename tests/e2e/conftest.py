@@ -3,7 +3,7 @@ import glob
 
 import pytest
 
-from helpers import Launcher, leftover_server_processes
+from helpers import serving
 
 CHUNK = 16
 
@@ -38,12 +38,6 @@ def _sglang_shm():
 
 def _serve(dump_dir, args):
     before = _sglang_shm()
-    server = Launcher(["--hs-dump-dir", str(dump_dir), "--hs-ring-size", "64MiB", *args])
-    try:
-        yield server.wait_ready()
-    finally:
-        rc = server.stop()
-        assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"  # stopped by our SIGTERM
-        assert not leftover_server_processes(server.output)
-        assert not list(dump_dir.glob("overlay-*.json")) and not list(dump_dir.glob("store-*.bin"))
-        assert not _sglang_shm() - before  # nor SGLang's own start-up segments
+    yield from serving(dump_dir, ["--hs-ring-size", "64MiB", *args])
+    assert not list(dump_dir.glob("overlay-*.json")) and not list(dump_dir.glob("store-*.bin"))
+    assert not _sglang_shm() - before  # nor SGLang's own start-up segments

@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from helpers import Launcher, leftover_server_processes
+from helpers import serving
 from sglang_hs import HiddenStateReader
 from sglang_hs.store.ring import record_bytes
 
@@ -25,15 +25,9 @@ HOLD_LIMIT = 30  # --hs-admission-timeout, seconds
 @pytest.fixture(scope="module")
 def small_ring_server(tmp_path_factory):
     dump = tmp_path_factory.mktemp("hs-admission") / "dump"
-    server = Launcher(["--hs-dump-dir", str(dump), "--hs-last", "--hs-ring-size", str(RING),
-                       "--hs-admission-timeout", str(HOLD_LIMIT), "--enable-metrics",
-                       "--context-length", "200"])  # a 1 MiB ring must hold one record at the maximal context
-    server.dump = dump
-    try:
-        yield server.wait_ready()
-    finally:
-        assert server.stop() == 128 + 15, server.tail()
-        assert not leftover_server_processes(server.output)
+    yield from serving(dump, ["--hs-last", "--hs-ring-size", str(RING), "--hs-admission-timeout", str(HOLD_LIMIT),
+                              "--enable-metrics",
+                              "--context-length", "200"])  # a 1 MiB ring must hold one record at the maximal context
 
 
 def _status(dump):

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import requests
 
 from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
 from sglang_hs import HiddenStateReader

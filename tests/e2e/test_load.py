@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from helpers import Launcher, leftover_server_processes
+from helpers import serving
 from sglang_hs import HiddenStateReader
 
 pytestmark = pytest.mark.e2e
@@ -38,15 +38,9 @@ def _requests():
 @pytest.fixture(scope="module")
 def load_server(tmp_path_factory):
     dump = tmp_path_factory.mktemp("hs-load") / "dump"
-    server = Launcher(["--hs-dump-dir", str(dump), "--hs-last", "--hs-ring-size", RING,
-                       "--chunked-prefill-size", "64", "--max-total-tokens", "8192",
-                       "--context-length", "1600"])  # an 8 MiB ring must hold one record at the maximal context
-    server.dump = dump
-    try:
-        yield server.wait_ready()
-    finally:
-        assert server.stop() == 128 + 15, server.tail()
-        assert not leftover_server_processes(server.output)
+    yield from serving(dump, ["--hs-last", "--hs-ring-size", RING, "--chunked-prefill-size", "64",
+                              "--max-total-tokens", "8192",
+                              "--context-length", "1600"])  # an 8 MiB ring must hold one record at the maximal context
 
 
 def test_load_with_admission_matches_requests_run_alone(load_server, plain_sched_server, plain_dump_dir):
