@@ -40,6 +40,7 @@ def _layers() -> Optional[List[int]]:
 
 DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
+DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 
 env_variables: Dict[str, Callable[[], Any]] = {
     # Capture is on when this is set: the folder of the manifest, the store and the output rings.
@@ -60,7 +61,7 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # patched instead (patches/*.patch) or to show what a patch fixes.
     "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},
     # Seconds of start-up without any sign of progress after which the launcher gives up.
-    "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", 1200.0),
+    "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S),
     # Test-only: hang in this start-up phase ("load", "warmup") to exercise the stall detector.
     "SGLANG_HS_TEST_HANG_PHASE": _str("SGLANG_HS_TEST_HANG_PHASE"),
     # Test-only: make the overlay module fail to import, as a broken install would.

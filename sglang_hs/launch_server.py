@@ -43,6 +43,8 @@ def parse_size(text: str, flag: str = "--hs-ring-size") -> int:
 
 
 def add_hs_args(parser: argparse.ArgumentParser) -> None:
+    from sglang_hs import envs
+
     g = parser.add_argument_group(
         "sglang-hs (hidden-state capture)",
         "Layer id i = residual stream entering decoder layer i = HF output_hidden_states[i].",
@@ -55,12 +57,14 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="also capture the final post-norm hidden state (HF output_hidden_states[n])")
     g.add_argument("--hs-ring-size", default=None, metavar="SIZE",
                    help="bytes of the output ring of finished records per writer, e.g. 8GiB "
-                        f"(default 1GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode)")
+                        f"(default {envs.DEFAULT_RING_BYTES >> 30}GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode; grown to hold "
+                        "one record at the maximal context)")
     g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a request held this long because the output ring is full (the reader is behind) "
-                        "instead of holding it forever; 0 = no limit (default 300)")
+                        f"instead of holding it forever; 0 = no limit (default {envs.DEFAULT_ADMISSION_TIMEOUT_S:g})")
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
-                   help="give up when start-up shows no progress for this long (default 1200)")
+                   help="give up when start-up shows no progress for this long "
+                        f"(default {envs.DEFAULT_STARTUP_TIMEOUT_S:g})")
 
 
 def split_argv(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:

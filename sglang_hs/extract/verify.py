@@ -28,7 +28,8 @@ def load_lm_head(model_path: str) -> torch.Tensor:
 
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
-        weight_map = json.load(open(index))["weight_map"]
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
     else:
         single = os.path.join(model_path, "model.safetensors")
         if not os.path.exists(single):
