@@ -25,6 +25,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -61,6 +62,25 @@ def reset_peak(pids) -> None:
 
 def peak_mb(pids) -> float:
     return sum(_status_kb(p, "VmHWM:") for p in pids) / 1024
+
+
+def cpu_s(pids) -> float:
+    """CPU seconds (user + system) the processes have used so far: on two shared cores a steadier
+    measure of work than wall time."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def client_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 # -- the three ways --
@@ -177,6 +197,7 @@ def main(argv=None) -> int:
                         pids = server.pids()
                         _warm(server, L)  # an idle server sleeps (--sleep-on-idle): wake it before timing
                         reset_peak(pids + [os.getpid()])
+                        cpu0, client0 = cpu_s(pids), client_cpu_s()
                         if method == "a_sglang_hs":
                             r = run_sglang_hs(server, dump, data, out, conc)
                         elif method == "b_sglang_json":
@@ -185,12 +206,15 @@ def main(argv=None) -> int:
                             r = run_capture_only(server, dump, [[t % 900 + 7 for t in p[::-1]] for p in prompts], conc)
                         else:
                             r = run_plain(server, prompts, conc)
+                        server_cpu, client_cpu = cpu_s(pids) - cpu0, client_cpu_s() - client0
                         shutil.rmtree(out, ignore_errors=True)
                         row = {"machine": machine(), "method": method, "prompt_len": L, "concurrency": conc,
                                "rep": rep, **r, "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
                                "samples_per_s": round(r["samples"] / r["seconds"], 2),
                                "server_peak_rss_mb": round(peak_mb(pids)),
-                               "client_peak_rss_mb": round(peak_mb([os.getpid()]))}
+                               "client_peak_rss_mb": round(peak_mb([os.getpid()])),
+                               "server_cpu_s": round(server_cpu, 2), "client_cpu_s": round(client_cpu, 2),
+                               "server_cpu_us_per_token": round(1e6 * server_cpu / r["tokens"], 1)}
                         rows.append(row)
                         print(f"L={L:5d} conc={conc:3d} rep={rep} {method:14s} {row['tokens_per_s']:>10,.0f} tok/s "
                               f"server {row['server_peak_rss_mb']} MB client {row['client_peak_rss_mb']} MB", flush=True)
@@ -206,7 +230,8 @@ def main(argv=None) -> int:
     for s in summary:
         print(f"L={s['prompt_len']:5d} conc={s['concurrency']:3d}: sglang-hs {s['a_tok_s']:>8,.0f}  json "
               f"{s['b_tok_s']:>8,.0f}  plain {s['c_tok_s']:>8,.0f} tok/s   a/b {s['a_over_b']:.2f}  a/c {s['a_over_c']:.2f}"
-              f"  in-server capture cost {100 * s['in_server_capture_cost']:+.1f}%")
+              f" (ceiling c/b {s['c_over_b']:.2f})  in-server capture cost {100 * s['in_server_capture_cost']:+.1f}% "
+              f"wall, {100 * s['in_server_capture_cpu_cost']:+.1f}% server CPU")
     plot(summary, os.path.join(args.out, "bench_extract.png"))
     return 0
 
@@ -215,13 +240,21 @@ def summarise(rows):
     out = []
     keys = sorted({(r["prompt_len"], r["concurrency"]) for r in rows})
     for L, c in keys:
-        med = {m: statistics.median(r["tokens_per_s"] for r in rows if (r["prompt_len"], r["concurrency"], r["method"])
-                                    == (L, c, m)) for m in ("a_sglang_hs", "b_sglang_json", "c_plain", "a_server_only")}
+        def median(key, m):
+            return statistics.median(r[key] for r in rows if (r["prompt_len"], r["concurrency"], r["method"]) == (L, c, m))
+
+        methods = ("a_sglang_hs", "b_sglang_json", "c_plain", "a_server_only")
+        med = {m: median("tokens_per_s", m) for m in methods}
+        cpu = {m: median("server_cpu_us_per_token", m) for m in methods}
         out.append({"prompt_len": L, "concurrency": c, "a_tok_s": med["a_sglang_hs"], "b_tok_s": med["b_sglang_json"],
                     "c_tok_s": med["c_plain"], "a_over_b": round(med["a_sglang_hs"] / med["b_sglang_json"], 3),
                     "a_over_c": round(med["a_sglang_hs"] / med["c_plain"], 3),
+                    "c_over_b": round(med["c_plain"] / med["b_sglang_json"], 3),  # the ceiling of a/b
                     "server_only_tok_s": med["a_server_only"],
-                    "in_server_capture_cost": round(1 - med["a_server_only"] / med["c_plain"], 3)})
+                    "in_server_capture_cost": round(1 - med["a_server_only"] / med["c_plain"], 3),
+                    # the same from the server processes' CPU seconds per token (steadier than wall time)
+                    "in_server_capture_cpu_cost": round(cpu["a_server_only"] / cpu["c_plain"] - 1, 3),
+                    "a_client_cpu_s": median("client_cpu_s", "a_sglang_hs")})
     return out
 
 

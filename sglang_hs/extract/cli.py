@@ -103,6 +103,7 @@ class Stats:
         self.foreign = 0
         self.t0 = time.monotonic()
         self.t1 = None  # when the run loop ended (the summary excludes server start and stop)
+        self.cpu0, self.cpu1 = time.process_time(), None  # this process's CPU seconds over the same span
 
     def summary(self) -> dict:
         wall = (self.t1 or time.monotonic()) - self.t0
@@ -110,6 +111,7 @@ class Stats:
                 "failed": [{"index": i, "error": e} for i, e in self.failed], "tokens": self.tokens,
                 "bytes": self.bytes, "verified": self.verified, "verify_max_logprob_diff": round(self.verify_max_diff, 5),
                 "wall_s": round(wall, 2),
+                "client_cpu_s": round((self.cpu1 or time.process_time()) - self.cpu0, 2),
                 "samples_per_s": round(self.done / wall, 3) if wall else 0.0,
                 "tokens_per_s": round(self.tokens / wall, 1) if wall else 0.0,
                 "foreign_records_dropped": self.foreign}
@@ -246,7 +248,7 @@ class Extraction:
         bar = tqdm(total=total, unit="sample", disable=ns.no_progress, dynamic_ncols=True, smoothing=0.1)
         pool = cf.ThreadPoolExecutor(ns.concurrency, thread_name_prefix="sglang-hs-extract")
         fatal = None
-        self.stats.t0 = time.monotonic()
+        self.stats.t0, self.stats.cpu0 = time.monotonic(), time.process_time()
         try:
             it = iter(samples)
             exhausted = False
@@ -316,13 +318,22 @@ class Extraction:
                 if progressed:
                     self._postfix(bar)
                 else:
-                    time.sleep(0.002)
+                    self._idle()
         finally:
-            self.stats.t1 = time.monotonic()
+            self.stats.t1, self.stats.cpu1 = time.monotonic(), time.process_time()
             pool.shutdown(wait=False, cancel_futures=True)
             bar.close()
         if fatal:
             raise ExtractError(fatal)
+
+    def _idle(self) -> None:
+        """Nothing progressed: sleep until a reply arrives, or briefly while a replied sample's record is
+        on its way (records are published before the reply leaves the server, so that wait is short)."""
+        in_flight = [f for _, f, _, _ in self.pending.values() if not f.done()]
+        if len(in_flight) < len(self.pending) or not in_flight:
+            time.sleep(0.001)
+        else:
+            cf.wait(in_flight, timeout=0.05, return_when=cf.FIRST_COMPLETED)
 
     def abort_pending(self) -> None:
         import requests
