@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -153,8 +154,13 @@ def check_sglang_version() -> None:
                                  f"{found}: pip install sglang=={SGLANG_VERSION}")
 
 
-def _human(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f}GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f}MiB"
+def _human(nbytes: int, up: bool = False) -> str:
+    """Bytes in GiB or MiB; `up` rounds up, for a minimum ("at least 1.1MiB", never a too-small 1.0MiB)."""
+    unit, name, digits = (2**30, "GiB", 2) if nbytes >= 2**30 else (2**20, "MiB", 1)
+    value = nbytes / unit
+    if up:
+        value = math.ceil(value * 10**digits) / 10**digits
+    return f"{value:.{digits}f}{name}"
 
 
 def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, argv: List[str],
@@ -174,7 +180,7 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
             raise CaptureConfigError(
                 f"--hs-ring-size: {ring} bytes cannot hold one record at the server's maximal context length "
                 f"({int(ctx)} tokens x {P} x {spec.hidden_size} x {elem} bytes, twice to wrap: {need} bytes); raise "
-                f"it to at least {_human(need)} or lower --context-length")
+                f"it to at least {_human(need, up=True)} or lower --context-length")
         if ring < need:
             print(f"[sglang-hs] output ring: {_human(need)} (room for one record at the {int(ctx)}-token "
                   "context; set --hs-ring-size for more)", file=sys.stderr)

@@ -12,21 +12,35 @@ T = every prompt token, then every generated token but the last. The reader drai
 (one copy per record, then the bytes go back to the server), so holding on to one record never stalls
 the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
 emitted.
+
+A record drained eagerly is gone from the ring: if the reader process dies before its consumer handled
+it, it is lost. With `ack=True` the reader still copies records out as they arrive, but their bytes go
+back to the server only when `reader.ack(record)` says the consumer is done; a reader killed and
+restarted gets every record it had not acknowledged again, in order, and none it had:
+
+    with HiddenStateReader("/dev/shm/hs", ack=True) as reader:
+        for rec in reader:
+            save(rec)          # make this idempotent (e.g. a file named by rec.rid, renamed into place)
+            reader.ack(rec)    # a crash before this line means rec comes again after a restart
+
+Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
+full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
 """
 from __future__ import annotations
 
 import collections
 import ctypes
+import fcntl
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
 
 from sglang_hs.fsutil import check_private_file
-from sglang_hs.store.ring import RingReader
+from sglang_hs.store.ring import OFF_READER_PID, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
 
@@ -69,15 +83,32 @@ class HiddenStateRecord:
     positions: torch.Tensor
     aux_hidden_states: torch.Tensor
     last_hidden_state: Optional[torch.Tensor]
+    seq: int = field(default=0, repr=False)  # its sequence number in its writer's ring (1, 2, 3, ...)
+    writer: int = field(default=0, repr=False)  # index of that writer in manifest["writers"]
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
 
+def _lock_ring(ring: RingReader) -> int:
+    """Hold an exclusive lock on the ring file while this reader lives (it dies with the process):
+    two readers of one ring would split or duplicate its records."""
+    fd = os.open(ring.r.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = ring.r.load_acquire(OFF_READER_PID) or "?"
+        raise RuntimeError(f"{ring.r.path}: already read by another HiddenStateReader (pid {holder}); one reader "
+                           "per dump dir: stop or close() that one first") from None
+    ring.r.store_release(OFF_READER_PID, os.getpid())
+    return fd
+
+
 class HiddenStateReader:
     def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002,
-                 recycle_memory: bool = False) -> None:
+                 recycle_memory: bool = False, ack: bool = False) -> None:
         if recycle_memory:
             recycle_freed_memory()
         self.dump_dir = os.path.abspath(dump_dir)
@@ -92,14 +123,40 @@ class HiddenStateReader:
         self.manifest = read_manifest(path)
         self.num_aux = len(self.manifest["layer_ids"])
         self.has_last = bool(self.manifest["last"])
-        self._rings = [RingReader.open(self.dump_dir, w["ring"]) for w in self.manifest["writers"]]
+        self.ack_mode = ack
+        self._rings, self._locks = [], []
+        try:
+            for w in self.manifest["writers"]:
+                self._rings.append(RingReader.open(self.dump_dir, w["ring"]))
+                self._locks.append(_lock_ring(self._rings[-1]))
+        except BaseException:
+            self.close()
+            raise
         self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
 
+    def close(self) -> None:
+        """Let another reader take over the dump dir (records not acknowledged stay in the ring)."""
+        for fd in self._locks:
+            os.close(fd)
+        self._locks, self._rings = [], []
+
+    def __enter__(self) -> "HiddenStateReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_locks", None):
+            self.close()
+
     def poll(self) -> int:
-        """Drain every ring; returns how many records arrived."""
+        """Bring in every record published since the last poll; returns how many arrived."""
+        if not self._locks:
+            raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed")
         n = 0
-        for ring in self._rings:
-            for rec in ring.drain():
+        for w, ring in enumerate(self._rings):
+            for rec in (ring.read_ahead() if self.ack_mode else ring.drain()):
                 K = self.num_aux
                 self._ready[rec.rid] = HiddenStateRecord(
                     rid=rec.rid,
@@ -107,9 +164,28 @@ class HiddenStateReader:
                     positions=torch.arange(rec.num_tokens, dtype=torch.int32),
                     aux_hidden_states=rec.rows[:, :K],
                     last_hidden_state=rec.rows[:, K] if self.has_last else None,
+                    seq=rec.seq,
+                    writer=w,
                 )
                 n += 1
         return n
+
+    def ack(self, record: HiddenStateRecord) -> None:
+        """The consumer is done with `record`: with ack=True its ring bytes go back to the server (once
+        the records before it are acknowledged too); a no-op for an eager reader."""
+        if self.ack_mode:
+            self._rings[record.writer].release(record.seq)
+
+    def unacked(self) -> int:
+        """Records brought in and not acknowledged yet (0 for an eager reader)."""
+        return sum(ring.unreleased() for ring in self._rings)
+
+    def _timeout(self, what: str, timeout: float) -> TimeoutError:
+        msg = f"no record {what}after {timeout}s"
+        if self.unacked():
+            msg += (f"; {self.unacked()} records read and not acknowledged hold {self.unread_bytes() / 1e6:.1f} MB "
+                    "of the output ring, and new requests wait for ring space: ack() records as you go")
+        return TimeoutError(msg)
 
     def pop_ready(self, rid: str) -> Optional[HiddenStateRecord]:
         """That request's record if a poll() already brought it in, else None (never waits)."""
@@ -127,7 +203,7 @@ class HiddenStateReader:
         while rid not in self._ready:
             if not self.poll():
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no record for request {rid!r} after {timeout}s")
+                    raise self._timeout(f"for request {rid!r} ", timeout)
                 time.sleep(self.poll_interval)
         return self._ready.pop(rid)
 
@@ -136,7 +212,7 @@ class HiddenStateReader:
         while not self._ready:
             if not self.poll():
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no record after {timeout}s")
+                    raise self._timeout("", timeout)
                 time.sleep(self.poll_interval)
         return self._ready.popitem(last=False)[1]
 

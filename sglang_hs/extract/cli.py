@@ -414,7 +414,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             _wait_ready(server)
         from sglang_hs.reader import HiddenStateReader
 
-        reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True)
+        try:
+            reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True)
+        except RuntimeError as e:  # another reader holds the dump dir
+            raise ExtractError(f"--hs-dump-dir: {e}") from None
         manifest = reader.manifest
         if sink.needs_last and not manifest["last"]:
             raise ExtractError(f"--format {ns.format} needs the final hidden state: the server at {url} runs "

@@ -17,6 +17,11 @@ not at all; header/trailer mismatches (a corrupted or foreign file) are reported
 Sequence numbers run 1, 2, 3, ... without gaps; the reader stores the last one it consumed beside TAIL
 (TAIL first, then TAIL_SEQ), so a reader that starts later resumes where the last one stopped; a
 record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refused, as is a gap after it.
+
+Consuming is either eager (`drain`: copy out, release at once) or acknowledged (`read_ahead` copies
+records out from a private cursor and releases nothing; `release(seq)` moves TAIL over the records up
+to seq once every record before it was released too): a reader killed before it released a record
+leaves it in the ring for the next reader.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
 OFF_TAIL_SEQ = 136  # sequence number of the last record consumed, written by the reader after TAIL
+OFF_READER_PID = 192  # pid of the reader holding the ring (informational: the lock is a flock on the file)
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
 _REC = struct.Struct("<IIQQIHIBxH")  # magic, flags, total, seq, T, P, H, dtype, pad, rid_len
 _TRAIL = struct.Struct("<IIQQ")  # magic, pad, seq, total
@@ -167,6 +173,9 @@ class RingReader:
         self.capacity = region.load_acquire(OFF_CAPACITY)
         if self.capacity + HEADER_BYTES != region.nbytes:
             raise ValueError(f"{region.path}: capacity {self.capacity} does not match the file size {region.nbytes}")
+        self._cursor = self._cursor_seq = None  # read_ahead's position (offset, seq), from its first call
+        self._unreleased: dict = {}  # seq -> offset after that record, for records read ahead
+        self._released: set = set()  # released out of order, waiting for the records before them
 
     @classmethod
     def open(cls, dir_path: str, name: str) -> "RingReader":
@@ -180,13 +189,74 @@ class RingReader:
 
     def drain(self) -> List[Record]:
         """Copy out every published record (one copy each) and release their bytes to the writer."""
+        tail, last_seq = self.r.load_acquire(OFF_TAIL), self.r.load_acquire(OFF_TAIL_SEQ)
         out = []
+        for rec, end in self._records(tail, last_seq):
+            out.append(rec)
+            tail, last_seq = end, rec.seq
+        self._store_tail(self._end_of_data(tail), last_seq)
+        return out
+
+    def read_ahead(self) -> List[Record]:
+        """Copy out the records published since the last call (the first call: since TAIL) without
+        releasing any: `release(seq)` does that once the consumer has handled them."""
+        if self._cursor is None:
+            self._cursor, self._cursor_seq = self.r.load_acquire(OFF_TAIL), self.r.load_acquire(OFF_TAIL_SEQ)
+        out = []
+        for rec, end in self._records(self._cursor, self._cursor_seq):
+            out.append(rec)
+            self._unreleased[rec.seq] = end
+            self._cursor, self._cursor_seq = end, rec.seq
+        return out
+
+    def release(self, seq: int) -> None:
+        """The consumer is done with record `seq` (from read_ahead): TAIL moves over every record up to
+        the oldest one not yet released. Releasing a record twice is a no-op."""
+        if seq not in self._unreleased:
+            return
+        self._released.add(seq)
+        first = min(self._unreleased)
+        if seq != first:
+            return  # held until the records before it are released
+        tail = last = None
+        while first in self._released:
+            tail, last = self._unreleased.pop(first), first
+            self._released.discard(first)
+            if not self._unreleased:
+                break
+            first = min(self._unreleased)
+        self._store_tail(tail, last)
+
+    def unreleased(self) -> int:
+        """Records read ahead and not released yet."""
+        return len(self._unreleased)
+
+    def _store_tail(self, tail: int, last_seq: int) -> None:
+        self.r.store_release(OFF_TAIL, tail)
+        self.r.store_release(OFF_TAIL_SEQ, last_seq)  # after TAIL: a reader killed in between still resumes
+
+    def _end_of_data(self, tail: int) -> int:
+        """`tail`, moved over a SKIP marker or an implicit wrap that the writer published after it."""
         head = self.r.load_acquire(OFF_HEAD)
-        tail = self.r.load_acquire(OFF_TAIL)
+        while tail < head:
+            pos = tail % self.capacity
+            if self.capacity - pos < ALIGN:
+                tail += self.capacity - pos
+                continue
+            base = HEADER_BYTES + pos
+            magic, _, total = _REC.unpack(bytes(self.r.buf[base : base + _REC.size].tolist()))[:3]
+            if magic != SKIP_MAGIC or total > head - tail:
+                break
+            tail += total
+        return tail
+
+    def _records(self, tail: int, last_seq: int):
+        """(record, offset after it) for each record published between `tail` and HEAD, checked."""
+        head = self.r.load_acquire(OFF_HEAD)
         if tail > head or head - tail > self.capacity:
             raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "
                              f"{self.capacity})")
-        last_seq = self.r.load_acquire(OFF_TAIL_SEQ)
+        first = True
         while tail < head:
             pos = tail % self.capacity
             if self.capacity - pos < ALIGN:  # too little room for a SKIP marker: implicit wrap
@@ -205,18 +275,15 @@ class RingReader:
             if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len):
                 raise TornRecord(f"{self.r.path}: torn record seq {seq} at offset {tail}")
             # The first record may be further on: a reader killed between storing TAIL and TAIL_SEQ.
-            if seq <= last_seq or (out and seq != last_seq + 1):
+            if seq <= last_seq or (not first and seq != last_seq + 1):
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} after seq {last_seq} "
                                  "(the ring's counters were moved: a replay or a gap)")
-            last_seq = seq
+            first, last_seq = False, seq
             o = base + ALIGN
             rid = bytes(self.r.buf[o : o + rid_len].tolist()).decode()
             o += _align(rid_len)
             ids = self.r.buf[o : o + 4 * T].clone().view(torch.int32)
             o += _align(4 * T)
             rows = self.r.buf[o : o + T * P * H * elem].clone().view(dtype).view(T, P, H)
-            out.append(Record(rid=rid, seq=seq, input_ids=ids, rows=rows))
             tail += total
-        self.r.store_release(OFF_TAIL, tail)
-        self.r.store_release(OFF_TAIL_SEQ, last_seq)  # after TAIL: a reader killed in between still resumes
-        return out
+            yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows), tail

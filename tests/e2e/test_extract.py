@@ -204,6 +204,17 @@ def test_server_without_the_final_state_is_refused_up_front(no_last_server, tmp_
     assert proc.returncode == 1 and "--verify needs the final hidden state" in proc.stderr
 
 
+def test_a_dump_dir_another_reader_holds_is_refused(no_last_server, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(2))
+    with HiddenStateReader(str(no_last_server.dump)):  # e.g. a second extraction against the same server
+        proc = extract(["--data", data, "--server", no_last_server.url, "--hs-dump-dir", str(no_last_server.dump),
+                        "--output", str(tmp_path / "a"), "--format", "safetensors"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(rf"error: --hs-dump-dir: .*ring-w0.bin: already read by another HiddenStateReader \(pid {os.getpid()}\)",
+                     proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "a" / "hs_0.safetensors").exists()
+
+
 def test_server_dying_mid_run_is_reported_and_completed_files_stay(no_last_server, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", conversations(300, seed=4, long=True))
     out = tmp_path / "out"
