@@ -3,7 +3,8 @@
 #include <torch/extension.h>
 
 namespace sglang_hs {
-at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create);
+at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create,
+                    int64_t owner_uid);
 int64_t load_acquire(const at::Tensor& buf, int64_t offset);
 void store_release(const at::Tensor& buf, int64_t offset, int64_t value);
 int64_t fetch_add(const at::Tensor& buf, int64_t offset, int64_t delta);
@@ -19,7 +20,7 @@ int64_t device_pointer(const at::Tensor& buf);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace sglang_hs;
   m.def("map_file", &map_file, "Map (or create, 0600, O_EXCL) a file under a folder, never via a symlink",
-        py::arg("dir"), py::arg("name"), py::arg("nbytes"), py::arg("create"));
+        py::arg("dir"), py::arg("name"), py::arg("nbytes"), py::arg("create"), py::arg("owner_uid") = -1);
   m.def("load_acquire", &load_acquire, py::arg("buf"), py::arg("offset"));
   m.def("store_release", &store_release, py::arg("buf"), py::arg("offset"), py::arg("value"));
   m.def("fetch_add", &fetch_add, py::arg("buf"), py::arg("offset"), py::arg("delta"));

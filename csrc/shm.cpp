@@ -5,7 +5,9 @@
 //       the folder nor the file is ever followed through a symlink. create=True makes a new file
 //       (O_EXCL, mode 0600) and reserves its pages with posix_fallocate, so a full /dev/shm fails here
 //       with ENOSPC instead of SIGBUS on a later write. create=False maps an existing regular file owned
-//       by this user, of exactly `nbytes` bytes (or any size if nbytes == 0). Pages are populated at
+//       by `owner_uid` (-1: this user; the reader of a dump shared with its group names the server's
+//       user), of exactly `nbytes` bytes (or any size if nbytes == 0). The owner is checked on the
+//       opened file, so a file swapped after a path check is still refused. Pages are populated at
 //       mapping time (MAP_POPULATE). The mapping is unmapped
 //       when the last tensor view of it is freed.
 //   load_acquire(buf, offset) / store_release(buf, offset, value) / fetch_add(buf, offset, delta)
@@ -50,7 +52,8 @@ uint64_t* word(const at::Tensor& buf, int64_t offset) {
 
 }  // namespace
 
-at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create) {
+at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create,
+                    int64_t owner_uid) {
   TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
               "sglang_hs.map_file: name must be a plain file name, got '", name, "'");
   TORCH_CHECK(nbytes >= 0, "sglang_hs.map_file: nbytes must be >= 0, got ", nbytes);
@@ -66,8 +69,9 @@ at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nby
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) fail_errno("cannot stat", path, errno);
   TORCH_CHECK(S_ISREG(st.st_mode), "sglang_hs.map_file: ", path, " is not a regular file");
-  TORCH_CHECK(st.st_uid == ::geteuid(), "sglang_hs.map_file: ", path, " is owned by uid ", st.st_uid,
-              ", not by this user (uid ", ::geteuid(), ")");
+  const uid_t owner = owner_uid < 0 ? ::geteuid() : static_cast<uid_t>(owner_uid);
+  TORCH_CHECK(st.st_uid == owner, "sglang_hs.map_file: ", path, " is owned by uid ", st.st_uid, ", not by uid ",
+              owner, owner_uid < 0 ? " (this user)" : " (the owner the reader trusts)");
   if (create) {
     if (::fchmod(fd.fd, 0600) != 0) fail_errno("cannot chmod", path, errno);  // despite the umask
     int err = ::posix_fallocate(fd.fd, 0, nbytes);

@@ -55,6 +55,8 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Seconds a request may be held by admission control (output ring full: the reader is behind)
     # before the server fails it with a clear error; 0 = hold as long as it takes.
     "SGLANG_HS_ADMISSION_TIMEOUT": _float("SGLANG_HS_ADMISSION_TIMEOUT", DEFAULT_ADMISSION_TIMEOUT_S),
+    # gid of --hs-share-group: the dump dir, manifest and rings are shared with this group (fsutil.py).
+    "SGLANG_HS_SHARE_GID": lambda: int(os.environ["SGLANG_HS_SHARE_GID"]) if os.environ.get("SGLANG_HS_SHARE_GID") else None,
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
     # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was

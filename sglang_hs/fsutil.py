@@ -1,16 +1,38 @@
-"""File-system helpers for the dump dir: private modes, never through a symlink, atomic replace."""
+"""File-system helpers for the dump dir: private modes, never through a symlink, atomic replace.
+
+By default the dump dir is 0700 and its files 0600. `--hs-share-group GROUP` lets readers running as
+other users of GROUP in: the folder 0750, the manifest 0640 and the output rings 0660 (a reader writes
+its read offset into the ring), all of group GROUP; the store and the lock file stay 0600. A reader
+then names the server's user (HiddenStateReader(dir, owner=USER)) and accepts a group-writable ring
+only of the group the manifest declares."""
 from __future__ import annotations
 
 import fcntl
 import os
 import stat
 import uuid
+from typing import Optional
 
 LOCK_NAME = ".lock"
 
 
-def ensure_private_dir(path: str) -> str:
-    """Create `path` (mode 0700) if missing; refuse a symlink, a non-folder or another user's folder."""
+def resolve_share_group(text: str) -> int:
+    """The gid of --hs-share-group (a group name or number) that this user may give its files to."""
+    import grp
+
+    try:
+        gid = int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"--hs-share-group {text}: no such group") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ValueError(f"--hs-share-group {text}: this user (uid {os.geteuid()}) is not a member of group {gid}; "
+                         "add it to the group (and log in again) or share with one of its groups")
+    return gid
+
+
+def ensure_private_dir(path: str, share_gid: Optional[int] = None) -> str:
+    """Create `path` if missing; refuse a symlink, a non-folder or another user's folder. Its mode is
+    set to 0700, or 0750 of group `share_gid` when the dump is shared."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
@@ -28,16 +50,44 @@ def ensure_private_dir(path: str) -> str:
         raise PermissionError(f"--hs-dump-dir {path}: owned by uid {st.st_uid}, not by this user")
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"--hs-dump-dir {path}: not writable")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        _set_mode(fd, 0o700, 0o750, share_gid)
+    finally:
+        os.close(fd)
     return path
 
 
-def write_private_file(dir_path: str, name: str, data: bytes) -> None:
-    """Write `dir_path/name` atomically (temp file + rename), mode 0600, never following a symlink."""
+def _set_mode(fd: int, private: int, shared: int, share_gid: Optional[int]) -> None:
+    if share_gid is not None:
+        os.fchown(fd, -1, share_gid)
+    os.fchmod(fd, private if share_gid is None else shared)
+
+
+def share_file(dir_path: str, name: str, mode: int, share_gid: Optional[int]) -> None:
+    """Give a file the dump dir made (0600) `mode` and group `share_gid`; nothing when not sharing."""
+    if share_gid is None:
+        return
+    dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+        try:
+            _set_mode(fd, 0o600, mode, share_gid)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+
+
+def write_private_file(dir_path: str, name: str, data: bytes, share_gid: Optional[int] = None) -> None:
+    """Write `dir_path/name` atomically (temp file + rename), mode 0600 (0640 of group `share_gid`
+    when sharing), never following a symlink."""
     dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
         try:
+            _set_mode(fd, 0o600, 0o640, share_gid)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -65,18 +115,38 @@ def lock_dump_dir(path: str) -> int:
     return fd
 
 
-def check_private_file(path: str) -> os.stat_result:
-    """Refuse a dump file that is not a regular file of this user, or that others may write."""
+def owner_uid(owner) -> int:
+    """A user name or uid (HiddenStateReader's `owner`) as a uid; None: this user."""
+    if owner is None:
+        return os.geteuid()
+    if isinstance(owner, int) or str(owner).isdigit():
+        return int(owner)
+    import pwd
+
+    try:
+        return pwd.getpwnam(owner).pw_uid
+    except KeyError:
+        raise ValueError(f"owner={owner!r}: no such user") from None
+
+
+def check_private_file(path: str, owner: Optional[int] = None, writable_by_gid: Optional[int] = None) -> os.stat_result:
+    """Refuse a dump file that is not a regular file of `owner` (a uid; None: this user), or that others
+    may write: never the world, and the group only where it is `writable_by_gid` (a shared ring)."""
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path}: not a regular file (a symlink or special file); refusing it")
-    owner = _user(st.st_uid)
-    if st.st_uid != os.geteuid():
-        raise ValueError(f"{path}: owned by {owner}, not by this user ({_user(os.geteuid())}); run the reader as "
-                         "the server's user (in a container: docker run --user $(id -u):$(id -g))")
-    if st.st_mode & 0o022:
-        raise ValueError(f"{path}: group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}, owner {owner}): "
-                         "anyone could have altered it; refusing it")
+    who = _user(st.st_uid)
+    want = os.geteuid() if owner is None else owner
+    if st.st_uid != want:
+        if owner is None:
+            raise ValueError(f"{path}: owned by {who}, not by this user ({_user(want)}); run the reader as the "
+                             "server's user (in a container: docker run --user $(id -u):$(id -g)), or, if the server "
+                             "shares the dump with your group (--hs-share-group), pass owner=<the server's user>")
+        raise ValueError(f"{path}: owned by {who}, not by {_user(want)}, the owner this reader was told to trust")
+    group_ok = writable_by_gid is not None and st.st_gid == writable_by_gid
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and not group_ok):
+        raise ValueError(f"{path}: group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}, owner {who}, "
+                         f"group {st.st_gid}): anyone could have altered it; refusing it")
     return st
 
 

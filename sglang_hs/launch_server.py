@@ -63,6 +63,10 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a request held this long because the output ring is full (the reader is behind) "
                         f"instead of holding it forever; 0 = no limit (default {envs.DEFAULT_ADMISSION_TIMEOUT_S:g})")
+    g.add_argument("--hs-share-group", default=None, metavar="GROUP",
+                   help="let readers running as other users of GROUP read the dump (folder 0750, manifest 0640, "
+                        "rings 0660, of GROUP; the store stays 0600); they pass owner=<this user> to "
+                        "HiddenStateReader (default: everything 0600/0700, this user only)")
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
                    help="give up when start-up shows no progress for this long "
                         f"(default {envs.DEFAULT_STARTUP_TIMEOUT_S:g})")
@@ -227,7 +231,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
-    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST"):
+    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -236,7 +240,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
         spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"])
         try:
-            dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir)
+            share_gid = fsutil.resolve_share_group(ns.hs_share_group) if ns.hs_share_group else None
+            dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir, share_gid)
             global _dump_dir_lock
             _dump_dir_lock = fsutil.lock_dump_dir(dump_dir)  # held until this process exits
         except (OSError, ValueError) as e:
@@ -245,13 +250,16 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             print(f"[sglang-hs] warning: --hs-dump-dir {dump_dir} is not on tmpfs (e.g. /dev/shm): the "
                   "store and ring will page to disk", file=sys.stderr)
         env["SGLANG_HS_DUMP_DIR"] = dump_dir
+        if share_gid is not None:
+            env["SGLANG_HS_SHARE_GID"] = str(share_gid)
         env["SGLANG_HS_LAYERS"] = ",".join(map(str, spec.layers))
         if spec.last:
             env["SGLANG_HS_LAST"] = "1"
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
-    elif ns.hs_layers is not None or ns.hs_last:
-        raise CaptureConfigError("--hs-layers/--hs-last need --hs-dump-dir (where to write the capture)")
+    elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group:
+        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group need --hs-dump-dir (where to write the "
+                                 "capture)")
     from sglang_hs import envs
 
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (default_ring or envs.DEFAULT_RING_BYTES)

@@ -39,7 +39,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from sglang_hs.fsutil import check_private_file
+from sglang_hs.fsutil import check_private_file, owner_uid
 from sglang_hs.store.ring import OFF_READER_PID, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
@@ -57,8 +57,8 @@ def recycle_freed_memory() -> bool:
         return False
 
 
-def read_manifest(path: str) -> dict:
-    check_private_file(path)
+def read_manifest(path: str, owner: Optional[int] = None) -> dict:
+    check_private_file(path, owner)
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -91,6 +91,24 @@ class HiddenStateRecord:
         return self.input_ids.shape[0]
 
 
+def _exists(path: str) -> bool:
+    """Whether the manifest is there yet; a dump dir closed to this user is an error, not a wait."""
+    try:
+        os.stat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        folder = os.path.dirname(path)
+        try:
+            st = os.stat(folder)
+            whose = f" (owner uid {st.st_uid}, group {st.st_gid}, mode {st.st_mode & 0o7777:04o})"
+        except OSError:
+            whose = ""
+        raise PermissionError(f"{folder}: permission denied{whose}; a dump is this user's only, unless the server "
+                              "shares it with a group of yours (--hs-share-group)") from None
+
+
 def _lock_ring(ring: RingReader) -> int:
     """Hold an exclusive lock on the ring file while this reader lives (it dies with the process):
     two readers of one ring would split or duplicate its records."""
@@ -108,26 +126,29 @@ def _lock_ring(ring: RingReader) -> int:
 
 class HiddenStateReader:
     def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002,
-                 recycle_memory: bool = False, ack: bool = False) -> None:
+                 recycle_memory: bool = False, ack: bool = False, owner=None) -> None:
+        """`owner`: the user (name or uid) whose dump files to trust; default this user. Pass the
+        server's user when it shares the dump with a group of yours (--hs-share-group)."""
         if recycle_memory:
             recycle_freed_memory()
         self.dump_dir = os.path.abspath(dump_dir)
         self.poll_interval = poll_interval
         path = os.path.join(self.dump_dir, MANIFEST)
         deadline = time.monotonic() + wait
-        while not os.path.exists(path):
+        while not _exists(path):
             if time.monotonic() > deadline:
                 raise FileNotFoundError(f"{path}: no manifest after {wait}s; is a server capturing into "
                                         f"--hs-dump-dir {self.dump_dir}?")
             time.sleep(0.05)
-        self.manifest = read_manifest(path)
+        uid = None if owner is None else owner_uid(owner)
+        self.manifest = read_manifest(path, uid)
         self.num_aux = len(self.manifest["layer_ids"])
         self.has_last = bool(self.manifest["last"])
         self.ack_mode = ack
         self._rings, self._locks = [], []
         try:
             for w in self.manifest["writers"]:
-                self._rings.append(RingReader.open(self.dump_dir, w["ring"]))
+                self._rings.append(RingReader.open(self.dump_dir, w["ring"], uid, self.manifest.get("share_gid")))
                 self._locks.append(_lock_ring(self._rings[-1]))
         except BaseException:
             self.close()

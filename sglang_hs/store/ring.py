@@ -1,19 +1,22 @@
 """The output ring: finished records, from one writer (the scheduler) to one reader process.
 
-File layout (`ring-<writer>.bin`, created 0600 under the dump dir):
+File layout (`ring-<writer>.bin`, created 0600 under the dump dir; 0660 of the share group with
+--hs-share-group, since the reader writes TAIL):
 
     [0, 4096)              header: magic, format version, capacity, writer pid; counters on their own
                            cache lines: HEAD (bytes published, written by the writer with a release
-                           store) and TAIL (bytes consumed, written by the reader with a release store)
+                           store) and TAIL (bytes consumed, written by the reader with a release store);
+                           the reader's pid (informational: readers lock the file with flock)
     [4096, 4096+capacity)  records at logical offsets that only grow, placed at offset % capacity
 
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
 rid length), the request id (utf-8), input_ids int32[T], rows [T, P, H], then a 64-byte trailer that
-repeats magic, sequence number and length. A record never wraps: when one does not fit before the end
-of the buffer the writer publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and
-starts again at 0. The writer only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and
-the reader only reads bytes below the HEAD it acquire-loaded, so a record is either wholly visible or
-not at all; header/trailer mismatches (a corrupted or foreign file) are reported as torn, never emitted.
+repeats magic, sequence number and length and holds a CRC-32 of the header and request id. A record
+never wraps: when one does not fit before the end of the buffer the writer publishes a SKIP marker (or
+nothing, when fewer than 64 bytes remain) and starts again at 0. The writer only writes bytes the
+reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes below the HEAD it
+acquire-loaded, so a record is either wholly visible or not at all; header/trailer mismatches (a
+corrupted or foreign file) are reported as torn, never emitted.
 Sequence numbers run 1, 2, 3, ... without gaps; the reader stores the last one it consumed beside TAIL
 (TAIL first, then TAIL_SEQ), so a reader that starts later resumes where the last one stopped; a
 record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refused, as is a gap after it.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import zlib
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -36,7 +40,7 @@ import torch
 from sglang_hs.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 1
+VERSION = 2  # 2: the trailer holds a CRC-32 of the record header and request id
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
@@ -44,7 +48,7 @@ OFF_TAIL_SEQ = 136  # sequence number of the last record consumed, written by th
 OFF_READER_PID = 192  # pid of the reader holding the ring (informational: the lock is a flock on the file)
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
 _REC = struct.Struct("<IIQQIHIBxH")  # magic, flags, total, seq, T, P, H, dtype, pad, rid_len
-_TRAIL = struct.Struct("<IIQQ")  # magic, pad, seq, total
+_TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid), seq, total
 ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
@@ -151,8 +155,9 @@ class RingWriter:
         else:
             torch.index_select(gather_from, 0, slots.long(), out=dst)
         o += _align(n)
-        self._write(pos + o, _TRAIL.pack(REC_MAGIC, 0, self.seq, total))
-        self._write(pos, _REC.pack(REC_MAGIC, 0, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b)))
+        header = _REC.pack(REC_MAGIC, 0, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b))
+        self._write(pos + o, _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), self.seq, total))
+        self._write(pos, header)
         self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
         return self.seq
 
@@ -178,11 +183,13 @@ class RingReader:
         self._released: set = set()  # released out of order, waiting for the records before them
 
     @classmethod
-    def open(cls, dir_path: str, name: str) -> "RingReader":
+    def open(cls, dir_path: str, name: str, owner: Optional[int] = None,
+             writable_by_gid: Optional[int] = None) -> "RingReader":
+        """Open a ring of `owner` (a uid; None: this user), group-writable only by `writable_by_gid`."""
         from sglang_hs.fsutil import check_private_file
 
-        check_private_file(os.path.join(dir_path, name))
-        return cls(SharedRegion.open(dir_path, name))
+        check_private_file(os.path.join(dir_path, name), owner, writable_by_gid)
+        return cls(SharedRegion.open(dir_path, name, owner_uid=-1 if owner is None else owner))
 
     def unread_bytes(self) -> int:
         return self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL)
@@ -263,25 +270,32 @@ class RingReader:
                 tail += self.capacity - pos
                 continue
             base = HEADER_BYTES + pos
-            magic, _, total, seq, T, P, H, dt, rid_len = _REC.unpack(bytes(self.r.buf[base : base + _REC.size].tolist()))
+            header = bytes(self.r.buf[base : base + _REC.size].tolist())
+            magic, _, total, seq, T, P, H, dt, rid_len = _REC.unpack(header)
             if magic == SKIP_MAGIC:
                 tail += total
                 continue
             if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF:
                 raise TornRecord(f"{self.r.path}: corrupt record header at offset {tail}")
-            tm, _, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
+            tm, crc, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
             dtype = DTYPE_OF[dt]
             elem = torch.empty(0, dtype=dtype).element_size()
             if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len):
                 raise TornRecord(f"{self.r.path}: torn record seq {seq} at offset {tail}")
+            rid_b = bytes(self.r.buf[base + ALIGN : base + ALIGN + rid_len].tolist())
+            if crc != zlib.crc32(header + rid_b):
+                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: header or request id altered "
+                                 "(checksum mismatch)")
             # The first record may be further on: a reader killed between storing TAIL and TAIL_SEQ.
             if seq <= last_seq or (not first and seq != last_seq + 1):
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} after seq {last_seq} "
                                  "(the ring's counters were moved: a replay or a gap)")
             first, last_seq = False, seq
-            o = base + ALIGN
-            rid = bytes(self.r.buf[o : o + rid_len].tolist()).decode()
-            o += _align(rid_len)
+            try:
+                rid = rid_b.decode()
+            except UnicodeDecodeError:
+                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: request id is not UTF-8") from None
+            o = base + ALIGN + _align(rid_len)
             ids = self.r.buf[o : o + 4 * T].clone().view(torch.int32)
             o += _align(4 * T)
             rows = self.r.buf[o : o + T * P * H * elem].clone().view(dtype).view(T, P, H)

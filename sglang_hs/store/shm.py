@@ -22,8 +22,9 @@ class SharedRegion:
         return cls(dir_path, name, ext().map_file(os.path.abspath(dir_path), name, int(nbytes), True))
 
     @classmethod
-    def open(cls, dir_path: str, name: str, nbytes: int = 0) -> "SharedRegion":
-        return cls(dir_path, name, ext().map_file(os.path.abspath(dir_path), name, int(nbytes), False))
+    def open(cls, dir_path: str, name: str, nbytes: int = 0, owner_uid: int = -1) -> "SharedRegion":
+        """Map an existing file of `owner_uid` (-1: this user)."""
+        return cls(dir_path, name, ext().map_file(os.path.abspath(dir_path), name, int(nbytes), False, owner_uid))
 
     @property
     def path(self) -> str:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from sglang_hs.capture_spec import CaptureSpec
-from sglang_hs.fsutil import write_private_file
+from sglang_hs.fsutil import share_file, write_private_file
 from sglang_hs.store.ring import RingWriter
 from sglang_hs.store.shm import SharedRegion
 from sglang_hs.version import SGLANG_VERSION, __version__
@@ -38,6 +38,9 @@ class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
                  context_len: int = 0) -> None:
+        from sglang_hs import envs
+
+        share_gid = envs.SGLANG_HS_SHARE_GID
         self.spec = spec
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size
@@ -55,6 +58,7 @@ class CaptureWriter:
         self.store = self.region.buf.view(dtype).view(num_slots, self.P, H)
         try:
             self.ring = RingWriter.create(dump_dir, f"ring-w{writer_id}.bin", ring_bytes)
+            share_file(dump_dir, f"ring-w{writer_id}.bin", 0o660, share_gid)  # a reader writes its offset
         except RuntimeError as e:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
@@ -69,12 +73,13 @@ class CaptureWriter:
             **spec.describe(),
             "rows_per_token": self.P,
             "context_len": context_len,
+            "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
                          "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
         }
         if str(device).startswith("cuda"):
             self._host_store()  # register now: never during CUDA-graph capture
-        write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
 

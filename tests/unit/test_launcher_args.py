@@ -95,9 +95,27 @@ def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"), *extra])
 
 
-def test_prepare_layers_without_dump_dir(tmp_path, clean_env):
+@pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"]])
+def test_prepare_layers_without_dump_dir(tmp_path, clean_env, flag):
     with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
-        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", "--hs-layers", "2"])
+        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", *flag])
+
+
+def test_prepare_share_group_opens_the_folder_to_the_group_and_back(tmp_path, clean_env):
+    model, dump, gid = _model_dir(tmp_path), tmp_path / "hs", os.getegid()
+    launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(dump),
+                           "--hs-share-group", str(gid)])
+    st = os.stat(dump)
+    assert oct(st.st_mode & 0o777) == "0o750" and st.st_gid == gid and envs.SGLANG_HS_SHARE_GID == gid
+    os.close(launch_server._dump_dir_lock)  # as if that server had exited
+    launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(dump)])
+    assert oct(os.stat(dump).st_mode & 0o777) == "0o700" and envs.SGLANG_HS_SHARE_GID is None  # private again
+
+
+def test_prepare_refuses_an_unknown_share_group(tmp_path, clean_env):
+    with pytest.raises(CaptureConfigError, match="^--hs-share-group no-such-group-xyz: no such group$"):
+        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", "--hs-dump-dir",
+                               str(tmp_path / "hs"), "--hs-share-group", "no-such-group-xyz"])
 
 
 @pytest.mark.parametrize("kind", ["missing-parent", "file", "symlink"])

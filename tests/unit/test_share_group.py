@@ -1,0 +1,129 @@
+"""Sharing a dump with readers of other users (--hs-share-group): private modes by default; with a share
+group, the folder 0750, the manifest 0640 and the rings 0660 of that group, the store still 0600. A
+reader running as another user of the group reads and acknowledges when told whose files to trust,
+and is refused otherwise; a group-writable ring of any other group, or a world-writable one, is refused."""
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from sglang_hs._ext import ExtensionNotBuilt, ext
+
+try:
+    ext()
+except ExtensionNotBuilt as e:  # pragma: no cover
+    pytest.skip(f"extension not built: {e}", allow_module_level=True)
+
+from sglang_hs import fsutil  # noqa: E402
+from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.reader import HiddenStateReader  # noqa: E402
+from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+
+OTHER_UID, SHARE_GID = 4242, 4343  # a reader user and the group it shares with the server (root runs)
+H = 16
+
+
+def _mode(path):
+    st = os.stat(path)
+    return stat.S_IMODE(st.st_mode), st.st_gid
+
+
+def _dump(parent, monkeypatch, gid):
+    if gid is None:
+        monkeypatch.delenv("SGLANG_HS_SHARE_GID", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(gid))
+    d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), gid)
+    w = CaptureWriter(d, CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 1 << 16)
+    for i in range(3):
+        w.ring.publish(f"r{i}", torch.arange(4, dtype=torch.int32), torch.full((4, 2, H), float(i)).bfloat16())
+    return d
+
+
+def test_private_by_default(tmp_path, monkeypatch):
+    d = _dump(str(tmp_path), monkeypatch, None)
+    assert _mode(d)[0] == 0o700
+    for name in ("manifest.json", "ring-w0.bin", "store-w0.bin"):
+        assert _mode(f"{d}/{name}")[0] == 0o600
+    assert HiddenStateReader(d, wait=1).manifest["share_gid"] is None
+
+
+def test_shared_modes_and_this_user_still_reads(tmp_path, monkeypatch):
+    gid = os.getegid()
+    d = _dump(str(tmp_path), monkeypatch, gid)
+    assert _mode(d) == (0o750, gid)
+    assert _mode(f"{d}/manifest.json") == (0o640, gid)
+    assert _mode(f"{d}/ring-w0.bin") == (0o660, gid)  # the reader writes its read offset
+    assert _mode(f"{d}/store-w0.bin")[0] == 0o600  # readers never need the store
+    reader = HiddenStateReader(d, wait=1)
+    assert reader.manifest["share_gid"] == gid and reader.take("r1", timeout=1).num_tokens == 4
+
+
+def test_group_writable_ring_of_another_group_or_world_writable_is_refused(tmp_path, monkeypatch):
+    d = _dump(str(tmp_path), monkeypatch, os.getegid())
+    m = f"{d}/manifest.json"
+    text = open(m).read().replace(f'"share_gid": {os.getegid()}', f'"share_gid": {os.getegid() + 1}')
+    fsutil.write_private_file(d, "manifest.json", text.encode())  # declares a group the ring does not have
+    with pytest.raises(ValueError, match=r"ring-w0.bin: group- or world-writable \(mode 0660"):
+        HiddenStateReader(d, wait=1)
+    (tmp_path / "b").mkdir()
+    d2 = _dump(str(tmp_path / "b"), monkeypatch, os.getegid())
+    os.chmod(f"{d2}/ring-w0.bin", 0o662)
+    with pytest.raises(ValueError, match=r"ring-w0.bin: group- or world-writable \(mode 0662"):
+        HiddenStateReader(d2, wait=1)
+
+
+# The child imports as root (the interpreter and torch live under /root, closed to other users), then
+# drops to the other user for good before it touches the dump.
+_CHILD = """
+import os, sys
+import pwd, grp
+from sglang_hs import HiddenStateReader
+from sglang_hs._ext import ext
+ext()
+gids = [int(g) for g in sys.argv[4].split(",")]
+os.setgroups(gids)
+os.setgid(gids[0])
+os.setuid(int(sys.argv[3]))
+try:
+    reader = HiddenStateReader(sys.argv[1], wait=1, ack=True, **({"owner": sys.argv[2]} if sys.argv[2] else {}))
+except Exception as e:
+    print("ERROR", type(e).__name__, e)
+    sys.exit(3)
+rec = reader.take("r1", timeout=5)
+first = reader.next(timeout=5)
+reader.ack(first)
+print("OK", rec.rid, rec.num_tokens, float(rec.aux_hidden_states[0, 0, 0]), first.rid)
+"""
+
+
+def _as_user(uid, gids, dump, owner):
+    return subprocess.run([sys.executable, "-c", _CHILD, dump, owner, str(uid), ",".join(map(str, gids))],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a reader as another user")
+def test_a_reader_of_another_user_in_the_group(monkeypatch):
+    parent = tempfile.mkdtemp(prefix="sglang-hs-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.chmod(parent, 0o755)  # the dump dir's parent must let the other user through
+        d = _dump(parent, monkeypatch, SHARE_GID)
+        out = _as_user(OTHER_UID, [SHARE_GID], d, "")  # not told whom to trust: refused, saying how
+        assert out.returncode == 3 and "owned by uid 0" in out.stdout and "pass owner=" in out.stdout, out
+        out = _as_user(OTHER_UID, [SHARE_GID], d, "0")  # the server's user named: reads, and acks
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.split() == ["OK", "r1", "4", "1.0", "r0"]
+        from sglang_hs.store.ring import OFF_TAIL_SEQ
+        from sglang_hs.store.shm import SharedRegion
+
+        assert SharedRegion.open(d, "ring-w0.bin").load_acquire(OFF_TAIL_SEQ) == 1  # its ack reached the ring
+        out = _as_user(OTHER_UID, [SHARE_GID + 1], d, "0")  # not in the group: the folder is closed to it
+        assert out.returncode == 3 and "ERROR PermissionError" in out.stdout and "--hs-share-group" in out.stdout, out
+    finally:
+        import shutil
+
+        shutil.rmtree(parent, ignore_errors=True)
