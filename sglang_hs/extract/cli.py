@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 PROG = "python -m sglang_hs.extract"
 RECORD_GRACE_S = 120.0  # after a reply, how long its record may take to reach the reader
+WRITERS = 4  # threads writing and fsyncing files: fsync waits on the disk, not the CPU, so it overlaps serving
 
 
 class ExtractError(RuntimeError):
@@ -164,6 +165,8 @@ class Extraction:
         self.run_id = uuid.uuid4().hex[:12]
         self._local = threading.local()
         self.pending: Dict[str, tuple] = {}  # rid -> (sample, future, reply-time)
+        self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write), oldest first
+        self.write_pool = cf.ThreadPoolExecutor(WRITERS, thread_name_prefix="sglang-hs-write")
 
     # -- requests --
     def _session(self):
@@ -231,13 +234,36 @@ class Extraction:
             diff = check(sample.index, want[:n], rec.last_hidden_state[:n], self.lm_head, logprobs)
             self.stats.verified += 1
             self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
-        try:
-            self.stats.bytes += self.sink.write(sample.index, rec.input_ids, mask, rec.aux_hidden_states,
-                                                rec.last_hidden_state)
-        except OSError as e:
-            raise OSError(f"cannot write {self.sink.path(sample.index)}: {e.strerror or e}") from e
-        self.stats.done += 1
-        self.stats.tokens += T
+        unwritten = [f for _, _, f in self.writes if not f.done()]
+        if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
+            cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
+        self.writes.append((sample.index, T, self.write_pool.submit(
+            self.sink.write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state)))
+
+    def _collect_writes(self, bar) -> int:
+        """Count the files written so far; a write that failed (disk full) raises OSError naming the
+        file. Returns how many completed."""
+        done = [w for w in self.writes if w[2].done()]
+        self.writes = [w for w in self.writes if not w[2].done()]
+        failed = None
+        for index, T, fut in done:
+            if fut.cancelled():  # an interrupted or failed run: not written, --resume does it
+                continue
+            err = fut.exception()
+            if err is None:
+                self.stats.bytes += fut.result()
+                self.stats.done += 1
+                self.stats.tokens += T
+                bar.update(1)
+            elif isinstance(err, OSError):
+                failed = failed or OSError(f"cannot write {self.sink.path(index)}: {err.strerror or err}")
+                self.stats.failed.append((index, f"cannot write: {err.strerror or err}"))
+                bar.update(1)
+            else:
+                self._fail(index, err, bar)
+        if failed is not None:
+            raise failed
+        return len(done)
 
     def run(self, samples, total: Optional[int]) -> None:
         from tqdm import tqdm
@@ -299,15 +325,15 @@ class Extraction:
                     del self.pending[rid]
                     try:
                         self._complete(sample, fut.result(), rec, verify)
-                    except OSError as e:
-                        fatal = f"sample {sample.index}: {e}"
                     except Exception as e:  # noqa: BLE001 - reported per sample, the run goes on
                         if type(e).__name__ == "VerificationError":
                             fatal = str(e)
                         self._fail(sample.index, e, bar)
-                    else:
-                        bar.update(1)
                     progressed = True
+                try:
+                    progressed = self._collect_writes(bar) > 0 or progressed
+                except OSError as e:
+                    fatal = str(e)
                 ours = f"hsx-{self.run_id}-"
                 for rid in self.reader.ready_rids():
                     if not rid.startswith(ours):
@@ -319,9 +345,15 @@ class Extraction:
                     self._postfix(bar)
                 else:
                     self._idle()
+            cf.wait([f for _, _, f in self.writes])  # the last files
         finally:
-            self.stats.t1, self.stats.cpu1 = time.monotonic(), time.process_time()
             pool.shutdown(wait=False, cancel_futures=True)
+            self.write_pool.shutdown(wait=True, cancel_futures=True)  # a started file is finished (or removed)
+            try:
+                self._collect_writes(bar)
+            except OSError as e:
+                fatal = fatal or str(e)
+            self.stats.t1, self.stats.cpu1 = time.monotonic(), time.process_time()
             bar.close()
         if fatal:
             raise ExtractError(fatal)
