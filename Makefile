@@ -25,6 +25,7 @@ bench: setup
 	@SGLANG_HS_BENCH=1 bash scripts/ensure_env.sh >/dev/null
 	$(PY) benchmarks/bench_ring.py --out benchmarks/results
 	$(PY) benchmarks/bench_extract.py --out benchmarks/results
+	$(PY) benchmarks/profile_capture.py --out benchmarks/results
 
 clean:
 	rm -rf .venv build *.egg-info sglang_hs/_C*.so
