@@ -168,8 +168,11 @@ class HiddenStateReader:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_locks", None):
-            self.close()
+        try:
+            if getattr(self, "_locks", None):
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; the locks die with the process anyway
+            pass
 
     def poll(self) -> int:
         """Bring in every record published since the last poll; returns how many arrived."""

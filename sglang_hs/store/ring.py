@@ -58,6 +58,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _valid_skip(pos: int, total: int, published: int, capacity: int) -> bool:
+    """A SKIP marker at `pos` covers exactly the rest of the buffer, and that was published."""
+    return total >= ALIGN and pos + total == capacity and total <= published
+
+
 def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int) -> int:
     return ALIGN + _align(rid_len) + _align(4 * T) + _align(T * P * H * elem) + ALIGN
 
@@ -252,7 +257,7 @@ class RingReader:
                 continue
             base = HEADER_BYTES + pos
             magic, _, total = _REC.unpack(bytes(self.r.buf[base : base + _REC.size].tolist()))[:3]
-            if magic != SKIP_MAGIC or total > head - tail:
+            if magic != SKIP_MAGIC or not _valid_skip(pos, total, head - tail, self.capacity):
                 break
             tail += total
         return tail
@@ -273,6 +278,8 @@ class RingReader:
             header = bytes(self.r.buf[base : base + _REC.size].tolist())
             magic, _, total, seq, T, P, H, dt, rid_len = _REC.unpack(header)
             if magic == SKIP_MAGIC:
+                if not _valid_skip(pos, total, head - tail, self.capacity):
+                    raise TornRecord(f"{self.r.path}: corrupt skip marker at offset {tail}")
                 tail += total
                 continue
             if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF:

@@ -83,6 +83,37 @@ def test_corruption_is_detected_never_emitted(tmp_path):
         ring.RingReader.open(str(tmp_path), "r").drain()
 
 
+@pytest.mark.parametrize("total", [0, 64, 1 << 40])
+@pytest.mark.parametrize("mode", ["drain", "read_ahead"])
+def test_a_corrupt_skip_marker_is_refused_not_looped_on(tmp_path, total, mode):
+    import threading
+
+    rec = ring.record_bytes(10, P, H, 2, 1)
+    w = ring.RingWriter.create(str(tmp_path), "r", 2 * rec + rec // 2)
+    ids, rows = torch.arange(10, dtype=torch.int32), torch.ones(10, P, H, dtype=torch.bfloat16)
+    w.publish("a", ids, rows)
+    w.publish("b", ids, rows)
+    ring.RingReader.open(str(tmp_path), "r").drain()
+    w.publish("c", ids, rows)  # does not fit before the end: a SKIP marker at 2 * rec, then c at 0
+    region = SharedRegion.open(str(tmp_path), "r")
+    skip = ring.HEADER_BYTES + 2 * rec
+    assert struct.unpack_from("<I", bytes(region.buf[skip : skip + 4].tolist()))[0] == ring.SKIP_MAGIC
+    region.buf[skip + 8 : skip + 16] = torch.frombuffer(bytearray(struct.pack("<Q", total)), dtype=torch.uint8)
+    reader, out = ring.RingReader.open(str(tmp_path), "r"), []
+
+    def read():
+        try:
+            getattr(reader, mode)()
+        except ring.TornRecord as e:
+            out.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the reader loops on a corrupt skip marker"
+    assert out and "corrupt skip marker" in str(out[0])
+
+
 @pytest.mark.parametrize("what, message", [("magic", "not an sglang-hs output ring"), ("version", "format version 99")])
 def test_foreign_or_future_files_are_refused(tmp_path, what, message):
     ring.RingWriter.create(str(tmp_path), "r", 4096)
