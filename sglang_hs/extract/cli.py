@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="--regenerate: sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="--regenerate: nucleus sampling")
     p.add_argument("--request-timeout", type=float, default=3600.0, metavar="SECONDS")
+    p.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads of this process (default 1: its work is copies and file writes, "
+                        "and more threads spin on cores the server needs); raise it for --verify on a large model")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (a line per 1000 samples instead)")
     return p
 
@@ -71,6 +74,8 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     ns.shard_index, ns.shard_count = i, n
     if ns.concurrency < 1:
         raise ExtractError(f"--concurrency: must be >= 1, got {ns.concurrency}")
+    if ns.torch_threads < 1:
+        raise ExtractError(f"--torch-threads: must be >= 1, got {ns.torch_threads}")
     if not 0.0 <= ns.verify <= 1.0:
         raise ExtractError(f"--verify: a fraction in [0, 1], got {ns.verify}")
     if ns.max_samples is not None and ns.max_samples < 0:
@@ -435,6 +440,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_term)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ns.torch_threads)  # restored below: main() also runs inside other programs
     server = extraction = manifest = None
     status, rc = "failed", 1
     try:
@@ -472,6 +481,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ExtractError, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
     finally:
+        torch.set_num_threads(threads)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if server is not None:
             server.stop()

@@ -2,6 +2,7 @@
 file layouts (read back the SpecForge way and the safetensors way), atomic writes, the draft-config
 layer ids, and the logprob verification."""
 import os
+import re
 
 import pytest
 import torch
@@ -181,3 +182,49 @@ def test_a_missing_data_file_is_named(tmp_path):
     from sglang_hs.extract.cli import main
 
     assert main(["--data", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")]) == 2
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--shard", "3/2"], "--shard: '3/2' is not I/N with 0 <= I < N"),
+    (["--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
+    (["--verify", "2"], r"--verify: a fraction in \[0, 1\], got 2.0"),
+    (["--max-samples", "-1"], "--max-samples: must be >= 0, got -1"),
+    (["--torch-threads", "0"], "--torch-threads: must be >= 1, got 0"),
+    (["--server", "http://127.0.0.1:9"], "--server needs --hs-dump-dir"),
+])
+def test_bad_flags_get_one_line_naming_the_flag(tmp_path, capsys, flag, message):
+    from sglang_hs.extract.cli import main
+
+    rc = main(["--data", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "out"), *flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("python -m sglang_hs.extract: error: ")
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_torch_threads_apply_to_the_run_and_are_restored(tmp_path, capsys, monkeypatch):
+    from sglang_hs.extract import cli
+
+    seen = []
+
+    def model_side(*args):  # runs inside the run: note the threads, then end it
+        seen.append(torch.get_num_threads())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "_model_side", model_side)
+    dump = tmp_path / "hs"
+    dump.mkdir(mode=0o700)
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.store.writer import CaptureWriter
+
+    CaptureWriter(str(dump), CaptureSpec.resolve([1], True, 4, 16), 8, torch.bfloat16, 1 << 16)
+    (tmp_path / "d.jsonl").write_text('{"input_ids": [5, 6, 7]}\n')
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rc = cli.main(["--data", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "out"), "--server",
+                       "http://127.0.0.1:9", "--hs-dump-dir", str(dump), "--format", "safetensors"])
+        assert rc == 1 and "stop here" in capsys.readouterr().err
+        assert seen == [1] and torch.get_num_threads() == 2  # 1 during the run (the default), then as it was
+    finally:
+        torch.set_num_threads(before)
