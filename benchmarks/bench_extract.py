@@ -132,6 +132,8 @@ def run_capture_only(server, dump, prompts, concurrency) -> dict:
     from sglang_hs.reader import HiddenStateReader
 
     reader, stop = HiddenStateReader(dump, recycle_memory=True), threading.Event()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the extraction CLI does (--torch-threads): no copy threads spinning on the server's cores
 
     def drain():
         while not stop.is_set():
@@ -146,6 +148,7 @@ def run_capture_only(server, dump, prompts, concurrency) -> dict:
     finally:
         stop.set()
         t.join(5)
+        torch.set_num_threads(threads)
 
 
 def run_plain(server, prompts, concurrency) -> dict:
