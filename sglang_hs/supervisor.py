@@ -7,7 +7,9 @@ phases from it. Start-up fails (non-zero exit, nothing left running) when:
     Python stacks of every process of the group are printed (py-spy, else faulthandler via SIGUSR1);
   - SGLang finished loading the model, or reports ready, but no process announced the sglang-hs
     overlay (SGLang silently serves its built-in class when the overlay fails to import).
-After start-up it relays output until the server exits; SIGINT/SIGTERM stop the whole group.
+  - the server says it cannot come up (FATAL below: e.g. its HTTP port is taken).
+After start-up it relays output until the server exits; SIGINT/SIGTERM stop the whole group (after
+`stop_grace` seconds, or at a second signal, by killing it).
 On the way out it kills what is left of the group and removes the files the server left in the dump dir,
 and the `/dev/shm/sglang_loads_*.shm` segments SGLang 0.5.23 creates at start-up and never unlinks
 (16 KB each; upstream sweeps them only in its own CI), when no live process maps them any more.
@@ -39,8 +41,17 @@ PHASES = [
     (re.compile(rb"fired up and ready to roll"), "ready"),
 ]
 
+# Lines after which the server cannot come up. SGLang 0.5.23 would not exit by itself: when uvicorn
+# cannot bind the port, its lifespan joins the warm-up thread, which polls the dead port for ~12 min.
+FATAL = [
+    (re.compile(rb"error while attempting to bind on address[^\n]*"),
+     "the HTTP server cannot listen ({line}); choose a free --port, or another --host"),
+]
+
 EXIT_STALL = 3
 EXIT_NO_OVERLAY = 4
+EXIT_FATAL = 5
+STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
 
 
 def log(msg: str) -> None:
@@ -61,8 +72,11 @@ def _py_spy() -> Optional[str]:
 
 
 class Supervisor:
-    def __init__(self, cmd: List[str], startup_timeout: float, dump_dir: Optional[str]) -> None:
-        self.cmd, self.startup_timeout, self.dump_dir = cmd, startup_timeout, dump_dir
+    def __init__(self, cmd: List[str], startup_timeout: float, dump_dir: Optional[str],
+                 stop_grace: float = STOP_GRACE_S) -> None:
+        self.cmd, self.startup_timeout, self.dump_dir, self.stop_grace = cmd, startup_timeout, dump_dir, stop_grace
+        self.fatal: Optional[str] = None  # why start-up cannot succeed, from the server's output
+        self.stop_at: Optional[float] = None  # when the first stop signal arrived
         self.phase = "starting the server process"
         self.phase_since = self.last_progress = time.monotonic()
         self.ready = False
@@ -84,6 +98,10 @@ class Supervisor:
             out.flush()
             self.last_progress = time.monotonic()
             pending = (pending + chunk)[-4096:]
+            for pattern, message in FATAL:
+                m = pattern.search(pending)
+                if m and self.fatal is None:
+                    self.fatal = message.format(line=m.group(0).decode(errors="replace").strip())
             for pattern, phase in PHASES:
                 if phase not in self.seen and pattern.search(pending):
                     self.seen.add(phase)
@@ -103,7 +121,11 @@ class Supervisor:
 
     # -- signals --
     def _on_signal(self, signum, frame) -> None:
-        self.stop_signal = signum
+        if self.stop_signal is not None:  # a second signal: no more waiting
+            log(f"{signal.Signals(signum).name} again: killing the server's processes now")
+            self._signal_group(signal.SIGKILL)
+            return
+        self.stop_signal, self.stop_at = signum, time.monotonic()
         self._terminate_server()
 
     def _terminate_server(self) -> None:
@@ -214,7 +236,15 @@ class Supervisor:
             while self.proc.poll() is None:
                 time.sleep(0.2)
                 if self.stop_signal is not None:
+                    if time.monotonic() - self.stop_at > self.stop_grace:
+                        log(f"the server did not stop within {self.stop_grace:.0f}s of "
+                            f"{signal.Signals(self.stop_signal).name}; killing its processes")
+                        break
                     continue
+                if self.fatal is not None:
+                    log(f"error: {self.fatal}; stopping the server")
+                    code = EXIT_FATAL
+                    break
                 if not self.ready and time.monotonic() - self.last_progress > self.startup_timeout:
                     log(
                         f"start-up stalled in phase '{self.phase}': no progress for {self.startup_timeout:.0f}s "

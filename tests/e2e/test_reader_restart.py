@@ -73,6 +73,7 @@ def test_reader_killed_and_restarted_saves_every_request_exactly_once(small_ring
             second.send_signal(signal.SIGKILL)
             second.wait(30)
 
+    assert "admission waiting" in server.output  # the ring filled while no reader ran; requests were held
     entries = _log(log)
     starts = [i for i, e in enumerate(entries) if e[0] == "start"]
     assert len(starts) == 2

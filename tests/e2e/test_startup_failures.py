@@ -5,7 +5,7 @@ import uuid
 import pytest
 
 from helpers import Launcher, leftover_server_processes
-from sglang_hs.supervisor import EXIT_NO_OVERLAY, EXIT_STALL
+from sglang_hs.supervisor import EXIT_FATAL, EXIT_NO_OVERLAY, EXIT_STALL
 
 pytestmark = pytest.mark.e2e
 
@@ -37,3 +37,23 @@ def test_overlay_import_failure_is_fatal(tmp_path):
     assert "Ignore import error when loading sglang_hs.models.deepseek_v2" in server.output
     assert "[sglang-hs] server ready" not in server.output
     assert not leftover_server_processes(server.output)
+
+
+def test_a_taken_port_fails_fast_naming_it(tmp_path):
+    """uvicorn cannot bind: SGLang 0.5.23 alone would linger ~12 min (its lifespan joins a warm-up thread
+    polling the dead port); the launcher stops at the error line and says which flag to change."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        dump = tmp_path / f"hs-{uuid.uuid4().hex[:8]}"
+        server = Launcher(["--hs-dump-dir", str(dump)], port=port)
+        rc = server.wait_exit(timeout=300)
+    assert rc == EXIT_FATAL, server.tail()
+    assert f"error: the HTTP server cannot listen (error while attempting to bind on address ('127.0.0.1', " \
+           f"{port}): address already in use); choose a free --port" in server.output, server.tail()
+    assert "[sglang-hs] server ready" not in server.output
+    assert not leftover_server_processes(server.output)
+    assert os.listdir(dump) == []
