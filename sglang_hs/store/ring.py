@@ -206,7 +206,7 @@ class RingReader:
         for rec, end in self._records(tail, last_seq):
             out.append(rec)
             tail, last_seq = end, rec.seq
-        self._store_tail(self._end_of_data(tail), last_seq)
+        self._store_tail(tail, last_seq)  # a SKIP marker after the last record goes with the next one
         return out
 
     def read_ahead(self) -> List[Record]:
@@ -246,21 +246,6 @@ class RingReader:
     def _store_tail(self, tail: int, last_seq: int) -> None:
         self.r.store_release(OFF_TAIL, tail)
         self.r.store_release(OFF_TAIL_SEQ, last_seq)  # after TAIL: a reader killed in between still resumes
-
-    def _end_of_data(self, tail: int) -> int:
-        """`tail`, moved over a SKIP marker or an implicit wrap that the writer published after it."""
-        head = self.r.load_acquire(OFF_HEAD)
-        while tail < head:
-            pos = tail % self.capacity
-            if self.capacity - pos < ALIGN:
-                tail += self.capacity - pos
-                continue
-            base = HEADER_BYTES + pos
-            magic, _, total = _REC.unpack(bytes(self.r.buf[base : base + _REC.size].tolist()))[:3]
-            if magic != SKIP_MAGIC or not _valid_skip(pos, total, head - tail, self.capacity):
-                break
-            tail += total
-        return tail
 
     def _records(self, tail: int, last_seq: int):
         """(record, offset after it) for each record published between `tail` and HEAD, checked."""
