@@ -38,6 +38,7 @@ def _layers() -> Optional[List[int]]:
     return [int(x) for x in v.split(",")] if v else None
 
 
+COPY_STRATEGIES = ("direct", "staging")
 DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
@@ -55,6 +56,11 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Seconds a request may be held by admission control (output ring full: the reader is behind)
     # before the server fails it with a clear error; 0 = hold as long as it takes.
     "SGLANG_HS_ADMISSION_TIMEOUT": _float("SGLANG_HS_ADMISSION_TIMEOUT", DEFAULT_ADMISSION_TIMEOUT_S),
+    # How rows reach the store (--hs-copy): "direct" (the copy kernel writes the store: registered,
+    # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream, sglang_hs/store/staging.py).
+    "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),
+    # Rows of the staging buffers (--hs-staging-rows); 0: max(chunked prefill size, max running requests).
+    "SGLANG_HS_STAGING_ROWS": _int("SGLANG_HS_STAGING_ROWS", 0),
     # gid of --hs-share-group: the dump dir, manifest and rings are shared with this group (fsutil.py).
     "SGLANG_HS_SHARE_GID": lambda: int(os.environ["SGLANG_HS_SHARE_GID"]) if os.environ.get("SGLANG_HS_SHARE_GID") else None,
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).

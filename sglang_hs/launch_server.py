@@ -63,6 +63,14 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a request held this long because the output ring is full (the reader is behind) "
                         f"instead of holding it forever; 0 = no limit (default {envs.DEFAULT_ADMISSION_TIMEOUT_S:g})")
+    g.add_argument("--hs-copy", default=None, choices=envs.COPY_STRATEGIES,
+                   help="how captured rows reach the host store: direct (the copy kernel writes registered, mapped "
+                        "host memory) or staging (a device buffer, copied out on a copy stream after each step and "
+                        "scattered on the host); both exact (default direct)")
+    g.add_argument("--hs-staging-rows", type=int, default=None, metavar="N",
+                   help="rows of the --hs-copy staging buffers (2 on the device, 2 pinned on the host); larger "
+                        "steps are shipped in chunks; CUDA graphs must fit (default: max(--chunked-prefill-size, "
+                        "--max-running-requests))")
     g.add_argument("--hs-share-group", default=None, metavar="GROUP",
                    help="let readers running as other users of GROUP read the dump (folder 0750, manifest 0640, "
                         "rings 0660, of GROUP; the store stays 0600); they pass owner=<this user> to "
@@ -231,7 +239,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
-    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID"):
+    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
+                "SGLANG_HS_STAGING_ROWS"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -255,11 +264,19 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         env["SGLANG_HS_LAYERS"] = ",".join(map(str, spec.layers))
         if spec.last:
             env["SGLANG_HS_LAST"] = "1"
+        if ns.hs_copy:
+            env["SGLANG_HS_COPY"] = ns.hs_copy
+        if ns.hs_staging_rows is not None:
+            if ns.hs_copy != "staging":
+                raise CaptureConfigError("--hs-staging-rows needs --hs-copy staging")
+            if ns.hs_staging_rows <= 0:
+                raise CaptureConfigError(f"--hs-staging-rows: must be > 0 rows, got {ns.hs_staging_rows}")
+            env["SGLANG_HS_STAGING_ROWS"] = str(ns.hs_staging_rows)
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
-    elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group:
-        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group need --hs-dump-dir (where to write the "
-                                 "capture)")
+    elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None:
+        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows need "
+                                 "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (default_ring or envs.DEFAULT_RING_BYTES)

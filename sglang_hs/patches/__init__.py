@@ -12,8 +12,10 @@ Ledger (what / why / upstream status / removal plan):
 |                   | SchedulerBatchResultProcessor._maybe_collect_|                  |
 |                   | routed_experts (publish a finished request), |                  |
 |                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
-|                   | (admission control) and                      |                  |
+|                   | (admission control),                         |                  |
 |                   | Scheduler.ingest_requests (to see its queues)|                  |
+|                   | and ModelRunner.forward (step hooks of the   |                  |
+|                   | --hs-copy staging strategy)                  |                  |
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
@@ -33,7 +35,9 @@ capture_hooks
             request, before its KV slots are released. SGLang's own routed-experts capturer has exactly
             these two points; we wrap them (original called first, unchanged). Admission control must
             decide on the writer rank before SGLang broadcasts new requests to the other ranks, which
-            is `_pull_raw_reqs` (sglang_hs/store/admission.py says why).
+            is `_pull_raw_reqs` (sglang_hs/store/admission.py says why). The staging strategy must ship
+            what a CUDA-graph replay wrote after every step, which runs no Python of the model: the
+            point after `ModelRunner.forward` returns, where SGLang calls its capturers' `on_forward_end`.
   upstream: no extension point for per-token capturers in 0.5.23 besides these.
   removal:  if SGLang grows a capturer registry or a `sglang.srt.plugins` hook at both points, move
             there. A change of either method's name or signature fails `apply()` loudly (AttributeError

@@ -36,6 +36,7 @@ def _after_init_capturers(self) -> None:
         model_path=self.model_config.model_path,
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
         device=self.device, context_len=self.model_config.context_len,
+        copy=envs.SGLANG_HS_COPY, staging_rows=envs.SGLANG_HS_STAGING_ROWS or _default_staging_rows(self),
     )
     model.hs_writer = _writer
     from sglang_hs.store.admission import AdmissionControl
@@ -50,6 +51,31 @@ def _after_init_capturers(self) -> None:
 
         if metrics.enabled():
             status.listeners.append(metrics.CaptureMetrics(status.sources, _writer.ring.fill_ratio).refresh)
+
+
+def _default_staging_rows(runner) -> int:
+    """The most rows one forward is expected to carry, as SGLang sizes its own routed-experts buffer:
+    a prefill chunk or a decode batch. Larger eager steps are shipped in chunks (staging.py)."""
+    from sglang.srt.runtime_context import get_schedule
+
+    sched = get_schedule()
+    prefill = sched.chunked_prefill_size if sched.chunked_prefill_size and sched.chunked_prefill_size > 0 \
+        else sched.max_prefill_tokens
+    return max(int(prefill or 0), int(runner.max_running_requests or 0), 1)
+
+
+def _forward(self, forward_batch, *args, **kwargs):
+    """ModelRunner.forward with the writer's step hooks around it (the staging strategy ships what a
+    CUDA-graph replay wrote, since a replay runs none of the overlay's Python)."""
+    w = _writer if not getattr(self, "is_draft_worker", False) else None
+    if w is not None:
+        w.before_step()
+    out = ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    if w is not None:
+        loc = getattr(forward_batch, "out_cache_loc_virtual", None)
+        loc = forward_batch.out_cache_loc if loc is None else loc
+        w.after_step(0 if loc is None else int(loc.shape[0]), bool(getattr(out, "can_run_graph", False)))
+    return out
 
 
 def _after_collect(self, req) -> None:
@@ -116,8 +142,10 @@ def apply():
     ORIGINALS["_maybe_collect_routed_experts"] = BatchResultProcessor._maybe_collect_routed_experts
     ORIGINALS["ingest_requests"] = Scheduler.ingest_requests
     ORIGINALS["_pull_raw_reqs"] = SchedulerRequestReceiver._pull_raw_reqs
+    ORIGINALS["forward"] = ModelRunner.forward
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
     SchedulerRequestReceiver._pull_raw_reqs = _pull_raw_reqs
+    ModelRunner.forward = _forward
     return dict(ORIGINALS)

@@ -7,7 +7,10 @@ the dump dir, all 0600, never through a symlink:
     ring-w0.bin        the output ring of finished records (sglang_hs/store/ring.py)
 
 `copy()` runs inside every forward: the step's rows go to their KV slots (`out_cache_loc`), by the Triton
-kernel on CUDA (sglang_hs/ops/copy_rows.py) and the C++ op on CPU (csrc/copy_rows_cpu.cpp). Prefix rows
+kernel on CUDA (sglang_hs/ops/copy_rows.py) and the C++ op on CPU (csrc/copy_rows_cpu.cpp), either
+straight into the store (`--hs-copy direct`; on CUDA the store is registered, mapped host memory) or
+through a device staging buffer that is shipped and scattered after the step (`--hs-copy staging`,
+sglang_hs/store/staging.py; `before_step`/`after_step` run around every ModelRunner.forward). Prefix rows
 served by the radix cache are already in the store, written when that prefix was computed; chunked
 prefill needs no stitching. `finish()` runs where SGLang finishes a request (result processing, one
 step late under the overlap scheduler, before the KV slots are released): it gathers the request's
@@ -37,9 +40,11 @@ MANIFEST = "manifest.json"
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
-                 context_len: int = 0) -> None:
+                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0) -> None:
         from sglang_hs import envs
 
+        if copy not in envs.COPY_STRATEGIES:
+            raise ValueError(f"sglang-hs: unknown copy strategy {copy!r} (direct or staging)")
         share_gid = envs.SGLANG_HS_SHARE_GID
         self.spec = spec
         self.P = spec.num_aux + int(spec.last)
@@ -72,16 +77,32 @@ class CaptureWriter:
             "dtype": str(dtype).replace("torch.", ""),
             **spec.describe(),
             "rows_per_token": self.P,
+            "copy": copy,  # how rows reach the store: direct (the kernel writes it) or staging
             "context_len": context_len,
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
                          "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
         }
-        if str(device).startswith("cuda"):
+        if str(device).startswith("cuda") and copy == "direct":
             self._host_store()  # register now: never during CUDA-graph capture
+        self.staging = None
+        if copy == "staging":
+            from sglang_hs.store.staging import StagedCopy
+
+            try:
+                self.staging = StagedCopy(self.store, staging_rows, device)
+            except torch.OutOfMemoryError:
+                raise RuntimeError(
+                    f"sglang-hs: no room for the {staging_rows}-row staging buffers on {device}; lower "
+                    "--hs-staging-rows or --mem-fraction-static, or use --hs-copy direct") from None
+            self.stats.update(self.staging.stats)
+            self.staging.stats = self.stats  # one dict: the status file, the log line and /metrics read it
         write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
+        if self.staging is not None:
+            logger.info("sglang-hs staging: %d rows, %.1f MB (device and pinned host)", staging_rows,
+                        self.staging.nbytes / 1e6)
 
     def copy(self, aux: torch.Tensor, last: Optional[torch.Tensor], loc: torch.Tensor) -> None:
         T = aux.shape[0]
@@ -90,6 +111,9 @@ class CaptureWriter:
         if loc.shape[0] != T:  # out_cache_loc_virtual excludes kernel padding rows: keep the real ones
             aux, last = aux[: loc.shape[0]], (last[: loc.shape[0]] if last is not None else None)
             T = loc.shape[0]
+        if self.staging is not None:
+            self.staging.write(aux, last if self.spec.last else None, loc)
+            return
         if aux.is_cuda:
             from sglang_hs.ops.copy_rows import copy_rows
 
@@ -98,6 +122,16 @@ class CaptureWriter:
         from sglang_hs._ext import ext
 
         ext().copy_rows_cpu(aux, last if self.spec.last else None, loc, self.store)
+
+    def before_step(self) -> None:
+        """Called before every ModelRunner.forward of the writer rank."""
+        if self.staging is not None:
+            self.staging.before_step()
+
+    def after_step(self, rows: int, graph_replayed: bool) -> None:
+        """Called after every ModelRunner.forward: `rows` real rows, and whether a graph ran the model."""
+        if self.staging is not None:
+            self.staging.after_step(rows, graph_replayed)
 
     def _host_store(self):
         hs = getattr(self, "_registered", None)
@@ -114,7 +148,9 @@ class CaptureWriter:
         T = len(token_ids)
         if slots.shape[0] != T:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
-        if slots.is_cuda:
+        if self.staging is not None:
+            self.staging.drain()  # every computed row is in the store
+        elif slots.is_cuda:
             torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
         self.ring.publish(rid, ids, gather_from=self.store, slots=slots.cpu())  # gathered straight into the ring

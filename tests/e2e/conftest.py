@@ -21,6 +21,19 @@ def capture_server(dump_dir):
 
 
 @pytest.fixture(scope="session")
+def staging_dump_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hs-staging") / "dump"
+
+
+@pytest.fixture(scope="session")
+def staging_server(staging_dump_dir):
+    """The capture server's configuration with `--hs-copy staging` and an 8-row stage: each 16-token
+    prefill chunk and each batch of more than 8 decode rows is shipped in several chunks."""
+    yield from _serve(staging_dump_dir, ["--hs-last", "--chunked-prefill-size", str(CHUNK), "--hs-copy", "staging",
+                                         "--hs-staging-rows", "8"])
+
+
+@pytest.fixture(scope="session")
 def plain_dump_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("hs-plain") / "dump"
 

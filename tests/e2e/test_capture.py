@@ -11,12 +11,16 @@ median < 0.03 against its own index and median > 0.2 against i-1 and i+1 (this p
 convention: an off-by-one fails), and, pooled over a test, at most 5% of rows may exceed 0.05.
 """
 import concurrent.futures as cf
+import glob
+import json
+import time
 
 import pytest
 import torch
 
 from conftest import CHUNK
 from sglang_hs import HiddenStateReader, tiny_model
+from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 OWN_MEDIAN, OWN_P90, NEIGHBOUR_MEDIAN = 0.03, 0.05, 0.2
@@ -42,6 +46,19 @@ def hf():
 @pytest.fixture(scope="module")
 def reader(capture_server, dump_dir):
     return HiddenStateReader(str(dump_dir))
+
+
+@pytest.fixture(scope="module")
+def staging_reader(staging_server, staging_dump_dir):
+    return HiddenStateReader(str(staging_dump_dir))
+
+
+@pytest.fixture(params=["direct", "staging"])
+def served(request):
+    """(server, reader) of each copy strategy: --hs-copy direct (the capture server) and staging."""
+    if request.param == "direct":
+        return request.getfixturevalue("capture_server"), request.getfixturevalue("reader")
+    return request.getfixturevalue("staging_server"), request.getfixturevalue("staging_reader")
 
 
 def _rel(got, ref):
@@ -95,10 +112,35 @@ def test_manifest_records_the_convention(reader):
     assert m["hf_output_hidden_states_index"] == LAYERS + [N_LAYERS]
     assert m["num_hidden_layers"] == N_LAYERS and m["dtype"] == "bfloat16" and m["sglang_version"] == "0.5.23"
     assert "output_hidden_states[i]" in m["convention"]
-    assert m["architecture"] == "DeepseekV3ForCausalLM"
+    assert m["architecture"] == "DeepseekV3ForCausalLM" and m["copy"] == "direct"
 
 
-def test_chunked_prefill_and_decode_rows_match_hf(capture_server, reader, hf):
+def test_staging_server_ships_its_rows_through_the_stage(staging_server, staging_reader, staging_dump_dir, hf):
+    """The staging server really stages: its manifest says so and its counters (the status file, the
+    log line and /metrics read them) grow by at least the rows a new request forwards."""
+    assert staging_reader.manifest["copy"] == "staging"
+
+    def writer_stats():
+        return json.load(open(glob.glob(str(staging_dump_dir / "overlay-*.json"))[0]))["writer"]
+
+    time.sleep(2 * FLUSH_INTERVAL_S)
+    before = writer_stats()
+    ids = _prompt(hf, "A prompt of its own, so that no prefix of it is cached by the radix tree.")
+    out = staging_server.generate(input_ids=ids, rid="stage-count",
+                                  sampling_params={"max_new_tokens": 3, "temperature": 0})
+    rec = staging_reader.take("stage-count", timeout=60)
+    generated = len(out["output_ids"])
+    forwarded = len(ids) - out["meta_info"]["cached_tokens"] + generated - 1
+    deadline = time.monotonic() + 30
+    while (after := writer_stats())["records"] <= before["records"] and time.monotonic() < deadline:
+        time.sleep(FLUSH_INTERVAL_S)
+    assert after["staged_rows"] - before["staged_rows"] >= forwarded and after["scatter_s"] > before["scatter_s"]
+    assert rec.input_ids.tolist() == (ids + out["output_ids"])[:-1]
+    check_against_hf(rec, hf)
+
+
+def test_chunked_prefill_and_decode_rows_match_hf(served, hf):
+    capture_server, reader = served
     ids = _prompt(hf, TEXTS[0])
     assert len(ids) > 2 * CHUNK
     out = capture_server.generate(input_ids=ids, rid="cap-decode", sampling_params={"max_new_tokens": 6, "temperature": 0})
@@ -108,7 +150,8 @@ def test_chunked_prefill_and_decode_rows_match_hf(capture_server, reader, hf):
     check_against_hf(rec, hf)
 
 
-def test_prefill_only_request_has_one_row_per_prompt_token(capture_server, reader, hf):
+def test_prefill_only_request_has_one_row_per_prompt_token(served, hf):
+    capture_server, reader = served
     ids = _prompt(hf, TEXTS[3])
     capture_server.generate(input_ids=ids, rid="cap-prefill", sampling_params={"max_new_tokens": 1, "temperature": 0})
     rec = reader.take("cap-prefill", timeout=60)
@@ -116,7 +159,8 @@ def test_prefill_only_request_has_one_row_per_prompt_token(capture_server, reade
     check_against_hf(rec, hf)
 
 
-def test_radix_cache_prefix_rows_come_from_the_store(capture_server, reader, hf):
+def test_radix_cache_prefix_rows_come_from_the_store(served, hf):
+    capture_server, reader = served
     """A 30+-token shared prefix and an exact repeat: the server does not forward the cached tokens,
     yet every record is complete and right, because prefix rows are read from the store by KV slot."""
     prefix = _prompt(hf, TEXTS[0])[:32]
@@ -139,7 +183,8 @@ def test_radix_cache_prefix_rows_come_from_the_store(capture_server, reader, hf)
     assert torch.equal(recs["radix-a"].aux_hidden_states[:n], recs["radix-a-again"].aux_hidden_states[:n])
 
 
-def test_concurrent_requests_each_get_their_own_rows(capture_server, reader, hf):
+def test_concurrent_requests_each_get_their_own_rows(served, hf):
+    capture_server, reader = served
     jobs = []
     for i in range(16):
         text = TEXTS[i % 4][: 30 + 7 * i]

@@ -40,8 +40,8 @@ def _batch(mode, loc, rids=None, virtual=None):
                            out_cache_loc_virtual=None if virtual is None else torch.tensor(virtual))
 
 
-@pytest.fixture
-def overlay(overlay_module, tmp_path, monkeypatch):
+@pytest.fixture(params=["direct", "staging"])
+def overlay(overlay_module, tmp_path, monkeypatch, request):
     from sglang_hs.store.writer import CaptureWriter
 
     monkeypatch.setattr(overlay_module.upstream, "get_attn_tp_context", lambda: SimpleNamespace(
@@ -52,14 +52,29 @@ def overlay(overlay_module, tmp_path, monkeypatch):
     model.model = StandInModel()
     model.hs_spec, model._hs_hang_in_warmup = SPEC, False
     model.hs_status = SimpleNamespace(record=lambda *a: None)
-    model.hs_writer = CaptureWriter(str(tmp_path), SPEC, num_slots=64, dtype=torch.bfloat16, ring_bytes=1 << 20)
+    # staging: 4 rows, so the 8-row prefill is shipped in two chunks and a 4-row graph just fits
+    model.hs_writer = CaptureWriter(str(tmp_path), SPEC, num_slots=64, dtype=torch.bfloat16, ring_bytes=1 << 20,
+                                    copy=request.param, staging_rows=4)
     model.logits_processor = lambda ids, hidden, head, fb, aux: (hidden, aux)
     model.lm_head = None
     return model
 
 
-def _forward(model, ids, pos, fb):
-    return model.forward(torch.tensor(ids), torch.tensor(pos), fb)
+def _forward(model, ids, pos, fb, replay_rows=None):
+    """One ModelRunner step. replay_rows=n: a CUDA-graph replay with n real rows, which runs none of the
+    overlay's Python: the staging strategy's forward then only writes its stage (as when it was
+    captured), and the step hook after it ships the n rows."""
+    w = model.hs_writer
+    w.before_step()
+    if replay_rows is not None and w.staging is not None:
+        w.staging._capturing = lambda: True
+    try:
+        out = model.forward(torch.tensor(ids), torch.tensor(pos), fb)
+    finally:
+        if w.staging is not None:
+            w.staging.__dict__.pop("_capturing", None)
+    w.after_step(len(fb.out_cache_loc) if replay_rows is None else replay_rows, replay_rows is not None)
+    return out
 
 
 def test_padded_ridless_batches_never_reach_a_record(overlay, tmp_path):
@@ -70,10 +85,10 @@ def test_padded_ridless_batches_never_reach_a_record(overlay, tmp_path):
     # Prefill of both requests (eager), then decode steps replayed from a bs=4 graph: 2 real rows + 2 padding.
     _forward(overlay, A + B, list(range(5)) + list(range(3)), _batch("EXTEND", a_slots + b_slots, rids=["A", "B"]))
     a_slots.append(8), b_slots.append(13)
-    _forward(overlay, [30, 31, 0, 0], [5, 3, 0, 0], _batch("DECODE", [8, 13, 0, 0]))
+    _forward(overlay, [30, 31, 0, 0], [5, 3, 0, 0], _batch("DECODE", [8, 13, 0, 0]), replay_rows=2)
     # A step whose kernel padding rows are cut by out_cache_loc_virtual (3 real rows of 4 forwarded).
     a_slots.append(9), b_slots.append(14)
-    _forward(overlay, [32, 33, 0, 0], [6, 4, 0, 0], _batch("DECODE", [9, 14, 0, 0], virtual=[9, 14]))
+    _forward(overlay, [32, 33, 0, 0], [6, 4, 0, 0], _batch("DECODE", [9, 14, 0, 0], virtual=[9, 14]), replay_rows=2)
     overlay.hs_writer.finish("A", A + [30, 32], torch.tensor(a_slots))
     overlay.hs_writer.finish("B", B + [31, 33], torch.tensor(b_slots))
 

@@ -87,6 +87,10 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         (["--hs-startup-timeout", "0"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
         (["--hs-admission-timeout", "-1"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
         (["--hs-admission-timeout", "nan"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
+        (["--hs-staging-rows", "64"], "DeepseekV3ForCausalLM", "--hs-staging-rows needs --hs-copy staging"),
+        (["--hs-copy", "direct", "--hs-staging-rows", "64"], "DeepseekV3ForCausalLM", "needs --hs-copy staging"),
+        (["--hs-copy", "staging", "--hs-staging-rows", "0"], "DeepseekV3ForCausalLM",
+         "--hs-staging-rows: must be > 0 rows, got 0"),
     ],
 )
 def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
@@ -95,10 +99,31 @@ def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"), *extra])
 
 
-@pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"]])
+@pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"], ["--hs-copy", "staging"],
+                                  ["--hs-staging-rows", "8"]])
 def test_prepare_layers_without_dump_dir(tmp_path, clean_env, flag):
     with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
         launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", *flag])
+
+
+def test_prepare_copy_strategy_reaches_the_server_env(tmp_path, clean_env):
+    model = _model_dir(tmp_path)
+    def base(name):  # one dump dir per run: prepare() keeps each one locked, as a live server would
+        return ["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / name)]
+
+    launch_server.prepare(base("a"))
+    assert envs.SGLANG_HS_COPY == "direct" and envs.SGLANG_HS_STAGING_ROWS == 0  # 0: sized by the server
+    launch_server.prepare(base("b") + ["--hs-copy", "staging", "--hs-staging-rows", "96"])
+    assert envs.SGLANG_HS_COPY == "staging" and envs.SGLANG_HS_STAGING_ROWS == 96
+    launch_server.prepare(base("c"))  # a second run in the same environment does not inherit the first's
+    assert envs.SGLANG_HS_COPY == "direct" and envs.SGLANG_HS_STAGING_ROWS == 0
+
+
+def test_unknown_copy_strategy_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        launch_server.split_argv(["--hs-copy", "zero-copy"])
+    assert e.value.code == 2
+    assert "--hs-copy: invalid choice: 'zero-copy' (choose from 'direct', 'staging')" in capsys.readouterr().err
 
 
 def test_prepare_share_group_opens_the_folder_to_the_group_and_back(tmp_path, clean_env):
