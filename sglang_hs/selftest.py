@@ -12,6 +12,7 @@ Configurations (each a fresh server):
   plain-scheduler  chunked prefill (a chunk longer than any prompt), radix cache and the overlap
                    scheduler all off
   no-cuda-graph    --disable-cuda-graph (on a GPU only)
+  --hs-copy ...    the other copy strategy than the reference's (staging when you gave none)
   sglang-json      SGLang's capture-only JSON path, chunked prefill and radix cache off (it returns
                    only the last chunk and the uncached suffix otherwise); aux layers only
 
@@ -202,6 +203,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, extra in configurations(sglang_args):
             runs, _ = run_capture(name, hs_args + sglang_args + extra, prompts, ("cold",), workdir)
             results.append((name, *compare(runs["cold"], ref)))
+        other = "direct" if ns.hs_copy == "staging" else "staging"
+        runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",), workdir)
+        results.append((f"--hs-copy {other}", *compare(runs["cold"], ref)))
         json_caps = run_json(sglang_args, manifest["layer_ids"], manifest["hidden_size"], prompts, workdir)
         aux_only = [Capture(c.token_ids, c.aux, None) for c in ref]
         results.append(("sglang-json (aux layers)", *compare(json_caps, aux_only)))
@@ -221,10 +225,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if ok else 1
 
 
-def _hs_flags(ns) -> List[str]:
-    """The user's --hs-* flags (but the dump dir) back as arguments."""
+def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
+    """The user's --hs-* flags (but the dump dir) back as arguments; `copy` overrides --hs-copy."""
     out = ["--hs-layers", ns.hs_layers] if ns.hs_layers is not None else []
     out += ["--hs-last"] if ns.hs_last else []
+    copy = copy or ns.hs_copy
+    out += ["--hs-copy", copy] if copy else []
+    if copy == "staging" and ns.hs_staging_rows is not None:
+        out += ["--hs-staging-rows", str(ns.hs_staging_rows)]
     for flag, value in (("--hs-ring-size", ns.hs_ring_size), ("--hs-admission-timeout", ns.hs_admission_timeout),
                         ("--hs-startup-timeout", ns.hs_startup_timeout)):
         if value is not None:

@@ -1,5 +1,5 @@
 """`python -m sglang_hs.selftest` on the real server: every configuration (warm radix cache, chunks of 16,
-the plain scheduler, SGLang's own capture-only JSON path) agrees with the reference. Layer ids start at
+the plain scheduler, --hs-copy staging, SGLang's own capture-only JSON path) agrees with the reference. Layer ids start at
 1, where SGLang's EAGLE3 convention shifts every id by one: the self-test must ask it for [0, 1, 4, 6]
 and drop the extra block, or the JSON row would fail as another layer's rows."""
 import subprocess
@@ -16,9 +16,10 @@ def test_selftest_passes_every_configuration(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     table = {line.split("  ")[0].strip(): line for line in proc.stdout.splitlines() if line.endswith(("PASS", "FAIL"))}
-    assert set(table) == {"reference, warm radix cache", "chunked-16", "plain-scheduler", "sglang-json (aux layers)"}
+    assert set(table) == {"reference, warm radix cache", "chunked-16", "plain-scheduler", "--hs-copy staging",
+                          "sglang-json (aux layers)"}
     assert all(line.endswith("PASS") and " same " in line for line in table.values()), proc.stdout
-    assert "layers [1, 4, 6] + last" in proc.stdout and "PASS: 4 of 4" in proc.stdout
+    assert "layers [1, 4, 6] + last" in proc.stdout and "PASS: 5 of 5" in proc.stdout
 
 
 def test_selftest_refuses_a_dump_dir_and_bad_flags(tmp_path):

@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
+from reference import copy_rows_ref  # noqa: E402
 from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
 from sglang_hs.store import pinned  # noqa: E402
@@ -30,10 +31,13 @@ def _read_all(dump_dir, rids, out_path):
                out_path)
 
 
-def test_writer_through_graph_replays_to_a_reader_process():
+@pytest.mark.parametrize("copy", ["direct", "staging"])
+def test_writer_through_graph_replays_to_a_reader_process(copy):
+    """With --hs-copy staging a 16-row stage: the 77-row prefill is shipped in 5 chunks (each waiting on
+    the GPU for the one before, and for a free host buffer), each replay is shipped after the step."""
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
-    w = CaptureWriter(d, spec, SLOTS, torch.bfloat16, 64 << 20, device="cuda")
+    w = CaptureWriter(d, spec, SLOTS, torch.bfloat16, 64 << 20, device="cuda", copy=copy, staging_rows=16)
     torch.manual_seed(0)
     wt = torch.randn(H, K * H, device="cuda", dtype=torch.bfloat16) / H**0.5
 
@@ -73,7 +77,9 @@ def test_writer_through_graph_replays_to_a_reader_process():
         xi = torch.randn(prompt_len[i], H, device="cuda", dtype=torch.bfloat16)
         xs.append(xi)
         locs += sl
+    w.before_step()
     aux, last = step(torch.cat(xs), torch.tensor(locs, device="cuda"))
+    w.after_step(len(locs), graph_replayed=False)
     rows = torch.cat([aux.view(-1, K, H), last[:, None]], 1).cpu()
     o = 0
     for i in range(n_req):
@@ -93,7 +99,9 @@ def test_writer_through_graph_replays_to_a_reader_process():
             seq[i] += 1
         x.copy_(torch.randn(bs, H, device="cuda", dtype=torch.bfloat16))
         loc.copy_(torch.tensor(sl + [PAD] * (bs - len(live)), device="cuda"))
+        w.before_step()
         g.replay()
+        w.after_step(len(live), graph_replayed=True)
         step_rows = torch.cat([aux.view(bs, K, H), last[:, None]], 1).cpu()
         for j, i in enumerate(live):
             expected[i].append(step_rows[j : j + 1])
@@ -116,7 +124,56 @@ def test_writer_through_graph_replays_to_a_reader_process():
         assert ids.tolist() == tokens[i] and want.shape[0] == prompt_len[i] + new_tokens[i] - 1
         assert torch.equal(aux_rows, want[:, :K]) and torch.equal(last_rows, want[:, K]), f"request {i}"
     assert w.stats["records"] == n_req
-    pinned.unregister(w.region.buf)
+    if copy == "direct":
+        pinned.unregister(w.region.buf)
+    else:
+        assert w.stats["staged_rows"] >= sum(prompt_len) + sum(new_tokens) - n_req
+    shutil.rmtree(d)
+
+
+def test_staging_keeps_step_order_without_host_syncs():
+    """60 eager steps of 1-40 rows through a 16-row stage with no host synchronisation between them,
+    slots reused from step to step: after a final drain every slot holds its last writer's row, as the
+    plain-torch reference applied in step order says (a stage overwritten before its copy, or a scatter
+    out of order, shows here)."""
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
+    w = CaptureWriter(d, spec, 256, torch.bfloat16, 1 << 20, device="cuda", copy="staging", staging_rows=16)
+    want = torch.full((256, K + 1, H), float("nan"), dtype=torch.bfloat16)
+    w.store.copy_(want)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    big = torch.randn(2048, 2048, device="cuda")
+    steps = []
+    for i in range(60):
+        T = int(torch.randint(1, 41, (1,)))
+        loc = torch.randperm(64, device="cuda", generator=g)[:T] + 1  # 64 slots: heavy reuse across steps
+        for _ in range(1 + i % 3):  # make some steps slow, so copies and computes overlap
+            big = torch.tanh(big @ big / 2048)
+        aux = (torch.randn(T, K * H, device="cuda", generator=g) + big[0, 0]).bfloat16()
+        last = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        w.before_step()
+        w.copy(aux, last, loc)
+        w.after_step(T, graph_replayed=False)
+        steps.append((aux, last, loc))
+    torch.cuda.synchronize()
+    w.staging.drain()
+    assert not w.staging.pending
+    for aux, last, loc in steps:
+        copy_rows_ref(aux.cpu(), last.cpu(), loc.cpu(), want)
+    assert torch.equal(w.store.nan_to_num(7.0), want.nan_to_num(7.0))
+    shutil.rmtree(d)
+
+
+def test_a_graph_larger_than_the_stage_is_refused_when_captured():
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
+    w = CaptureWriter(d, spec, 64, torch.bfloat16, 1 << 20, device="cuda", copy="staging", staging_rows=4)
+    aux = torch.zeros(8, K * H, device="cuda", dtype=torch.bfloat16)
+    last = torch.zeros(8, H, device="cuda", dtype=torch.bfloat16)
+    loc = torch.zeros(8, device="cuda", dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="a CUDA graph of 8 rows does not fit"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            w.copy(aux, last, loc)
     shutil.rmtree(d)
 
 
