@@ -6,7 +6,7 @@ The server (capture on, K = 3 + last) serves prompts of --length tokens, --concu
 while a reader thread drains the ring; py-spy samples the scheduler process for --seconds. Writes
 profile_capture.csv (one row per sglang-hs function, and the total) and prints the table.
 
-    python benchmarks/profile_capture.py --out benchmarks/results [--length 512] [--concurrency 8]
+    python benchmarks/profile_capture.py --out benchmarks/results [--length 512] [--concurrency 8] [--copy staging]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_extract import LAYERS, _warm, run_plain  # noqa: E402
 from benchmarks.common import machine, write_csv  # noqa: E402
-from sglang_hs.server_process import ServerProcess  # noqa: E402
+from sglang_hs.server_process import ServerProcess, scheduler_pid  # noqa: E402
 
 
 def py_spy() -> str:
@@ -34,31 +34,22 @@ def py_spy() -> str:
     return os.path.normpath(path)
 
 
-def scheduler_pid(server) -> int:
-    for pid in server.pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"sglang::scheduler" in f.read():
-                    return pid
-        except OSError:
-            pass
-    raise RuntimeError("no scheduler process in the server session")
-
-
 def upstream_call_sites() -> set:
-    """(file, line) of the calls by which the overlay hands over to upstream (the model, the logits
-    processor): samples below them are SGLang's work, not ours. Found in the source, not hard-coded."""
+    """(file, line) of the calls by which sglang-hs hands over to upstream: the overlay's calls of the
+    model and the logits processor, and each hook's call of the method it wraps (`ORIGINALS[...]`).
+    Samples below them are SGLang's work, not ours. Found in the source, not hard-coded."""
     import ast
 
     import sglang_hs
 
-    path = os.path.join(os.path.dirname(sglang_hs.__file__), "models", "deepseek_v2.py")
+    root = os.path.dirname(sglang_hs.__file__)
     sites = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Call):
-            src = ast.unparse(node.func)
-            if src in ("super().forward", "self.model", "self.logits_processor"):
-                sites.add(("sglang_hs/models/deepseek_v2.py", node.lineno))
+    for rel in ("models/deepseek_v2.py", "patches/capture_hooks.py"):
+        for node in ast.walk(ast.parse(open(os.path.join(root, rel)).read())):
+            if isinstance(node, ast.Call):
+                src = ast.unparse(node.func)
+                if src in ("super().forward", "self.model", "self.logits_processor") or src.startswith("ORIGINALS["):
+                    sites.add((f"sglang_hs/{rel}", node.lineno))
     return sites
 
 
@@ -81,12 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seconds", type=int, default=20)
+    ap.add_argument("--copy", choices=("direct", "staging"), default="direct", help="--hs-copy of the server")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="profile-capture-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     dump, raw = os.path.join(work, "hs"), os.path.join(work, "profile.txt")
     server = ServerProcess(["--hs-dump-dir", dump, "--hs-layers", ",".join(map(str, LAYERS)), "--hs-last",
-                            "--chunked-prefill-size", "4096", "--max-total-tokens", str(max(16384, 8 * args.length))])
+                            "--hs-copy", args.copy, "--chunked-prefill-size", "4096", "--max-total-tokens", str(max(16384, 8 * args.length))])
     stop = threading.Event()
     try:
         server.wait_ready()
@@ -102,7 +94,7 @@ def main(argv=None) -> int:
 
         threading.Thread(target=drain, daemon=True).start()
         _warm(server, args.length)
-        spy = subprocess.Popen([py_spy(), "record", "-p", str(scheduler_pid(server)), "-d", str(args.seconds),
+        spy = subprocess.Popen([py_spy(), "record", "-p", str(scheduler_pid(server.pids())), "-d", str(args.seconds),
                                 "-r", "100", "-f", "raw", "-o", raw, "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         rng, t0, tokens = random.Random(0), time.monotonic(), 0
@@ -125,13 +117,13 @@ def main(argv=None) -> int:
             fn = ours(stack.split(";"), sites)
             if fn:
                 by_fn[fn] += int(n)
-    rows = [{"machine": machine(), "length": args.length, "concurrency": args.concurrency, "function": fn,
-             "samples": n, "share": round(n / total, 4)} for fn, n in by_fn.most_common()]
-    rows.append({"machine": machine(), "length": args.length, "concurrency": args.concurrency,
+    rows = [{"machine": machine(), "length": args.length, "concurrency": args.concurrency, "copy": args.copy,
+             "function": fn, "samples": n, "share": round(n / total, 4)} for fn, n in by_fn.most_common()]
+    rows.append({"machine": machine(), "length": args.length, "concurrency": args.concurrency, "copy": args.copy,
                  "function": "ALL sglang-hs", "samples": sum(by_fn.values()),
                  "share": round(sum(by_fn.values()) / total, 4)})
     shutil.rmtree(work, ignore_errors=True)
-    write_csv(os.path.join(args.out, "profile_capture.csv"), rows)
+    write_csv(os.path.join(args.out, f"profile_capture{'' if args.copy == 'direct' else '_' + args.copy}.csv"), rows)
     print(f"scheduler samples: {total} over {wall:.0f}s ({tokens / wall:,.0f} prompt tok/s under py-spy), "
           f"{machine()}")
     for r in rows:

@@ -206,8 +206,9 @@ class HiddenStateReader:
 
     def _timeout(self, what: str, timeout: float) -> TimeoutError:
         msg = f"no record {what}after {timeout}s"
-        if self.unacked():
-            msg += (f"; {self.unacked()} records read and not acknowledged hold {self.unread_bytes() / 1e6:.1f} MB "
+        unacked = self.unacked()
+        if unacked:
+            msg += (f"; {unacked} records read and not acknowledged hold {self.unread_bytes() / 1e6:.1f} MB "
                     "of the output ring, and new requests wait for ring space: ack() records as you go")
         return TimeoutError(msg)
 

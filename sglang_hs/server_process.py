@@ -49,6 +49,18 @@ def processes_in_session(sid: int) -> List[int]:
     return pids
 
 
+def scheduler_pid(pids: List[int]) -> int:
+    """The one of `pids` that is SGLang's scheduler (it renames itself sglang::scheduler...)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"sglang::scheduler" in f.read():
+                    return pid
+        except OSError:
+            pass
+    raise RuntimeError(f"no SGLang scheduler among processes {sorted(pids)}")
+
+
 class ServerStartError(RuntimeError):
     pass
 

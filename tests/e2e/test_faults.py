@@ -9,16 +9,9 @@ import pytest
 
 from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
 from sglang_hs import HiddenStateReader
+from sglang_hs.server_process import scheduler_pid
 
 pytestmark = pytest.mark.e2e
-
-
-def _scheduler_pid(server):
-    for pid in processes_in_session(server_session(server.output)):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"sglang::scheduler" in f.read():
-                return pid
-    raise AssertionError("no scheduler process in the server session")
 
 
 def test_scheduler_killed_mid_generation(tmp_path):
@@ -39,7 +32,7 @@ def test_scheduler_killed_mid_generation(tmp_path):
     t = threading.Thread(target=long_request)
     t.start()
     time.sleep(3)  # decoding by now
-    os.kill(_scheduler_pid(server), signal.SIGKILL)
+    os.kill(scheduler_pid(processes_in_session(server_session(server.output))), signal.SIGKILL)
     rc = server.wait_exit(timeout=120)
     t.join(60)
     assert rc != 0, server.tail()
