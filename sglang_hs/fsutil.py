@@ -141,7 +141,8 @@ def check_private_file(path: str, owner: Optional[int] = None, writable_by_gid: 
         if owner is None:
             raise ValueError(f"{path}: owned by {who}, not by this user ({_user(want)}); run the reader as the "
                              "server's user (in a container: docker run --user $(id -u):$(id -g)), or, if the server "
-                             "shares the dump with your group (--hs-share-group), pass owner=<the server's user>")
+                             "shares the dump with your group (--hs-share-group), pass owner=<the server's user> "
+                             "(to python -m sglang_hs.extract: --hs-owner)")
         raise ValueError(f"{path}: owned by {who}, not by {_user(want)}, the owner this reader was told to trust")
     group_ok = writable_by_gid is not None and st.st_gid == writable_by_gid
     if st.st_mode & 0o002 or (st.st_mode & 0o020 and not group_ok):

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=None, metavar="URL", help="a running sglang-hs server (with --hs-dump-dir)")
     p.add_argument("--hs-dump-dir", default=None, metavar="DIR",
                    help="the server's dump dir (required with --server; default without: a fresh one in /dev/shm)")
+    p.add_argument("--hs-owner", default=None, metavar="USER",
+                   help="with --server: the user the server runs as, when it is not you (it shares the dump with "
+                        "--hs-share-group, of which you are a member); default: you")
     p.add_argument("--max-samples", type=int, default=None, metavar="N", help="only the first N records")
     p.add_argument("--shard", default="0/1", metavar="I/N", help="only records whose index is I modulo N")
     p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default 8)")
@@ -84,6 +87,15 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
         raise ExtractError(f"{launcher_args[0]}: launcher flags need no --server (the server is already running)")
     if ns.server and not ns.hs_dump_dir:
         raise ExtractError("--server needs --hs-dump-dir: the dump dir that server captures into")
+    if ns.hs_owner is not None:
+        if not ns.server:
+            raise ExtractError("--hs-owner needs --server: a server this command starts runs as you")
+        from sglang_hs.fsutil import owner_uid
+
+        try:
+            ns.hs_owner = owner_uid(ns.hs_owner)
+        except ValueError:
+            raise ExtractError(f"--hs-owner: no such user {ns.hs_owner!r}") from None
     if not os.path.exists(ns.data) and os.path.sep in ns.data:
         raise ExtractError(f"--data: {ns.data} does not exist")
     return ns, launcher_args
@@ -456,7 +468,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from sglang_hs.reader import HiddenStateReader
 
         try:
-            reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True)
+            reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True, owner=ns.hs_owner)
         except RuntimeError as e:  # another reader holds the dump dir
             raise ExtractError(f"--hs-dump-dir: {e}") from None
         manifest = reader.manifest

@@ -191,6 +191,9 @@ def test_a_missing_data_file_is_named(tmp_path):
     (["--max-samples", "-1"], "--max-samples: must be >= 0, got -1"),
     (["--torch-threads", "0"], "--torch-threads: must be >= 1, got 0"),
     (["--server", "http://127.0.0.1:9"], "--server needs --hs-dump-dir"),
+    (["--hs-owner", "root"], "--hs-owner needs --server"),
+    (["--server", "http://127.0.0.1:9", "--hs-dump-dir", "/x", "--hs-owner", "no-such-user-hs"],
+     "--hs-owner: no such user 'no-such-user-hs'"),
 ])
 def test_bad_flags_get_one_line_naming_the_flag(tmp_path, capsys, flag, message):
     from sglang_hs.extract.cli import main

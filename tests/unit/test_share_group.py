@@ -127,3 +127,51 @@ def test_a_reader_of_another_user_in_the_group(monkeypatch):
         import shutil
 
         shutil.rmtree(parent, ignore_errors=True)
+
+
+_CLI_CHILD = """
+import os, sys
+from sglang_hs.extract import cli
+from sglang_hs._ext import ext
+ext()
+
+def model_side(ns, manifest):  # the reader is open: say so, then end the run
+    print("READER OK", manifest["share_gid"], flush=True)
+    raise ValueError("stop here")
+
+cli._model_side = model_side
+os.setgroups([int(sys.argv[3])])
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[2]))
+sys.exit(cli.main(["--data", sys.argv[4], "--output", sys.argv[5], "--server", "http://127.0.0.1:9",
+                   "--hs-dump-dir", sys.argv[1], "--format", "safetensors", *sys.argv[6:]]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the extraction CLI as another user")
+def test_the_extraction_cli_of_another_user_names_the_server_user_with_hs_owner(monkeypatch):
+    parent = tempfile.mkdtemp(prefix="sglang-hs-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.chmod(parent, 0o755)
+        d = _dump(parent, monkeypatch, SHARE_GID)
+        data = os.path.join(parent, "d.jsonl")
+        with open(data, "w") as f:
+            f.write('{"input_ids": [5, 6, 7]}\n')
+        os.chmod(data, 0o644)
+
+        def run(*flags):
+            out = os.path.join(parent, f"out{len(flags)}")
+            os.mkdir(out)
+            os.chown(out, OTHER_UID, SHARE_GID)
+            return subprocess.run([sys.executable, "-c", _CLI_CHILD, d, str(OTHER_UID), str(SHARE_GID), data, out,
+                                   *flags], capture_output=True, text=True, timeout=120, cwd="/")
+
+        p = run()
+        assert p.returncode == 1 and "READER OK" not in p.stdout, p.stdout + p.stderr
+        assert "owned by uid 0" in p.stderr and "--hs-owner" in p.stderr, p.stderr
+        p = run("--hs-owner", "0")
+        assert p.returncode == 1 and f"READER OK {SHARE_GID}" in p.stdout and "stop here" in p.stderr, p.stdout + p.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(parent, ignore_errors=True)
