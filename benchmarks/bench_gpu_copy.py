@@ -11,8 +11,9 @@ DeepSeek-V3-sized capture: K = 3 aux layers + the final state, H = 7168, bf16 (5
   a_graph, b_graph     a and b captured in a CUDA graph and replayed
   e_staging_writer     what `--hs-copy staging` runs (sglang_hs/store/staging.py, a T-row stage): kernel into
                        the stage, device copy to its twin (the compute stream waits for it), copy to pinned
-                       host on the copy stream, scatter into the store by slot on the host; `ms` is the wall
-                       time per step until the rows are in the store, `host_ms` the host's scatter time
+                       host on the copy stream, scatter into the store by slot on the scatter thread; `ms` is
+                       the wall time per step until the rows are in the store, `host_ms` the scatter thread's
+                       time, `wait_ms` the time the caller (the scheduler) waited for it or for a host buffer
 Cost is reported against a representative per-GPU forward step at the same token count: the bf16
 matmuls of one DeepSeek-V3 layer at TP8 shapes (MLA projections, 8 routed + 1 shared expert with the
 expert width split 8 ways), times 61 layers; attention itself is left out, so the step is a lower bound
@@ -81,23 +82,25 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "bench_gpu_copy.csv")
     gpu = torch.cuda.get_device_name()
-    fields = ["gpu", "tokens", "strategy", "ms", "GBps", "compute_stream_ms", "host_ms", "step_ms", "fraction_of_step"]
+    fields = ["gpu", "tokens", "strategy", "ms", "GBps", "compute_stream_ms", "host_ms", "wait_ms", "step_ms", "fraction_of_step"]
     f = open(csv_path, "w", newline="")
     w = csv.DictWriter(f, fieldnames=fields)
     w.writeheader()
     rows = []
 
-    def emit(T, name, ms, hold_ms, step, host_ms=""):
+    def emit(T, name, ms, hold_ms, step, host_ms="", wait_ms=""):
         nbytes = T * P * H * 2
         r = dict(gpu=gpu, tokens=T, strategy=name, ms=round(ms, 4), GBps=round(nbytes / ms / 1e6, 2),
-                 compute_stream_ms=round(hold_ms, 4), host_ms=host_ms and round(host_ms, 4), step_ms=round(step, 3),
+                 compute_stream_ms=round(hold_ms, 4), host_ms=host_ms and round(host_ms, 4),
+                 wait_ms=wait_ms and round(wait_ms, 4), step_ms=round(step, 3),
                  fraction_of_step=round(hold_ms / step, 5))
         w.writerow(r)
         f.flush()
         rows.append(r)
         print(f"{T:6d} {name:22s} {ms:9.3f} ms {r['GBps']:8.1f} GB/s  holds compute {hold_ms:8.3f} ms "
               f"= {100 * r['fraction_of_step']:.2f}% of a {step:.1f} ms step"
-              f"{f'; host {host_ms:.3f} ms' if host_ms != '' else ''}", flush=True)
+              f"{f'; scatter thread {host_ms:.3f} ms, caller waited {wait_ms:.3f} ms' if host_ms != '' else ''}",
+              flush=True)
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     for T in TOKENS:
@@ -187,14 +190,16 @@ def main():
         torch.cuda.synchronize()
         sc.drain()
         host.zero_()
-        scatter0, t0 = sc.stats["scatter_s"], time.perf_counter()
+        scatter0, wait0, t0 = sc.stats["scatter_s"], sc.stats["stage_wait_s"], time.perf_counter()
         for _ in range(args.reps):
             e()
         torch.cuda.synchronize()
         sc.drain()
         wall = (time.perf_counter() - t0) / args.reps * 1e3
         assert torch.equal(host[slots.cpu()].cuda(), want), "staging wrote wrong rows"
-        emit(T, "e_staging_writer", wall, hold, step, host_ms=(sc.stats["scatter_s"] - scatter0) / args.reps * 1e3)
+        emit(T, "e_staging_writer", wall, hold, step, host_ms=(sc.stats["scatter_s"] - scatter0) / args.reps * 1e3,
+             wait_ms=(sc.stats["stage_wait_s"] - wait0) / args.reps * 1e3)
+        sc.close()
         sc = None  # free its device and pinned buffers before the next size
         pinned.unregister(host_buf)
         if region is not None:

@@ -24,8 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_acquire", &load_acquire, py::arg("buf"), py::arg("offset"));
   m.def("store_release", &store_release, py::arg("buf"), py::arg("offset"), py::arg("value"));
   m.def("fetch_add", &fetch_add, py::arg("buf"), py::arg("offset"), py::arg("delta"));
+  // Without the GIL: the staging strategy's scatter runs on its own thread beside the scheduler's.
   m.def("copy_rows_cpu", &copy_rows_cpu, "store[loc[t]] = aux[t] as K rows (+ last[t]); the CPU capture copy",
-        py::arg("aux"), py::arg("last"), py::arg("loc"), py::arg("store"));
+        py::arg("aux"), py::arg("last"), py::arg("loc"), py::arg("store"),
+        py::call_guard<py::gil_scoped_release>());
 #ifdef SGLANG_HS_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("host_register", &host_register, py::arg("buf"));

@@ -11,7 +11,8 @@ counters by the overlay's status thread (twice a second), never from the forward
     sglang_hs:gather_seconds_total        scheduler time spent gathering and publishing records
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
     sglang_hs:staged_rows_total           rows shipped through the staging buffer (--hs-copy staging)
-    sglang_hs:scatter_seconds_total       scheduler time spent scattering staged rows into the store
+    sglang_hs:scatter_seconds_total       scatter-thread time spent putting staged rows into the store
+    sglang_hs:stage_wait_seconds_total    scheduler time spent waiting for staged rows or a free host buffer
     sglang_hs:admission_waits_total       scheduler iterations that held requests back
     sglang_hs:admission_failed_total      held requests failed after --hs-admission-timeout
     sglang_hs:admission_held              requests held right now
@@ -29,7 +30,9 @@ COUNTERS = {  # metric name -> (source, key, help)
     "gather_seconds": ("writer", "gather_s", "Scheduler time spent gathering and publishing records."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),
-    "scatter_seconds": ("writer", "scatter_s", "Scheduler time spent scattering staged rows into the store."),
+    "scatter_seconds": ("writer", "scatter_s", "Scatter-thread time spent putting staged rows into the store."),
+    "stage_wait_seconds": ("writer", "stage_wait_s",
+                           "Scheduler time spent waiting for staged rows or a free staging host buffer."),
     "admission_waits": ("admission", "admission_waits", "Scheduler iterations that held requests back."),
     "admission_failed": ("admission", "failed", "Held requests failed after the admission timeout."),
 }

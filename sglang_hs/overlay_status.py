@@ -78,7 +78,8 @@ class OverlayStatus:
     def _log_line(self) -> None:
         """One line a minute: what was captured and published, and how admission is doing."""
         w, a = self.sources.get("writer", {}), self.sources.get("admission", {})
-        staged = f"staged {w['staged_rows']} rows (scatter {w['scatter_s']:.2f}s in all); " if "staged_rows" in w else ""
+        staged = (f"staged {w['staged_rows']} rows (scatter {w['scatter_s']:.2f}s, scheduler waited "
+                  f"{w['stage_wait_s']:.2f}s in all); " if "staged_rows" in w else "")
         fill = f"output ring {100 * self.ring_fill():.0f}% full; " if self.ring_fill else ""
         print(f"[sglang-hs] published {w.get('records', 0)} records, {w.get('rows', 0)} rows, "
               f"{w.get('bytes', 0) / 1e9:.3f} GB (gather {w.get('gather_s', 0.0):.2f}s in all); {staged}{fill}"

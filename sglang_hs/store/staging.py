@@ -1,35 +1,39 @@
 """The staging strategy of the capture copy (`--hs-copy staging`): the forward writes its rows into a
-fixed device buffer, a copy stream takes them to pinned host memory after the step, and the host
-scatters them into the store by KV slot before any finish reads them.
+fixed device buffer, a copy stream takes them to pinned host memory after the step, and a scatter
+thread puts them into the store by KV slot before any finish reads them.
 
     in the forward (or its CUDA graph)   stage[t] = rows of t, stage_loc[t] = loc[t]      (copy kernel)
     shipped, once the rows are computed  copy stream: stage -> stage2 (device to device), event `freed`;
                                          stage2 -> pinned host buffer, event `copied`;
                                          the compute stream waits on `freed` before it writes stage again
-    scattered, in step order             host buffer rows -> store[loc] (C++ op), when `copied` has landed:
-                                         opportunistically after each step, and in `drain()` (finish)
+    scattered, in step order             the scatter thread waits for `copied`, then host buffer rows ->
+                                         store[loc] (C++ op, without the GIL), and frees the host buffer
 
 Why two device buffers: the compute stream must not overwrite `stage` while it is read. Waiting for
 the device-to-device copy costs the next step about a tenth of a millisecond per thousand DeepSeek-V3
 rows; waiting for the PCIe copy would cost it ~50x more. Two pinned host buffers let the copy of one
-step land while the host scatters the one before.
+step land while the thread scatters the one before. The scatter runs on its own thread so that the
+scheduler loop does not spend host time proportional to the bytes captured; it waits only when it
+needs rows that are not in the store yet (`drain`) or when both host buffers are still full (`_ship`),
+and that waiting is counted (`stage_wait_s`).
 
 Where shipping happens: an eager forward ships its rows itself, in chunks of `rows` when it has more
-(each chunk waits on the previous one's `freed` on the GPU, never on the host). A CUDA-graph replay
-runs no Python, so the graph only writes `stage`, and `after_step` ships it; a graph that would not
-fit `stage` is refused when it is captured. Rows reach the store in the order the steps ran, so a
-slot reused by a later step is never overwritten with an older step's row.
+(each chunk waits on the previous one's `freed` on the GPU). A CUDA-graph replay runs no Python, so
+the graph only writes `stage`, and `after_step` ships it; a graph that would not fit `stage` is
+refused when it is captured. Rows reach the store in the order the steps ran, so a slot reused by a
+later step is never overwritten with an older step's row.
 
-`drain()` is what finish waits on. It scatters every shipped chunk whose rows are computed (their
-`ready` event has fired), waiting for their host copies, and stops at the first one still being
-computed: such a step is later than every step whose results are being processed, so the request
-being finished needs none of its rows.
+`drain()` is what finish waits on: until every shipped chunk whose rows are computed (its `ready`
+event has fired) is in the store. It does not wait for chunks still being computed: such a step is
+later than every step whose results are being processed, so the request being finished needs none
+of its rows.
 
-On the CPU the same bookkeeping runs with synchronous copies and events that have always fired; it
-is what the CPU tests exercise.
+On the CPU the same bookkeeping and thread run with synchronous copies and events that have always
+fired; it is what the CPU tests exercise.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import NamedTuple, Optional
@@ -53,6 +57,7 @@ _FIRED = _Fired()
 
 
 class _Shipped(NamedTuple):
+    seq: int  # shipping order, from 1
     buf: int  # which pinned host buffer holds the rows
     n: int  # how many rows
     ready: object  # fired when the forward had computed the rows (compute stream)
@@ -76,10 +81,17 @@ class StagedCopy:
             self.copy_stream = torch.cuda.Stream(self.device)
         self.host = [(torch.empty(rows, P, H, dtype=dt, pin_memory=self.cuda),
                       torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda)) for _ in range(HOST_BUFFERS)]
-        self.free = deque(range(HOST_BUFFERS))
-        self.pending: deque = deque()  # _Shipped, in step order
         self.shipped_in_forward = False  # set by an eager forward; a graph replay leaves it False
-        self.stats = {"staged_rows": 0, "scatter_s": 0.0}
+        self.stats = {"staged_rows": 0, "scatter_s": 0.0, "stage_wait_s": 0.0}
+        # Shared with the scatter thread, under _cv:
+        self._cv = threading.Condition()
+        self.free = deque(range(HOST_BUFFERS))
+        self.pending: deque = deque()  # _Shipped not yet in the store, in step order
+        self._shipped = self._scattered = 0  # seq of the last chunk shipped / in the store
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._scatter_loop, name="sglang-hs-scatter", daemon=True)
+        self._thread.start()
 
     @property
     def nbytes(self) -> int:
@@ -130,11 +142,16 @@ class StagedCopy:
             self._ship(n)
         self.shipped_in_forward = False
 
-    # --- shipping and scattering --------------------------------------------------------------------
+    # --- the scheduler's side: ship, and wait for the store ------------------------------------------
     def _ship(self, n: int) -> None:
-        while not self.free:  # both host buffers hold rows: the oldest must reach the store first
-            self._scatter_oldest()
-        buf = self.free.popleft()
+        with self._cv:
+            if self._error is not None:
+                self._raise()
+            if not self.free:  # both host buffers still hold rows: wait for the scatter thread
+                t0 = time.perf_counter()
+                self._wait(lambda: self.free)
+                self.stats["stage_wait_s"] += time.perf_counter() - t0
+            buf = self.free.popleft()
         host, host_loc = self.host[buf]
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
@@ -155,29 +172,73 @@ class StagedCopy:
             host[:n].copy_(self.stage[:n])
             host_loc[:n].copy_(self.stage_loc[:n])
             ready, copied = self._cpu_copy_events()
-        self.pending.append(_Shipped(buf, n, ready, copied))
-        self.stats["staged_rows"] += n
-        while self.pending and self.pending[0].copied.query():  # what has landed already, without waiting
-            self._scatter_oldest()
+        with self._cv:
+            self._shipped += 1
+            self.pending.append(_Shipped(self._shipped, buf, n, ready, copied))
+            self.stats["staged_rows"] += n
+            self._cv.notify_all()
 
     def _cpu_copy_events(self):
         """(ready, copied) of a CPU step: its copies are synchronous. The tests hold some back."""
         return _FIRED, _FIRED
 
-    def _scatter_oldest(self) -> None:
+    def drain(self) -> None:
+        """Return once every shipped chunk whose rows are computed is in the store (module docstring)."""
+        with self._cv:
+            target = self._scattered
+            for s in self.pending:  # in step order: stop at the first one still being computed
+                if not s.ready.query():
+                    break
+                target = s.seq
+            if self._scattered < target:
+                t0 = time.perf_counter()
+                self._wait(lambda: self._scattered >= target)
+                self.stats["stage_wait_s"] += time.perf_counter() - t0
+            elif self._error is not None:
+                self._raise()
+
+    def _wait(self, done) -> None:
+        """Wait on _cv (held) until done(); a failed scatter thread is raised here instead."""
+        while not done():
+            if self._error is not None:
+                self._raise()
+            self._cv.wait(timeout=1.0)
+
+    def _raise(self):
+        raise RuntimeError(f"sglang-hs: the staging scatter thread failed: {self._error!r}") from self._error
+
+    def close(self) -> None:
+        """Stop the scatter thread once what is shipped is in the store."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=60)
+
+    # --- the scatter thread -----------------------------------------------------------------------
+    def _scatter_loop(self) -> None:
         from sglang_hs._ext import ext
 
-        s = self.pending[0]
-        s.copied.synchronize()
-        t0 = time.perf_counter()
-        host, host_loc = self.host[s.buf]
+        op = ext().copy_rows_cpu
         P, H = self.store.shape[1:]
-        ext().copy_rows_cpu(host[: s.n].view(s.n, P * H), None, host_loc[: s.n], self.store)
-        self.stats["scatter_s"] += time.perf_counter() - t0
-        self.pending.popleft()
-        self.free.append(s.buf)
-
-    def drain(self) -> None:
-        """Scatter every shipped chunk whose rows are computed (see the module docstring)."""
-        while self.pending and self.pending[0].ready.query():
-            self._scatter_oldest()
+        try:
+            while True:
+                with self._cv:
+                    while not self.pending and not self._closed:
+                        self._cv.wait()
+                    if not self.pending:
+                        return
+                    s = self.pending[0]
+                s.copied.synchronize()
+                t0 = time.perf_counter()
+                host, host_loc = self.host[s.buf]
+                op(host[: s.n].view(s.n, P * H), None, host_loc[: s.n], self.store)
+                with self._cv:
+                    self.stats["scatter_s"] += time.perf_counter() - t0
+                    self.pending.popleft()
+                    self.free.append(s.buf)
+                    self._scattered = s.seq
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported to the scheduler at its next ship or drain
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()

@@ -1,9 +1,14 @@
 """The staging strategy's bookkeeping (sglang_hs/store/staging.py) on the CPU, against the plain-torch
 reference: eager steps shipped in chunks, graph replays shipped after the step, rows reaching the store
-in step order, `drain()` stopping at a step still being computed, and a graph too large refused.
+in step order through the scatter thread, `drain()` waiting for computed steps and only for them, a
+third step waiting for a free host buffer, a failed scatter reported, and a graph too large refused.
 
-On the CPU the copies are synchronous; steps whose copies have not landed are made with events that
-have not fired yet (`Pending`), which is all the CUDA path adds to the logic."""
+On the CPU the copies are synchronous; steps whose rows are still being computed or copied are made
+with events that have not fired yet (`Pending`), which is all the CUDA path adds to the logic. Threads
+that must be blocked are checked to be still waiting after a moment (they cannot have finished: what
+they wait for has not happened), and to finish once it has."""
+import threading
+
 import pytest
 import torch
 
@@ -16,16 +21,44 @@ P = K + 1
 
 
 class Pending:
-    """An event that has not fired: `synchronize()` (waiting for it) fires it."""
+    """An event that has not fired yet: waiting for it blocks until the test fires it."""
 
     def __init__(self):
-        self.fired = False
+        self._e = threading.Event()
+
+    def fire(self):
+        self._e.set()
 
     def query(self):
-        return self.fired
+        return self._e.is_set()
 
     def synchronize(self):
-        self.fired = True
+        assert self._e.wait(60), "a held event was never fired"
+
+
+@pytest.fixture
+def made():
+    """StagedCopy instances of a test, closed (their scatter thread stopped) at its end."""
+    out = []
+
+    def make(store, rows):
+        out.append(StagedCopy(store, rows, "cpu"))
+        return out[-1]
+
+    yield make
+    for sc in out:
+        sc.close()
+
+
+def _in_thread(fn):
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def _blocked(t):
+    t.join(0.5)
+    return t.is_alive()
 
 
 def _store():
@@ -48,10 +81,15 @@ def _write_held(sc, aux, last, loc):
     return ready, copied
 
 
+def _fire(*events):
+    for e in events:
+        e.fire()
+
+
 @pytest.mark.parametrize("T, rows", [(1, 4), (4, 4), (5, 4), (13, 4), (13, 1), (7, 64)])
-def test_eager_steps_are_shipped_in_chunks_and_land_exactly(T, rows):
+def test_eager_steps_are_shipped_in_chunks_and_land_exactly(T, rows, made):
     store, want = _store(), _store()
-    sc = StagedCopy(store, rows, "cpu")
+    sc = made(store, rows)
     aux, last = _rows(T, T)
     loc = torch.randperm(S - 1)[:T] + 1
     sc.before_step()
@@ -64,11 +102,12 @@ def test_eager_steps_are_shipped_in_chunks_and_land_exactly(T, rows):
     untouched[loc] = False
     assert store[untouched].isnan().all()
     assert sc.stats["staged_rows"] == T and not sc.pending and len(sc.free) == staging.HOST_BUFFERS
+    assert sc.stats["scatter_s"] > 0
 
 
-def test_without_final_state():
+def test_without_final_state(made):
     store = torch.full((S, K, H), float("nan"), dtype=torch.float16)
-    sc = StagedCopy(store, 3, "cpu")
+    sc = made(store, 3)
     aux = torch.randn(8, K * H).half()
     loc = torch.arange(8, dtype=torch.int32) * 3 + 1  # int32 slots, as SGLang's out_cache_loc may be
     sc.write(aux, None, loc)
@@ -77,9 +116,9 @@ def test_without_final_state():
     assert torch.equal(store.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
-def test_a_graph_replay_is_shipped_after_the_step_and_only_its_real_rows():
+def test_a_graph_replay_is_shipped_after_the_step_and_only_its_real_rows(made):
     store = _store()
-    sc = StagedCopy(store, 8, "cpu")
+    sc = made(store, 8)
     sc._capturing = lambda: True  # the graph's kernels write the stage; no Python of the forward runs
     aux, last = _rows(8, 1)
     loc = torch.tensor([5, 6, 7, 0, 0, 0, 0, 0])  # 3 real rows, padding aimed at slot 0
@@ -92,17 +131,17 @@ def test_a_graph_replay_is_shipped_after_the_step_and_only_its_real_rows():
     assert torch.equal(store[5:8], want[5:8]) and store[0].isnan().all()
 
 
-def test_a_step_that_wrote_nothing_ships_nothing():
+def test_a_step_that_wrote_nothing_ships_nothing(made):
     """E.g. SGLang's split prefill, which does not run the overlay's forward: stale stage rows must not
     be shipped as if a graph had written them."""
-    sc = StagedCopy(_store(), 8, "cpu")
+    sc = made(_store(), 8)
     sc.before_step()
     sc.after_step(5, graph_replayed=False)
     assert not sc.pending and sc.stats["staged_rows"] == 0
 
 
-def test_a_graph_larger_than_the_stage_is_refused_at_capture():
-    sc = StagedCopy(_store(), 4, "cpu")
+def test_a_graph_larger_than_the_stage_is_refused_at_capture(made):
+    sc = made(_store(), 4)
     sc._capturing = lambda: True
     aux, last = _rows(5, 2)
     with pytest.raises(RuntimeError, match="a CUDA graph of 5 rows does not fit the 4-row staging buffer; raise "
@@ -110,54 +149,69 @@ def test_a_graph_larger_than_the_stage_is_refused_at_capture():
         sc.write(aux, last, torch.arange(5))
 
 
-def test_a_reused_slot_ends_with_the_later_steps_row():
-    """Two steps write the same slot (freed and reused in between): with both still in host buffers,
-    the scatter runs in step order, so the store keeps the later row."""
+def test_a_reused_slot_ends_with_the_later_steps_row(made):
+    """Two steps write the same slot (freed and reused in between): the later one is shipped while the
+    earlier one's copy has not landed; the scatter keeps step order, so the store ends with the later row."""
     store = _store()
-    sc = StagedCopy(store, 4, "cpu")
+    sc = made(store, 4)
     a, la = _rows(2, 3)
     b, lb = _rows(2, 4)
-    ready, _ = _write_held(sc, a, la, torch.tensor([9, 10]))
+    events = _write_held(sc, a, la, torch.tensor([9, 10]))
     sc.write(b, lb, torch.tensor([10, 11]))
-    assert len(sc.pending) == 2  # the first has not landed, so the second waits behind it
-    ready.fired = True
+    assert len(sc.pending) == 2 and store[9:12].isnan().all()  # the later step waits behind the earlier
+    _fire(*events)
     sc.drain()
     want = copy_rows_ref(b, lb, torch.tensor([10, 11]), copy_rows_ref(a, la, torch.tensor([9, 10]), _store()))
     assert torch.equal(store[9:12], want[9:12])
 
 
-def test_drain_stops_at_a_step_still_being_computed():
+def test_drain_waits_for_computed_steps_only():
     store = _store()
     sc = StagedCopy(store, 4, "cpu")
     a, la = _rows(2, 5)
     b, lb = _rows(2, 6)
     ready, copied = _write_held(sc, a, la, torch.tensor([1, 2]))
     sc.write(b, lb, torch.tensor([3, 4]))
-    sc.drain()  # the oldest step's rows are not computed: it is later than anything being finished
-    assert len(sc.pending) == 2 and store[1:5].isnan().all()
-    ready.fired = True  # computed; its host copy has not landed yet: drain waits for it
-    sc.drain()
-    assert not sc.pending and copied.fired
-    assert not store[1:5].isnan().any()
+    t = _in_thread(sc.drain)  # the oldest step's rows are not computed: later than anything being finished
+    t.join(30)
+    assert not t.is_alive() and len(sc.pending) == 2 and store[1:5].isnan().all()
+    ready.fire()  # computed, but its host copy has not landed: drain waits for it
+    t = _in_thread(sc.drain)
+    assert _blocked(t)
+    copied.fire()
+    t.join(30)
+    assert not t.is_alive() and not sc.pending and not store[1:5].isnan().any()
+    assert sc.stats["stage_wait_s"] > 0
+    sc.close()
 
 
-def test_a_third_step_waits_for_the_oldest_host_buffer():
-    """Two host buffers: shipping a third step first scatters the oldest, waiting for its copy."""
+def test_a_third_step_waits_for_the_oldest_host_buffer(made):
+    """Two host buffers: a third step waits until the scatter thread has freed the oldest one."""
     assert staging.HOST_BUFFERS == 2
     store = _store()
-    sc = StagedCopy(store, 4, "cpu")
+    sc = made(store, 4)
     steps = [(_rows(1, 10 + i), torch.tensor([20 + i])) for i in range(3)]
-    (a, la), loc = steps[0]
-    _, first = _write_held(sc, a, la, loc)
-    (b, lb), loc = steps[1]
-    second_ready, second = _write_held(sc, b, lb, loc)
+    first = _write_held(sc, *steps[0][0], steps[0][1])
+    second = _write_held(sc, *steps[1][0], steps[1][1])
     assert not sc.free
-    (c, lc), loc = steps[2]
-    sc.write(c, lc, loc)
-    assert first.fired and not second.fired  # waited for the oldest only
-    assert sc.pending[0].copied is second and len(sc.pending) == 2
+    t = _in_thread(lambda: sc.write(*steps[2][0], steps[2][1]))
+    assert _blocked(t)
+    _fire(*first)  # the oldest lands and is scattered: its buffer takes the third step
+    t.join(30)
+    assert not t.is_alive() and len(sc.pending) == 2
+    sc.drain()  # the second is not computed yet: nothing to wait for
     assert not store[20].isnan().any() and store[21:23].isnan().all()
-    second_ready.fired = True
+    _fire(*second)
     sc.drain()
     for (x, lx), loc in steps:
         assert torch.equal(store[loc], copy_rows_ref(x, lx, loc, _store())[loc])
+
+
+def test_a_failed_scatter_is_raised_to_the_scheduler():
+    sc = StagedCopy(_store(), 4, "cpu")
+    a, la = _rows(2, 7)
+    sc.write(a, la, torch.tensor([3, S + 5]))  # a slot outside the store: the C++ scatter refuses it
+    with pytest.raises(RuntimeError, match=r"staging scatter thread failed: .*slot 45 of row 1 outside \[0, 40\)"):
+        sc.drain()
+    with pytest.raises(RuntimeError, match="staging scatter thread failed"):
+        sc.write(a, la, torch.tensor([3, 4]))  # and at every later ship
