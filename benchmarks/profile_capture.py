@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_extract import LAYERS, _warm, run_plain  # noqa: E402
 from benchmarks.common import machine, write_csv  # noqa: E402
+from sglang_hs import envs  # noqa: E402
 from sglang_hs.server_process import ServerProcess, scheduler_pid  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seconds", type=int, default=20)
-    ap.add_argument("--copy", choices=("direct", "staging"), default="direct", help="--hs-copy of the server")
+    ap.add_argument("--copy", choices=envs.COPY_STRATEGIES, default="direct", help="--hs-copy of the server")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="profile-capture-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

@@ -65,9 +65,10 @@ def _default_staging_rows(runner) -> int:
 
 
 def _forward(self, forward_batch, *args, **kwargs):
-    """ModelRunner.forward with the writer's step hooks around it (the staging strategy ships what a
-    CUDA-graph replay wrote, since a replay runs none of the overlay's Python)."""
-    w = _writer if not getattr(self, "is_draft_worker", False) else None
+    """ModelRunner.forward with the writer's step hooks around it when it stages (the staging strategy
+    ships what a CUDA-graph replay wrote, since a replay runs none of the overlay's Python)."""
+    stages = _writer is not None and _writer.staging is not None and not getattr(self, "is_draft_worker", False)
+    w = _writer if stages else None  # direct copy: nothing to do around the step
     if w is not None:
         w.before_step()
     out = ORIGINALS["forward"](self, forward_batch, *args, **kwargs)

@@ -108,28 +108,28 @@ class CaptureWriter:
         T = aux.shape[0]
         if T == 0:
             return
+        last = last if self.spec.last else None
         if loc.shape[0] != T:  # out_cache_loc_virtual excludes kernel padding rows: keep the real ones
             aux, last = aux[: loc.shape[0]], (last[: loc.shape[0]] if last is not None else None)
-            T = loc.shape[0]
         if self.staging is not None:
-            self.staging.write(aux, last if self.spec.last else None, loc)
-            return
-        if aux.is_cuda:
+            self.staging.write(aux, last, loc)
+        elif aux.is_cuda:
             from sglang_hs.ops.copy_rows import copy_rows
 
-            copy_rows(aux, last if self.spec.last else None, loc, self._host_store())
-            return
-        from sglang_hs._ext import ext
+            copy_rows(aux, last, loc, self._host_store())
+        else:
+            from sglang_hs._ext import ext
 
-        ext().copy_rows_cpu(aux, last if self.spec.last else None, loc, self.store)
+            ext().copy_rows_cpu(aux, last, loc, self.store)
 
     def before_step(self) -> None:
-        """Called before every ModelRunner.forward of the writer rank."""
+        """Called before every ModelRunner.forward of the writer rank (by the hook, when staging)."""
         if self.staging is not None:
             self.staging.before_step()
 
     def after_step(self, rows: int, graph_replayed: bool) -> None:
-        """Called after every ModelRunner.forward: `rows` real rows, and whether a graph ran the model."""
+        """Called after every ModelRunner.forward (by the hook, when staging): `rows` real rows, and
+        whether a graph ran the model."""
         if self.staging is not None:
             self.staging.after_step(rows, graph_replayed)
 

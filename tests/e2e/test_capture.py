@@ -160,9 +160,9 @@ def test_prefill_only_request_has_one_row_per_prompt_token(served, hf):
 
 
 def test_radix_cache_prefix_rows_come_from_the_store(served, hf):
-    capture_server, reader = served
     """A 30+-token shared prefix and an exact repeat: the server does not forward the cached tokens,
     yet every record is complete and right, because prefix rows are read from the store by KV slot."""
+    capture_server, reader = served
     prefix = _prompt(hf, TEXTS[0])[:32]
     assert len(prefix) == 32
     a = prefix + _prompt(hf, " first ending about batches")[1:]
