@@ -1,6 +1,8 @@
-"""Acknowledged reading: a record's ring bytes go back to the server only when the consumer acks it, so
-a reader killed and restarted gets exactly the records it had not acknowledged, in order; one reader
-per dump dir, refused with the holder's pid while it lives and free again once it is closed or dead."""
+"""Acknowledged reading: a record's ring bytes go back to the server only when the consumer acks it and
+every record before it, so a reader killed and restarted gets exactly the records it had not released,
+in order (an out-of-order ack waits for the records before it: those come again too); every row is
+handed out exactly as published (each value differs by record, token, layer and hidden index); one
+reader per dump dir, refused with the holder's pid while it lives and free again once closed or dead."""
 import multiprocessing as mp
 import os
 import signal
@@ -24,12 +26,34 @@ from sglang_hs.store.writer import CaptureWriter  # noqa: E402
 K, H = 1, 16  # one aux layer plus the last state: P = 2
 
 
-def _rows(i, T):
-    return torch.full((T, K + 1, H), float(i), dtype=torch.bfloat16)
+def _rows(i, T, P=K + 1):
+    """Record i's rows [T, P, H], every value different and exact in bf16: an odd mantissa below 256 that
+    numbers the (layer, hidden index), times a power of two that numbers the (record, token), T <= 8.
+    A reader that hands out another record's, token's or layer's row, or shifts a row, is caught."""
+    assert T <= 8 and P * H <= 128
+    t, p, h = torch.arange(T).view(T, 1, 1), torch.arange(P).view(1, P, 1), torch.arange(H).view(1, 1, H)
+    rows = ((2 * (h + H * p) + 1) * torch.pow(2.0, 8 * i + t - 40)).bfloat16()
+    assert torch.equal(rows.float(), (2 * (h + H * p) + 1) * torch.pow(2.0, 8 * i + t - 40))  # exact in bf16
+    return rows
+
+
+def _ids(i, T):
+    return torch.arange(T, dtype=torch.int32) + 100 * i
 
 
 def _publish(w, i, T=3):
-    w.ring.publish(f"r{i}", torch.arange(T, dtype=torch.int32) + i, _rows(i, T), timeout=5)
+    w.ring.publish(f"r{i}", _ids(i, T), _rows(i, T), timeout=5)
+
+
+def _assert_exact(rec, i, T, K=K, last=True):
+    """rec is record i, every token id and every row exactly as published."""
+    rows = _rows(i, T, K + int(last))
+    assert rec.rid == f"r{i}" and rec.num_tokens == T and torch.equal(rec.input_ids, _ids(i, T)), rec
+    assert rec.aux_hidden_states.shape == (T, K, H) and torch.equal(rec.aux_hidden_states, rows[:, :K]), rec.rid
+    if last:
+        assert torch.equal(rec.last_hidden_state, rows[:, K]), rec.rid
+    else:
+        assert rec.last_hidden_state is None
 
 
 @pytest.fixture
@@ -52,6 +76,8 @@ def test_unacked_records_keep_their_bytes_and_out_of_order_acks_wait_for_the_pre
         _publish(dump, i)
     recs = [reader.next(timeout=1) for _ in range(3)]
     assert [r.rid for r in recs] == ["r0", "r1", "r2"] and [r.seq for r in recs] == [1, 2, 3]
+    for i, rec in enumerate(recs):
+        _assert_exact(rec, i, 3)
     full = _free(dump)
     reader.ack(recs[1])  # out of order: r0 still holds the ring's oldest bytes
     assert _free(dump) == full and reader.unacked() == 3
@@ -80,28 +106,36 @@ def test_an_eager_reader_ignores_ack_and_frees_at_once(dump):
         _publish(dump, i)
     rec = reader.take("r2", timeout=1)
     assert reader.unread_bytes() == 0 and reader.unacked() == 0
+    _assert_exact(rec, 2, 3)
+    for i in (0, 1, 3):  # drained with it, held by the reader
+        _assert_exact(reader.take(f"r{i}", timeout=0), i, 3)
     reader.ack(rec)  # harmless
     for i in range(4, 8):  # the ring is all free again
         _publish(dump, i)
 
 
-def _consume_then_die(dump_dir, n_ack, n_take, q):
-    """A reader process: take n_take records, ack the first n_ack, report them, die without cleanup."""
+def _consume_then_die(dump_dir, n_take, ack_order, q):
+    """A reader process: take n_take records, ack those at the indices of ack_order in that order, report
+    them, die without cleanup."""
     reader = HiddenStateReader(dump_dir, wait=5, ack=True)
     taken = [reader.next(timeout=10) for _ in range(n_take)]
-    for rec in taken[:n_ack]:
-        reader.ack(rec)
+    for j in ack_order:
+        reader.ack(taken[j])
     q.put([r.rid for r in taken])
     time.sleep(60)  # killed here, holding unacknowledged records and the lock
 
 
-@pytest.mark.parametrize("n_ack, n_take", [(0, 2), (2, 3), (3, 3)])
-def test_a_killed_reader_restarted_gets_exactly_what_it_had_not_acknowledged(dump, n_ack, n_take):
+# (records taken, the order they are acked in): in order, none, all; and out of order, where an ack
+# waits for the records before it: acking r2 before r0 and r1 releases nothing, so all three (and r3)
+# come again; r2 then r0 releases r0 only; a reversed pair releases both.
+@pytest.mark.parametrize("n_take, ack_order", [(2, []), (3, [0, 1]), (3, [0, 1, 2]), (3, [2]), (3, [2, 0]),
+                                               (2, [1, 0]), (4, [3, 1, 2, 0])])
+def test_a_killed_reader_restarted_gets_exactly_what_it_had_not_acknowledged(dump, n_take, ack_order):
     for i in range(4):
         _publish(dump, i)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_consume_then_die, args=(str(dump.dir), n_ack, n_take, q))
+    p = ctx.Process(target=_consume_then_die, args=(str(dump.dir), n_take, ack_order, q))
     p.start()
     first_run = q.get(timeout=120)
     assert first_run == [f"r{i}" for i in range(n_take)]
@@ -109,19 +143,46 @@ def test_a_killed_reader_restarted_gets_exactly_what_it_had_not_acknowledged(dum
         HiddenStateReader(str(dump.dir), wait=1)
     os.kill(p.pid, signal.SIGKILL)
     p.join(30)
+    released = 0  # the acknowledged prefix: an ack after a gap releases nothing
+    while released in ack_order:
+        released += 1
     reader = HiddenStateReader(str(dump.dir), wait=1, ack=True)  # the lock died with the process
-    for i in range(4, 4 + n_ack):  # the space the first reader acked is the server's again
+    for i in range(4, 4 + released):  # the space the first reader released is the server's again
         _publish(dump, i)
     second_run = []
     while reader.poll() or reader.ready_rids():
         rec = reader.next(timeout=1)
         second_run.append(rec.rid)
-        assert torch.equal(rec.aux_hidden_states, _rows(int(rec.rid[1:]), 3)[:, :K])
+        _assert_exact(rec, int(rec.rid[1:]), 3)
         reader.ack(rec)
-    acked = first_run[:n_ack]
-    assert second_run == [f"r{i}" for i in range(n_ack, 4 + n_ack)]  # in order, from the first unacked one
-    assert sorted(acked + second_run, key=lambda r: int(r[1:])) == [f"r{i}" for i in range(4 + n_ack)]
-    assert not set(acked) & set(second_run)  # each record handled exactly once
+    assert second_run == [f"r{i}" for i in range(released, 4 + released)]  # in order, from the first unreleased
+    assert not set(first_run[:released]) & set(second_run)  # what was released never comes again
+    # acked out of order, not released: delivered again (a consumer's save must be idempotent)
+    assert {first_run[j] for j in ack_order} - set(first_run[:released]) <= set(second_run)
+    with pytest.raises(TimeoutError):  # and nothing else is left
+        reader.next(timeout=0.2)
+
+
+@pytest.mark.parametrize("ack", [False, True])
+@pytest.mark.parametrize("layers, last", [([1, 2, 3], True), ([0, 2], False)])
+def test_every_row_of_every_record_is_handed_out_exactly(tmp_path, layers, last, ack):
+    """Records of 1..8 tokens, several in the ring at once, wrapping around it: every token id and every
+    row comes out exactly as published, each layer's row as that layer, the final state as the final state."""
+    K, P = len(layers), len(layers) + int(last)
+    w = CaptureWriter(str(tmp_path), CaptureSpec.resolve(layers, last, 4, H), 8, torch.bfloat16,
+                      3 * ring.record_bytes(8, P, H, 2, 3))
+    reader = HiddenStateReader(str(tmp_path), wait=1, ack=ack)
+    assert reader.num_aux == K and reader.has_last == last
+    lengths = [1 + (i * 5) % 8 for i in range(15)]
+    for start in range(0, 15, 3):
+        for i in range(start, start + 3):
+            w.ring.publish(f"r{i}", _ids(i, lengths[i]), _rows(i, lengths[i], P), timeout=5)
+        for i in ([start + 1, start, start + 2] if start % 2 else range(start, start + 3)):  # by rid, any order
+            rec = reader.take(f"r{i}", timeout=5)
+            _assert_exact(rec, i, lengths[i], K, last)
+            assert rec.seq == i + 1
+            reader.ack(rec)  # the ring has room for 3: the next 3 need these acknowledged
+    assert reader.unacked() == 0 and reader.unread_bytes() == 0
 
 
 def test_one_reader_per_dump_dir_until_closed(dump):
