@@ -1,6 +1,7 @@
 """The capture copy on a real GPU: the Triton kernel compiled for the device, a store in registered
-/dev/shm memory written by the kernel and read by another process, and the kernel inside CUDA graphs
-replayed with changing slots, batch sizes and padding."""
+/dev/shm memory written by the kernel and read by another process, the kernel inside CUDA graphs
+replayed with changing slots, batch sizes and padding, and slots outside the store dropped and
+reported after a replay."""
 import multiprocessing as mp
 import os
 import tempfile
@@ -12,7 +13,7 @@ if not torch.cuda.is_available():  # keep the kernel module unimported: CPU test
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
 from reference import copy_rows_ref  # noqa: E402
-from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
+from sglang_hs.ops.copy_rows import HostStore, SlotErrors, copy_rows  # noqa: E402
 from sglang_hs.store import pinned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -141,6 +142,81 @@ def test_copy_inside_cuda_graph_replays(target):
         # Every slot holds the last row aimed at it: no replay wrote anywhere else.
         for sl, row in expected.items():
             assert torch.equal(host_view[sl].cpu(), row)
+    finally:
+        if region is not None:
+            pinned.unregister(region.buf)
+            region.unlink()
+
+
+@pytest.mark.parametrize("target", ["device", "registered-host"])
+def test_slots_outside_the_store_are_dropped_and_reported_after_graph_replays(target):
+    """The store is the middle of a bigger buffer (device memory, or registered /dev/shm written through
+    a HostStore as in `--hs-copy direct`). A captured copy replayed with slots past the end, negative
+    and far away writes nothing outside the store and nothing for those rows, writes the in-range rows
+    of the same replay exactly, and the counter read after the replay (outside the graph) says how many
+    rows were dropped; replays accumulate."""
+    K, H, S, G, bs = 3, 512, 256, 4, 16
+    torch.manual_seed(0)
+    w = torch.randn(H, K * H, device=DEV, dtype=torch.bfloat16) / H**0.5
+    region = None
+    if target == "device":
+        big = torch.full((G + S + G, K + 1, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        store, errors = big[G : G + S], SlotErrors(DEV)
+        check = errors.check
+    else:
+        from sglang_hs.store.shm import SharedRegion
+
+        d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        region = SharedRegion.create(d, "store", (G + S + G) * (K + 1) * H * 2)
+        big = region.buf.view(torch.bfloat16).view(G + S + G, K + 1, H)
+        big.fill_(float("nan"))
+        hs = HostStore(big[G : G + S], pinned.register(region.buf) + G * (K + 1) * H * 2)
+        store, errors, check = hs, hs.errors, hs.check
+    view = big[G : G + S]
+    try:
+        x = torch.zeros(bs, H, device=DEV, dtype=torch.bfloat16)
+        loc = torch.full((bs,), PAD_SLOT, device=DEV, dtype=torch.int64)
+        own = errors if target == "device" else None  # a HostStore counts into its own counter
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside capture (Triton compiles here)
+            copy_rows(x @ w, torch.nn.functional.rms_norm(x, (H,)), loc, store, errors=own)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            aux = x @ w
+            last = torch.nn.functional.rms_norm(x, (H,))
+            copy_rows(aux, last, loc, store, errors=own)
+
+        def replay(slots):
+            x.copy_(torch.randn(bs, H, device=DEV, dtype=torch.bfloat16))
+            loc.copy_(torch.tensor(slots, dtype=torch.int64))
+            g.replay()
+            torch.cuda.synchronize()
+            return torch.cat([aux.reshape(bs, K, H), last[:, None]], 1).cpu()
+
+        good = torch.randperm(S - 1)[:bs].add(1).tolist()
+        rows = replay(good)
+        check()  # nothing dropped: passes
+        assert torch.equal(view[torch.tensor(good, device=view.device)].cpu(), rows)
+
+        bad = [S, S + G - 1, -1, -G, 2**40, -(2**40), S + 10**6]
+        good = torch.randperm(S - 1)[: bs - len(bad)].add(1).tolist()
+        slots = good[:4] + bad + good[4:]
+        for n_replays in (1, 2):
+            before = view.cpu().clone()
+            rows = replay(slots)
+            n, seen, num_slots = errors.read()
+            assert (n, num_slots) == (n_replays * len(bad), S) and seen in bad
+            with pytest.raises(RuntimeError, match=rf"dropped {n} rows whose KV slot lay outside the store's \[0, {S}\)"):
+                check()
+            assert big[:G].isnan().all() and big[G + S :].isnan().all(), "a replay wrote outside the store"
+            after = view.cpu()
+            kept = [i for i, sl in enumerate(slots) if 0 <= sl < S]
+            assert torch.equal(after[[slots[i] for i in kept]], rows[kept]), "in-range rows of the replay"
+            untouched = torch.ones(S, dtype=torch.bool)
+            untouched[[slots[i] for i in kept]] = False
+            assert torch.equal(after[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
     finally:
         if region is not None:
             pinned.unregister(region.buf)

@@ -4,6 +4,8 @@ under TRITON_INTERPRET=1, and the compiled C++ op the server's CPU path uses (cs
 Odd hidden sizes, K = 1..4, bf16 and fp16, with and without the final state, int32 and int64 slots,
 non-contiguous aux rows, and graph-style padded rows aimed at the padding slot 0. A copy is exact, so
 the tolerance is zero for every dtype; the store is poisoned first so an unwritten element shows.
+Slots outside the store: the C++ op refuses the call before writing; the kernel drops those rows, counts
+them for `SlotErrors.check()`, and writes nothing into guard regions around the store.
 """
 import importlib
 import os
@@ -116,3 +118,59 @@ def test_cpp_op_refuses_slots_outside_the_store_before_writing():
     with pytest.raises(RuntimeError, match="slot 8 of row 2 outside"):
         _cpp_copy_rows(aux, None, torch.tensor([1, 2, 8]), store)
     assert not store.any()
+
+
+GUARD = 3  # slots of poisoned memory either side of the store, inside the same allocation
+FAR = {torch.int32: [2**31 - 1, -(2**31)], torch.int64: [2**40, -(2**40)]}
+
+
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("where", ["past-the-end", "negative", "far"])
+def test_kernel_drops_and_counts_rows_whose_slot_is_outside_the_store(where, loc_dtype):
+    """The store is the middle of a bigger buffer: a slot of S or -1 would land in the guard regions
+    (a `far` one outside the allocation). Those rows write nothing, their count reaches the host at
+    check(), and the in-range rows of the same launch are written exactly."""
+    S, K, H = 8, 2, 40
+    bad = {"past-the-end": [S, S + 2, S], "negative": [-1, -GUARD, -2], "far": FAR[loc_dtype]}[where]
+    good = [1, 5, 0, 7]
+    loc = torch.tensor([good[0], bad[0], good[1], *bad[1:], good[2], good[3]], dtype=loc_dtype)
+    is_good = torch.tensor([int(s) in good for s in loc.tolist()])
+    T = loc.shape[0]
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(T, K * H, generator=g).to(torch.bfloat16)
+    fin = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    big = torch.full((GUARD + S + GUARD, K + 1, H), float("nan"), dtype=torch.bfloat16)
+    store = big[GUARD : GUARD + S]
+    errors = mod.SlotErrors("cpu")
+
+    mod.copy_rows(aux, fin, loc, store, errors=errors)
+
+    assert big[:GUARD].isnan().all(), "a row was written before the store"
+    assert big[GUARD + S :].isnan().all(), "a row was written past the store"
+    want = copy_rows_ref(aux[is_good], fin[is_good], loc[is_good], torch.full_like(store, float("nan")))
+    assert torch.equal(store.isnan(), want.isnan())  # the in-range rows, and nothing else, were written
+    assert torch.equal(store[good], want[good])
+    n, slot, num_slots = errors.read()
+    assert (n, num_slots) == (len(bad), S) and slot in bad
+    with pytest.raises(RuntimeError, match=rf"dropped {len(bad)} rows whose KV slot lay outside the store's \[0, {S}\)"):
+        errors.check()
+
+
+def test_slot_errors_accumulate_and_tensor_stores_share_a_default_counter():
+    store = torch.zeros(4, 1, 16, dtype=torch.float16)
+    aux = torch.ones(2, 16, dtype=torch.float16)
+    errors = mod.slot_errors("cpu")
+    before = errors.read()[0]
+    mod.copy_rows(aux, None, torch.tensor([0, 3]), store)  # in range: nothing counted
+    assert errors.read()[0] == before
+    mod.copy_rows(aux, None, torch.tensor([4, 1]), store)
+    mod.copy_rows(aux, None, torch.tensor([2, -1], dtype=torch.int32), store)
+    assert errors.read()[0] == before + 2
+    assert store[:, 0].all(dim=1).tolist() == [True, True, True, True]
+    with pytest.raises(RuntimeError, match=rf"dropped {before + 2} rows"):
+        errors.check()
+    fresh = mod.SlotErrors("cpu")
+    fresh.check()  # a counter nothing was dropped into passes
+    mod.copy_rows(aux[:1], None, torch.tensor([9]), store, errors=fresh)
+    with pytest.raises(RuntimeError, match=r"dropped 1 row whose KV slot lay outside the store's \[0, 4\) \(e.g. slot 9\)"):
+        fresh.check()
