@@ -24,7 +24,23 @@ from sglang_hs.reader import HiddenStateReader  # noqa: E402
 from sglang_hs.store.writer import CaptureWriter  # noqa: E402
 
 OTHER_UID, SHARE_GID = 4242, 4343  # a reader user and the group it shares with the server (root runs)
-H = 16
+H, T = 16, 4
+# Record i's rows [T, P, H] and token ids, every value different and exact in bf16 (an odd mantissa below
+# 256 numbering the layer and hidden index, times a power of two numbering the record and token), so a
+# reader handing out another record's, token's or layer's row fails; the child reader runs the same code.
+EXPECTED = """
+import torch
+def expected_rows(i, T, P, H):
+    t, p, h = torch.arange(T).view(T, 1, 1), torch.arange(P).view(1, P, 1), torch.arange(H).view(1, 1, H)
+    return ((2 * (h + H * p) + 1) * torch.pow(2.0, 8 * i + t - 40)).bfloat16()
+def expected_ids(i, T):
+    return torch.arange(T, dtype=torch.int32) * 7 + 100 * i
+def is_exact(rec, i, T, H):
+    rows = expected_rows(i, T, 2, H)
+    return (rec.rid == f"r{i}" and torch.equal(rec.input_ids, expected_ids(i, T))
+            and torch.equal(rec.aux_hidden_states, rows[:, :1]) and torch.equal(rec.last_hidden_state, rows[:, 1]))
+"""
+exec(EXPECTED)
 
 
 def _mode(path):
@@ -40,7 +56,7 @@ def _dump(parent, monkeypatch, gid):
     d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), gid)
     w = CaptureWriter(d, CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 1 << 16)
     for i in range(3):
-        w.ring.publish(f"r{i}", torch.arange(4, dtype=torch.int32), torch.full((4, 2, H), float(i)).bfloat16())
+        w.ring.publish(f"r{i}", expected_ids(i, T), expected_rows(i, T, 2, H))  # noqa: F821 (from EXPECTED)
     return d
 
 
@@ -60,7 +76,7 @@ def test_shared_modes_and_this_user_still_reads(tmp_path, monkeypatch):
     assert _mode(f"{d}/ring-w0.bin") == (0o660, gid)  # the reader writes its read offset
     assert _mode(f"{d}/store-w0.bin")[0] == 0o600  # readers never need the store
     reader = HiddenStateReader(d, wait=1)
-    assert reader.manifest["share_gid"] == gid and reader.take("r1", timeout=1).num_tokens == 4
+    assert reader.manifest["share_gid"] == gid and is_exact(reader.take("r1", timeout=1), 1, T, H)  # noqa: F821
 
 
 def test_group_writable_ring_of_another_group_or_world_writable_is_refused(tmp_path, monkeypatch):
@@ -83,6 +99,7 @@ _CHILD = """
 import os, sys
 import pwd, grp
 from sglang_hs import HiddenStateReader
+exec(sys.argv[5])  # EXPECTED: the rows the server published
 from sglang_hs._ext import ext
 ext()
 gids = [int(g) for g in sys.argv[4].split(",")]
@@ -97,12 +114,12 @@ except Exception as e:
 rec = reader.take("r1", timeout=5)
 first = reader.next(timeout=5)
 reader.ack(first)
-print("OK", rec.rid, rec.num_tokens, float(rec.aux_hidden_states[0, 0, 0]), first.rid)
+print("OK", rec.rid, rec.num_tokens, first.rid, "exact" if is_exact(rec, 1, 4, 16) and is_exact(first, 0, 4, 16) else "WRONG ROWS")
 """
 
 
 def _as_user(uid, gids, dump, owner):
-    return subprocess.run([sys.executable, "-c", _CHILD, dump, owner, str(uid), ",".join(map(str, gids))],
+    return subprocess.run([sys.executable, "-c", _CHILD, dump, owner, str(uid), ",".join(map(str, gids)), EXPECTED],
                           capture_output=True, text=True, timeout=120, cwd="/")
 
 
@@ -116,7 +133,7 @@ def test_a_reader_of_another_user_in_the_group(monkeypatch):
         assert out.returncode == 3 and "owned by uid 0" in out.stdout and "pass owner=" in out.stdout, out
         out = _as_user(OTHER_UID, [SHARE_GID], d, "0")  # the server's user named: reads, and acks
         assert out.returncode == 0, out.stdout + out.stderr
-        assert out.stdout.split() == ["OK", "r1", "4", "1.0", "r0"]
+        assert out.stdout.split() == ["OK", "r1", "4", "r0", "exact"]  # every row, as the server published it
         from sglang_hs.store.ring import OFF_TAIL_SEQ
         from sglang_hs.store.shm import SharedRegion
 
