@@ -57,14 +57,21 @@ def test_records_cross_processes_whole_in_order_with_wraparound(tmp_path):
 
 def test_full_ring_blocks_then_times_out_without_overwriting(tmp_path):
     w = ring.RingWriter.create(str(tmp_path), "r", ring.record_bytes(10, P, H, 2, 8) * 2)
-    rid, ids, rows = "a", torch.arange(10, dtype=torch.int32), torch.ones(10, P, H, dtype=torch.bfloat16)
-    w.publish(rid, ids, rows)
-    w.publish("b", ids, rows)
+    recs = {rid: (torch.arange(10, dtype=torch.int32) + 100 * i,
+                  torch.randn(10, P, H, generator=torch.Generator().manual_seed(i)).bfloat16())
+            for i, rid in enumerate("abc")}  # rows differ by record, token, slot and index
+    w.publish("a", *recs["a"])
+    w.publish("b", *recs["b"])
     with pytest.raises(TimeoutError, match="no room"):
-        w.publish("c", ids, rows, timeout=0.2)
-    recs = ring.RingReader.open(str(tmp_path), "r").drain()
-    assert [r.rid for r in recs] == ["a", "b"]
-    w.publish("c", ids, rows, timeout=1)  # room again once read
+        w.publish("c", *recs["c"], timeout=0.2)
+    reader = ring.RingReader.open(str(tmp_path), "r")
+    got = reader.drain()
+    assert [r.rid for r in got] == ["a", "b"]
+    for r in got:  # not a byte of c over them
+        assert torch.equal(r.input_ids, recs[r.rid][0]) and torch.equal(r.rows, recs[r.rid][1]), r.rid
+    w.publish("c", *recs["c"], timeout=1)  # room again once read
+    (c,) = reader.drain()
+    assert c.rid == "c" and torch.equal(c.input_ids, recs["c"][0]) and torch.equal(c.rows, recs["c"][1])
 
 
 def test_record_larger_than_ring_is_refused(tmp_path):
