@@ -5,10 +5,10 @@
     rec = reader.take("my-request-id", timeout=60)     # that request's record, once it finished
     for rec in reader: ...                              # finished records in completion order
 
-A record holds `input_ids` [T] and `positions` [T] (int32; row t is position t), `aux_hidden_states`
-[T, K, H] (the layers of `reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), and
-`last_hidden_state` [T, H] (HF `output_hidden_states[n]`) when the server runs with `--hs-last`.
-T = every prompt token, then every generated token but the last. The reader drains the ring eagerly
+A record holds `input_ids` [T] (int32), `aux_hidden_states` [T, K, H] (the layers of
+`reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), and `last_hidden_state` [T, H] (HF
+`output_hidden_states[n]`) when the server runs with `--hs-last`. T = every prompt token, then every
+generated token but the last; row t is position t (`positions` is that arange, for convenience). The reader drains the ring eagerly
 (one copy per record, then the bytes go back to the server), so holding on to one record never stalls
 the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
 emitted.
@@ -80,7 +80,6 @@ def read_manifest(path: str, owner: Optional[int] = None) -> dict:
 class HiddenStateRecord:
     rid: str
     input_ids: torch.Tensor
-    positions: torch.Tensor
     aux_hidden_states: torch.Tensor
     last_hidden_state: Optional[torch.Tensor]
     seq: int = field(default=0, repr=False)  # its sequence number in its writer's ring (1, 2, 3, ...)
@@ -89,6 +88,14 @@ class HiddenStateRecord:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] int32 0..T-1, derived, not captured: the ring holds no positions, since row t is position t
+        by construction (the server gathers a request's rows through req_to_token in position order and
+        checks their count). Kept because the README shows it; nothing to check in it: whether row t
+        really is position t shows only in its values (e.g. against HF transformers)."""
+        return torch.arange(self.num_tokens, dtype=torch.int32)
 
 
 def _exists(path: str) -> bool:
@@ -185,7 +192,6 @@ class HiddenStateReader:
                 self._ready[rec.rid] = HiddenStateRecord(
                     rid=rec.rid,
                     input_ids=rec.input_ids,
-                    positions=torch.arange(rec.num_tokens, dtype=torch.int32),
                     aux_hidden_states=rec.rows[:, :K],
                     last_hidden_state=rec.rows[:, K] if self.has_last else None,
                     seq=rec.seq,
