@@ -21,16 +21,42 @@ def capture_server(dump_dir):
 
 
 @pytest.fixture(scope="session")
-def staging_dump_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("hs-staging") / "dump"
+def exact_server(tmp_path_factory):
+    """The exact oracle's servers compute in float32 (rows match HF float32 to ~1e-6, see
+    test_exact_rows.py). This one: --hs-copy direct, overlap scheduler on, chunked prefill of 16 tokens,
+    radix cache, --hs-last."""
+    yield from _serve(tmp_path_factory.mktemp("hs-exact") / "dump",
+                      ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK)])
 
 
 @pytest.fixture(scope="session")
-def staging_server(staging_dump_dir):
-    """The capture server's configuration with `--hs-copy staging` and an 8-row stage: each 16-token
-    prefill chunk and each batch of more than 8 decode rows is shipped in several chunks."""
-    yield from _serve(staging_dump_dir, ["--hs-last", "--chunked-prefill-size", str(CHUNK), "--hs-copy", "staging",
-                                         "--hs-staging-rows", "8"])
+def exact_staging_server(tmp_path_factory):
+    """The other float32 server: --hs-copy staging with an 8-row stage (each 16-token prefill chunk and
+    each decode batch of more than 8 rows is shipped in several pieces), overlap scheduler off."""
+    yield from _serve(tmp_path_factory.mktemp("hs-exact-staging") / "dump",
+                      ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK), "--hs-copy",
+                       "staging", "--hs-staging-rows", "8", "--disable-overlap-schedule"])
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """HF transformers' float32 `output_hidden_states` of the embedded checkpoint, for token ids; and its
+    tokenizer as `hf.tok`. The reference every captured row is judged against."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_hs import tiny_model
+
+    path = tiny_model.ensure()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def hidden_states(ids):
+        with torch.no_grad():
+            return [h[0] for h in model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states]
+
+    hidden_states.tok = tok
+    return hidden_states
 
 
 @pytest.fixture(scope="session")

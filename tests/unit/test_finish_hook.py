@@ -1,0 +1,131 @@
+"""The finish hook itself (`capture_hooks._after_collect`, what SGLang's result processing calls when a
+request finishes): which tokens a record holds, which KV slots its rows are gathered from, and which
+requests are not emitted. Real SGLang `Req` objects (their own `output_ids_through_stop`, finish
+reasons and `kv.req_pool_idx`), a fake `req_to_token` table, the real writer, ring and reader. Every
+store slot holds rows that differ per slot, per layer and per hidden index, so a record is checked
+row by row, exactly, against the store rows of the slots it must come from."""
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.reader import HiddenStateReader
+
+H, LAYERS, N_LAYERS, NUM_SLOTS, POOL, MAX_LEN = 16, [1, 2], 4, 128, 6, 40
+SPEC = CaptureSpec.resolve(LAYERS, True, N_LAYERS, H)
+P = len(LAYERS) + 1
+
+
+class Admission:
+    """Stands in for AdmissionControl: records which reservations the hook releases."""
+
+    def __init__(self):
+        self.released = []
+
+    def release(self, rid):
+        self.released.append(rid)
+
+
+@pytest.fixture
+def hook(tmp_path, monkeypatch):
+    from sglang_hs.patches import capture_hooks
+    from sglang_hs.store.writer import CaptureWriter
+
+    writer = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS, dtype=torch.float32, ring_bytes=1 << 20)
+    # slot s, row p, index h: s + p / 4 + h / 1024, exact in float32 and different everywhere
+    s, p, h = torch.meshgrid(torch.arange(NUM_SLOTS), torch.arange(P), torch.arange(H), indexing="ij")
+    writer.store.copy_(s + p / 4 + h / 1024)
+    admission = Admission()
+    monkeypatch.setattr(capture_hooks, "_writer", writer)
+    monkeypatch.setattr(capture_hooks, "_admission", admission)
+    collected = []
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "_maybe_collect_routed_experts", lambda self, req: collected.append(req.rid))
+    # request pool row r holds slots 100 - 3r, 99 - 3r, ...: no two rows alike, none in position order
+    table = torch.stack([torch.arange(100 - 3 * r, 100 - 3 * r - MAX_LEN, -1) for r in range(POOL)]).clamp(min=1)
+    table = table.to(torch.int32)  # as SGLang's ReqToTokenPool holds it
+    processor = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=table))
+    reader = HiddenStateReader(str(tmp_path))
+    yield SimpleNamespace(finish=lambda req: capture_hooks._after_collect(processor, req), table=table,
+                          writer=writer, admission=admission, collected=collected, reader=reader)
+    reader.close()
+
+
+def _req(rid, prompt, output, pool_idx, finished_reason=None, finished_len=None):
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=max(1, len(output))))
+    req.output_ids.extend(output)
+    req.finished_reason = finished_reason or FINISH_LENGTH(len(output))
+    req.finished_len = finished_len
+    req.kv.req_pool_idx = pool_idx
+    return req
+
+
+def _assert_record(hook, rid, tokens, slots):
+    rec = hook.reader.take(rid, timeout=5)
+    assert rec.input_ids.tolist() == tokens
+    want = hook.writer.store[torch.as_tensor(slots, dtype=torch.long)]
+    assert torch.equal(rec.aux_hidden_states, want[:, :-1]), (rid, "aux rows are not the slots' rows")
+    assert torch.equal(rec.last_hidden_state, want[:, -1]), (rid, "final-state rows are not the slots' rows")
+    assert rid in hook.admission.released and rid in hook.collected
+
+
+def test_prompt_only_request_holds_every_prompt_row(hook):
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    hook.finish(_req("prompt-only", prompt, [42], pool_idx=2))  # one generated token: it has no row
+    _assert_record(hook, "prompt-only", prompt, hook.table[2, :len(prompt)].tolist())
+
+
+def test_generated_tokens_but_the_last_have_rows(hook):
+    prompt, output = [3, 4, 5], [20, 21, 22, 23]
+    hook.finish(_req("gen", prompt, output, pool_idx=4))
+    T = len(prompt) + len(output) - 1
+    _assert_record(hook, "gen", (prompt + output)[:T], hook.table[4, :T].tolist())
+
+
+def test_a_stop_string_trims_the_rows_past_it(hook):
+    """Under the overlap scheduler a request that matched a stop string has forwarded tokens past its
+    final length: `finished_len` trims output_ids, and the record ends at the stop token's row."""
+    from sglang.srt.managers.schedule_batch import FINISH_MATCHED_STR
+
+    prompt, output = [3, 4, 5, 6], [30, 31, 32, 33, 34]
+    hook.finish(_req("stop", prompt, output, pool_idx=1, finished_reason=FINISH_MATCHED_STR("x"), finished_len=2))
+    T = len(prompt) + 2 - 1
+    _assert_record(hook, "stop", (prompt + output)[:T], hook.table[1, :T].tolist())
+
+
+def test_aborted_health_check_and_warmup_requests_are_not_emitted_but_released(hook):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from sglang_hs.patches.warmup_rid import PREFIX as WARMUP
+
+    hook.finish(_req("aborted", [1, 2, 3], [4, 5], pool_idx=0, finished_reason=FINISH_ABORT("client gone")))
+    hook.finish(_req("HEALTH_CHECK_123", [1, 2], [3], pool_idx=1))
+    hook.finish(_req(WARMUP + "0", [1, 2], [3], pool_idx=3))
+    hook.finish(_req("after", [9, 8, 7], [6], pool_idx=5))
+    assert hook.admission.released == ["aborted", "HEALTH_CHECK_123", WARMUP + "0", "after"]
+    rec = hook.reader.next(timeout=5)  # the next record in the ring is the one that was emitted
+    assert rec.rid == "after"
+    assert hook.writer.stats["records"] == 1 and hook.writer.stats["dropped"] == 0
+
+
+def test_repeated_slots_give_the_same_row_at_each_position(hook):
+    """A request whose table row names one slot twice (as when two positions share a page of a pool
+    that hands out a slot again): each position gets that slot's row."""
+    hook.table[3, :6] = torch.tensor([50, 51, 50, 52, 52, 7], dtype=torch.int32)
+    prompt = [1, 2, 3, 4, 5, 6]
+    hook.finish(_req("repeat", prompt, [0], pool_idx=3))
+    _assert_record(hook, "repeat", prompt, [50, 51, 50, 52, 52, 7])
+
+
+def test_records_of_successive_requests_come_from_their_own_pool_rows(hook):
+    for i, idx in enumerate((5, 0, 3)):
+        prompt = list(range(10 + i, 10 + i + 4 + 3 * i))
+        hook.finish(_req(f"seq-{i}", prompt, [1, 2], pool_idx=idx))
+    for i, idx in enumerate((5, 0, 3)):
+        prompt = list(range(10 + i, 10 + i + 4 + 3 * i))
+        T = len(prompt) + 1
+        _assert_record(hook, f"seq-{i}", (prompt + [1, 2])[:T], hook.table[idx, :T].tolist())
