@@ -15,7 +15,22 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def check_server_args(cfg) -> None:
-    """Refuse SGLang settings capture cannot run with (cfg: SGLang's resolved view of ServerArgs)."""
+    """Refuse SGLang settings capture cannot run with (cfg: SGLang's resolved view of ServerArgs).
+
+    The store is filled by forward passes, one row per KV slot: whatever puts KV into a slot another
+    way (loaded back from host memory, storage or a peer) would leave that slot's rows stale, so each
+    such feature is refused. Audited against SGLang 0.5.23 and left allowed, since none puts KV into a
+    slot without a forward of this server: --enable-streaming-session and --enable-session-radix-cache
+    (they hold KV this server computed, like the radix cache); --enable-pd-role-switch (acts only under
+    --disaggregation-mode); --enable-kv-cache-sharding, --disaggregation-decode-retraction-backup host_pool
+    and --disaggregation-decode-host-receive-threshold (SGLang allows them only with --disaggregation-mode);
+    --enable-linker-mla-dedup (needs the external linker) and --enable-page-major-kv-layout (needs
+    --enable-unified-memory); --enable-memory-saver (it releases the KV pool, never fills it);
+    --kv-canary (checks KV, writes canaries only); SWA and Mamba pool flags (DeepSeek-V2/V3 have neither
+    pool); weight offload and loading flags (--cpu-offload-gb, --offload-*, --kt-*, remote weight
+    loaders: weights, not KV); multimodal caches (--enable-prefix-mm-cache, --enable-mm-global-cache:
+    encoder embeddings, not KV); --decoupled-spec-role (nothing in 0.5.23 consumes it but its IPC config).
+    """
     from sglang_hs import envs
     from sglang_hs.capture_spec import CaptureConfigError
 
@@ -25,15 +40,40 @@ def check_server_args(cfg) -> None:
         (getattr(cfg, "pp_size", 1) or 1) > 1
         and "--pp-size > 1 (pipeline parallel): capture needs every layer on one rank; use --tp",
         getattr(cfg, "enable_two_batch_overlap", False)
-        and "--enable-two-batch-overlap: two-batch overlap skips aux capture in its MoE layers",
+        and "--enable-two-batch-overlap: two-batch overlap skips aux capture in its MoE layers; drop it",
         getattr(cfg, "speculative_algorithm", None)
-        and "--speculative-algorithm: speculative decoding cannot run with --hs-dump-dir",
+        and "--speculative-algorithm: speculative decoding cannot run with --hs-dump-dir; serve the target alone",
         getattr(cfg, "enable_torch_compile", False)
-        and "--enable-torch-compile: the capture copy is not a registered custom op yet",
+        and "--enable-torch-compile: the capture copy is not a registered custom op yet; drop it (CUDA graphs stay)",
         (getattr(cfg, "dp_size", 1) or 1) > 1
         and "--dp-size > 1: one writer per data-parallel group is not supported yet; use --tp",
+        (getattr(cfg, "attn_dp_size", 1) or 1) > 1  # also what --dp-size N --enable-dp-attention resolves to
+        and "--attn-dp-size > 1 (DP attention): every group's writer would open the same store files; use --tp",
         (getattr(cfg, "attn_cp_size", 1) or 1) > 1
-        and "--attn-cp-size > 1 (context parallel): its extend path bypasses the overlay's forward",
+        and "--attn-cp-size > 1 (context parallel): its extend path bypasses the overlay's forward; use --tp",
+        # KV reaching a slot without a forward pass (its rows in the store would be stale):
+        getattr(cfg, "disaggregation_decode_enable_offload_kvcache", False)
+        and "--disaggregation-decode-enable-offload-kvcache: offloaded KV is loaded back without a forward; drop it",
+        (getattr(cfg, "disaggregation_mode", "null") or "null") != "null"
+        and "--disaggregation-mode: a PD decode server gathers prompt KV it never computed; serve without PD",
+        getattr(cfg, "enable_hierarchical_cache", False)
+        and "--enable-hierarchical-cache: HiCache loads KV back from host memory; use the default radix cache",
+        getattr(cfg, "hicache_storage_backend", None)
+        and "--hicache-storage-backend: KV loaded from storage skips the forward; use the default radix cache",
+        getattr(cfg, "enable_lmcache", False)
+        and "--enable-lmcache: LMCache loads KV from its store; use the default radix cache",
+        getattr(cfg, "enable_flexkv", False)
+        and "--enable-flexkv: FlexKV loads KV back from CPU, SSD or remote tiers; use the default radix cache",
+        getattr(cfg, "radix_cache_backend", None)
+        and "--radix-cache-backend: a plug-in cache may load KV without a forward; use the default radix cache",
+        getattr(cfg, "enable_unified_cache_external_linker", False)
+        and "--enable-unified-cache-external-linker: KV loaded from an external store; use the default radix cache",
+        getattr(cfg, "enable_hisparse", False)
+        and "--enable-hisparse: hierarchical sparse attention swaps KV in from host memory; drop it",
+        getattr(cfg, "enable_unified_memory", False)
+        and "--enable-unified-memory: its pool translates KV slot ids and moves KV between pages; drop it",
+        (getattr(cfg, "dcp_size", 1) or 1) > 1
+        and "--dcp-size > 1 (decode context parallel): KV slots are widened and split over ranks; use --tp",
     ]
     for message in refusals:
         if message:

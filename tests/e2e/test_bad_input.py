@@ -60,3 +60,12 @@ def test_unsupported_combinations(tmp_path, args, message):
     marker = f"hs-{uuid.uuid4().hex[:8]}"
     r = run_launcher(["--hs-dump-dir", str(tmp_path / marker), *args], timeout=300)
     _assert_refused(r, f"unsupported with --hs-dump-dir: {message}", marker)
+
+
+def test_kv_load_back_refused(tmp_path):
+    """A feature that puts KV into a slot without a forward pass (here HiCache's load-back from host
+    memory) is refused by the real launcher before any model loads; every such flag is covered in
+    tests/unit/test_server_arg_refusals.py."""
+    marker = f"hs-{uuid.uuid4().hex[:8]}"
+    r = run_launcher(["--hs-dump-dir", str(tmp_path / marker), "--enable-hierarchical-cache"], timeout=300)
+    _assert_refused(r, "unsupported with --hs-dump-dir: --enable-hierarchical-cache", marker)
