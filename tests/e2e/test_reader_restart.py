@@ -1,7 +1,10 @@
 """A reader process killed mid-run and restarted resumes from the ring: with acknowledged reading
 (HiddenStateReader(ack=True), acking after each record is saved) every finished request ends up saved
 exactly once across both runs, complete and in order, while the server keeps serving (its small ring
-fills while no reader runs, and admission control holds new requests until the new reader catches up)."""
+fills while no reader runs, and admission control holds new requests until the new reader catches up).
+The consumer acknowledges out of order (pairs reversed, ack_consumer.py) and is killed between the two
+acks of a pair: the record it acknowledged (B) must not release the one before it (A), not yet saved;
+the new reader gets A and B again, B identical to what was saved."""
 import concurrent.futures as cf
 import os
 import random
@@ -34,7 +37,46 @@ def _consumer(server, out, log):
 
 
 def _log(log):
-    return [line.split() for line in open(log).read().splitlines()] if os.path.exists(log) else []
+    """The consumer's complete log lines, split."""
+    if not os.path.exists(log):
+        return []
+    text = open(log).read()
+    return [line.split() for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def _mid_pair(entries):
+    """(A, B) when the consumer's last step acknowledged B, saved after A, the record before it, which it
+    holds and has not saved; else None."""
+    if len(entries) >= 3 and entries[-3][0] == "hold" and entries[-2][0] == "saved" and entries[-1][0] == "acked":
+        a, b = entries[-3][1], entries[-1][1]
+        if entries[-2][1] == b != a:
+            return a, b
+    return None
+
+
+def _stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _kill_between_the_acks_of_a_pair(proc, log, timeout=120):
+    """SIGKILL the consumer at a moment it has acknowledged B and not yet saved A (after 8 records saved).
+    It is stopped first, so the log read is its final state. Returns (A, B)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the consumer never acknowledged out of order"
+        entries = _log(log)
+        pair = _mid_pair(entries) if sum(e[0] == "saved" for e in entries) >= 8 else None
+        if pair:
+            proc.send_signal(signal.SIGSTOP)
+            while not _stopped(proc.pid):
+                time.sleep(0.001)
+            if _mid_pair(_log(log)) == pair:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+                return pair
+            proc.send_signal(signal.SIGCONT)  # it moved on meanwhile: the next pair
+        time.sleep(0.005)
 
 
 def _wait(cond, timeout, what):
@@ -61,14 +103,14 @@ def test_reader_killed_and_restarted_saves_every_request_exactly_once(small_ring
 
     with cf.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(send, r) for r in reqs]
-        _wait(lambda: sum(e[0] == "saved" for e in _log(log)) >= 8, 120, lambda: "the first consumer saved nothing")
-        first.send_signal(signal.SIGKILL)  # mid-stream, wherever it is
-        first.wait(30)
+        held, acked = _kill_between_the_acks_of_a_pair(first, log)
         time.sleep(3)  # the server goes on serving; the ring fills, admission holds the rest
         second = _consumer(server, out, log)
         try:
             expected = dict(f.result(timeout=300) for f in futures)
-            _wait(lambda: len(list(out.glob("*.pt"))) == N, 120, lambda: f"saved {len(list(out.glob('*.pt')))} of {N}")
+            _wait(lambda: len(list(out.glob("*.pt"))) == N, 120,
+                  lambda: f"saved {len(list(out.glob('*.pt')))} of {N}; never saved: "
+                          f"{sorted(set(r[0] for r in reqs) - {p.stem for p in out.glob('*.pt')})}")
         finally:
             second.send_signal(signal.SIGKILL)
             second.wait(30)
@@ -77,15 +119,19 @@ def test_reader_killed_and_restarted_saves_every_request_exactly_once(small_ring
     entries = _log(log)
     starts = [i for i, e in enumerate(entries) if e[0] == "start"]
     assert len(starts) == 2
-    run1 = [e[1] for e in entries[: starts[1]] if e[0] == "saved"]
-    run2 = entries[starts[1] + 1:]
-    repeats = [e[1] for e in run2 if e[0] == "repeat"]
-    saved2 = [e[1] for e in run2 if e[0] == "saved"]
-    # Exactly once: nothing lost, nothing saved twice; the only record delivered again is one the first
-    # reader had saved (perhaps not yet logged) but not acknowledged when it died, and it comes first.
-    saved1 = run1 + [rid for rid in repeats if rid not in run1]
-    assert sorted(saved1 + saved2) == sorted(expected)
-    assert len(repeats) <= 1 and (not repeats or run2[0][0] == "repeat")
+    handled1 = [e for e in entries[: starts[1]] if e[0] in ("saved", "repeat")]
+    handled2 = [e for e in entries[starts[1] + 1:] if e[0] in ("saved", "repeat")]
+    assert [e[0] for e in handled1] == ["saved"] * len(handled1) and handled1[-1][1] == acked
+    # The new reader starts with the pair the first was in the middle of: A, held and not saved, and B,
+    # saved and acknowledged after it, whose ack had to wait for A's (the consumer handles B first again).
+    assert [e[1] for e in handled2[:2]] == [acked, held], handled2[:3]
+    assert handled2[0] == ["repeat", acked, "same"]  # delivered again, identical to the file it saved
+    repeats = [e for e in handled2 if e[0] == "repeat"]
+    assert all(e[2] == "same" for e in repeats) and {e[1] for e in repeats} <= {held, acked}, repeats
+    # A may have been renamed into place just before the kill, its log line not yet written: a repeat then.
+    saved1 = [e[1] for e in handled1] + [e[1] for e in repeats if e[1] == held]
+    saved2 = [e[1] for e in handled2 if e[0] == "saved"]
+    assert sorted(saved1 + saved2) == sorted(expected)  # each request saved exactly once, none lost
     for rid, ids in expected.items():
         rec = torch.load(out / f"{rid}.pt")
         T = len(ids)
