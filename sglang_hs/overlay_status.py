@@ -1,10 +1,12 @@
 """A small status file the overlay keeps in the dump dir: proof, from the serving process, that the
 overlay class served the requests with capture on.
 
-`<dump_dir>/overlay-<pid>.json`: class, pid, capture spec, forwards and rows per forward mode, the
-aux shape last seen, the last request ids served, and the writer's and admission control's counters.
-Counted in Python, so forwards replayed from a CUDA graph are not counted (on the CPU engine every
-forward is). Rewritten atomically by a daemon thread at most twice a second, only when its content
+`<dump_dir>/overlay-<pid>.json`: class, pid, capture spec, forward steps and their real rows per
+forward mode, the aux shape last seen, the last request ids served, and the writer's and admission
+control's counters. Steps are counted by the ModelRunner.forward hook (sglang_hs/patches/
+capture_hooks.py), which runs for every step the scheduler makes, whether its model ran eagerly or a
+CUDA graph replayed it, and never for graph capture or warm-up passes, which call the model directly.
+Rewritten atomically by a daemon thread at most twice a second, only when its content
 changed, never from the forward itself.
 """
 from __future__ import annotations
@@ -46,18 +48,22 @@ class OverlayStatus:
         self._flush()
         threading.Thread(target=self._run, name="sglang-hs-status", daemon=True).start()
 
-    def record(self, forward_batch, rows: int, aux_shape: tuple) -> None:
-        mode = forward_batch.forward_mode.name
+    def record(self, mode: str, rows: int, rids) -> None:
+        """One forward step of the scheduler (ModelRunner.forward, whether the model ran eagerly or a CUDA
+        graph was replayed): its mode, its real rows (no graph padding) and its request ids."""
         with self._lock:
             self._data["forwards"][mode] += 1
             self._data["rows"][mode] += rows
-            self._data["last_aux_shape"] = list(aux_shape)
             recent = self._data["recent_rids"]
-            for rid in forward_batch.rids or ():  # O(1) each: this runs in every forward
+            for rid in rids or ():  # O(1) each: this runs in every step
                 if rid not in recent:
                     recent[rid] = None
                     if len(recent) > RECENT_RIDS:
                         recent.popitem(last=False)
+
+    def saw_aux(self, aux_shape: tuple) -> None:
+        """The packed aux shape of an eager overlay forward (padded rows included; a replay runs none)."""
+        self._data["last_aux_shape"] = list(aux_shape)
 
     def _run(self) -> None:
         last_log = time.monotonic()

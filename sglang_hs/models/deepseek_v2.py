@@ -140,7 +140,7 @@ class _HiddenStateOverlay:
             hidden, aux = self.model(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         if self._hs_hang_in_warmup and getattr(forward_batch, "rids", None):
             _maybe_hang("warmup")
-        self.hs_status.record(forward_batch, hidden.shape[0], tuple(aux.shape))
+        self.hs_status.saw_aux(tuple(aux.shape))  # steps are counted by the ModelRunner.forward hook
         if self.hs_writer is not None:
             loc = getattr(forward_batch, "out_cache_loc_virtual", None)
             self.hs_writer.copy(aux, hidden, forward_batch.out_cache_loc if loc is None else loc)

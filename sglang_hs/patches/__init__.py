@@ -14,8 +14,8 @@ Ledger (what / why / upstream status / removal plan):
 |                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
 |                   | (admission control),                         |                  |
 |                   | Scheduler.ingest_requests (to see its queues)|                  |
-|                   | and ModelRunner.forward (step hooks of the   |                  |
-|                   | --hs-copy staging strategy)                  |                  |
+|                   | and ModelRunner.forward (count each step in  |                  |
+|                   | the status; step hooks of --hs-copy staging) |                  |
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
@@ -38,6 +38,8 @@ capture_hooks
             is `_pull_raw_reqs` (sglang_hs/store/admission.py says why). The staging strategy must ship
             what a CUDA-graph replay wrote after every step, which runs no Python of the model: the
             point after `ModelRunner.forward` returns, where SGLang calls its capturers' `on_forward_end`.
+            The same point counts every step in the overlay's status (a replay skips the model's
+            Python, and capture passes call the model without ModelRunner.forward).
   upstream: no extension point for per-token capturers in 0.5.23 besides these.
   removal:  if SGLang grows a capturer registry or a `sglang.srt.plugins` hook at both points, move
             there. A change of either method's name or signature fails `apply()` loudly (AttributeError

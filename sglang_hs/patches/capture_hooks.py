@@ -65,17 +65,26 @@ def _default_staging_rows(runner) -> int:
 
 
 def _forward(self, forward_batch, *args, **kwargs):
-    """ModelRunner.forward with the writer's step hooks around it when it stages (the staging strategy
-    ships what a CUDA-graph replay wrote, since a replay runs none of the overlay's Python)."""
-    stages = _writer is not None and _writer.staging is not None and not getattr(self, "is_draft_worker", False)
-    w = _writer if stages else None  # direct copy: nothing to do around the step
+    """ModelRunner.forward: every step the scheduler makes, whether the model runs eagerly or a CUDA graph
+    is replayed (a replay runs none of the overlay's Python). The overlay's status counts the step here
+    (its real rows, no graph padding, and its request ids), and a staging writer ships what it wrote.
+    Graph capture and warm-up passes call the model directly and are not counted."""
+    if getattr(self, "is_draft_worker", False):
+        return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    status = getattr(self.model, "hs_status", None)
+    w = _writer if _writer is not None and _writer.staging is not None else None  # direct copy: no step work
     if w is not None:
         w.before_step()
     out = ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    if w is None and status is None:
+        return out
+    loc = getattr(forward_batch, "out_cache_loc_virtual", None)
+    loc = forward_batch.out_cache_loc if loc is None else loc
+    rows = 0 if loc is None else int(loc.shape[0])
     if w is not None:
-        loc = getattr(forward_batch, "out_cache_loc_virtual", None)
-        loc = forward_batch.out_cache_loc if loc is None else loc
-        w.after_step(0 if loc is None else int(loc.shape[0]), bool(getattr(out, "can_run_graph", False)))
+        w.after_step(rows, bool(getattr(out, "can_run_graph", False)))
+    if status is not None:
+        status.record(forward_batch.forward_mode.name, rows, getattr(forward_batch, "rids", None))
     return out
 
 

@@ -51,7 +51,7 @@ def overlay(overlay_module, tmp_path, monkeypatch, request):
     torch.nn.Module.__init__(model)
     model.model = StandInModel()
     model.hs_spec, model._hs_hang_in_warmup = SPEC, False
-    model.hs_status = SimpleNamespace(record=lambda *a: None)
+    model.hs_status = SimpleNamespace(saw_aux=lambda *a: None)
     # staging: 4 rows, so the 8-row prefill is shipped in two chunks and a 4-row graph just fits
     model.hs_writer = CaptureWriter(str(tmp_path), SPEC, num_slots=64, dtype=torch.bfloat16, ring_bytes=1 << 20,
                                     copy=request.param, staging_rows=4)
