@@ -242,13 +242,13 @@ class Extraction:
             mask = torch.tensor(sample.loss_mask[:T])
         else:
             mask = (torch.arange(T) >= sample.prompt_len).long()
-        if verify:
+        if verify:  # every row: the last one predicted the last generated token, output[-1]
             meta = reply["meta_info"]
-            logprobs = [x[0] for x in meta["input_token_logprobs"]]
-            if sample.prompt_len is not None and not self.ns.temperature:  # greedy replies: their logprobs too
-                logprobs += [x[0] for x in meta.get("output_token_logprobs", [])]
-            n = min(T, len(logprobs))  # sampled replies: the prompt positions only
-            diff = check(sample.index, want[:n], rec.last_hidden_state[:n], self.lm_head, logprobs)
+            entries = list(meta["input_token_logprobs"]) + list(meta.get("output_token_logprobs", []))
+            temperature = self.ns.temperature if sample.prompt_len is not None else 0.0
+            diff = check(sample.index, sample.input_ids + output, rec.last_hidden_state, self.lm_head,
+                         [x[0] for x in entries], [x[1] for x in entries], temperature=temperature,
+                         sampled_from=len(sample.input_ids))
             self.stats.verified += 1
             self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
         unwritten = [f for _, _, f in self.writes if not f.done()]

@@ -1,11 +1,18 @@
 """`--verify FRACTION`: check captured final states against the server's own logprobs of the same request.
 
-For a verified sample the request also asks for `return_logprob` from position 0. The server's logprob
-of each next prompt token must equal the one computed here from the captured final hidden state with
-the model's `lm_head` (float32): what a drafter trained on these rows will be taught. Logprobs are
-compared rather than argmaxes, so near-ties in the top-1 cannot fail a correct capture; the tolerance
-covers the server's bf16 lm_head. A wrong layer, a row from another token or a shifted position is off
-by whole nats.
+For a verified sample the request also asks for `return_logprob` from position 0. Row t of a record is
+the final hidden state the server computed the token after it from, so for every row, the last one
+included, the server's logprob of the next token must equal the one computed here from the captured row
+with the model's `lm_head` (float32): what a drafter trained on these rows will be taught. The last
+row's next token is the last generated one, which has no row of its own; its logprob is the first (or,
+with --regenerate, the last) of the reply's `output_token_logprobs`. Logprobs are compared rather than
+argmaxes, so near-ties in the top-1 cannot fail a correct capture; the tolerance covers the server's
+bf16 lm_head. A wrong layer, a row from another token or a shifted position is off by whole nats.
+
+A sampled token's logprob (--regenerate --temperature T > 0) is reported by SGLang 0.5.23 from the
+temperature-scaled distribution, log softmax(logits / T), before top-p/top-k filtering (sampler.py,
+the standard path), or from the unscaled one when the server sets SGLANG_RETURN_ORIGINAL_LOGPROB: such a
+row passes when it matches either, within the tolerance divided by T where T < 1.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from typing import List, Optional
 import torch
 
 ATOL = 0.08  # nats: the server's bf16 logits vs float32 here, measured at most ~0.02 on the tiny model
+SAMPLING_EPS = 1e-6  # SGLang samples greedily below this temperature (sampling_params._SAMPLING_EPS)
 
 
 class VerificationError(RuntimeError):
@@ -43,22 +51,43 @@ def load_lm_head(model_path: str) -> torch.Tensor:
     raise VerificationError(f"--verify: neither lm_head.weight nor model.embed_tokens.weight in {model_path}")
 
 
-def check(index: int, input_ids: List[int], last: torch.Tensor, lm_head: torch.Tensor,
-          server_logprobs: List[Optional[float]]) -> float:
-    """Raise VerificationError naming the sample when the capture disagrees; returns the max difference."""
-    T = len(input_ids)
-    if last.shape[0] != T:
-        raise VerificationError(f"sample {index}: {last.shape[0]} captured rows for {T} tokens")
-    if len(server_logprobs) < T:
-        raise VerificationError(f"sample {index}: the server returned {len(server_logprobs)} logprobs for {T} tokens")
-    if T < 2:
+def check(index: int, tokens: List[int], last: torch.Tensor, lm_head: torch.Tensor,
+          server_logprobs: List[Optional[float]], server_token_ids: Optional[List[int]] = None,
+          temperature: float = 0.0, sampled_from: Optional[int] = None) -> float:
+    """Raise VerificationError naming the sample when the capture disagrees; returns the max difference.
+
+    `last`: the record's T captured final states. `tokens`: the record's T tokens, then the token after
+    its last row (the last one generated): T + 1. `server_logprobs[i]` (and `server_token_ids[i]`): the
+    server's logprob of tokens[i] (and the token it says that is), None at 0: T + 1 too. Every row t is
+    checked against the logprob of tokens[t + 1]. Tokens from index `sampled_from` on were sampled at
+    `temperature` (0: greedy, all logprobs unscaled)."""
+    T = last.shape[0]
+    if len(tokens) != T + 1:
+        raise VerificationError(f"sample {index}: {T} captured rows for {len(tokens) - 1} tokens forwarded")
+    if len(server_logprobs) != T + 1:
+        raise VerificationError(f"sample {index}: the server returned {len(server_logprobs)} logprobs for "
+                                f"{T + 1} tokens")
+    if server_token_ids is not None and list(server_token_ids[1:]) != list(tokens[1:]):
+        raise VerificationError(f"sample {index}: the server's logprobs are of other tokens than the record's")
+    if T == 0:
         return 0.0
-    logp = torch.log_softmax(last[:-1].float() @ lm_head.T, dim=-1)
-    ours = logp.gather(1, torch.tensor(input_ids[1:])[:, None]).squeeze(1)
-    theirs = torch.tensor([float(x) for x in server_logprobs[1:T]])
+    logits = last.float() @ lm_head.T
+    target = torch.tensor(tokens[1:])[:, None]
+    ours = torch.log_softmax(logits, dim=-1).gather(1, target).squeeze(1)
+    theirs = torch.tensor([float(x) for x in server_logprobs[1:]])
     diff = (ours - theirs).abs()
-    worst = int(diff.argmax())
-    if diff[worst] > ATOL:
-        raise VerificationError(f"sample {index}: at position {worst + 1} the captured final state gives logprob "
-                                f"{ours[worst]:.4f}, the server {theirs[worst]:.4f} (tolerance {ATOL})")
+    tol = torch.full((T,), ATOL)
+    sampled = temperature >= SAMPLING_EPS and sampled_from is not None and sampled_from <= T
+    if sampled:  # rows sampled_from - 1 .. T - 1 predicted sampled tokens
+        r = slice(max(sampled_from - 1, 0), T)
+        scaled = torch.log_softmax(logits[r] / temperature, dim=-1).gather(1, target[r]).squeeze(1)
+        diff[r] = torch.minimum(diff[r], (scaled - theirs[r]).abs())
+        tol[r] = ATOL / min(temperature, 1.0)
+    bad = (diff > tol).nonzero().flatten().tolist()
+    if bad:
+        t = bad[0]
+        raise VerificationError(f"sample {index}: row {t} (the state before token {t + 1}"
+                                f"{', the last row' if t == T - 1 else ''}): the captured final state gives "
+                                f"logprob {ours[t]:.4f}, the server {theirs[t]:.4f} (tolerance {float(tol[t]):.3f}); "
+                                f"{len(bad)} of {T} rows disagree")
     return float(diff.max())

@@ -152,18 +152,55 @@ def test_draft_config_ids_make_sglang_capture_the_same_layers(layers, ids):
     assert cfg["speculators_layer_ids"] == layers + [61]
 
 
-def test_verification_passes_the_true_states_and_fails_shifted_ones():
-    g = torch.Generator().manual_seed(0)
-    V, H, T = 50, 16, 12
+def _verify_case(T=12, V=50, H=16, seed=0):
+    """A head, T final states and T + 1 tokens (the last: the token after the last row), with the server's
+    logprob of each token from those states (None at 0), as the extraction passes them to check()."""
+    g = torch.Generator().manual_seed(seed)
     head = torch.randn(V, H, generator=g)
     last = torch.randn(T, H, generator=g) * 3
-    ids = torch.randint(0, V, (T,), generator=g).tolist()
-    server = [None] + torch.log_softmax(last[:-1] @ head.T, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-    assert check(0, ids, last.bfloat16().float(), head, server) < 0.08
-    with pytest.raises(VerificationError, match="sample 7: at position"):
-        check(7, ids, torch.cat([last[1:], last[:1]]), head, server)
-    with pytest.raises(VerificationError, match="captured rows for"):
-        check(7, ids, last[:-1], head, server)
+    tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
+    logp = torch.log_softmax(last @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return head, last, tokens, [None] + logp.tolist()
+
+
+def test_verification_passes_the_true_states_and_fails_wrong_ones_in_any_row_the_last_included():
+    head, last, tokens, server = _verify_case()
+    T = last.shape[0]
+    assert check(0, tokens, last.bfloat16().float(), head, server, tokens) < 0.08
+    with pytest.raises(VerificationError, match="sample 7: row 0 "):  # shifted by one token
+        check(7, tokens, torch.cat([last[1:], last[:1]]), head, server)
+    for t in range(T):  # one row from another token, wherever it is
+        wrong = last.clone()
+        wrong[t] = last[t - 1]
+        with pytest.raises(VerificationError, match=rf"sample 7: row {t} .*{', the last row' if t == T - 1 else ''}"):
+            check(7, tokens, wrong, head, server)
+    for bad in ([tokens, last[:-1]], [tokens[:-1], last]):  # a row missing, or a token
+        with pytest.raises(VerificationError, match="captured rows for"):
+            check(7, bad[0], bad[1], head, server)
+    with pytest.raises(VerificationError, match="the server returned 12 logprobs for 13 tokens"):
+        check(7, tokens, last, head, server[:-1])  # the last row's reference missing is an error, not a skip
+    with pytest.raises(VerificationError, match="logprobs are of other tokens"):
+        check(7, tokens, last, head, server, tokens[:-1] + [tokens[-1] + 1])
+
+
+def test_verification_of_sampled_tokens_uses_the_temperature_scaled_logprob():
+    """--regenerate --temperature: SGLang reports a sampled token's logprob from log softmax(logits / T)
+    (the unscaled one with SGLANG_RETURN_ORIGINAL_LOGPROB); the prompt tokens' logprobs are unscaled."""
+    head, last, tokens, server = _verify_case()
+    prompt_len, temp = 5, 0.7
+    scaled = torch.log_softmax(last @ head.T / temp, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    mixed = server[:prompt_len] + scaled[prompt_len - 1:].tolist()
+    assert check(0, tokens, last, head, mixed, temperature=temp, sampled_from=prompt_len) < 1e-4
+    assert check(0, tokens, last, head, server, temperature=temp, sampled_from=prompt_len) < 1e-4  # original
+    with pytest.raises(VerificationError, match="row 4 "):  # read as greedy, the sampled rows disagree
+        check(0, tokens, last, head, mixed)
+    wrong = last.clone()
+    wrong[-1] = last[-2]  # the last row, predicting a sampled token, from another token
+    with pytest.raises(VerificationError, match="row 11 .*the last row"):
+        check(0, tokens, wrong, head, mixed, temperature=temp, sampled_from=prompt_len)
+    with pytest.raises(VerificationError, match="row 3 "):  # a prompt row is compared unscaled
+        check(0, tokens, last, head, server[:4] + [server[4] + 0.5] + mixed[5:], temperature=temp,
+              sampled_from=prompt_len)
 
 
 def test_a_hugging_face_dataset_on_disk_is_read_like_json_lines(tmp_path, tok):
@@ -178,10 +215,14 @@ def test_a_hugging_face_dataset_on_disk_is_read_like_json_lines(tmp_path, tok):
     assert s.input_ids == Preparer(tok, 4096)(0, rows[0]).input_ids
 
 
-def test_a_missing_data_file_is_named(tmp_path):
+def test_a_missing_data_file_is_named(tmp_path, capsys):
     from sglang_hs.extract.cli import main
 
-    assert main(["--data", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    missing = tmp_path / "nope.jsonl"
+    assert main(["--data", str(missing), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data: {missing} does not exist" in err, err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("flag, message", [
