@@ -14,8 +14,11 @@ Ledger (what / why / upstream status / removal plan):
 |                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
 |                   | (admission control),                         |                  |
 |                   | Scheduler.ingest_requests (to see its queues)|                  |
-|                   | and ModelRunner.forward (count each step in  |                  |
+|                   | ModelRunner.forward (count each step in      |                  |
 |                   | the status; step hooks of --hs-copy staging) |                  |
+|                   | and ModelRunner.alloc_memory_pool (hold the  |                  |
+|                   | staging buffers' device memory before the KV |                  |
+|                   | pool is sized)                               |                  |
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
@@ -40,6 +43,10 @@ capture_hooks
             point after `ModelRunner.forward` returns, where SGLang calls its capturers' `on_forward_end`.
             The same point counts every step in the overlay's status (a replay skips the model's
             Python, and capture passes call the model without ModelRunner.forward).
+            SGLang sizes the KV pool from the device memory free when `alloc_memory_pool` runs (for
+            MLA models once, before graph capture: no post-capture resize), and the store is made only
+            after it; so the staging buffers' device bytes are held just before, and handed to the
+            stage after, or rank 0 alone would take them out of its graph and activation headroom.
   upstream: no extension point for per-token capturers in 0.5.23 besides these.
   removal:  if SGLang grows a capturer registry or a `sglang.srt.plugins` hook at both points, move
             there. A change of either method's name or signature fails `apply()` loudly (AttributeError

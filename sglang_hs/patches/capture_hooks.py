@@ -15,11 +15,12 @@ ORIGINALS = {}
 _writer = None  # this process's CaptureWriter, when it is a writer rank
 _admission = None  # its AdmissionControl
 _scheduler = None  # the Scheduler of this process, for reconciling reservations
+_reserved = None  # (rows, device tensor): the staging buffers' memory, held while SGLang sizes the KV pool
 
 
 def _after_init_capturers(self) -> None:
     ORIGINALS["init_routed_experts_capturer"](self)
-    global _writer, _admission
+    global _writer, _admission, _reserved
     from sglang.srt.runtime_context import get_parallel
 
     model, par = self.model, get_parallel()
@@ -30,13 +31,15 @@ def _after_init_capturers(self) -> None:
     from sglang_hs import envs
     from sglang_hs.store.writer import CaptureWriter
 
+    staging_rows = envs.SGLANG_HS_STAGING_ROWS or (_reserved[0] if _reserved else _default_staging_rows(self))
+    _reserved = None  # handed back to the caching allocator, where the staging buffers are carved from it
     num_slots = self.kv_index_translator.capture_token_capacity(self.max_token_pool_size)
     _writer = CaptureWriter(
         envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
         model_path=self.model_config.model_path,
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
         device=self.device, context_len=self.model_config.context_len,
-        copy=envs.SGLANG_HS_COPY, staging_rows=envs.SGLANG_HS_STAGING_ROWS or _default_staging_rows(self),
+        copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
     )
     model.hs_writer = _writer
     from sglang_hs.store.admission import AdmissionControl
@@ -55,13 +58,63 @@ def _after_init_capturers(self) -> None:
 
 def _default_staging_rows(runner) -> int:
     """The most rows one forward is expected to carry, as SGLang sizes its own routed-experts buffer:
-    a prefill chunk or a decode batch. Larger eager steps are shipped in chunks (staging.py)."""
-    from sglang.srt.runtime_context import get_schedule
+    a prefill chunk, a decode batch or the largest decode graph. Larger eager steps are shipped in
+    chunks (staging.py); a graph larger than the stage is refused at capture."""
+    from sglang.srt.runtime_context import get_exec, get_schedule
 
     sched = get_schedule()
     prefill = sched.chunked_prefill_size if sched.chunked_prefill_size and sched.chunked_prefill_size > 0 \
         else sched.max_prefill_tokens
-    return max(int(prefill or 0), int(runner.max_running_requests or 0), 1)
+    graphs = getattr(get_exec().graph, "cuda_graph_config", None)
+    decode_graph = getattr(getattr(graphs, "decode", None), "max_bs", None)
+    running = runner.max_running_requests or sched.max_running_requests  # the latter: before the pool is sized
+    return max(int(prefill or 0), int(running or 0), int(decode_graph or 0), 1)
+
+
+def staging_device_bytes(rows: int, P: int, H: int, elem: int) -> int:
+    """Device memory of --hs-copy staging on CUDA (sglang_hs/store/staging.py): the stage and its
+    copy-out twin, [rows, P, H] each, their int64 slot ids, and the int32 row ids."""
+    return rows * (2 * P * H * elem + 2 * 8 + 4)
+
+
+def _alloc_memory_pool(self, *args, **kwargs):
+    """ModelRunner.alloc_memory_pool: SGLang sizes the KV pool from the device memory free at this point
+    (for MLA models once, before graph capture). The staging buffers are made later, with the store, so
+    on the writer rank their bytes are held here first: the pool then leaves room for them, instead of
+    the stage coming out of the graph and activation headroom of rank 0 alone."""
+    global _reserved
+    rows = _staging_reservation_rows(self)
+    if rows:
+        import torch
+
+        spec = self.model.hs_spec
+        nbytes = staging_device_bytes(rows, spec.num_aux + int(spec.last), spec.hidden_size,
+                                      torch.empty(0, dtype=self.model_config.dtype).element_size())
+        try:
+            _reserved = (rows, torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        except torch.OutOfMemoryError:
+            raise RuntimeError(f"sglang-hs: no room for the {rows}-row staging buffers ({nbytes / 1e9:.2f} GB) on "
+                               f"{self.device}; lower --hs-staging-rows, or use --hs-copy direct") from None
+        logger.info("sglang-hs staging: %d rows, %.2f GB of device memory held before the KV pool is sized",
+                    rows, nbytes / 1e9)
+    return ORIGINALS["alloc_memory_pool"](self, *args, **kwargs)
+
+
+def _staging_reservation_rows(runner) -> int:
+    """Rows to hold device memory for: 0 unless this is the writer rank of a capturing server with
+    --hs-copy staging on an accelerator (on the CPU engine the stage is host memory, like the pool)."""
+    from sglang_hs import envs
+
+    if envs.SGLANG_HS_COPY != "staging" or str(runner.device).startswith("cpu"):
+        return 0
+    if getattr(runner.model, "hs_spec", None) is None or getattr(runner, "is_draft_worker", False):
+        return 0
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
+        return 0
+    return envs.SGLANG_HS_STAGING_ROWS or _default_staging_rows(runner)
 
 
 def _forward(self, forward_batch, *args, **kwargs):
@@ -153,9 +206,11 @@ def apply():
     ORIGINALS["ingest_requests"] = Scheduler.ingest_requests
     ORIGINALS["_pull_raw_reqs"] = SchedulerRequestReceiver._pull_raw_reqs
     ORIGINALS["forward"] = ModelRunner.forward
+    ORIGINALS["alloc_memory_pool"] = ModelRunner.alloc_memory_pool
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
     SchedulerRequestReceiver._pull_raw_reqs = _pull_raw_reqs
     ModelRunner.forward = _forward
+    ModelRunner.alloc_memory_pool = _alloc_memory_pool
     return dict(ORIGINALS)

@@ -1,0 +1,28 @@
+"""On a GPU: the device memory held for --hs-copy staging before SGLang sizes its KV pool
+(capture_hooks._alloc_memory_pool) is what the stage is then built from. Once the hold is dropped,
+building the StagedCopy takes no new memory from the device (PyTorch's caching allocator carves the
+stage and its twin out of the freed block), so the KV pool sized in between really left room for it."""
+import torch
+
+from sglang_hs.patches.capture_hooks import staging_device_bytes
+from sglang_hs.store.staging import StagedCopy
+
+ROWS, P, H = 8192, 4, 7168  # DeepSeek-V3's default stage: 0.94 GB
+
+
+def test_the_stage_is_carved_from_the_memory_held():
+    torch.cuda.empty_cache()
+    held = torch.empty(staging_device_bytes(ROWS, P, H, 2), dtype=torch.uint8, device="cuda")
+    free_while_held, _ = torch.cuda.mem_get_info()
+    reserved_while_held = torch.cuda.memory_reserved()
+    del held  # what _after_init_capturers does just before the writer builds its stage
+    store = torch.zeros(64, P, H, dtype=torch.bfloat16)
+    stage = StagedCopy(store, ROWS, "cuda")
+    try:
+        grown = torch.cuda.memory_reserved() - reserved_while_held
+        taken = free_while_held - torch.cuda.mem_get_info()[0]
+        print(f"held {staging_device_bytes(ROWS, P, H, 2) / 1e9:.3f} GB; building the stage then reserved "
+              f"{grown / 1e6:.1f} MB more and took {taken / 1e6:.1f} MB more from the device")
+        assert grown <= 4 << 20 and taken <= 4 << 20  # at most a small-pool segment for the slot ids
+    finally:
+        stage.close()
