@@ -16,10 +16,15 @@ Configurations (each a fresh server):
   sglang-json      SGLang's capture-only JSON path, chunked prefill and radix cache off (it returns
                    only the last chunk and the uncached suffix otherwise); aux layers only
 
-Every configuration must give identical token ids and row counts, and values within bf16 tolerance of
-the reference: median relative row error <= 0.02, >= 95% of rows within 0.05, and each row much closer
-to its own reference row than to its neighbour's (which pins positions). bf16 MoE routing near-ties
-flip an expert for an odd token, hence the share rather than a maximum. Exit 0 when all pass.
+Every configuration must give identical token ids and row counts, and every row is judged against its
+own reference row (relative L2 error): within the dtype's tolerance (bf16 0.05, fp16 0.02, float32
+0.001), with a median <= 0.02. Only on a half-precision server may a few rows exceed it: where MoE
+routing is a near tie, bf16 (and the batch a token runs in) can pick the other expert for that token
+(measured against HF float32 on the tiny model: median row error 0.007-0.010, 4 of 300 rows far off,
+one at 0.39). Up to 5% of rows may, each only if it is at least twice as close to its own reference
+row as to any other reference row of its record around it that differs from it (its layer at the
+tokens before and after, the other layers at its token): another token's, layer's or record's row
+fails alone. A float32 server gets no allowance. Exit 0 when all pass.
 """
 from __future__ import annotations
 
@@ -36,9 +41,13 @@ import requests
 import torch
 
 NEW_TOKENS = 4
-MEDIAN_TOL, ROW_TOL, ROW_SHARE = 0.02, 0.05, 0.95
+# Relative L2 error allowed per row, by the server's dtype: bf16 runs differ from float32 by a median
+# 0.007-0.010 per row, fp16 carries 3 more mantissa bits, float32 servers agree to ~1e-6.
+ROW_TOL = {"bfloat16": 0.05, "float16": 0.02, "float32": 1e-3}
+MEDIAN_TOL = 0.02
+FAR_SHARE = 0.05  # half precision only: rows beyond ROW_TOL (MoE routing near-ties), at most this share
+NEIGHBOUR_FACTOR = 2.0  # such a row: at least this much closer to its own reference row than to any other
 WHOLE_PROMPT_CHUNK = "1024"  # longer than every self-test prompt: no chunking ("-1" breaks the CPU engine)
-NEIGHBOUR_FACTOR = 3.0  # own-row median error must be this much below the off-by-one error
 
 
 @dataclass
@@ -124,42 +133,69 @@ def run_json(sglang_args: List[str], layer_ids: List[int], hidden: int, prompts,
     return caps
 
 
-def row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Relative L2 error of each row (the last dim) against the reference row."""
+def _rows(c: Capture, with_last: bool) -> torch.Tensor:
+    """[T, P, H]: the aux layers, then the final state when both sides have it."""
+    return torch.cat([c.aux, c.last[:, None]], 1) if with_last else c.aux
+
+
+def judge_rows(got: torch.Tensor, ref: torch.Tensor, tol: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per row of one record ([T, P, H] each): its relative error against its own reference row, and
+    whether it is at least NEIGHBOUR_FACTOR times closer to that row than to every other reference row
+    around it (its layer at tokens t-1 and t+1, the other layers at token t) that differs from its own
+    by more than 4 * tol (closer rows are the same values for this purpose, e.g. the embedding of a
+    repeated token). Both [T, P]."""
     got, ref = got.float(), ref.float()
-    return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+    T, P, _ = ref.shape
+    own_dist = (got - ref).norm(dim=-1)
+    ref_norm = ref.norm(dim=-1).clamp_min(1e-6)
+    nearest = torch.full((T, P), float("inf"))
+    others = [(dt, p, p) for dt in (-1, 1) for p in range(P)] + [(0, p, q) for p in range(P) for q in range(P) if q != p]
+    for dt, p, q in others:  # got[t, p] against ref[t + dt, q]
+        t = torch.arange(max(0, -dt), min(T, T - dt))
+        other = ref[t + dt, q]
+        differs = (other - ref[t, p]).norm(dim=-1) > 4 * tol * ref_norm[t, p]
+        dist = (got[t, p] - other).norm(dim=-1).masked_fill(~differs, float("inf"))
+        nearest[t, p] = torch.minimum(nearest[t, p], dist)
+    return own_dist / ref_norm, own_dist * NEIGHBOUR_FACTOR <= nearest
 
 
-def compare(got: List[Capture], ref: List[Capture]) -> Tuple[bool, dict]:
-    same_ids = all(g.token_ids == r.token_ids for g, r in zip(got, ref))
-    same_rows = all(g.aux.shape == r.aux.shape for g, r in zip(got, ref))
-    row = {"requests": len(got), "rows": sum(g.aux.shape[0] for g in got), "ids": same_ids and same_rows}
+def compare(got: List[Capture], ref: List[Capture], dtype: str = "bfloat16") -> Tuple[bool, dict]:
+    """Judge every row of `got` against `ref` (see the module docstring); returns (pass, table row)."""
+    tol = ROW_TOL.get(dtype, ROW_TOL["bfloat16"])
+    allowance = FAR_SHARE if dtype in ("bfloat16", "float16") else 0.0
+    same_ids = len(got) == len(ref) and all(g.token_ids == r.token_ids for g, r in zip(got, ref))
+    same_rows = same_ids and all(g.aux.shape == r.aux.shape and (g.last is None) == (r.last is None)
+                                 and (g.last is None or g.last.shape == r.last.shape) for g, r in zip(got, ref))
+    row = {"requests": len(got), "rows": sum(g.aux.shape[0] for g in got), "ids": same_ids and same_rows, "tol": tol}
     if not row["ids"]:
-        return False, {**row, **{k: float("nan") for k in ("median", "max", "share", "neighbour")}}
-    errs, shifted = [], []
+        return False, {**row, "median": float("nan"), "max": float("nan"), "far": 0, "unlike": 0, "allowed": 0}
+    errs, closer = [], []
     for g, r in zip(got, ref):
-        parts = [(g.aux, r.aux)] + ([(g.last, r.last)] if g.last is not None and r.last is not None else [])
-        for a, b in parts:
-            errs.append(row_errors(a, b).flatten())
-            if a.shape[0] > 1:
-                shifted.append(row_errors(a[1:], b[:-1]).flatten())
-    e = torch.cat(errs)
+        with_last = g.last is not None and r.last is not None
+        e, c = judge_rows(_rows(g, with_last), _rows(r, with_last), tol)
+        errs.append(e.flatten())
+        closer.append(c.flatten())
+    e, c = torch.cat(errs), torch.cat(closer)
+    far = e > tol
     row["median"], row["max"] = e.median().item(), e.max().item()
-    row["share"] = (e <= ROW_TOL).float().mean().item()
-    row["neighbour"] = torch.cat(shifted).median().item() if shifted else float("inf")
-    ok = row["median"] <= MEDIAN_TOL and row["share"] >= ROW_SHARE and (
-        row["neighbour"] >= NEIGHBOUR_FACTOR * max(row["median"], 1e-3))
+    row["far"], row["unlike"] = int(far.sum()), int((far & ~c).sum())  # beyond tolerance; of those, not closest to own
+    row["allowed"] = int(allowance * e.numel())
+    ok = row["median"] <= MEDIAN_TOL and row["far"] <= row["allowed"] and row["unlike"] == 0
     return ok, row
 
 
 def print_table(rows: List[Tuple[str, bool, dict]]) -> None:
     head = f"{'configuration':<28} {'requests':>8} {'rows':>6} {'ids+counts':>10} {'median err':>10} " \
-           f"{'max err':>8} {'rows<=' + str(ROW_TOL):>9} {'off-by-one':>10}  result"
+           f"{'max err':>8} {'beyond tol':>12} {'unlike own':>10}  result"
     print(head)
     print("-" * len(head))
     for name, ok, r in rows:
+        beyond = f"{r['far']}/{r['allowed']} @{r['tol']:g}"
         print(f"{name:<28} {r['requests']:>8} {r['rows']:>6} {'same' if r['ids'] else 'DIFFER':>10} "
-              f"{r['median']:>10.4f} {r['max']:>8.4f} {100 * r['share']:>8.1f}% {r['neighbour']:>10.3f}  {'PASS' if ok else 'FAIL'}")
+              f"{r['median']:>10.4f} {r['max']:>8.4f} {beyond:>12} {r['unlike']:>10}  {'PASS' if ok else 'FAIL'}")
+    print(f"(beyond tol: rows whose relative error exceeds the tolerance / rows allowed to (half precision: "
+          f"{100 * FAR_SHARE:.0f}%, MoE routing near-ties); unlike own: of those, rows not {NEIGHBOUR_FACTOR:g}x "
+          "closer to their own reference row than to any other around it)")
 
 
 def configurations(sglang_args: List[str]) -> List[Tuple[str, List[str]]]:
@@ -199,16 +235,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         ref_runs, manifest = run_capture("reference", hs_args + sglang_args, prompts, ("cold", "warm"), workdir)
         ref = ref_runs["cold"]
-        results.append(("reference, warm radix cache", *compare(ref_runs["warm"], ref)))
+        dtype = manifest["dtype"]  # the server's: each has its own tolerance
+        results.append(("reference, warm radix cache", *compare(ref_runs["warm"], ref, dtype)))
         for name, extra in configurations(sglang_args):
             runs, _ = run_capture(name, hs_args + sglang_args + extra, prompts, ("cold",), workdir)
-            results.append((name, *compare(runs["cold"], ref)))
+            results.append((name, *compare(runs["cold"], ref, dtype)))
         other = "direct" if ns.hs_copy == "staging" else "staging"
         runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",), workdir)
-        results.append((f"--hs-copy {other}", *compare(runs["cold"], ref)))
+        results.append((f"--hs-copy {other}", *compare(runs["cold"], ref, dtype)))
         json_caps = run_json(sglang_args, manifest["layer_ids"], manifest["hidden_size"], prompts, workdir)
         aux_only = [Capture(c.token_ids, c.aux, None) for c in ref]
-        results.append(("sglang-json (aux layers)", *compare(json_caps, aux_only)))
+        results.append(("sglang-json (aux layers)", *compare(json_caps, aux_only, dtype)))
     except (ServerStartError, RuntimeError, requests.RequestException, TimeoutError) as e:
         print(f"sglang-hs selftest: error: {e}\n(server logs: {workdir})", file=sys.stderr)
         return 1
