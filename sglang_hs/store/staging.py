@@ -28,11 +28,21 @@ event has fired) is in the store. It does not wait for chunks still being comput
 later than every step whose results are being processed, so the request being finished needs none
 of its rows.
 
+The scatter thread and CUDA-graph capture: the thread can be waiting for a copy while SGLang captures
+a graph on the scheduler thread (a capture's warm-up forward ships a chunk and wakes the thread), and
+SGLang captures in CUDA's global mode, under which an event query or sync from ANY other thread in the
+default mode is refused and invalidates the capture. So the thread switches itself to the thread-local
+capture mode when it starts (`_prepare_scatter_thread`, which says why that is enough), and it blocks
+in the `copied` event's sync (a blocking-sync event) instead of spinning a core.
+
 On the CPU the same bookkeeping and thread run with synchronous copies and events that have always
 fired; it is what the CPU tests exercise.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import threading
 import time
 from collections import deque
@@ -41,6 +51,7 @@ from typing import NamedTuple, Optional
 import torch
 
 HOST_BUFFERS = 2
+_CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal (Global 0, ThreadLocal 1, Relaxed 2)
 
 
 class _Fired:
@@ -54,6 +65,61 @@ class _Fired:
 
 
 _FIRED = _Fired()
+
+
+@functools.lru_cache(maxsize=None)
+def _cudart():
+    """The CUDA runtime library torch itself loaded (ctypes), or None where there is none (CPU torch)."""
+    soname = f"libcudart.so.{torch.version.cuda.split('.')[0]}" if torch.version.cuda else None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libcudart.so" in line}
+    except OSError:
+        paths = set()
+    names = sorted(paths, key=lambda p: (os.path.basename(p) != soname, p)) + ([soname] if soname else [])
+    for name in names:  # torch's major version first; a soname already loaded resolves to that library
+        try:
+            lib = ctypes.CDLL(name)
+            fn = lib.cudaThreadExchangeStreamCaptureMode
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+        return lib
+    return None
+
+
+def _prepare_scatter_thread(device: torch.device) -> None:
+    """Run first on the scatter thread: make its CUDA calls safe while the scheduler thread captures.
+
+    SGLang's graph runners capture in CUDA's global mode (`torch.cuda.graph` for the full backend,
+    BreakableCUDAGraphCapture's capture_error_mode="global" for the breakable one). During such a
+    capture, a thread in the default (global) mode is prohibited from "potentially unsafe" calls, the
+    event queries and syncs this thread makes included: the call fails and invalidates the capture on
+    the other thread. CUDA's capture mode is per thread (cudaThreadExchangeStreamCaptureMode), and a
+    thread in thread-local mode is restricted only by captures of its own ("concurrent capture sequences
+    in other threads are ignored"), so this thread, which never captures, may then sync its events
+    during any capture. PyTorch settled its NCCL watchdog's identical problem (event queries from the
+    watchdog thread while the training thread captures) the same way: the polling thread, not the
+    capturing one, goes to thread-local mode (pytorch/pytorch#104555, #105182, #148594). Thread-local
+    rather than relaxed: the same for a thread that does not capture, and stricter should it ever start
+    one. Forbidden in every mode is a sync of an event last recorded INSIDE a capture; this thread syncs
+    only `copied`, which `_ship` records, and nothing is shipped during a capture (`write` then only
+    fills the stage; the ModelRunner.forward hook that calls `after_step` does not run in capture or its
+    warm-ups). This covers every CUDA call the thread makes (the event destructors it runs included) for
+    whichever SGLang entry point captures, so no pause around SGLang's capture is needed.
+
+    The device first: a new thread's CUDA calls go to device 0, where the runtime would create a context
+    (~0.5 GB) for a writer on another device (meta-pytorch/torchcomms#777, the same for a watchdog)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)
+    lib = _cudart()
+    if lib is None:
+        raise RuntimeError("no CUDA runtime library (libcudart) is loaded in this process")
+    mode = ctypes.c_int(_CAPTURE_MODE_THREAD_LOCAL)
+    err = lib.cudaThreadExchangeStreamCaptureMode(ctypes.pointer(mode))  # mode <- the previous one
+    if err != 0:
+        raise RuntimeError(f"cudaThreadExchangeStreamCaptureMode failed with CUDA error {err}")
 
 
 class _Shipped(NamedTuple):
@@ -70,6 +136,8 @@ class StagedCopy:
         assert rows > 0, "staging rows must be > 0"
         self.store, self.rows, self.device = store, rows, torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # the scatter thread must name the device (no default there)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         _, P, H = store.shape
         dt = store.dtype
         self.stage = torch.empty(rows, P, H, dtype=dt, device=self.device)
@@ -90,8 +158,14 @@ class StagedCopy:
         self._shipped = self._scattered = 0  # seq of the last chunk shipped / in the store
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._scatter_loop, name="sglang-hs-scatter", daemon=True)
         self._thread.start()
+        self._started.wait()  # before any capture can begin: the thread is capture-safe, or failed
+        if self._error is not None:
+            raise RuntimeError(
+                f"sglang-hs: the staging scatter thread could not be made safe during CUDA-graph capture: "
+                f"{self._error}; use --hs-copy direct") from self._error
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +239,7 @@ class StagedCopy:
                 freed.record(self.copy_stream)
                 host[:n].copy_(self.stage2[:n], non_blocking=True)
                 host_loc[:n].copy_(self.loc2[:n], non_blocking=True)
-                copied = torch.cuda.Event()
+                copied = torch.cuda.Event(blocking=True)  # the scatter thread sleeps in its sync, not spins
                 copied.record(self.copy_stream)
             compute.wait_event(freed)  # the next write to stage waits for the device copy, on the GPU
         else:
@@ -215,7 +289,18 @@ class StagedCopy:
         self._thread.join(timeout=60)
 
     # --- the scatter thread -----------------------------------------------------------------------
+    def _await_copy(self, s: _Shipped) -> None:
+        """Until s's rows are in its host buffer. On CUDA a blocking-sync event: the thread sleeps."""
+        s.copied.synchronize()
+
     def _scatter_loop(self) -> None:
+        try:
+            _prepare_scatter_thread(self.device)
+        except BaseException as e:  # noqa: BLE001 - raised by the constructor, which waits for _started
+            self._error = e
+            return
+        finally:
+            self._started.set()
         from sglang_hs._ext import ext
 
         op = ext().copy_rows_cpu
@@ -228,7 +313,7 @@ class StagedCopy:
                     if not self.pending:
                         return
                     s = self.pending[0]
-                s.copied.synchronize()
+                self._await_copy(s)
                 t0 = time.perf_counter()
                 host, host_loc = self.host[s.buf]
                 op(host[: s.n].view(s.n, P * H), None, host_loc[: s.n], self.store)

@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from reference import copy_rows_ref  # noqa: E402
 from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
 from sglang_hs.store import pinned  # noqa: E402
+from sglang_hs.store.staging import StagedCopy  # noqa: E402
 from sglang_hs.store.writer import CaptureWriter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -175,6 +177,106 @@ def test_a_graph_larger_than_the_stage_is_refused_when_captured():
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             w.copy(aux, last, loc)
     shutil.rmtree(d)
+
+
+def test_staging_scatter_thread_syncing_during_a_global_capture_does_not_break_it():
+    """Issue 15 item 1: SGLang's capture warm-up runs the overlay eagerly, which ships a chunk and wakes
+    the scatter thread; its event sync then lands while the scheduler thread captures in global mode.
+    Here the thread's sync is made late on purpose, and each eager staged step is followed at once by
+    a raw capture_begin/capture_end (global mode, no device sync first, as the breakable backend does)
+    held open across that late sync. Without the fix (the thread in CUDA's default global mode) the
+    thread's sync is a prohibited call during another thread's global capture: it fails and invalidates
+    the capture, which raises at capture_end (cudaErrorStreamCaptureInvalidated / "operation not
+    permitted when stream is capturing"). With the scatter thread in thread-local capture mode every
+    capture succeeds, the graphs replay right and every row lands in the store."""
+    S, T, N = 512, 8, 40
+    store = torch.full((S, K + 1, H), float("nan"), dtype=torch.bfloat16)
+    want = store.clone()
+    sc = StagedCopy(store, 16, "cuda")
+    syncs, windows = [], []
+    on_time = sc._await_copy
+
+    def late(s):
+        time.sleep(0.005)  # the main thread has begun its capture by now
+        syncs.append(time.perf_counter())
+        on_time(s)
+
+    sc._await_copy = late
+    x = torch.randn(256, device="cuda")
+    side = torch.cuda.Stream()
+    graphs = []
+    g_ = torch.Generator(device="cuda").manual_seed(2)
+    try:
+        for i in range(N):
+            aux = torch.randn(T, K * H, device="cuda", generator=g_).bfloat16()
+            last = torch.randn(T, H, device="cuda", generator=g_).bfloat16()
+            loc = torch.randperm(S - 1, device="cuda", generator=g_)[:T] + 1  # slots reused across steps
+            copy_rows_ref(aux.cpu(), last.cpu(), loc.cpu(), want)  # (a device sync: before the step)
+            sc.before_step()
+            sc.write(aux, last, loc)  # eager: ships and wakes the scatter thread
+            sc.after_step(T, graph_replayed=False)
+            side.wait_stream(torch.cuda.current_stream())
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                t0 = time.perf_counter()
+                g.capture_begin(capture_error_mode="global")
+                try:
+                    y = x * (i + 1)
+                    time.sleep(0.02)  # hold the capture open across the thread's late sync
+                finally:
+                    g.capture_end()
+                windows.append((t0, time.perf_counter()))
+            torch.cuda.current_stream().wait_stream(side)
+            graphs.append((g, y, i + 1))
+        torch.cuda.synchronize()
+        sc.drain()
+        assert sc._error is None and not sc.pending
+        inside = sum(any(a < t < b for a, b in windows) for t in syncs)
+        print(f"scatter syncs inside a capture: {inside} of {len(syncs)}")
+        assert len(syncs) == N and inside >= N // 2  # the race was exercised, not dodged
+        assert torch.equal(store.nan_to_num(7.0), want.nan_to_num(7.0))
+        x.copy_(torch.randn(256, device="cuda"))
+        for g, y, k in graphs:
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, x * k)
+    finally:
+        sc.close()
+
+
+def test_staging_scatter_thread_sleeps_while_it_waits_for_a_copy():
+    """The copy event is a blocking-sync one: the thread waiting for a copy ~0.5 s away uses almost no
+    CPU (a default event's sync spins a core for the whole wait)."""
+    store = torch.full((64, K + 1, H), float("nan"), dtype=torch.bfloat16)
+    sc = StagedCopy(store, 16, "cuda")
+    waits = []
+    plain = sc._await_copy
+
+    def timed(s):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        plain(s)
+        waits.append((time.perf_counter() - w0, time.thread_time() - c0))
+
+    sc._await_copy = timed
+    try:
+        aux = torch.randn(4, K * H, device="cuda").bfloat16()
+        last = torch.randn(4, H, device="cuda").bfloat16()
+        loc = torch.tensor([1, 2, 3, 4], device="cuda")
+        sc.write(aux, last, loc)  # compiles the copy kernel: the measured step ships at once
+        torch.cuda.synchronize()
+        sc.drain()
+        waits.clear()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU clock cycles before the step's rows are computed
+        sc.write(aux, last, loc)
+        torch.cuda.synchronize()
+        sc.drain()
+        (wall, cpu), = waits
+        print(f"scatter thread waited {wall:.3f} s using {cpu:.3f} s of CPU")
+        assert wall > 0.1 and cpu < 0.2 * wall
+        want = copy_rows_ref(aux.cpu(), last.cpu(), loc.cpu(), torch.full_like(store, float("nan")))
+        assert torch.equal(store.nan_to_num(7.0), want.nan_to_num(7.0))
+    finally:
+        sc.close()
 
 
 def test_torch_cudart_fallback_registration_is_equivalent(monkeypatch):

@@ -215,3 +215,90 @@ def test_a_failed_scatter_is_raised_to_the_scheduler():
         sc.drain()
     with pytest.raises(RuntimeError, match="staging scatter thread failed"):
         sc.write(a, la, torch.tensor([3, 4]))  # and at every later ship
+
+
+# --- the scatter thread during CUDA-graph capture (issue 15 item 1) ------------------------------------
+def test_the_scatter_thread_is_made_capture_safe_before_it_waits_for_anything(monkeypatch):
+    """SGLang captures graphs in CUDA's global mode on the scheduler thread while this thread may be in
+    an event sync; the thread must switch to thread-local capture mode on itself, first thing, before
+    the constructor returns (no capture can have begun yet) and before its first wait for a copy."""
+    calls = []
+    monkeypatch.setattr(staging, "_prepare_scatter_thread",
+                        lambda device: calls.append(("prepare", threading.current_thread().name, device)))
+
+    class Logged(Pending):
+        def synchronize(self):
+            calls.append(("sync", threading.current_thread().name))
+            super().synchronize()
+
+    sc = StagedCopy(_store(), 4, "cpu")
+    try:
+        assert calls == [("prepare", "sglang-hs-scatter", torch.device("cpu"))]  # before __init__ returned
+        ready, copied = Logged(), Logged()
+        sc._cpu_copy_events = lambda: (ready, copied)
+        sc.write(*_rows(2, 8), torch.tensor([1, 2]))
+        _fire(ready, copied)
+        sc.drain()
+        assert calls[1:] == [("sync", "sglang-hs-scatter")]
+    finally:
+        sc.close()
+
+
+def test_a_scatter_thread_that_cannot_be_made_capture_safe_stops_start_up(monkeypatch):
+    def fail(device):
+        raise RuntimeError("cudaThreadExchangeStreamCaptureMode failed with CUDA error 999")
+
+    monkeypatch.setattr(staging, "_prepare_scatter_thread", fail)
+    threads = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match=r"^sglang-hs: the staging scatter thread could not be made safe during "
+                                           r"CUDA-graph capture: cudaThreadExchangeStreamCaptureMode failed with "
+                                           r"CUDA error 999; use --hs-copy direct$"):
+        StagedCopy(_store(), 4, "cpu")
+    for t in set(threading.enumerate()) - threads:  # the thread has ended, it does not wait for work
+        t.join(10)
+        assert not t.is_alive(), t.name
+
+
+class _FakeCudart:
+    """cudaThreadExchangeStreamCaptureMode of a thread whose mode is global (0)."""
+
+    def __init__(self, err=0):
+        self.err, self.seen = err, []
+
+    def cudaThreadExchangeStreamCaptureMode(self, mode_ptr):
+        self.seen.append(mode_ptr.contents.value)
+        if self.err == 0:
+            mode_ptr.contents.value = 0  # the previous mode
+        return self.err
+
+
+def test_on_cuda_the_thread_takes_the_writers_device_then_thread_local_capture_mode(monkeypatch):
+    order, lib = [], _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: order.append(("set_device", d)))
+    monkeypatch.setattr(staging, "_cudart", lambda: order.append(("cudart",)) or lib)
+    staging._prepare_scatter_thread(torch.device("cuda", 3))
+    assert order == [("set_device", torch.device("cuda", 3)), ("cudart",)]
+    assert lib.seen == [1]  # cudaStreamCaptureModeThreadLocal
+    order.clear()
+    staging._prepare_scatter_thread(torch.device("cpu"))  # no CUDA call at all off CUDA
+    staging._prepare_scatter_thread(torch.device("meta"))
+    assert order == [] and lib.seen == [1]
+
+
+def test_on_cuda_a_failed_mode_switch_or_no_cuda_runtime_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(staging, "_cudart", lambda: _FakeCudart(err=35))
+    with pytest.raises(RuntimeError, match="^cudaThreadExchangeStreamCaptureMode failed with CUDA error 35$"):
+        staging._prepare_scatter_thread(torch.device("cuda", 0))
+    monkeypatch.setattr(staging, "_cudart", lambda: None)
+    with pytest.raises(RuntimeError, match=r"no CUDA runtime library \(libcudart\) is loaded in this process"):
+        staging._prepare_scatter_thread(torch.device("cuda", 0))
+
+
+@pytest.mark.skipif(not torch.version.cuda, reason="a CPU build of torch loads no CUDA runtime")
+def test_the_cuda_runtime_found_is_the_one_torch_loaded():
+    lib = staging._cudart()
+    with open("/proc/self/maps") as f:
+        loaded = {line.split()[-1] for line in f if "/libcudart.so" in line}
+    assert lib is not None and lib.cudaThreadExchangeStreamCaptureMode.restype is not None
+    assert not loaded or lib._name in loaded
