@@ -1,0 +1,644 @@
+"""The host side of the capture at DeepSeek-V3 sizes, no model: how long the scheduler thread spends in
+capture per step, and how fast each piece after the store moves the bytes, against plain copies.
+
+A store of DeepSeek-V3 rows (K = 3 aux layers + the final state, H = 7168, bf16: 57,344 bytes per KV slot;
+`--slots` 32,768 = 1.9 GB by default) and an output ring (`--ring-mib`, 2 GiB) under a fresh folder in
+/dev/shm, made by the real CaptureWriter; a HiddenStateReader in another process (as in production). Each
+step finishes requests of 256 to 4096 tokens adding up to 8192 tokens (`--step-tokens`), their KV slots
+drawn like a busy allocator's (a free list in no particular order after long traffic: a request takes its
+head, a finished one goes back at its tail, so slots are scattered and reused). Per step, side by side:
+
+  memcpy               libc memcpy of the step's bytes, DRAM to DRAM, into a preallocated buffer   ceiling
+                       (the yardstick of every "of memcpy" ratio)
+  torch_copy           torch copy_ of the same bytes (ratios to it are in the summary CSV too)     ceiling
+  index_select         torch.index_select of the step's rows from the store into a preallocated
+                       buffer: the ceiling of a gather                                            ceiling
+  capture [variant]    scheduler-thread time for the step's finishing requests: what SGLang's scheduler
+                       waits for, synchronously today (`sync`: CaptureWriter.finish of each request)
+  gather [variant]     store -> ring: until every record of the step is published
+  reader               the consumer process's take() of the step's records, all published beforehand
+  specforge_tmpfs|disk, safetensors_tmpfs|disk
+                       the extraction CLI's sinks (sglang_hs/extract/sinks.py: one file per record, temp
+                       name, fsync, rename; its 4 writer threads) writing the records the reader took to
+                       a folder in /dev/shm and one on disk (`--disk-dir`)
+  file_write_tmpfs|disk  the same bytes sequentially into one file, fsync'd: the filesystem's ceiling
+  ring                 the output ring alone: the writer publishes prepared rows while the consumer
+                       takes them (two copies, two processes), until the consumer has the last
+  e2e [variant]        the whole host path at once: finish -> ring -> reader -> SpecForge files on tmpfs
+                       (capture, reader and sink running concurrently), until the last file is renamed
+  capture_concurrent [variant]   the scheduler-thread time of that e2e run (consumer busy meanwhile)
+
+GB/s is the step's row bytes (tokens x 57,344) / seconds for every figure, so they compare directly.
+Each process runs `--threads` torch threads (1: writer and consumer on a core each). `--steps` measured
+steps after `--warmup`; medians with min and max. Variants of the scheduler side (`--variants`): only
+`sync` today; an asynchronous gather is added as one more class in VARIANTS (step() returns once the
+scheduler's part is done, wait_published() until the records are in the ring) and shows as a row of its
+own. Everything under /dev/shm and the disk folder is removed at the end, on Ctrl-C and SIGTERM too.
+
+    python benchmarks/bench_host_path.py --out benchmarks/results    # bench_host_path.csv, _summary.csv, .png
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import ctypes
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+
+K, H = 3, 7168
+P = K + 1
+ELEM = 2  # bf16
+ROW_BYTES = P * H * ELEM  # 57,344
+LAYERS = [2, 30, 58]  # any 3 of DeepSeek-V3's 61; only their count matters here
+VOCAB = 129280
+MACHINE = machine()
+TARGETS = {"capture_ms": 1.0, "e2e_GBps": 2.5, "of_memcpy": 0.7}  # the tracking issue's (16, item 1)
+
+# measure -> (kind, description); the order of the plot and the summary
+MEASURES = {
+    "memcpy": ("ceiling", "libc memcpy of the step's bytes"),
+    "torch_copy": ("ceiling", "torch copy_ of the same bytes"),
+    "index_select": ("ceiling", "index_select of the step's rows from the store"),
+    "gather": ("path", "store -> ring (finish)"),
+    "ring": ("path", "ring write+read (prepared rows)"),
+    "reader": ("path", "reader take() in the consumer"),
+    "e2e": ("path", "store -> ring -> reader -> SpecForge on tmpfs"),
+    "specforge_tmpfs": ("file", "SpecForge .ckpt sink, tmpfs"),
+    "safetensors_tmpfs": ("file", "safetensors sink, tmpfs"),
+    "file_write_tmpfs": ("ceiling", "sequential write + fsync, tmpfs"),
+    "specforge_disk": ("file", "SpecForge .ckpt sink, disk"),
+    "safetensors_disk": ("file", "safetensors sink, disk"),
+    "file_write_disk": ("ceiling", "sequential write + fsync, disk"),
+    "capture": ("scheduler", "scheduler-thread time in capture per step"),
+    "capture_concurrent": ("scheduler", "the same, inside the e2e run"),
+}
+SINK_TARGETS = [("specforge_tmpfs", "specforge", "tmpfs"), ("safetensors_tmpfs", "safetensors", "tmpfs"),
+                ("file_write_tmpfs", None, "tmpfs"), ("specforge_disk", "specforge", "disk"),
+                ("safetensors_disk", "safetensors", "disk"), ("file_write_disk", None, "disk")]
+
+
+# -- the scheduler side, one class per variant --------------------------------------------------------
+class SyncFinish:
+    """Today's path: CaptureWriter.finish() of each request finishing in the step, on the scheduler
+    thread; it gathers the rows through the slots straight into the ring and publishes the record."""
+    name = "sync"
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def step(self, reqs) -> None:
+        for rid, ids, slots in reqs:
+            self.writer.finish(rid, ids, slots)
+
+    def wait_published(self) -> None:
+        pass  # published when finish() returned
+
+    def close(self) -> None:
+        pass
+
+
+VARIANTS = {"sync": SyncFinish}
+
+
+def run_variant(variant, reqs):
+    """(scheduler-thread seconds, seconds until every record is published)."""
+    t0 = time.perf_counter()
+    variant.step(reqs)
+    t1 = time.perf_counter()
+    variant.wait_published()
+    return t1 - t0, time.perf_counter() - t0
+
+
+# -- the workload -------------------------------------------------------------------------------------
+class BusyAllocator:
+    """SGLang's token-to-KV-slot allocator (page size 1) after long traffic: the free list is in no
+    particular order, a request takes its head, a finished request's slots go back at its tail (in the
+    order its tokens happened to free them). Slot 0 is the padding slot, never handed out."""
+
+    def __init__(self, num_slots: int, g: torch.Generator) -> None:
+        self.g = g
+        self.free = torch.randperm(num_slots - 1, generator=g) + 1
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self.free.shape[0]:
+            raise ValueError(f"{n} slots wanted, {self.free.shape[0]} free: raise --slots")
+        s, self.free = self.free[:n], self.free[n:]
+        return s
+
+    def release(self, s: torch.Tensor) -> None:
+        self.free = torch.cat([self.free, s[torch.randperm(s.shape[0], generator=self.g)]])
+
+
+def request_lengths(total: int, lo: int, hi: int, rng: random.Random):
+    """Lengths in [lo, hi] adding up to `total` (the last one takes what is left)."""
+    out, rem = [], total
+    while rem > 0:
+        n = rem if rem <= hi else rng.randint(lo, min(hi, rem - lo))
+        out.append(n)
+        rem -= n
+    return out
+
+
+def make_step(alloc: BusyAllocator, lengths, rng: random.Random):
+    """[(token ids as the scheduler has them: a list, KV slots in position order: int32 like req_to_token)]."""
+    return [([rng.randrange(VOCAB) for _ in range(n)], alloc.alloc(n).to(torch.int32)) for n in lengths]
+
+
+def named(reqs, prefix: str):
+    return [(f"{prefix}-{i}", ids, slots) for i, (ids, slots) in enumerate(reqs)]
+
+
+def fill(t: torch.Tensor, g: torch.Generator, block_rows: int = 256) -> None:
+    """Random bf16 rows, a random block repeated (touching every page; randn of GBs takes long here)."""
+    block = torch.randn(min(block_rows, t.shape[0]), *t.shape[1:], generator=g).to(t.dtype)
+    for i in range(0, t.shape[0], block.shape[0]):
+        n = min(block.shape[0], t.shape[0] - i)
+        t[i:i + n].copy_(block[:n])
+
+
+def row_digest(row: torch.Tensor) -> str:
+    return hashlib.sha1(row.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def fs_type(path: str) -> str:
+    path, best, typ = os.path.realpath(path), "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mnt, t = line.split()[1:3]
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, typ = mnt, t
+    except OSError:
+        pass
+    return typ
+
+
+# -- the consumer process ----------------------------------------------------------------------------
+def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, after its Ctrl-C
+    from sglang_hs.extract.cli import WRITERS
+    from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.reader import HiddenStateReader
+
+    torch.set_num_threads(threads)
+    reader = HiddenStateReader(dump_dir, poll_interval=0.0005, recycle_memory=True)  # as the extraction CLI
+    pool = cf.ThreadPoolExecutor(sink_threads, thread_name_prefix="bench-sink")
+    res_q.put(("ready",))
+    held = []
+
+    def take(rids):
+        return [reader.take(rid, timeout=300) for rid in rids]
+
+    def nbytes(recs):
+        return sum(r.num_tokens * ROW_BYTES for r in recs)
+
+    def write_sink(name, folder, recs, bounded):
+        """The CLI's way: sink.write on its writer threads, at most 2 x WRITERS unwritten; returns file bytes."""
+        sink, futs = SINKS[name](folder), []
+        for i, rec in enumerate(recs):
+            if bounded:
+                unwritten = [f for f in futs if not f.done()]
+                if len(unwritten) >= 2 * WRITERS:
+                    cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
+            mask = torch.ones(rec.num_tokens, dtype=torch.long)
+            futs.append(pool.submit(sink.write, i, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state))
+        return sum(f.result() for f in futs)
+
+    def write_plain(folder, recs):
+        """Each record's rows, as they lie in memory, one after another into one file; fsync."""
+        path = os.path.join(folder, "plain.bin")
+        with open(path, "wb", buffering=0) as f:
+            for rec in recs:
+                aux = rec.aux_hidden_states  # a view of the record's [T, P, H] rows, offset 0
+                rows = aux.as_strided((rec.num_tokens * P * H,), (1,), aux.storage_offset())
+                f.write(memoryview(rows.view(torch.uint8).numpy()))
+            os.fsync(f.fileno())
+        return os.path.getsize(path)
+
+    while True:
+        try:
+            cmd = cmd_q.get(timeout=1)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        op = cmd[0]
+        try:
+            if op == "stop":
+                return
+            if op == "take":  # the reader alone: every record is in the ring already
+                t0 = time.perf_counter()
+                held = take(cmd[1])
+                dt = time.perf_counter() - t0
+                first, last = held[0], held[-1]
+                check = [(r.rid, r.num_tokens, row_digest(torch.cat([r.aux_hidden_states[0].reshape(-1),
+                                                                      r.last_hidden_state[0]])))
+                         for r in (first, last)]
+                res_q.put(("take", dt, nbytes(held), check))
+            elif op == "sinks":  # the records just taken, to each sink and the plain write in turn
+                out = []
+                for measure, sink, folder in cmd[1]:
+                    os.makedirs(folder, mode=0o700, exist_ok=True)
+                    t0 = time.perf_counter()
+                    fbytes = write_sink(sink, folder, held, False) if sink else write_plain(folder, held)
+                    out.append((measure, time.perf_counter() - t0, nbytes(held), fbytes))
+                    shutil.rmtree(folder)
+                held = []
+                res_q.put(("sinks", out))
+            elif op in ("drain", "e2e"):  # concurrent with the writer: armed first, then the writer starts
+                rids, folder = cmd[1], cmd[2]
+                if folder:
+                    os.makedirs(folder, mode=0o700, exist_ok=True)
+                res_q.put(("armed",))
+                if op == "drain":
+                    recs = take(rids)
+                    fbytes = 0
+                    t_end = time.perf_counter()  # CLOCK_MONOTONIC: the same clock as the writer process's
+                    n = nbytes(recs)
+                    del recs
+                else:
+                    n = 0
+
+                    def records():  # as they arrive, each dropped once written, as the CLI does
+                        nonlocal n
+                        for rid in rids:
+                            rec = reader.take(rid, timeout=300)
+                            n += rec.num_tokens * ROW_BYTES
+                            yield rec
+
+                    fbytes = write_sink("specforge", folder, records(), True)
+                    t_end = time.perf_counter()  # CLOCK_MONOTONIC: the same clock as the writer process's
+                if folder:
+                    shutil.rmtree(folder)
+                res_q.put((op, t_end, n, fbytes))
+            else:
+                raise ValueError(f"unknown command {op!r}")
+        except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
+            res_q.put(("error", traceback.format_exc()))
+
+
+class Consumer:
+    def __init__(self, dump_dir: str, threads: int, sink_threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.cmd_q, self.res_q = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_consumer, args=(dump_dir, self.cmd_q, self.res_q, threads, sink_threads,
+                                                        os.getpid()), daemon=True)
+        self.proc.start()
+        self.recv("ready", 120)
+
+    def send(self, *cmd) -> None:
+        self.cmd_q.put(cmd)
+
+    def recv(self, op: str, timeout: float = 900):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.res_q.get(timeout=1)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"the consumer process died (exit code {self.proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {op!r} from the consumer after {timeout}s") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"consumer process:\n{msg[1]}")
+            if msg[0] != op:
+                raise RuntimeError(f"consumer sent {msg[0]!r}, expected {op!r}")
+            return msg[1:]
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.cmd_q.put(("stop",))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+
+
+# -- the run ------------------------------------------------------------------------------------------
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_room(args, step_bytes: int, ring_bytes: int) -> None:
+    from sglang_hs.store.ring import record_bytes
+
+    # the step's records at once (the reader takes them after the capture), plus the SKIP marker's worst
+    # case where the ring wraps: a record of the longest request that does not fit before the end
+    most = args.step_tokens // args.min_tokens + 1
+    worst = record_bytes(args.step_tokens, P, H, ELEM, 0) + most * 512 + record_bytes(args.max_tokens, P, H, ELEM, 64)
+    if worst > ring_bytes:
+        raise SystemExit(f"--ring-mib {args.ring_mib}: a step's records need up to {worst / 2**20:.0f} MiB in the ring")
+    if args.step_tokens > args.slots - 1:
+        raise SystemExit(f"--slots {args.slots}: fewer than the {args.step_tokens} tokens of a step (+ the padding slot)")
+    files = int(step_bytes * 1.05) + (64 << 20)
+    shm = args.slots * ROW_BYTES + ring_bytes + files
+    if free_bytes(args.shm_dir) < shm:
+        raise SystemExit(f"{args.shm_dir}: {free_bytes(args.shm_dir) / 1e9:.1f} GB free, this run needs "
+                         f"{shm / 1e9:.1f} GB (store, ring, one sink's files): lower --slots or --ring-mib")
+    if free_bytes(args.disk_dir) < files:
+        raise SystemExit(f"--disk-dir {args.disk_dir}: {free_bytes(args.disk_dir) / 1e9:.1f} GB free, "
+                         f"{files / 1e9:.1f} GB needed")
+
+
+def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp_out, disk_out):
+    """Every measure once for one step of finishing requests; returns CSV rows."""
+    lengths = request_lengths(args.step_tokens, args.min_tokens, args.max_tokens, rng)
+    reqs = make_step(alloc, lengths, rng)
+    tokens = sum(lengths)
+    nbytes = tokens * ROW_BYTES
+    src, dst = bufs
+    rows = []
+
+    def add(measure, seconds, variant="-", **extra):
+        r = {"machine": MACHINE, "step": step, "warmup": int(warm), "variant": variant, "measure": measure,
+             "kind": MEASURES[measure][0], "requests": len(reqs), "tokens": tokens, "bytes": nbytes,
+             "seconds": round(seconds, 6), "ms": round(seconds * 1e3, 3), "GBps": round(nbytes / seconds / 1e9, 3)}
+        r.update(extra)
+        rows.append(r)
+
+    flat_src, flat_dst = src.view(-1)[:nbytes], dst.view(-1)[:nbytes]
+    t0 = time.perf_counter()
+    ctypes.memmove(flat_dst.data_ptr(), flat_src.data_ptr(), nbytes)  # glibc's memcpy (no overlap here)
+    add("memcpy", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    flat_dst.copy_(flat_src)
+    add("torch_copy", time.perf_counter() - t0)
+
+    all_slots = torch.cat([s for _, s in reqs]).long()
+    out = dst.view(torch.bfloat16).view(-1, P, H)[:tokens]
+    t0 = time.perf_counter()
+    torch.index_select(writer.store, 0, all_slots, out=out)
+    add("index_select", time.perf_counter() - t0)
+
+    for v in variants:  # capture + gather, then the reader alone on what it published
+        named_reqs = named(reqs, f"s{step}-{v.name}")
+        sched, pub = run_variant(v, named_reqs)
+        add("capture", sched, v.name)
+        add("gather", pub, v.name)
+        consumer.send("take", [r[0] for r in named_reqs])
+        dt, got, check = consumer.recv("take")
+        assert got == nbytes, (got, nbytes)
+        for (rid, T, digest), i in zip(check, (0, -1)):  # the rows arrived: the store's, in position order
+            want = row_digest(writer.store[int(named_reqs[i][2][0])].reshape(-1))
+            if (rid, T, digest) != (named_reqs[i][0], len(named_reqs[i][1]), want):
+                raise RuntimeError(f"record {rid}: {T} rows, first row {digest}; expected {named_reqs[i][0]}, "
+                                   f"{len(named_reqs[i][1])} rows, {want}")
+        add("reader", dt)
+
+    folders = {"tmpfs": tmp_out, "disk": disk_out}
+    consumer.send("sinks", [(m, sink, os.path.join(folders[where], m)) for m, sink, where in SINK_TARGETS])
+    (results,) = consumer.recv("sinks")
+    for measure, dt, got, fbytes in results:
+        assert got == nbytes
+        add(measure, dt, file_bytes=fbytes)
+
+    # the ring alone: prepared rows published while the consumer takes them
+    named_reqs = named(reqs, f"s{step}-ring")
+    prepared = src.view(torch.bfloat16).view(-1, P, H)
+    consumer.send("drain", [r[0] for r in named_reqs], None)
+    consumer.recv("armed")
+    t0, o = time.perf_counter(), 0
+    for rid, ids, _ in named_reqs:
+        T = len(ids)
+        writer.ring.publish(rid, torch.as_tensor(ids, dtype=torch.int32), rows=prepared[o:o + T])
+        o += T
+    t_write = time.perf_counter() - t0
+    t_end, got, _ = consumer.recv("drain")
+    assert got == nbytes
+    add("ring", t_end - t0, write_seconds=round(t_write, 6))
+
+    for v in variants:  # the whole path at once
+        named_reqs = named(reqs, f"s{step}-{v.name}-e2e")
+        consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(tmp_out, "e2e"))
+        consumer.recv("armed")
+        t0 = time.perf_counter()
+        sched, _ = run_variant(v, named_reqs)
+        t_end, got, fbytes = consumer.recv("e2e")
+        assert got == nbytes
+        add("e2e", t_end - t0, v.name, file_bytes=fbytes)
+        add("capture_concurrent", sched, v.name)
+
+    for _, slots in reqs:
+        alloc.release(slots.long())
+    return rows
+
+
+def summarise(rows):
+    measured = [r for r in rows if not r["warmup"]]
+    keys = list(dict.fromkeys((r["measure"], r["variant"]) for r in measured))
+    keys.sort(key=lambda k: list(MEASURES).index(k[0]))
+    memcpy = statistics.median(r["GBps"] for r in measured if r["measure"] == "memcpy")
+    torch_copy = statistics.median(r["GBps"] for r in measured if r["measure"] == "torch_copy")
+    out = []
+    for m, v in keys:
+        rs = [r for r in measured if (r["measure"], r["variant"]) == (m, v)]
+        g = [r["GBps"] for r in rs]
+        ms = [r["ms"] for r in rs]
+        s = {"measure": m, "variant": v, "kind": MEASURES[m][0], "what": MEASURES[m][1], "steps": len(rs),
+             "tokens_per_step": rs[0]["tokens"], "GBps_median": round(statistics.median(g), 3),
+             "GBps_min": min(g), "GBps_max": max(g), "ms_median": round(statistics.median(ms), 3),
+             "ms_min": min(ms), "ms_max": max(ms),
+             "of_memcpy": round(statistics.median(g) / memcpy, 3),
+             "of_torch_copy": round(statistics.median(g) / torch_copy, 3)}
+        out.append(s)
+    return out
+
+
+def targets(summary):
+    """The tracking issue's targets against this run: (line, met) pairs."""
+    get = {(s["measure"], s["variant"]): s for s in summary}
+    lines = []
+    for (m, v), s in get.items():
+        if m == "capture":
+            lines.append((f"scheduler-thread time in capture per {s['tokens_per_step']}-token step [{v}]: "
+                          f"{s['ms_median']:.1f} ms (min {s['ms_min']:.1f}, max {s['ms_max']:.1f}); target "
+                          f"< {TARGETS['capture_ms']:g} ms", s["ms_median"] < TARGETS["capture_ms"]))
+        if m == "e2e":
+            lines.append((f"host path end to end (store -> ring -> reader -> SpecForge on tmpfs) [{v}]: "
+                          f"{s['GBps_median']:.2f} GB/s; target >= {TARGETS['e2e_GBps']:g}",
+                          s["GBps_median"] >= TARGETS["e2e_GBps"]))
+        if m in ("gather", "ring"):
+            lines.append((f"{m}{f' [{v}]' if v != '-' else ''}: {s['GBps_median']:.2f} GB/s = {s['of_memcpy']:.2f} "
+                          f"of memcpy ({s['of_torch_copy']:.2f} of torch copy_); target >= {TARGETS['of_memcpy']:g}",
+                          s["of_memcpy"] >= TARGETS["of_memcpy"]))
+    return lines
+
+
+def plot(summary, path: str, title: str) -> None:
+    plt = _pyplot()
+    if plt is None:
+        return
+    from matplotlib.patches import Patch
+
+    colors = {"ceiling": "#999", "path": "#2a7", "file": "#27a", "scheduler": "#c52"}
+    bw = [s for s in summary if s["kind"] != "scheduler"]
+    sched = [s for s in summary if s["kind"] == "scheduler"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5.5), gridspec_kw={"width_ratios": [3, 1]})
+    labels = [s["what"] + (f" [{s['variant']}]" if s["variant"] != "-" else "") for s in bw]
+    y = list(range(len(bw)))[::-1]
+    med = [s["GBps_median"] for s in bw]
+    err = [[m - s["GBps_min"] for m, s in zip(med, bw)], [s["GBps_max"] - m for m, s in zip(med, bw)]]
+    ax.barh(y, med, xerr=err, color=[colors[s["kind"]] for s in bw], capsize=3)
+    for yi, m, s in zip(y, med, bw):
+        ax.text(s["GBps_max"], yi, f"  {m:.2f} ({s['of_memcpy']:.2f})", va="center", fontsize=8)
+    memcpy = next(s["GBps_median"] for s in bw if s["measure"] == "memcpy")
+    ax.axvline(TARGETS["of_memcpy"] * memcpy, color="#2a7", ls=":", lw=1)
+    ax.axvline(TARGETS["e2e_GBps"], color="k", ls="--", lw=1)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlabel("GB/s of row bytes (median, whiskers min-max; in brackets: of memcpy)")
+    ax.set_xlim(0, max(max(s["GBps_max"] for s in bw), TARGETS["e2e_GBps"]) * 1.3)
+    handles = [Patch(color=c, label=k) for k, c in colors.items() if k != "scheduler"]
+    handles += [plt.Line2D([], [], color="#2a7", ls=":", label=f"{TARGETS['of_memcpy']:g} x memcpy (gather, ring target)"),
+                plt.Line2D([], [], color="k", ls="--", label=f"{TARGETS['e2e_GBps']:g} GB/s (end-to-end target)")]
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    x = list(range(len(sched)))
+    ms = [s["ms_median"] for s in sched]
+    ax2.bar(x, ms, yerr=[[m - s["ms_min"] for m, s in zip(ms, sched)], [s["ms_max"] - m for m, s in zip(ms, sched)]],
+            color=colors["scheduler"], capsize=3)
+    for xi, m in zip(x, ms):
+        ax2.text(xi, m, f"{m:.1f}  ", ha="right", va="bottom", fontsize=8)
+    ax2.set_yscale("log")
+    ax2.axhline(TARGETS["capture_ms"], color="k", ls="--", lw=1)
+    ax2.text(-0.4, TARGETS["capture_ms"], f"target {TARGETS['capture_ms']:g} ms", va="bottom", fontsize=7)
+    ax2.set_ylim(TARGETS["capture_ms"] / 2, max([s["ms_max"] for s in sched] + [TARGETS["capture_ms"]]) * 2)
+    ax2.set_xticks(x)
+    ax2.set_xticklabels([f"{s['measure'].replace('_', chr(10))}\n[{s['variant']}]" for s in sched], fontsize=8)
+    ax2.set_ylabel(f"ms per {sched[0]['tokens_per_step'] if sched else ''}-token step, scheduler thread (log)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--slots", type=int, default=32768, help="KV slots of the store (57,344 bytes each)")
+    ap.add_argument("--ring-mib", type=int, default=2048, help="output ring size; must hold one step's records")
+    ap.add_argument("--step-tokens", type=int, default=8192, help="tokens of the requests finishing per step")
+    ap.add_argument("--min-tokens", type=int, default=256, help="shortest finishing request")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="longest finishing request")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps")
+    ap.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the summary")
+    ap.add_argument("--variants", default="sync", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of each process")
+    ap.add_argument("--sink-threads", type=int, default=0, help="file writer threads (default: the CLI's)")
+    ap.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the store, the ring and the tmpfs files")
+    ap.add_argument("--disk-dir", default=None, help="folder on disk for the disk files (default: --out)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from sglang_hs.extract.cli import WRITERS
+
+    variants_wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants_wanted if v not in VARIANTS]
+    if unknown or not variants_wanted:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if not 0 < args.min_tokens <= args.max_tokens or args.step_tokens < args.min_tokens or args.steps < 1:
+        ap.error("need 0 < --min-tokens <= --max-tokens, --step-tokens >= --min-tokens, --steps >= 1")
+    args.sink_threads = args.sink_threads or WRITERS
+    os.makedirs(args.out, exist_ok=True)
+    args.disk_dir = os.path.abspath(args.disk_dir or args.out)
+    ring_bytes = args.ring_mib << 20
+    step_bytes = args.step_tokens * ROW_BYTES
+    check_room(args, step_bytes, ring_bytes)
+
+    def _on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, _on_term)
+    threads = torch.get_num_threads()
+    base = disk_out = consumer = None
+    variants, rows = [], []
+    where = f"disk: {fs_type(args.disk_dir)} {args.disk_dir}; tmpfs: {fs_type(args.shm_dir)} {args.shm_dir}"
+    csv_path = os.path.join(args.out, "bench_host_path.csv")
+    try:
+        base = tempfile.mkdtemp(prefix="bench-host-path-", dir=args.shm_dir)
+        disk_out = tempfile.mkdtemp(prefix=".bench-host-path-", dir=args.disk_dir)
+        from sglang_hs.capture_spec import CaptureSpec
+        from sglang_hs.store.writer import CaptureWriter
+
+        torch.set_num_threads(args.threads)
+        dump = os.path.join(base, "hs")
+        os.makedirs(dump, mode=0o700)
+        g = torch.Generator().manual_seed(args.seed)
+        rng = random.Random(args.seed)
+        print(f"store {args.slots} slots x {ROW_BYTES} B = {args.slots * ROW_BYTES / 1e9:.2f} GB, ring "
+              f"{ring_bytes / 2**30:.2f} GiB in {base}; steps of {args.step_tokens} tokens "
+              f"({step_bytes / 1e9:.2f} GB) in requests of {args.min_tokens}-{args.max_tokens}; {where}", flush=True)
+        writer = CaptureWriter(dump, CaptureSpec.resolve(LAYERS, True, 61, H), args.slots, torch.bfloat16, ring_bytes)
+        t0 = time.perf_counter()
+        fill(writer.store, g)
+        src = torch.empty(step_bytes, dtype=torch.uint8)
+        fill(src.view(torch.bfloat16).view(-1, P, H), g)
+        dst = torch.ones(step_bytes, dtype=torch.uint8)  # memcpy's and index_select's destination, touched
+        print(f"filled in {time.perf_counter() - t0:.1f}s; starting the consumer process", flush=True)
+        consumer = Consumer(dump, args.threads, args.sink_threads)
+        variants = [VARIANTS[v](writer) for v in variants_wanted]
+        alloc = BusyAllocator(args.slots, g)
+        for _ in range(3):  # traffic before the run: the free list is already in no particular order
+            alloc.release(alloc.alloc(min(args.step_tokens, args.slots - 1)))
+        for i in range(args.warmup + args.steps):
+            warm = i < args.warmup
+            step_rows = one_step(i, warm, args, writer, variants, consumer, alloc, rng, (src, dst), base, disk_out)
+            rows += step_rows
+            write_csv(csv_path, rows)
+            by = {(r["measure"], r["variant"]): r for r in step_rows}
+            caps = ", ".join(f"{v.name} {by[('capture', v.name)]['ms']:.1f} ms" for v in variants)
+            gbs = "  ".join(f"{m}{'' if v == '-' else '[' + v + ']'} {r['GBps']:.2f}" for (m, v), r in by.items()
+                            if MEASURES[m][0] != "scheduler")
+            print(f"{'warm-up' if warm else 'step'} {i - args.warmup + 1 if not warm else i + 1}: "
+                  f"{step_rows[0]['requests']} requests, capture {caps} | GB/s {gbs}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        for v in variants:
+            v.close()
+        if consumer is not None:
+            consumer.close()
+        torch.set_num_threads(threads)
+        signal.signal(signal.SIGTERM, old_term)
+        for folder in (base, disk_out):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+    summary = summarise(rows)
+    write_csv(os.path.join(args.out, "bench_host_path_summary.csv"), summary)
+    print(f"\nmedian of {args.steps} steps (min-max), {machine()}; {where}")
+    for s in summary:
+        v = "" if s["variant"] == "-" else f" [{s['variant']}]"
+        if s["kind"] == "scheduler":
+            print(f"  {s['measure'] + v:>24}: {s['ms_median']:8.1f} ms   ({s['ms_min']:.1f}-{s['ms_max']:.1f})")
+        else:
+            print(f"  {s['measure'] + v:>24}: {s['GBps_median']:8.2f} GB/s ({s['GBps_min']:.2f}-{s['GBps_max']:.2f}) "
+                  f"= {s['of_memcpy']:.2f} of memcpy")
+    print("targets (issue 16):")
+    for line, met in targets(summary):
+        print(f"  [{'met' if met else 'NOT met'}] {line}")
+    plot(summary, os.path.join(args.out, "bench_host_path.png"),
+         f"host path at DeepSeek-V3 row size (57,344 B/token), {args.step_tokens}-token steps of "
+         f"{args.min_tokens}-{args.max_tokens}-token requests, store {args.slots} slots; {args.threads} torch "
+         f"thread(s)/process\n{machine()}; {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
