@@ -3,8 +3,13 @@
 The launcher starts `python -m sglang_hs.serve` as a new session, relays its output and reads start-up
 phases from it. Start-up fails (non-zero exit, nothing left running) when:
   - the server process exits;
-  - no output and no new phase for `startup_timeout` seconds: the stalled phase is named and the
-    Python stacks of every process of the group are printed (py-spy, else faulthandler via SIGUSR1);
+  - no output and no new phase for `startup_timeout` seconds: the stalled phase is named, then each
+    process of the group with its CPU use and state and whether the group looks busy (some process burns
+    CPU: a loop that does not progress) or blocked (none does: a lock, a collective, a dead peer), then
+    the Python stacks of every process (py-spy, else faulthandler via SIGUSR1);
+  - while start-up is quiet (no output for `report_every` seconds) the same CPU report, busy or blocked
+    without a guess at the cause (a busy quiet start-up may just be working), is logged every
+    `report_every` seconds, so a slow phase and a hang can be told apart before the timeout.
   - SGLang finished loading the model, or reports ready, but no process announced the sglang-hs
     overlay (SGLang silently serves its built-in class when the overlay fails to import).
   - the server says it cannot come up (FATAL below: e.g. its HTTP port is taken).
@@ -26,7 +31,7 @@ import sys
 import sysconfig
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from sglang_hs.fsutil import LOCK_NAME
 
@@ -52,6 +57,8 @@ EXIT_STALL = 3
 EXIT_NO_OVERLAY = 4
 EXIT_FATAL = 5
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
+REPORT_EVERY_MAX_S = 60.0  # a quiet start-up logs CPU use every min(this, startup_timeout / 4) seconds
+BUSY_CPU_PCT = 10.0  # a process using at least this share of one core over the interval "uses CPU"
 
 
 def log(msg: str) -> None:
@@ -71,10 +78,72 @@ def _py_spy() -> Optional[str]:
     return None
 
 
+class ProcSample(NamedTuple):
+    name: str
+    cpu_s: float  # user + system CPU seconds so far, all its threads together (a spinning thread counts)
+    state: str  # of its main thread: running, sleeping, disk-sleep, zombie, ...
+    threads: int
+    running: int  # threads running or runnable (R) at the sample
+
+
+Snapshot = Tuple[float, Dict[int, ProcSample]]  # (time.monotonic(), samples by pid)
+
+
+def sample_processes(pids: List[int]) -> Snapshot:
+    import psutil  # an SGLang dependency; imported here so importing this module stays light
+
+    samples = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            with p.oneshot():
+                t = p.cpu_times()
+                samples[pid] = ProcSample(p.name(), t.user + t.system, p.status(), p.num_threads(),
+                                          _running_threads(pid))
+        except psutil.Error:  # gone meanwhile
+            pass
+    return time.monotonic(), samples
+
+
+def _running_threads(pid: int) -> int:
+    n = 0
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(stat) as f:
+                n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            pass
+    return n
+
+
+def cpu_report(prev: Snapshot, cur: Snapshot, stalled: bool = False) -> List[str]:
+    """Each process's CPU use between two snapshots and a verdict: busy if any process used CPU, else
+    blocked; what that suggests only for a stall (a quiet start-up that is busy may be working).
+    A process absent from `prev` started in the interval: its CPU since then counts."""
+    span = max(cur[0] - prev[0], 1e-3)
+    lines, busy = [f"CPU use of the server's processes over the last {span:.0f}s:"], 0
+    for pid, s in sorted(cur[1].items()):
+        before = prev[1].get(pid)
+        pct = 100.0 * (s.cpu_s - (before.cpu_s if before else 0.0)) / span
+        busy += pct >= BUSY_CPU_PCT
+        lines.append(f"  pid {pid} {s.name}: cpu {pct:.0f}%, main thread {s.state}, {s.running} of {s.threads} "
+                     "threads running"
+                     + ("" if before else " (started in the interval)"))
+    if busy:
+        why = ": a loop that does not progress, e.g. a warm-up retrying" if stalled else ""
+        lines.append(f"looks busy ({busy} process{'es' if busy > 1 else ''} using CPU{why})")
+    else:
+        why = ": waiting on a lock, a collective or a dead peer" if stalled else ""
+        lines.append(f"looks blocked (no process uses CPU{why})")
+    return lines
+
+
 class Supervisor:
     def __init__(self, cmd: List[str], startup_timeout: float, dump_dir: Optional[str],
-                 stop_grace: float = STOP_GRACE_S) -> None:
+                 stop_grace: float = STOP_GRACE_S, report_every: Optional[float] = None) -> None:
         self.cmd, self.startup_timeout, self.dump_dir, self.stop_grace = cmd, startup_timeout, dump_dir, stop_grace
+        self.report_every = report_every or min(REPORT_EVERY_MAX_S, startup_timeout / 4)
+        self._snapshots: List[Snapshot] = []  # the last two CPU samples of the group, every report_every s
         self.fatal: Optional[str] = None  # why start-up cannot succeed, from the server's output
         self.stop_at: Optional[float] = None  # when the first stop signal arrived
         self.phase = "starting the server process"
@@ -150,6 +219,26 @@ class Supervisor:
             except (OSError, ValueError):
                 pass
         return sorted(pids)
+
+    def _sample(self) -> Snapshot:
+        snap = sample_processes(self._group_pids())
+        self._snapshots = self._snapshots[-1:] + [snap]
+        return snap
+
+    def _report_quiet_startup(self) -> None:
+        prev, cur = self._snapshots[-1], self._sample()
+        quiet = cur[0] - self.last_progress
+        if quiet >= self.report_every:
+            log(f"start-up quiet for {quiet:.0f}s in phase '{self.phase}'")
+            for line in cpu_report(prev, cur):
+                log(line)
+
+    def report_stall(self) -> None:
+        prev = self._snapshots[-1]
+        if time.monotonic() - prev[0] < self.report_every / 2:  # too recent to say much: the one before
+            prev = self._snapshots[0]
+        for line in cpu_report(prev, self._sample(), stalled=True):
+            log(line)
 
     def dump_stacks(self) -> None:
         spy = _py_spy()
@@ -227,6 +316,7 @@ class Supervisor:
         )
         self._pgid = self.proc.pid
         log(f"server session {self._pgid}: every server process runs in it")
+        self._sample()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         relay = threading.Thread(target=self._relay, name="relay", daemon=True)
@@ -248,8 +338,9 @@ class Supervisor:
                 if not self.ready and time.monotonic() - self.last_progress > self.startup_timeout:
                     log(
                         f"start-up stalled in phase '{self.phase}': no progress for {self.startup_timeout:.0f}s "
-                        "(--hs-startup-timeout); Python stacks follow, then the server is stopped"
+                        "(--hs-startup-timeout); CPU use and Python stacks follow, then the server is stopped"
                     )
+                    self.report_stall()
                     self.dump_stacks()
                     code = EXIT_STALL
                     break
@@ -260,6 +351,8 @@ class Supervisor:
                     )
                     code = EXIT_NO_OVERLAY
                     break
+                if not self.ready and time.monotonic() - self._snapshots[-1][0] >= self.report_every:
+                    self._report_quiet_startup()
                 if self.ready and self.phase == "ready":
                     log(f"server ready: {self.server_url()}")
                     self.phase = "serving"

@@ -1,5 +1,6 @@
 """Start-up never hangs silently and never falls back silently to SGLang's built-in class."""
 import os
+import re
 import uuid
 
 import pytest
@@ -20,6 +21,14 @@ def test_stall_names_phase_prints_stacks_and_cleans_up(tmp_path):
     out = server.output
     assert rc == EXIT_STALL, server.tail()
     assert "start-up stalled in phase 'loading weights': no progress for 60s" in out
+    # Quiet start-up is reported every 15 s (a quarter of the timeout) with each process's CPU use.
+    assert re.search(r"\[sglang-hs\] start-up quiet for \d+s in phase 'loading weights'", out)
+    # The planted hang sleeps: the stall report lists the server's processes and says it looks blocked.
+    report = out[out.index("start-up stalled in phase"):out.index("Python stacks of pid")]
+    assert "[sglang-hs] CPU use of the server's processes over the last" in report
+    assert re.search(r"\[sglang-hs\]   pid \d+ \S+: cpu \d+%, main thread [\w-]+, \d+ of \d+ threads running", report)
+    assert "[sglang-hs] looks blocked (no process uses CPU: waiting on a lock, a collective or a dead peer)" in report, \
+        report
     # The stuck scheduler's Python stack shows where it hangs.
     assert "_maybe_hang" in out and "Python stacks of pid" in out
     assert not leftover_server_processes(server.output)

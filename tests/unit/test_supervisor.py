@@ -1,11 +1,15 @@
 """The supervisor stops a server that does not stop: SIGTERM waits `stop_grace` seconds for SGLang's
-own shutdown, then kills every process of the server session; a second signal kills at once."""
+own shutdown, then kills every process of the server session; a second signal kills at once.
+A start-up that stalls is reported with each process's CPU use and state, and whether it looks busy or blocked."""
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from sglang_hs.supervisor import EXIT_STALL, ProcSample, cpu_report
 
 # A "server" that ignores SIGTERM, like SGLang stuck in its lifespan shutdown; it reports its pid.
 STUCK = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); time.sleep(600)"
@@ -37,3 +41,76 @@ def test_a_server_ignoring_sigterm_is_killed(grace, signals):
         assert "the server did not stop within 2s of SIGTERM; killing its processes" in err
     else:
         assert "SIGTERM again: killing the server's processes now" in err
+
+
+# -- busy or blocked: each process's CPU use in the stall report and the quiet start-up log --
+
+BEFORE = (100.0, {10: ProcSample("sglang::scheduler_TP0", 5.0, "running", 20, 1),
+                  11: ProcSample("sglang::detokenizer", 1.0, "sleeping", 3, 0)})
+
+
+def _after(scheduler_cpu_s):
+    return (110.0, {10: ProcSample("sglang::scheduler_TP0", scheduler_cpu_s, "running", 20, 1),
+                    11: ProcSample("sglang::detokenizer", 1.0, "sleeping", 3, 0),
+                    12: ProcSample("python", 0.5, "disk-sleep", 1, 0)})
+
+
+def test_cpu_report_lists_each_process_and_says_busy():
+    assert cpu_report(BEFORE, _after(14.0), stalled=True) == [
+        "CPU use of the server's processes over the last 10s:",
+        "  pid 10 sglang::scheduler_TP0: cpu 90%, main thread running, 1 of 20 threads running",
+        "  pid 11 sglang::detokenizer: cpu 0%, main thread sleeping, 0 of 3 threads running",
+        "  pid 12 python: cpu 5%, main thread disk-sleep, 0 of 1 threads running (started in the interval)",
+        "looks busy (1 process using CPU: a loop that does not progress, e.g. a warm-up retrying)",
+    ]
+
+
+@pytest.mark.parametrize("scheduler_cpu_s, verdict", [
+    (5.0, "looks blocked (no process uses CPU: waiting on a lock, a collective or a dead peer)"),
+    (5.9, "looks blocked (no process uses CPU: waiting on a lock, a collective or a dead peer)"),  # 9%
+    (6.0, "looks busy (1 process using CPU: a loop that does not progress, e.g. a warm-up retrying)"),  # 10%
+])
+def test_cpu_report_verdict_threshold(scheduler_cpu_s, verdict):
+    assert cpu_report(BEFORE, _after(scheduler_cpu_s), stalled=True)[-1] == verdict
+
+
+@pytest.mark.parametrize("scheduler_cpu_s, verdict", [(5.0, "looks blocked (no process uses CPU)"),
+                                                      (14.0, "looks busy (1 process using CPU)")])
+def test_quiet_start_up_report_suggests_no_cause(scheduler_cpu_s, verdict):
+    """Before the timeout a busy process may be working without output (imports, a slow load)."""
+    assert cpu_report(BEFORE, _after(scheduler_cpu_s))[-1] == verdict
+
+
+def test_cpu_report_counts_busy_processes():
+    after = _after(14.0)
+    after[1][11] = ProcSample("sglang::detokenizer", 11.0, "running", 3, 1)
+    assert cpu_report(BEFORE, after)[-1] == "looks busy (2 processes using CPU)"
+
+
+# Planted start-up hangs: a "server" that prints its pid, then never prints again while it spins in
+# its main thread, spins in a thread while its main thread waits, or sleeps.
+SPIN = "import os; print(os.getpid(), flush=True)\nwhile True: pass"
+SPIN_IN_THREAD = ("import os, threading; print(os.getpid(), flush=True)\n"
+                  "t = threading.Thread(target=lambda: [None for _ in iter(int, 1)]); t.start(); t.join()")
+SLEEP = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+STALL_WHY = {"busy": "1 process using CPU: a loop that does not progress, e.g. a warm-up retrying",
+             "blocked": "no process uses CPU: waiting on a lock, a collective or a dead peer"}
+SUPERVISE_STARTUP = ("import sys; from sglang_hs.supervisor import Supervisor; "
+                     "sys.exit(Supervisor([sys.executable, '-c', sys.argv[1]], 3, None).run())")
+
+
+@pytest.mark.parametrize("server, verdict", [(SPIN, "busy"), (SPIN_IN_THREAD, "busy"), (SLEEP, "blocked")],
+                         ids=["spin", "spin-in-thread", "sleep"])
+def test_stall_report_says_busy_or_blocked(server, verdict):
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_STARTUP, server], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    child = int(sup.stdout.readline())
+    _, err = sup.communicate(timeout=120)
+    assert sup.returncode == EXIT_STALL, err
+    # A 3 s timeout logs the quiet start-up every 0.75 s: at least twice before the stall.
+    assert re.search(r"\[sglang-hs\] start-up quiet for \d+s in phase 'starting the server process'", err), err
+    report = err[err.index("start-up stalled in phase"):]
+    assert re.search(rf"\n\[sglang-hs\]   pid {child} \S+: cpu \d+%, main thread [\w-]+, \d of \d threads running\n",
+                     report), report
+    assert f"\n[sglang-hs] looks {verdict} ({STALL_WHY[verdict]})\n" in report, report
+    assert not _alive(child)
