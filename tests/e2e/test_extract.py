@@ -80,6 +80,19 @@ def tok():
     return AutoTokenizer.from_pretrained(tiny_model.ensure())
 
 
+def assert_rows_are_the_stores(server, reader, rid, ids, aux, last):
+    """The file's rows are exactly the server's, every one of them, the last included: the same tokens
+    and one more are sent again, the radix cache serves all of the file's tokens from the store (only the
+    extra one is computed), so the new record's first T rows are the store's bytes of the first run."""
+    T = len(ids)
+    server.generate(input_ids=ids + [ids[-1]], rid=rid, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    rec = reader.take(rid, timeout=60)
+    assert rec.num_tokens == T + 1 and rec.input_ids[:T].tolist() == ids, rid
+    assert aux.shape == (T, 3, 256) and last.shape == (T, 256)
+    assert torch.equal(rec.aux_hidden_states[:T], aux), (rid, (rec.aux_hidden_states[:T] != aux).any(-1).nonzero())
+    assert torch.equal(rec.last_hidden_state[:T], last), (rid, (rec.last_hidden_state[:T] != last).any(-1).nonzero())
+
+
 def _server_args(capture_server, dump_dir):
     return ["--server", capture_server.url, "--hs-dump-dir", str(dump_dir)]
 
@@ -121,13 +134,7 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
                        if m.get("from", m.get("role")) in ("gpt", "assistant")]
             masked = tok.decode([t for t, m in zip(want.input_ids, want.loss_mask) if m])
             assert masked == "".join(r + tok.eos_token for r in replies)
-        # The same tokens sent again: the radix cache serves every row but the last from the store, so
-        # the files must hold exactly the reader's rows there (and the recomputed last row within bf16).
-        capture_server.generate(input_ids=want.input_ids, rid=f"again-{fmt}-{i}",
-                                sampling_params={"max_new_tokens": 1, "temperature": 0})
-        rec = reader.take(f"again-{fmt}-{i}", timeout=60)
-        assert torch.equal(rec.aux_hidden_states[:-1], aux[:-1]) and torch.equal(rec.last_hidden_state[:-1], last[:-1])
-        assert torch.allclose(rec.last_hidden_state[-1].float(), last[-1].float(), rtol=0.05, atol=0.05)
+        assert_rows_are_the_stores(capture_server, reader, f"again-{fmt}-{i}", ids.tolist(), aux, last)
 
 
 def test_killed_run_resumes_to_the_same_output(capture_server, dump_dir, tmp_path):
@@ -266,16 +273,29 @@ def test_regenerate_captures_the_targets_own_reply_and_shards_split_the_data(cap
                                                                     "hs_5.safetensors"]
     m = json.load(open(out / "manifest.json"))
     assert m["shard"] == "1/2" and m["regenerate"] and m["verified"] == 3
+    assert m["verify_max_logprob_diff"] < 0.08  # every row, the last one against the last token's logprob
     prep = Preparer(tok, 4096, regenerate=True, max_new_tokens=6)
-    for i in (1, 3, 5):
-        prompt = prep(i, convs[i]).input_ids
-        t = load_file(str(out / f"hs_{i}.safetensors"))
-        ids, mask = t["token_ids"].tolist(), t["loss_mask"].tolist()
-        assert ids[: len(prompt)] == prompt and tok.decode(prompt).endswith("<｜Assistant｜>")
-        generated = len(ids) - len(prompt) + 1  # the last generated token has no row
-        assert 1 <= generated <= 6
-        assert mask == [0] * len(prompt) + [1] * (generated - 1)
-        assert t["hidden_states"].shape == (len(ids), 4, 256)
+    with HiddenStateReader(str(dump_dir)) as reader:
+        for i in (1, 3, 5):
+            prompt = prep(i, convs[i]).input_ids
+            t = load_file(str(out / f"hs_{i}.safetensors"))
+            ids, mask = t["token_ids"].tolist(), t["loss_mask"].tolist()
+            assert ids[: len(prompt)] == prompt and tok.decode(prompt).endswith("<｜Assistant｜>")
+            generated = len(ids) - len(prompt) + 1  # the last generated token has no row
+            assert 1 <= generated <= 6
+            assert mask == [0] * len(prompt) + [1] * (generated - 1)
+            assert t["hidden_states"].shape == (len(ids), 4, 256)
+            assert_rows_are_the_stores(capture_server, reader, f"again-regen-{i}", ids, t["hidden_states"][:, :3],
+                                       t["hidden_states"][:, 3])
+    # Sampled replies: the generated rows (the last one included) are verified against the server's
+    # logprobs of the sampled tokens, which SGLang reports from the temperature-scaled distribution.
+    out2 = tmp_path / "sampled"
+    proc = extract(["--data", data, "--output", str(out2), "--format", "safetensors", "--regenerate",
+                    "--max-new-tokens", "6", "--temperature", "0.8", "--max-samples", "2", "--verify", "1.0",
+                    *_server_args(capture_server, dump_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.load(open(out2 / "manifest.json"))
+    assert m["verified"] == 2 and m["verify_max_logprob_diff"] < 0.08 / 0.8, m
 
 
 def test_sigterm_while_the_server_starts_stops_it_too(tmp_path):
