@@ -70,7 +70,8 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},
     # Seconds of start-up without any sign of progress after which the launcher gives up.
     "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S),
-    # Test-only: hang in this start-up phase ("load", "warmup") to exercise the stall detector.
+    # Test-only: hang in this start-up phase ("load", "warmup": sleeping; "load-busy", "warmup-busy":
+    # spinning a core) to exercise the stall detector.
     "SGLANG_HS_TEST_HANG_PHASE": _str("SGLANG_HS_TEST_HANG_PHASE"),
     # Test-only: make the overlay module fail to import, as a broken install would.
     "SGLANG_HS_TEST_BREAK_OVERLAY": _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),

@@ -37,11 +37,15 @@ OriginalDeepseekV2Model = upstream.DeepseekV2Model
 
 
 def _maybe_hang(phase: str) -> None:
-    """Test-only switch (SGLANG_HS_TEST_HANG_PHASE) that plants a start-up hang."""
-    if envs.SGLANG_HS_TEST_HANG_PHASE == phase:
-        print(f"[sglang-hs] test switch: hanging in phase {phase!r}", file=sys.stderr, flush=True)
+    """Test-only switch (SGLANG_HS_TEST_HANG_PHASE) that plants a start-up hang: PHASE sleeps (like a
+    wait on a lock or a dead peer), PHASE-busy spins a core (like a warm-up retrying a failing forward)."""
+    want = envs.SGLANG_HS_TEST_HANG_PHASE
+    if want in (phase, f"{phase}-busy"):
+        print(f"[sglang-hs] test switch: hanging in phase {want!r}", file=sys.stderr, flush=True)
+        busy = want.endswith("-busy")
         while True:
-            time.sleep(1)
+            if not busy:
+                time.sleep(1)
 
 
 def fixed_capture_output(out, spec: CaptureSpec, mode: str):
@@ -115,7 +119,7 @@ class _HiddenStateOverlay:
             self.model.hs_spec = self.hs_spec
             self.hs_status = OverlayStatus(dump_dir, type(self).__name__, self.hs_spec)
         _maybe_hang("load")
-        self._hs_hang_in_warmup = envs.SGLANG_HS_TEST_HANG_PHASE == "warmup"
+        self._hs_hang_in_warmup = envs.SGLANG_HS_TEST_HANG_PHASE in ("warmup", "warmup-busy")
         print(
             f"[sglang-hs] overlay ready: {type(self).__module__}.{type(self).__name__} pid={os.getpid()} "
             f"capture={'on ' + str(self.hs_spec.describe()['layer_ids']) if self.hs_spec else 'off'}"

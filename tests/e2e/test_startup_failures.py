@@ -11,24 +11,27 @@ from sglang_hs.supervisor import EXIT_FATAL, EXIT_NO_OVERLAY, EXIT_STALL
 pytestmark = pytest.mark.e2e
 
 
-def test_stall_names_phase_prints_stacks_and_cleans_up(tmp_path):
+@pytest.mark.parametrize("hang,verdict", [
+    ("load", "looks blocked (no process uses CPU: waiting on a lock, a collective or a dead peer)"),
+    ("load-busy", "looks busy ("),  # the spinning scheduler, maybe more: "N processes using CPU: a loop ..."
+])
+def test_stall_names_phase_prints_stacks_and_cleans_up(tmp_path, hang, verdict):
     dump = tmp_path / f"hs-{uuid.uuid4().hex[:8]}"
     # The timeout must exceed the silent ~20-35 s of imports before the first log line on a loaded
     # 2-core machine, or the stall is (rightly) reported in an earlier phase.
     server = Launcher(["--hs-dump-dir", str(dump), "--hs-startup-timeout", "60"],
-                      env={"SGLANG_HS_TEST_HANG_PHASE": "load"})
+                      env={"SGLANG_HS_TEST_HANG_PHASE": hang})
     rc = server.wait_exit(timeout=400)
     out = server.output
     assert rc == EXIT_STALL, server.tail()
     assert "start-up stalled in phase 'loading weights': no progress for 60s" in out
     # Quiet start-up is reported every 15 s (a quarter of the timeout) with each process's CPU use.
     assert re.search(r"\[sglang-hs\] start-up quiet for \d+s in phase 'loading weights'", out)
-    # The planted hang sleeps: the stall report lists the server's processes and says it looks blocked.
+    # The planted hang sleeps or spins: the stall report lists the server's processes and says which.
     report = out[out.index("start-up stalled in phase"):out.index("Python stacks of pid")]
     assert "[sglang-hs] CPU use of the server's processes over the last" in report
     assert re.search(r"\[sglang-hs\]   pid \d+ \S+: cpu \d+%, main thread [\w-]+, \d+ of \d+ threads running", report)
-    assert "[sglang-hs] looks blocked (no process uses CPU: waiting on a lock, a collective or a dead peer)" in report, \
-        report
+    assert f"[sglang-hs] {verdict}" in report, report
     # The stuck scheduler's Python stack shows where it hangs.
     assert "_maybe_hang" in out and "Python stacks of pid" in out
     assert not leftover_server_processes(server.output)
