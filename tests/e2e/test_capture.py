@@ -43,7 +43,6 @@ def _rel(got, ref):
 def check_against_hf(rec, hf, pooled=None):
     """Per-record checks; appends the record's row errors to `pooled` (see assert_pooled)."""
     hs = hf(rec.input_ids.tolist())
-    assert torch.equal(rec.positions, torch.arange(rec.num_tokens, dtype=torch.int32))
     errors = []
     for k, lid in enumerate(LAYERS):
         own = _rel(rec.aux_hidden_states[:, k], hs[lid])
@@ -153,7 +152,7 @@ def test_concurrent_requests_each_get_their_own_rows(served, hf):
 
 
 def test_same_records_with_scheduling_features_off(capture_server, reader, plain_sched_server, plain_dump_dir, hf):
-    """No chunking, no radix cache, no overlap scheduler: identical ids, positions and row counts, and
+    """No chunking, no radix cache, no overlap scheduler: identical ids and row counts, and
     values within bf16 tolerance of the capture server's (chunked, radix, overlap) records."""
     plain = HiddenStateReader(str(plain_dump_dir))
     pooled = []
@@ -163,7 +162,7 @@ def test_same_records_with_scheduling_features_off(capture_server, reader, plain
         capture_server.generate(input_ids=ids, rid=f"sched-{i}", sampling_params=sp)
         plain_sched_server.generate(input_ids=ids, rid=f"sched-{i}", sampling_params=sp)
         r1, r2 = reader.take(f"sched-{i}", timeout=60), plain.take(f"sched-{i}", timeout=60)
-        assert torch.equal(r1.input_ids, r2.input_ids) and torch.equal(r1.positions, r2.positions)
+        assert torch.equal(r1.input_ids, r2.input_ids)
         assert r1.aux_hidden_states.shape == r2.aux_hidden_states.shape
         diff = _rel(r1.aux_hidden_states, r2.aux_hidden_states.float())
         assert diff.median() < OWN_MEDIAN, diff
