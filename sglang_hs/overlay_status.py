@@ -93,12 +93,13 @@ class OverlayStatus:
               f"failed {a.get('failed', 0)}; dropped {w.get('dropped', 0)}", file=sys.stderr, flush=True)
 
     def _flush(self) -> None:
-        with self._lock:
-            payload = {k: (list(v) if isinstance(v, collections.OrderedDict) else v) for k, v in self._data.items()}
-            payload.update({name: dict(counters) for name, counters in self.sources.items()})
-            if self.ring_fill is not None:
-                payload["output_ring_fill"] = round(self.ring_fill(), 4)
-            text = json.dumps(payload, default=dict)
+        with self._lock:  # a snapshot only: the scheduler's record() waits on this lock
+            payload = {k: (list(v) if isinstance(v, collections.OrderedDict) else
+                           dict(v) if isinstance(v, dict) else v) for k, v in self._data.items()}
+        payload.update({name: dict(counters) for name, counters in self.sources.items()})
+        if self.ring_fill is not None:
+            payload["output_ring_fill"] = round(self.ring_fill(), 4)
+        text = json.dumps(payload, default=dict)
         if text != self._written:
             write_private_file(self.dump_dir, self.name, text.encode())
             self._written = text

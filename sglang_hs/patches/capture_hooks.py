@@ -67,7 +67,8 @@ def _default_staging_rows(runner) -> int:
         else sched.max_prefill_tokens
     graphs = getattr(get_exec().graph, "cuda_graph_config", None)
     decode_graph = getattr(getattr(graphs, "decode", None), "max_bs", None)
-    running = runner.max_running_requests or sched.max_running_requests  # the latter: before the pool is sized
+    # ModelRunner.max_running_requests is set by alloc_memory_pool: before it, the scheduler's setting
+    running = getattr(runner, "max_running_requests", None) or sched.max_running_requests
     return max(int(prefill or 0), int(running or 0), int(decode_graph or 0), 1)
 
 
@@ -126,14 +127,16 @@ def _forward(self, forward_batch, *args, **kwargs):
         return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
     status = getattr(self.model, "hs_status", None)
     w = _writer if _writer is not None and _writer.staging is not None else None  # direct copy: no step work
-    if w is not None:
-        w.before_step()
-    out = ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
     if w is None and status is None:
-        return out
+        return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    # Read before the forward: an eager step may pad out_cache_loc in place to keep ranks' token counts
+    # equal (DeepEP and other all-to-all MoE backends, --moe-dense-tp-size) and never trims it back.
     loc = getattr(forward_batch, "out_cache_loc_virtual", None)
     loc = forward_batch.out_cache_loc if loc is None else loc
     rows = 0 if loc is None else int(loc.shape[0])
+    if w is not None:
+        w.before_step()
+    out = ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
     if w is not None:
         w.after_step(rows, bool(getattr(out, "can_run_graph", False)))
     if status is not None:

@@ -32,8 +32,9 @@ def hooks(monkeypatch):
     monkeypatch.setitem(capture_hooks.ORIGINALS, "alloc_memory_pool",
                         lambda runner: seen.append(capture_hooks._reserved))
     spec = CaptureSpec.resolve([2, 30, 58], True, 61, H)
-    runner = SimpleNamespace(device="meta", is_draft_worker=False, max_running_requests=None,
-                             model=SimpleNamespace(hs_spec=spec), model_config=SimpleNamespace(dtype=torch.bfloat16))
+    # no max_running_requests: ModelRunner only gets it inside alloc_memory_pool
+    runner = SimpleNamespace(device="meta", is_draft_worker=False, model=SimpleNamespace(hs_spec=spec),
+                             model_config=SimpleNamespace(dtype=torch.bfloat16))
     return SimpleNamespace(mod=capture_hooks, runner=runner, rank=rank, seen=seen,
                            alloc=lambda: capture_hooks._alloc_memory_pool(runner))
 

@@ -2,7 +2,8 @@
 hook, for every step the scheduler makes. A CUDA-graph replay runs none of the model's Python, so the
 steps here are replays (the original ModelRunner.forward stand-in never calls the model), and the
 status must still count their modes, real rows and request ids; graph capture passes never reach the
-hook and are not counted."""
+hook and are not counted. The stand-in also pads out_cache_loc in place, as SGLang's eager path does
+when ranks' token counts are kept equal: the padding is not counted."""
 import json
 from types import SimpleNamespace
 
@@ -29,8 +30,12 @@ def runner(tmp_path, monkeypatch):
 
     status = OverlayStatus(str(tmp_path), "DeepseekV3ForCausalLM", CaptureSpec.resolve([1], True, 4, 8))
     replays = []
-    monkeypatch.setitem(capture_hooks.ORIGINALS, "forward",
-                        lambda self, fb, *a, **k: replays.append(fb) or SimpleNamespace(can_run_graph=True))
+    def replay(self, fb, *args, **kwargs):  # as SGLang's eager path may: out_cache_loc padded in place
+        replays.append(fb)
+        fb.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(3, dtype=fb.out_cache_loc.dtype)])
+        return SimpleNamespace(can_run_graph=True)
+
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "forward", replay)
     monkeypatch.setattr(capture_hooks, "_writer", None)
     r = SimpleNamespace(model=SimpleNamespace(hs_status=status), is_draft_worker=False)
     r.step = lambda fb: capture_hooks._forward(r, fb)
