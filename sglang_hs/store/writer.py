@@ -152,7 +152,7 @@ class CaptureWriter:
             self.staging.drain()  # every computed row is in the store
         elif slots.is_cuda:
             torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
-            self._host_store().check()  # rows whose KV slot lay outside the store: one clear error, once
+            self._host_store().check()  # a row whose KV slot lay outside the store: stop with one clear error
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
         self.ring.publish(rid, ids, gather_from=self.store, slots=slots.cpu())  # gathered straight into the ring
         self.stats["records"] += 1
