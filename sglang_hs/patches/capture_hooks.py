@@ -177,7 +177,11 @@ def _known_rids():
     if s is None:
         return None
     rids = {r.rid for r in s.waiting_queue}
-    rids.update(getattr(r, "rid", None) for r in getattr(s, "_deferred_input_requests", ()))
+    for msg in getattr(s, "_deferred_input_requests", ()):  # pulled, not yet handled (e.g. behind a pause)
+        batch = getattr(msg, "batch", None)  # Batch{Generate,Embedding}ReqInput: the rids are its members'
+        rids.update(getattr(r, "rid", None) for r in (batch if isinstance(batch, list) else (msg,)))
+    grammar = getattr(s, "grammar_manager", None)  # requests waiting for their grammar to compile
+    rids.update(r.rid for r in getattr(grammar, "grammar_queue", ()))
     for batch in (s.running_batch, s.last_batch):
         if batch is not None:
             rids.update(r.rid for r in batch.reqs)

@@ -4,8 +4,17 @@ record, so nothing waits inside a forward step and nothing is overwritten or dro
 Where: on the writer rank (attention-TP rank 0), where SGLang pulls new requests from the tokenizer,
 BEFORE it broadcasts them to the other ranks: every rank sees the same request stream, so their
 scheduling stays identical. Requests that do not fit are held here, in arrival order, and pulled again
-on the next scheduler iteration; other messages (aborts, control) pass at once, and an abort of a
-held request releases that request with it, so SGLang answers both as usual.
+on the next scheduler iteration; other messages (aborts, control) pass at once, and an abort releases
+the held requests it names with it (by rid prefix, as SGLang's `Scheduler.abort_request` matches), so
+SGLang answers both as usual.
+
+Batches: a `/generate` with a list of prompts reaches the scheduler as ONE
+`BatchTokenizedGenerateReqInput` (pre-tokenized prompts always, text with
+--enable-tokenizer-batch-encode), whose handler only loops `handle_generate_request` over its `batch`.
+Each member is admitted or held like a single request, in arrival order; the members that go in
+together are handed on re-wrapped in a batch of the same type (the original object when all go in at
+once), so SGLang sees the same kinds of message as without sglang-hs. Embedding batches never
+publish a record and pass, like single embedding requests.
 
 Accounting: each admitted request reserves twice its worst-case record (prompt + max_new_tokens - 1
 rows; twice, since a record that does not fit before the end of the ring wastes up to its own size
@@ -45,6 +54,7 @@ class AdmissionControl:
         self.reserved: Dict[str, int] = {}
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
         self.held_since: Dict[str, float] = {}
+        self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
         self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0}
         self._last_reconcile = self._last_log = 0.0
 
@@ -61,7 +71,10 @@ class AdmissionControl:
         `known_rids()` (the scheduler's request ids) is only called when a reconcile is due."""
         if pulled is None:
             return None
-        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+        from sglang.srt.managers import io_struct
+
+        AbortReq, TokenizedGenerateReqInput = io_struct.AbortReq, io_struct.TokenizedGenerateReqInput
+        Batch = getattr(io_struct, "BatchTokenizedGenerateReqInput", ())  # () : stand-ins without batches
 
         now = time.monotonic()
         if known_rids is not None and self.reserved and now - self._last_reconcile > RECONCILE_EVERY_S:
@@ -72,13 +85,18 @@ class AdmissionControl:
                     self.release(rid)
         out = []
         for msg in pulled:
-            if isinstance(msg, TokenizedGenerateReqInput):
+            if isinstance(msg, Batch) and len(msg.batch) > 0:
+                for req in msg.batch:  # each member like a single request; re-wrapped on the way out
+                    self._batch_of[id(req)] = msg
+                    self.held.append(req)
+                    self.held_since.setdefault(str(req.rid), now)
+            elif isinstance(msg, TokenizedGenerateReqInput):
                 self.held.append(msg)
                 self.held_since.setdefault(str(msg.rid), now)
             elif isinstance(msg, AbortReq) and self.held:
                 keep = collections.deque()
                 for h in self.held:  # an aborted held request goes in with its abort
-                    if msg.abort_all or h.rid == msg.rid:
+                    if msg.abort_all or str(h.rid).startswith(msg.rid or ""):
                         out.append(h)
                         self.held_since.pop(str(h.rid), None)
                     else:
@@ -112,7 +130,36 @@ class AdmissionControl:
                                "ring (%d bytes free, %d reserved)", len(self.held), self.ring.free_bytes(),
                                sum(self.reserved.values()))
         self.stats["held_now"] = len(self.held)
-        return out
+        return self._rewrap(out) if self._batch_of else out
+
+    def _rewrap(self, out: List) -> List:
+        """Members of one batch that go in next to each other go in as a batch of the same type again
+        (the original when it goes in whole); members still held keep their batch for later."""
+        groups: List = []  # [batch or None, [messages]]
+        for msg in out:
+            src = self._batch_of.pop(id(msg), None)
+            if src is not None and groups and groups[-1][0] is src:
+                groups[-1][1].append(msg)
+            else:
+                groups.append([src, [msg]])
+        result = []
+        for src, msgs in groups:
+            if src is None:
+                result += msgs
+            elif len(msgs) == len(src.batch) and all(a is b for a, b in zip(msgs, src.batch)):
+                result.append(src)
+            else:
+                import msgspec
+
+                index = {id(r): i for i, r in enumerate(src.batch)}
+                pick = [index[id(r)] for r in msgs]
+                fields = {"batch": msgs}
+                for name in ("rids", "http_worker_ipcs"):  # per-member lists, when a sender filled them
+                    values = getattr(src, name, None)
+                    if values is not None and len(values) == len(src.batch):
+                        fields[name] = [values[i] for i in pick]
+                result.append(msgspec.structs.replace(src, **fields))
+        return result
 
     def _admit(self):
         req = self.held.popleft()
