@@ -49,6 +49,23 @@ if [ ! -f "$tools/.complete" ]; then
 fi
 ln -sf "$tools/bin/hadolint" .venv/bin/hadolint
 
+# The trainers' readers (SpecForge, speculators, hs-connectors) that tests/unit/test_trainer_readers.py loads
+# our files with: --no-deps into their own cache keyed by requirements/readers.txt, kept off the venv's path
+# (the test reads the folder from .venv/.readers). Without a registry the test skips and set-up goes on.
+rkey=$(cat requirements/readers.txt | sha256sum | cut -c1-16)
+readers="$cache/readers/$rkey"
+if [ ! -f "$readers/.complete" ]; then
+    rm -rf "$readers"
+    mkdir -p "$cache/readers"
+    if .venv/bin/pip install -q --no-deps --target "$readers" -r requirements/readers.txt >"$readers.log" 2>&1; then
+        touch "$readers/.complete"
+    else
+        echo "[setup] warning: could not install requirements/readers.txt (log $readers.log); the trainer-reader tests will skip" >&2
+        rm -rf "$readers"
+    fi
+fi
+if [ -f "$readers/.complete" ]; then echo "$readers" > .venv/.readers; else rm -f .venv/.readers; fi
+
 # Benchmark plots (make bench only): matplotlib and its small dependencies, cached like the tools.
 if [ "${SGLANG_HS_BENCH:-0}" = "1" ]; then
     bkey=$(cat requirements/bench.txt | sha256sum | cut -c1-16)

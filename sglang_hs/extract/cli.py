@@ -6,7 +6,9 @@ model, on the CPU engine when there is no GPU), waits for it and stops it at the
 Each sample is one request (`rid` = run id + sample index, never reused) sent with up to --concurrency
 in flight; its record comes back through the reader (sglang_hs.HiddenStateReader) and is written to one
 file per sample (sglang_hs/extract/sinks.py). `--resume` skips samples whose file exists (files are
-renamed into place only when complete). A manifest.json beside the files says what they hold.
+renamed into place only when complete). A manifest.json beside the files says what they hold. With
+--format safetensors a completed run then writes speculators' dataset over all the sample files in the folder
+(`--finalize` does only that, e.g. for --shard outputs copied into one folder).
 """
 from __future__ import annotations
 
@@ -37,11 +39,16 @@ class ExtractError(RuntimeError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
                                 epilog="Any other flag goes to python -m sglang_hs.launch_server (without --server).")
-    p.add_argument("--data", required=True, metavar="FILE",
+    p.add_argument("--data", metavar="FILE",
                    help="JSON Lines (conversations/messages, or input_ids [+ loss_mask]), or a Hugging Face dataset")
     p.add_argument("--output", required=True, metavar="DIR", help="folder of the training files and manifest.json")
     p.add_argument("--format", choices=["specforge", "safetensors"], default="specforge",
-                   help="specforge: rows_*/data_{i}.ckpt (needs the final state); safetensors: hs_{i}.safetensors")
+                   help="specforge: rows_*/data_{i}.ckpt; safetensors: speculators' dataset (hs_{i}.safetensors per "
+                        "sample, the datasets table and hidden_states/ written when the run completes); both need "
+                        "the final state")
+    p.add_argument("--finalize", action="store_true",
+                   help="--format safetensors: only (re)write speculators' dataset for the hs_*.safetensors files in "
+                        "--output, e.g. after copying the outputs of several --shard runs into one folder")
     p.add_argument("--server", default=None, metavar="URL", help="a running sglang-hs server (with --hs-dump-dir)")
     p.add_argument("--hs-dump-dir", default=None, metavar="DIR",
                    help="the server's dump dir (required with --server; default without: a fresh one in /dev/shm)")
@@ -75,6 +82,13 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     except (ValueError, AssertionError):
         raise ExtractError(f"--shard: {ns.shard!r} is not I/N with 0 <= I < N") from None
     ns.shard_index, ns.shard_count = i, n
+    if ns.finalize:
+        if ns.format != "safetensors":
+            raise ExtractError("--finalize is for --format safetensors (SpecForge reads rows_*/ as they are: merge "
+                               "--shard outputs by copying their rows_* folders into one)")
+        return ns, launcher_args
+    if not ns.data:
+        raise ExtractError("--data is required")
     if ns.concurrency < 1:
         raise ExtractError(f"--concurrency: must be >= 1, got {ns.concurrency}")
     if ns.torch_threads < 1:
@@ -154,7 +168,8 @@ def draft_config(manifest: dict) -> dict:
             "speculators_layer_ids": list(layers) + ([manifest["num_hidden_layers"]] if manifest["last"] else [])}
 
 
-def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, status: str) -> None:
+def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, status: str,
+                   dataset: Optional[dict] = None) -> None:
     from sglang_hs.version import SGLANG_VERSION, __version__
 
     m = server_manifest
@@ -168,6 +183,8 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
     }
+    if sink.name == "safetensors":
+        doc["speculators_dataset_rows"] = (dataset or {}).get("rows")  # None: not written by this run
     tmp = os.path.join(out_dir, f".manifest.json.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -431,10 +448,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ExtractError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.extract.sinks import SINKS, SinkError
 
     out_dir = os.path.abspath(ns.output)
     sink = SINKS[ns.format](out_dir)
+    if ns.finalize:
+        return _finalize_only(sink)
     try:
         os.makedirs(out_dir, exist_ok=True)
         have = sink.existing()
@@ -456,7 +475,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(ns.torch_threads)  # restored below: main() also runs inside other programs
-    server = extraction = manifest = None
+    server = extraction = manifest = dataset = None
     status, rc = "failed", 1
     try:
         if ns.server:
@@ -474,7 +493,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         manifest = reader.manifest
         if sink.needs_last and not manifest["last"]:
             raise ExtractError(f"--format {ns.format} needs the final hidden state: the server at {url} runs "
-                               "without --hs-last (restart it with --hs-last, or use --format safetensors)")
+                               "without --hs-last (restart it with --hs-last)")
+        if sink.wants_last and not manifest["last"]:
+            print(f"[extract] warning: the server at {url} runs without --hs-last: the files hold the aux layers "
+                  f"only and no {ns.format} training set is made of them (speculators trains on the final state "
+                  "too); restart the server with --hs-last", file=sys.stderr, flush=True)
+        sink.layer_ids = list(manifest["layer_ids"])
         if ns.verify and not manifest["last"]:
             raise ExtractError("--verify needs the final hidden state: run the server with --hs-last")
         preparer, lm_head = _model_side(ns, manifest)
@@ -485,6 +509,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             total = max(0, math.ceil((total - ns.shard_index) / ns.shard_count))
         extraction.run(_samples(ns), total)
         status, rc = ("complete", 0) if not extraction.stats.failed else ("complete with failures", 1)
+        if manifest["last"]:
+            try:
+                dataset = sink.finalize()
+            except SinkError as e:
+                status, rc = "complete without the training set", 1
+                print(f"{PROG}: error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         status, rc = "interrupted", 130
         print(f"\n{PROG}: interrupted; completed files are kept, rerun with --resume", file=sys.stderr)
@@ -501,8 +531,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                 shutil.rmtree(os.path.dirname(server.dump_dir), ignore_errors=True)
     if extraction is not None:
         _print_summary(extraction.stats, out_dir)
-        write_manifest(out_dir, manifest, ns, extraction.stats, sink, status)
+        write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
     return rc
+
+
+def _finalize_only(sink) -> int:
+    from sglang_hs.extract.sinks import SinkError
+
+    try:
+        n = len(sink.samples())
+        rows = sink.finalize()["rows"]
+    except (SinkError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"[extract] speculators dataset of {rows} rows (of {n} sample files) in {sink.out_dir}", file=sys.stderr)
+    return 0
 
 
 def _start_server(ns, launcher_args):
@@ -512,7 +555,7 @@ def _start_server(ns, launcher_args):
     dump_dir = ns.hs_dump_dir or os.path.join(
         tempfile.mkdtemp(prefix="sglang-hs-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), "hs")
     args = ["--hs-dump-dir", dump_dir, *launcher_args]
-    if (ns.format == "specforge" or ns.verify) and "--hs-last" not in launcher_args:
+    if "--hs-last" not in launcher_args:  # both formats train on the final state
         args.append("--hs-last")
     server = ServerProcess(args)
     server.dump_dir = dump_dir

@@ -5,14 +5,26 @@ fsync), so a crash never leaves a file that looks done and `--resume` can trust 
                 (torch's zip format, loadable with mmap=True) with input_ids [T] int64, loss_mask [T]
                 int64, hidden_state [1, T, H] (final post-norm state: SpecForge applies lm_head to it)
                 and aux_hidden_state [1, T, K*H] (the K layers side by side), in the model's dtype.
-  safetensors   speculators' layout: hs_{i}.safetensors with hidden_states [T, L, H] (the K layers,
-                then the final state when captured), token_ids [T] and loss_mask [T], int64.
+  safetensors   speculators 0.9.0's training layout. While the run goes: hs_{i}.safetensors per sample i of
+                --data, with hidden_states [T, K+1, H] (the K layers, then the final post-norm state, which
+                speculators takes as the verifier's last hidden state), token_ids [T] int64 and loss_mask
+                [T] int64, and header metadata (final_state, num_aux_layers, layer_ids). When the run
+                completes, finalize() makes the folder what `speculators.train.data.ArrowDataset(max_len,
+                DIR)` reads: a `datasets` dataset saved with save_to_disk in DIR (columns input_ids,
+                loss_mask, seq_len as speculators' prepare_data writes them, plus sample_index; torch
+                format), one row per sample file in sample order, and DIR/hidden_states/hs_{row}.safetensors
+                (read by hs_connectors.FileTransfer) a hard link (a relative symlink where the filesystem
+                has no hard links) to that row's hs_{i}.safetensors. Sample files carry global sample
+                indices, so --shard outputs merge by copying their hs_*.safetensors into one folder and
+                running finalize there (`python -m sglang_hs.extract --finalize --output DIR`).
 """
 from __future__ import annotations
 
 import glob
 import os
-from typing import Optional
+import re
+import shutil
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -27,12 +39,22 @@ def _commit(tmp: str, final: str) -> int:
     return os.path.getsize(final)
 
 
+class SinkError(RuntimeError):
+    """A one-line error about the files in the output folder."""
+
+
 class Sink:
     name = ""
-    needs_last = False
+    needs_last = False  # refuse a server without the final state
+    wants_last = False  # start our own server with --hs-last
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
+        self.layer_ids: Optional[List[int]] = None  # recorded in the files where the format has room
+
+    def finalize(self) -> Optional[dict]:
+        """What a completed run adds beside the sample files; None when the format needs nothing."""
+        return None
 
     def path(self, index: int) -> str:
         raise NotImplementedError
@@ -69,7 +91,7 @@ class Sink:
 
 
 class SpecForgeSink(Sink):
-    name, needs_last = "specforge", True
+    name, needs_last, wants_last = "specforge", True, True
 
     def path(self, index: int) -> str:
         k = index // GROUP * GROUP
@@ -86,7 +108,8 @@ class SpecForgeSink(Sink):
 
 
 class SafetensorsSink(Sink):
-    name = "safetensors"
+    name, wants_last = "safetensors", True
+    HS_DIR = "hidden_states"
 
     def path(self, index: int) -> str:
         return os.path.join(self.out_dir, f"hs_{index}.safetensors")
@@ -98,8 +121,106 @@ class SafetensorsSink(Sink):
         from safetensors.torch import save_file
 
         states = aux if last is None else torch.cat([aux, last[:, None]], dim=1)
+        meta = {"format": "sglang-hs", "final_state": "true" if last is not None else "false",
+                "num_aux_layers": str(aux.shape[1])}
+        if self.layer_ids is not None:
+            meta["layer_ids"] = ",".join(str(i) for i in self.layer_ids)
         save_file({"hidden_states": states.contiguous(), "token_ids": input_ids.contiguous(),
-                   "loss_mask": loss_mask.contiguous()}, tmp)
+                   "loss_mask": loss_mask.contiguous()}, tmp, metadata=meta)
+
+    def remove_partial(self) -> int:
+        n = super().remove_partial()
+        for p in glob.glob(os.path.join(self.out_dir, ".hidden_states.*")) + glob.glob(
+                os.path.join(self.out_dir, ".dataset.*")):
+            shutil.rmtree(p, ignore_errors=True)  # a finalize that did not finish
+        return n
+
+    def samples(self) -> List[Tuple[int, str]]:
+        """(sample index, path) of every complete sample file, in sample order."""
+        out = []
+        for p in glob.glob(os.path.join(self.out_dir, "hs_*.safetensors")):
+            m = re.fullmatch(r"hs_(\d+)\.safetensors", os.path.basename(p))
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def finalize(self) -> Optional[dict]:
+        """Write speculators' dataset for the sample files in the folder (all of them: a resumed run's and
+        copied-in shards' too) and rebuild hidden_states/ to match its rows. Returns {"rows": n}."""
+        import datasets
+        from safetensors import safe_open
+
+        self.remove_partial()
+        files = self.samples()
+        if not files:
+            return {"rows": 0}
+        ref = None
+        for index, p in files:  # every file must hold the same kind of rows, the final state last
+            with safe_open(p, "pt") as f:
+                meta = f.metadata() or {}
+                hs = f.get_slice("hidden_states")
+                sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"), meta.get("layer_ids"))
+            if meta.get("final_state") != "true":
+                raise SinkError(f"{p} holds no final hidden state (its server ran without --hs-last), which "
+                                "speculators trains on: no speculators dataset written")
+            if ref is None:
+                ref = (sig, p)
+            elif sig != ref[0]:
+                raise SinkError(f"{p} holds rows {sig} but {ref[1]} holds {ref[0]} (shape, dtype, aux layers, "
+                                "layer ids): files of different captures cannot form one dataset")
+
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                      "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                      "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})
+        work = os.path.join(self.out_dir, f".dataset.{os.getpid()}")
+        new_hs = os.path.join(self.out_dir, f".hidden_states.{os.getpid()}")
+        os.makedirs(new_hs)
+        bars = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            ds = datasets.Dataset.from_generator(_speculators_rows, features=features, gen_kwargs={"files": files},
+                                                 cache_dir=os.path.join(work, "cache"))
+            ds.set_format(type="torch")  # speculators compares token_ids with input_ids as tensors
+            ds.save_to_disk(os.path.join(work, "ds"))
+            del ds
+            for row, (index, p) in enumerate(files):
+                dst = os.path.join(new_hs, f"hs_{row}.safetensors")
+                try:
+                    os.link(p, dst)
+                except OSError:  # no hard links here: a relative link survives moving the folder
+                    os.symlink(os.path.join(os.pardir, os.path.basename(p)), dst)
+            # Swap in: the old dataset stops being one first (no state.json), so a crash midway leaves a
+            # folder the trainer refuses, never rows paired with the wrong files; the next finalize fixes it.
+            state = os.path.join(self.out_dir, "state.json")
+            if os.path.exists(state):
+                os.unlink(state)
+            for p in glob.glob(os.path.join(self.out_dir, "data-*.arrow")):
+                os.unlink(p)
+            hs_dir = os.path.join(self.out_dir, self.HS_DIR)
+            if os.path.exists(hs_dir):
+                old = os.path.join(self.out_dir, f".hidden_states.old.{os.getpid()}")
+                os.replace(hs_dir, old)
+                shutil.rmtree(old)
+            os.replace(new_hs, hs_dir)
+            names = sorted(os.listdir(os.path.join(work, "ds")), key=lambda n: n == "state.json")
+            for name in names:  # state.json last
+                os.replace(os.path.join(work, "ds", name), os.path.join(self.out_dir, name))
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(new_hs, ignore_errors=True)
+        return {"rows": len(files)}
+
+
+def _speculators_rows(files):
+    """One dataset row per sample file (module level, imports inside: `datasets` hashes this function)."""
+    from safetensors import safe_open
+
+    for index, path in files:
+        with safe_open(path, "pt") as f:
+            ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        yield {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": len(ids), "sample_index": index}
 
 
 SINKS = {s.name: s for s in (SpecForgeSink, SafetensorsSink)}
