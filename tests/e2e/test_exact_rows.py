@@ -25,12 +25,12 @@ import time
 
 import pytest
 
+import row_judge
 from conftest import CHUNK
 from sglang_hs import HiddenStateReader
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
-TOL = 1e-4
 LAYERS, N_LAYERS = [2, 4, 5], 8
 GREEDY = {"temperature": 0}
 
@@ -61,37 +61,8 @@ def served(request):
     return request.getfixturevalue(f"{request.param}_pair")
 
 
-def _rel(got, ref):
-    return (got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
-
-
 def assert_exact(rec, hf, want_ids):
-    """`rec` holds exactly the rows of `want_ids`, every row of every layer and of the final state
-    within TOL of its own HF row and closer to it than to its neighbours (token and layer)."""
-    assert rec.input_ids.tolist() == list(want_ids), rec.rid
-    T = len(want_ids)
-    assert tuple(rec.aux_hidden_states.shape) == (T, len(LAYERS), 256) and rec.last_hidden_state.shape[0] == T
-    hs = hf(want_ids)
-    got = [(rec.aux_hidden_states[:, k], lid) for k, lid in enumerate(LAYERS)] + [(rec.last_hidden_state, N_LAYERS)]
-    worst = 0.0
-    for g, i in got:
-        own = _rel(g, hs[i])
-        worst = max(worst, own.max().item())
-        bad = (own > TOL).nonzero().flatten().tolist()
-        assert not bad, (f"{rec.rid}: output_hidden_states[{i}] rows {bad[:12]} of {T} are off by up to "
-                         f"{own.max():.3g} (tolerance {TOL})")
-        others = {"token t-1": (_rel(g[1:], hs[i][:-1]), own[1:]), "token t+1": (_rel(g[:-1], hs[i][1:]), own[:-1])}
-        for j in (i - 1, i + 1):
-            if 0 <= j <= N_LAYERS:
-                others[f"layer {j}"] = (_rel(g, hs[j]), own)
-        for name, (err, mine) in others.items():
-            closer = (err <= mine).nonzero().flatten().tolist()
-            assert not closer, f"{rec.rid}: output_hidden_states[{i}] rows {closer[:12]} are as close to {name}'s"
-    return worst
-
-
-def _prompt(hf, text):
-    return [hf.tok.bos_token_id] + hf.tok(text, add_special_tokens=False)["input_ids"]
+    return row_judge.assert_exact(rec, hf, want_ids, LAYERS, N_LAYERS, 256)
 
 
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "
@@ -101,7 +72,7 @@ LONG = ("Speculative decoding makes generation faster without changing its resul
 
 def test_rows_on_both_sides_of_every_chunk_boundary_and_every_decode_row(served, hf):
     server, reader = served
-    ids = _prompt(hf, LONG)
+    ids = row_judge.prompt_ids(hf, LONG)
     assert len(ids) > 3 * CHUNK + 1  # three boundaries inside the prompt, rows on both sides of each
     out = server.generate(input_ids=ids, rid="x-chunks", sampling_params={"max_new_tokens": 7, **GREEDY})
     assert out["meta_info"]["cached_tokens"] == 0 and len(out["output_ids"]) == 7
@@ -112,7 +83,7 @@ def test_rows_on_both_sides_of_every_chunk_boundary_and_every_decode_row(served,
 
 def test_prompt_only_request(served, hf):
     server, reader = served
-    ids = _prompt(hf, "Good tools are correct first, then fast, then pleasant to use.")
+    ids = row_judge.prompt_ids(hf, "Good tools are correct first, then fast, then pleasant to use.")
     server.generate(input_ids=ids, rid="x-prefill", sampling_params={"max_new_tokens": 1, **GREEDY})
     assert_exact(reader.take("x-prefill", timeout=60), hf, ids)
 
@@ -122,14 +93,14 @@ def test_radix_prefix_rows_prompt_and_generated(served, hf):
     prompt prefix, an exact repeat, and a follow-up turn whose cached prefix holds generated tokens
     (rows written by decode steps of an earlier request)."""
     server, reader = served
-    prefix = _prompt(hf, LONG)[:32]
-    a = prefix + _prompt(hf, " first ending about batches")[1:]
-    b = prefix + _prompt(hf, " a different ending entirely, longer than the first one")[1:]
+    prefix = row_judge.prompt_ids(hf, LONG)[:32]
+    a = prefix + row_judge.prompt_ids(hf, " first ending about batches")[1:]
+    b = prefix + row_judge.prompt_ids(hf, " a different ending entirely, longer than the first one")[1:]
     sp = {"max_new_tokens": 5, **GREEDY}
     out_a = server.generate(input_ids=a, rid="x-radix-a", sampling_params=sp)
     out_b = server.generate(input_ids=b, rid="x-radix-b", sampling_params=sp)
     out_a2 = server.generate(input_ids=a, rid="x-radix-a-again", sampling_params=sp)
-    turn = a + out_a["output_ids"] + _prompt(hf, " and then a question")[1:]
+    turn = a + out_a["output_ids"] + row_judge.prompt_ids(hf, " and then a question")[1:]
     out_t = server.generate(input_ids=turn, rid="x-radix-turn", sampling_params=sp)
     assert out_b["meta_info"]["cached_tokens"] >= 30 and out_a2["meta_info"]["cached_tokens"] >= len(a) - 1
     assert out_t["meta_info"]["cached_tokens"] > len(a), out_t["meta_info"]  # generated rows from the cache
@@ -146,7 +117,7 @@ def test_concurrent_requests_of_mixed_lengths(served, hf):
              "Shared memory lets one process write and another read without copying through the kernel."]
     jobs = []
     for i in range(16):
-        ids = _prompt(hf, texts[i % 3])[: 5 + (i * 11) % 56]
+        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 5 + (i * 11) % 56]
         jobs.append((f"x-conc-{i}", ids, 1 + i % 6))
     with cf.ThreadPoolExecutor(16) as pool:
         outs = list(pool.map(lambda j: server.generate(
@@ -164,7 +135,7 @@ def test_staging_counters_grow_by_the_rows_shipped(staging_pair, hf):
     status = lambda: json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]  # noqa: E731
     time.sleep(2 * FLUSH_INTERVAL_S)
     before = status()
-    ids = _prompt(hf, "A prompt of its own, so that no prefix of it is cached by the radix tree.")
+    ids = row_judge.prompt_ids(hf, "A prompt of its own, so that no prefix of it is cached by the radix tree.")
     out = server.generate(input_ids=ids, rid="x-stage-count", sampling_params={"max_new_tokens": 3, **GREEDY})
     rec = reader.take("x-stage-count", timeout=60)
     forwarded = len(ids) - out["meta_info"]["cached_tokens"] + len(out["output_ids"]) - 1

@@ -22,11 +22,11 @@ import time
 
 import pytest
 
+import row_judge
 from conftest import CHUNK, _serve
 from sglang_hs import HiddenStateReader, tiny_model
 
 pytestmark = pytest.mark.e2e
-TOL = 1e-4
 LAYERS = [1, 2, 5, 7]
 GREEDY = {"temperature": 0}
 FAMILIES = {
@@ -78,38 +78,8 @@ def _hf_reference(ckpt, variant):
     return hidden_states
 
 
-def _rel(got, ref):
-    return (got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
-
-
 def judge(rec, hf, want_ids, layers=LAYERS):
-    """`rec` holds exactly the rows of `want_ids`; every row of every layer and of the final state is
-    within TOL of its own HF row and closer to it than to its neighbours (token and layer). Returns the
-    worst row error."""
-    n, width = hf.config.num_hidden_layers, hf.config.hidden_size
-    assert rec.input_ids.tolist() == list(want_ids), rec.rid
-    T = len(want_ids)
-    assert tuple(rec.aux_hidden_states.shape) == (T, len(layers), width) and rec.last_hidden_state.shape[0] == T
-    hs = hf(want_ids)
-    worst = 0.0
-    for g, i in [(rec.aux_hidden_states[:, k], lid) for k, lid in enumerate(layers)] + [(rec.last_hidden_state, n)]:
-        own = _rel(g, hs[i])
-        worst = max(worst, own.max().item())
-        bad = (own > TOL).nonzero().flatten().tolist()
-        assert not bad, (f"{rec.rid}: output_hidden_states[{i}] rows {bad[:12]} of {T} are off by up to "
-                         f"{own.max():.3g} (tolerance {TOL})")
-        others = {"token t-1": (_rel(g[1:], hs[i][:-1]), own[1:]), "token t+1": (_rel(g[:-1], hs[i][1:]), own[:-1])}
-        for j in (i - 1, i + 1):
-            if 0 <= j <= n:
-                others[f"layer {j}"] = (_rel(g, hs[j]), own)
-        for name, (err, mine) in others.items():
-            closer = (err <= mine).nonzero().flatten().tolist()
-            assert not closer, f"{rec.rid}: output_hidden_states[{i}] rows {closer[:12]} are as close to {name}'s"
-    return worst
-
-
-def _prompt(hf, text):
-    return [hf.tok.bos_token_id] + hf.tok(text, add_special_tokens=False)["input_ids"]
+    return row_judge.assert_exact(rec, hf, want_ids, layers, hf.config.num_hidden_layers, hf.config.hidden_size)
 
 
 def test_checkpoint_has_the_family_shape(family):
@@ -128,7 +98,7 @@ def test_chunked_prefill_and_decode_rows(family):
     """A prompt over three 16-token chunk boundaries, then 7 greedy tokens: every prompt row and every
     decode row, at every captured layer and the final state."""
     variant, server, reader, hf = family
-    ids = _prompt(hf, LONG)
+    ids = row_judge.prompt_ids(hf, LONG)
     assert len(ids) > 3 * CHUNK + 1
     out = server.generate(input_ids=ids, rid=f"{variant}-chunks", sampling_params={"max_new_tokens": 7, **GREEDY})
     assert out["meta_info"]["cached_tokens"] == 0 and len(out["output_ids"]) == 7
@@ -141,9 +111,9 @@ def test_radix_repeat_and_shared_prefix(family):
     """Rows the server did not forward come from the store: an exact repeat (all but the last prompt
     token cached), and another prompt sharing a 32-token prefix."""
     variant, server, reader, hf = family
-    prefix = _prompt(hf, LONG)[:32]
-    a = prefix + _prompt(hf, " first ending about batches")[1:]
-    b = prefix + _prompt(hf, " a different ending entirely, longer than the first one")[1:]
+    prefix = row_judge.prompt_ids(hf, LONG)[:32]
+    a = prefix + row_judge.prompt_ids(hf, " first ending about batches")[1:]
+    b = prefix + row_judge.prompt_ids(hf, " a different ending entirely, longer than the first one")[1:]
     sp = {"max_new_tokens": 5, **GREEDY}
     outs = {}
     for rid, ids in ((f"{variant}-a", a), (f"{variant}-b", b), (f"{variant}-a-again", a)):
