@@ -20,7 +20,7 @@ def capture_server(dump_dir):
     yield from _serve(dump_dir, ["--hs-last", "--chunked-prefill-size", str(CHUNK)])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # used by one module: stopped after it, not kept for the session
 def exact_server(tmp_path_factory):
     """The exact oracle's servers compute in float32 (rows match HF float32 to ~1e-6, see
     test_exact_rows.py). This one: --hs-copy direct, overlap scheduler on, chunked prefill of 16 tokens,
@@ -29,7 +29,7 @@ def exact_server(tmp_path_factory):
                       ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK)])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def exact_staging_server(tmp_path_factory):
     """The other float32 server: --hs-copy staging with an 8-row stage (each 16-token prefill chunk and
     each decode batch of more than 8 rows is shipped in several pieces), overlap scheduler off."""
