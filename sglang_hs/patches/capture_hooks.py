@@ -72,12 +72,6 @@ def _default_staging_rows(runner) -> int:
     return max(int(prefill or 0), int(running or 0), int(decode_graph or 0), 1)
 
 
-def staging_device_bytes(rows: int, P: int, H: int, elem: int) -> int:
-    """Device memory of --hs-copy staging on CUDA (sglang_hs/store/staging.py): the stage and its
-    copy-out twin, [rows, P, H] each, their int64 slot ids, and the int32 row ids."""
-    return rows * (2 * P * H * elem + 2 * 8 + 4)
-
-
 def _alloc_memory_pool(self, *args, **kwargs):
     """ModelRunner.alloc_memory_pool: SGLang sizes the KV pool from the device memory free at this point
     (for MLA models once, before graph capture). The staging buffers are made later, with the store, so
@@ -88,8 +82,10 @@ def _alloc_memory_pool(self, *args, **kwargs):
     if rows:
         import torch
 
+        from sglang_hs.store.staging import device_bytes
+
         spec = self.model.hs_spec
-        nbytes = staging_device_bytes(rows, spec.num_aux + int(spec.last), spec.hidden_size,
+        nbytes = device_bytes(rows, spec.num_aux + int(spec.last), spec.hidden_size,
                                       torch.empty(0, dtype=self.model_config.dtype).element_size())
         try:
             _reserved = (rows, torch.empty(nbytes, dtype=torch.uint8, device=self.device))

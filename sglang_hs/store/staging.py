@@ -130,6 +130,12 @@ class _Shipped(NamedTuple):
     copied: object  # fired when the rows are in the host buffer (copy stream)
 
 
+def device_bytes(rows: int, P: int, H: int, elem: int) -> int:
+    """Device memory a StagedCopy of `rows` rows takes on CUDA (what its constructor allocates there):
+    the stage and its copy-out twin, [rows, P, H] each, their int64 slot ids, and the int32 row ids."""
+    return rows * (2 * P * H * elem + 2 * 8 + 4)
+
+
 class StagedCopy:
     def __init__(self, store: torch.Tensor, rows: int, device) -> None:
         assert store.dim() == 3 and store.is_contiguous() and store.device.type == "cpu"

@@ -4,15 +4,14 @@ building the StagedCopy takes no new memory from the device (PyTorch's caching a
 stage and its twin out of the freed block), so the KV pool sized in between really left room for it."""
 import torch
 
-from sglang_hs.patches.capture_hooks import staging_device_bytes
-from sglang_hs.store.staging import StagedCopy
+from sglang_hs.store.staging import StagedCopy, device_bytes
 
 ROWS, P, H = 8192, 4, 7168  # DeepSeek-V3's default stage: 0.94 GB
 
 
 def test_the_stage_is_carved_from_the_memory_held():
     torch.cuda.empty_cache()
-    held = torch.empty(staging_device_bytes(ROWS, P, H, 2), dtype=torch.uint8, device="cuda")
+    held = torch.empty(device_bytes(ROWS, P, H, 2), dtype=torch.uint8, device="cuda")
     free_while_held, _ = torch.cuda.mem_get_info()
     reserved_while_held = torch.cuda.memory_reserved()
     del held  # what _after_init_capturers does just before the writer builds its stage
@@ -21,7 +20,7 @@ def test_the_stage_is_carved_from_the_memory_held():
     try:
         grown = torch.cuda.memory_reserved() - reserved_while_held
         taken = free_while_held - torch.cuda.mem_get_info()[0]
-        print(f"held {staging_device_bytes(ROWS, P, H, 2) / 1e9:.3f} GB; building the stage then reserved "
+        print(f"held {device_bytes(ROWS, P, H, 2) / 1e9:.3f} GB; building the stage then reserved "
               f"{grown / 1e6:.1f} MB more and took {taken / 1e6:.1f} MB more from the device")
         assert grown <= 4 << 20 and taken <= 4 << 20  # at most a small-pool segment for the slot ids
     finally:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.store.staging import device_bytes
 
 H, P = 7168, 4  # DeepSeek-V3: 3 aux layers + the final state
 
@@ -44,14 +45,14 @@ def test_the_stage_is_held_while_the_pool_is_sized(hooks):
     (held,) = hooks.seen
     rows, buf = held  # the default: the 8192-token prefill chunk (the largest step), not the 512-row graph
     assert rows == 8192 and buf.device.type == "meta"
-    assert buf.numel() == hooks.mod.staging_device_bytes(8192, P, H, 2) == 8192 * (2 * P * H * 2 + 20)
+    assert buf.numel() == device_bytes(8192, P, H, 2) == 8192 * (2 * P * H * 2 + 20)
     print(f"DeepSeek-V3, 8192 rows: {buf.numel() / 1e9:.2f} GB held")  # 0.94 GB
 
 
 def test_rows_given_by_the_flag_are_held(hooks, monkeypatch):
     monkeypatch.setenv("SGLANG_HS_STAGING_ROWS", "16384")
     hooks.alloc()
-    assert hooks.seen[0][0] == 16384 and hooks.seen[0][1].numel() == hooks.mod.staging_device_bytes(16384, P, H, 2)
+    assert hooks.seen[0][0] == 16384 and hooks.seen[0][1].numel() == device_bytes(16384, P, H, 2)
 
 
 @pytest.mark.parametrize("case", ["direct copy", "cpu engine", "other attention-TP rank", "capture off", "draft"])
