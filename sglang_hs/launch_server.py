@@ -206,6 +206,28 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
     return ring
 
 
+def cpu_threads_bind(argv: List[str]) -> Optional[str]:
+    """SGLANG_CPU_OMP_THREADS_BIND for the CPU engine ("0|1": rank i's cores), or None where SGLang's
+    default (one NUMA node per rank) fits: with more ranks than NUMA nodes, this process's cores split
+    into one contiguous group per rank (ranks share cores when there are fewer cores than ranks)."""
+    def size(*flags):
+        return int(_flag_value(argv, *flags) or 1)
+
+    ranks = size("--tp-size", "--tp") * size("--pp-size", "--pp")
+    if not _has_flag(argv, "--enable-dp-attention"):
+        ranks *= size("--dp-size", "--dp")
+    nodes = len([d for d in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", d)]) \
+        if os.path.isdir("/sys/devices/system/node") else 1
+    if ranks <= max(nodes, 1):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        return "|".join(str(cores[i % len(cores)]) for i in range(ranks))
+    groups = [cores[i * len(cores) // ranks:(i + 1) * len(cores) // ranks] for i in range(ranks)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1
+                    else ",".join(map(str, g)) for g in groups)
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -236,6 +258,9 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         default_ring = parse_size(CPU_DEFAULT_RING_SIZE)
         if not _has_flag(sg_argv, "--sleep-on-idle"):
             sg_argv += ["--sleep-on-idle"]  # an idle scheduler otherwise spins a core the CPU engine needs
+        bind = cpu_threads_bind(sg_argv)
+        if bind and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = bind  # SGLang asserts one NUMA node per rank otherwise
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 

@@ -4,7 +4,8 @@ Not meant to be run by hand: `python -m sglang_hs.launch_server` starts it with 
 settings module (envs.py) reads. SGLang spawns its scheduler and detokenizer processes with
 multiprocessing `spawn`, and those re-import this module as `__mp_main__`: module-level code here
 must stay side-effect free but for the faulthandler registration below, which they then inherit, so
-the launcher can ask any of them for its Python stacks (SIGUSR1) when start-up stalls.
+the launcher can ask any of them for its Python stacks (SIGUSR1) when start-up stalls, and the runtime
+patches a spawned process needs before its scheduler builds the parallel groups (CPU mode only).
 """
 import faulthandler
 import os
@@ -12,6 +13,10 @@ import signal
 import sys
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__mp_main__":  # a spawned SGLang process: patch what its scheduler runs before the model
+    from sglang_hs.patches import apply_spawned
+
+    apply_spawned()
 
 
 def check_server_args(cfg) -> None:

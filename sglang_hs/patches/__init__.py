@@ -22,6 +22,8 @@ Ledger (what / why / upstream status / removal plan):
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
+| cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
+|                   | communicator for a group on the CPU device   | spawned process  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -57,9 +59,22 @@ warmup_rid
   upstream: no way to name the warm-up request in 0.5.23.
   removal:  if SGLang gives its warm-up request a recognisable rid (as it does for HEALTH_CHECK).
 
+cpu_gloo_groups
+  why:      with --tp > 1 on the CPU engine every parallel group asks for a PyNccl communicator, whose
+            constructor fails on a CPU device ("Expected a cuda device, but got: cpu"), so no CPU server
+            with more than one rank starts. The coordinator's CPU paths never use it: all-reduce goes
+            to SGLang's shared-memory kernel (AMX / arm64 only) or else to torch.distributed on the
+            group's gloo group, which is what runs here. Only `use_pynccl` changes, only for CPU groups.
+  upstream: present in sglang 0.5.23 (parallel_state.py, init_model_parallel_group: use_pynccl is
+            off only for NPU, XPU and mooncake); not reported upstream by us yet.
+  removal:  when the pinned sglang turns PyNccl off for CPU groups; tests/e2e/test_multi_rank.py
+            starts a --tp 2 CPU server and fails without it.
+
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward; warmup_rid, which concerns the HTTP server
-process, is applied by sglang_hs/serve.py. Not a `sglang.srt.plugins` entry point: SGLang
+process, is applied by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
+parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/serve.py runs when a
+spawned SGLang process re-imports it as `__mp_main__`. Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
 environment, plain `sglang serve` runs included.
 """
@@ -81,8 +96,25 @@ def apply() -> dict:
             from sglang_hs.patches import mla_torch_native
 
             _applied["mla_torch_native"] = mla_torch_native.apply()
+        _apply_cpu_gloo_groups()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.patches import capture_hooks
 
             _applied["capture_hooks"] = capture_hooks.apply()
+        return dict(_applied)
+
+
+def _apply_cpu_gloo_groups() -> None:
+    if envs.SGLANG_HS_CPU_MODE and "cpu_gloo_groups" not in envs.SGLANG_HS_DISABLE_PATCHES \
+            and "cpu_gloo_groups" not in _applied:
+        from sglang_hs.patches import cpu_gloo_groups
+
+        _applied["cpu_gloo_groups"] = cpu_gloo_groups.apply()
+
+
+def apply_spawned() -> dict:
+    """The patches a spawned SGLang process needs before its scheduler builds the parallel groups
+    (sglang_hs/serve.py runs this in every such process); idempotent."""
+    with _lock:
+        _apply_cpu_gloo_groups()
         return dict(_applied)
