@@ -61,6 +61,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),
     # Rows of the staging buffers (--hs-staging-rows); 0: max(chunked prefill size, max running requests).
     "SGLANG_HS_STAGING_ROWS": _int("SGLANG_HS_STAGING_ROWS", 0),
+    # Publish finished records on the scheduler thread (the synchronous path, for debugging) instead of
+    # handing them to the finish worker (sglang_hs/store/finisher.py).
+    "SGLANG_HS_SYNC_FINISH": _bool("SGLANG_HS_SYNC_FINISH"),
     # gid of --hs-share-group: the dump dir, manifest and rings are shared with this group (fsutil.py).
     "SGLANG_HS_SHARE_GID": lambda: int(os.environ["SGLANG_HS_SHARE_GID"]) if os.environ.get("SGLANG_HS_SHARE_GID") else None,
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).

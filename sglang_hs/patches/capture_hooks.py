@@ -1,6 +1,11 @@
 """Capture on: create the store when SGLang sizes its own per-token capturers, publish a record where
 SGLang finishes a request, and hold new requests back while the output ring lacks room for them.
 
+The record itself is gathered and published by the finish worker (sglang_hs/store/finisher.py): the
+finish hook hands the request over, and the scheduler-side hooks below give back the KV frees the
+worker held (`get_next_batch_to_run`, every iteration) or wait for it first (`on_idle`'s leak check,
+`self_check_during_busy`). SGLANG_HS_SYNC_FINISH=1 publishes on the scheduler thread instead.
+
 See the ledger in sglang_hs/patches/__init__.py. Each hook wraps an upstream method (the originals
 stay reachable as `ORIGINALS`) and calls it first, unchanged.
 """
@@ -16,6 +21,7 @@ _writer = None  # this process's CaptureWriter, when it is a writer rank
 _admission = None  # its AdmissionControl
 _scheduler = None  # the Scheduler of this process, for reconciling reservations
 _reserved = None  # (rows, device tensor): the staging buffers' memory, held while SGLang sizes the KV pool
+_finisher = None  # its FinishWorker once the first request finished; False: the synchronous path
 
 
 def _after_init_capturers(self) -> None:
@@ -144,22 +150,82 @@ def _after_collect(self, req) -> None:
     ORIGINALS["_maybe_collect_routed_experts"](self, req)
     if _writer is None:
         return
-    _admission.release(req.rid)
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     from sglang_hs.patches.warmup_rid import PREFIX as WARMUP
 
     if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith(("HEALTH_CHECK", WARMUP)):
+        _admission.release(req.rid)
         return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
     output = list(req.output_ids_through_stop)
     tokens = list(req.origin_input_ids) + output
     T = len(tokens) - 1  # every prompt token, every generated token but the last
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
+    worker = _finish_worker(self)
+    if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
+        worker.submit(str(req.rid), tokens[:T], slots)
+        return
+    _admission.release(req.rid)
     try:
         _writer.finish(str(req.rid), tokens[:T], slots)
     except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
         _writer.stats["dropped"] += 1
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
+
+
+def _finish_worker(processor):
+    """The finish worker of this writer (sglang_hs/store/finisher.py), made on the first finish, once the
+    KV allocator whose frees it holds is known; None: the synchronous path (SGLANG_HS_SYNC_FINISH, or
+    an allocator whose frees cannot be held, said once in the log)."""
+    global _finisher
+    if _finisher is not None:
+        return _finisher or None
+    from sglang_hs import envs
+
+    if envs.SGLANG_HS_SYNC_FINISH:
+        _finisher = False
+        return None
+    from sglang_hs.store.finisher import FinishWorker, hold_frees
+
+    worker = FinishWorker(_writer, on_done=_admission.release)
+    why = hold_frees(processor.token_to_kv_pool_allocator, worker)
+    if why is not None:
+        worker.close()
+        logger.warning("sglang-hs: finished records are published on the scheduler thread: %s", why)
+        _finisher = False
+        return None
+    import atexit
+
+    atexit.register(worker.close)  # shutdown publishes what was handed over
+    _finisher = worker
+    return worker
+
+
+def _get_next_batch_to_run(self, *args, **kwargs):
+    """Scheduler.get_next_batch_to_run, at the start of every iteration: take the worker's results and
+    give back the frees it is done with; when the pool is short, wait for it first."""
+    w = _finisher or None
+    if w is not None:
+        w.poll()
+        if w.held_tokens:
+            alloc = self.token_to_kv_pool_allocator
+            evictable = getattr(self.tree_cache, "evictable_size", lambda: 0)()
+            chunk = self.chunked_prefill_size or getattr(self, "max_prefill_tokens", 0) or 0
+            if alloc.available_size() + evictable < w.held_tokens + chunk:
+                w.drain()
+    return ORIGINALS["get_next_batch_to_run"](self, *args, **kwargs)
+
+
+def _drained(name):
+    """Wrap a method that counts free KV slots (SGLang's idle leak check, its busy self-check): every
+    held free is given back first."""
+    def wrapped(self, *args, **kwargs):
+        if _finisher:
+            _finisher.drain()
+        return ORIGINALS[name](self, *args, **kwargs)
+
+    wrapped.__name__ = name
+    return wrapped
 
 
 def _ingest_requests(self, *args, **kwargs):
@@ -173,6 +239,8 @@ def _known_rids():
     if s is None:
         return None
     rids = {r.rid for r in s.waiting_queue}
+    if _finisher:  # finished, handed to the worker, not yet published: still reserved
+        rids.update(_finisher.pending_rids())
     for msg in getattr(s, "_deferred_input_requests", ()):  # pulled, not yet handled (e.g. behind a pause)
         batch = getattr(msg, "batch", None)  # Batch{Generate,Embedding}ReqInput: the rids are its members'
         rids.update(getattr(r, "rid", None) for r in (batch if isinstance(batch, list) else (msg,)))
@@ -199,6 +267,7 @@ def apply():
         SchedulerBatchResultProcessor as BatchResultProcessor,
     )
     from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
     from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
     from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -210,10 +279,16 @@ def apply():
     ORIGINALS["_pull_raw_reqs"] = SchedulerRequestReceiver._pull_raw_reqs
     ORIGINALS["forward"] = ModelRunner.forward
     ORIGINALS["alloc_memory_pool"] = ModelRunner.alloc_memory_pool
+    ORIGINALS["get_next_batch_to_run"] = Scheduler.get_next_batch_to_run
+    ORIGINALS["on_idle"] = Scheduler.on_idle
+    ORIGINALS["self_check_during_busy"] = SchedulerInvariantChecker.self_check_during_busy
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
     SchedulerRequestReceiver._pull_raw_reqs = _pull_raw_reqs
     ModelRunner.forward = _forward
     ModelRunner.alloc_memory_pool = _alloc_memory_pool
+    Scheduler.get_next_batch_to_run = _get_next_batch_to_run
+    Scheduler.on_idle = _drained("on_idle")
+    SchedulerInvariantChecker.self_check_during_busy = _drained("self_check_during_busy")
     return dict(ORIGINALS)

@@ -14,7 +14,9 @@ sglang_hs/store/staging.py; `before_step`/`after_step` run around every ModelRun
 served by the radix cache are already in the store, written when that prefix was computed; chunked
 prefill needs no stitching. `finish()` runs where SGLang finishes a request (result processing, one
 step late under the overlap scheduler, before the KV slots are released): it gathers the request's
-rows through `req_to_token` in position order, checks the count, and publishes one record.
+rows through `req_to_token` in position order, checks the count, and publishes one record. That is the
+synchronous path (SGLANG_HS_SYNC_FINISH=1); by default the scheduler only hands the request over and
+the finish worker (sglang_hs/store/finisher.py) runs `publish_gathered` on its own thread.
 """
 from __future__ import annotations
 
@@ -154,7 +156,15 @@ class CaptureWriter:
             torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
             self._host_store().check()  # a row whose KV slot lay outside the store: stop with one clear error
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
-        self.ring.publish(rid, ids, gather_from=self.store, slots=slots.cpu())  # gathered straight into the ring
+        self.publish_gathered(rid, ids, slots.cpu(), t0)
+
+    def publish_gathered(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, t0: Optional[float] = None) -> None:
+        """Gather store[slots] (host slot ids, every row already in the store) straight into the ring and
+        publish the record. The synchronous finish runs it on the scheduler thread, the finish worker
+        (sglang_hs/store/finisher.py) on its own; the gather (torch.index_select) runs without the GIL."""
+        t0 = time.perf_counter() if t0 is None else t0
+        T = int(slots.shape[0])
+        self.ring.publish(rid, ids, gather_from=self.store, slots=slots)  # gathered straight into the ring
         self.stats["records"] += 1
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()

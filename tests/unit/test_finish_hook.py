@@ -28,10 +28,17 @@ class Admission:
         self.released.append(rid)
 
 
-@pytest.fixture
-def hook(tmp_path, monkeypatch):
+@pytest.fixture(params=["worker", "sync"])
+def hook(request, tmp_path, monkeypatch):
+    """Both finish paths: the finish worker (the default: the scheduler hands over, a thread publishes,
+    the KV allocator's frees are held meanwhile) and SGLANG_HS_SYNC_FINISH=1."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
     from sglang_hs.patches import capture_hooks
     from sglang_hs.store.writer import CaptureWriter
+
+    monkeypatch.setenv("SGLANG_HS_SYNC_FINISH", "1" if request.param == "sync" else "0")
+    monkeypatch.setattr(capture_hooks, "_finisher", None)
 
     writer = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS, dtype=torch.float32, ring_bytes=1 << 20)
     # slot s, row p, index h: s + p / 4 + h / 1024, exact in float32 and different everywhere
@@ -45,10 +52,15 @@ def hook(tmp_path, monkeypatch):
     # request pool row r holds slots 100 - 3r, 99 - 3r, ...: no two rows alike, none in position order
     table = torch.stack([torch.arange(100 - 3 * r, 100 - 3 * r - MAX_LEN, -1) for r in range(POOL)]).clamp(min=1)
     table = table.to(torch.int32)  # as SGLang's ReqToTokenPool holds it
-    processor = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=table))
+    allocator = TokenToKVPoolAllocator(NUM_SLOTS - 1, torch.float32, "cpu", None, need_sort=False)
+    processor = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=table),
+                                token_to_kv_pool_allocator=allocator)
     reader = HiddenStateReader(str(tmp_path))
     yield SimpleNamespace(finish=lambda req: capture_hooks._after_collect(processor, req), table=table,
-                          writer=writer, admission=admission, collected=collected, reader=reader)
+                          writer=writer, admission=admission, collected=collected, reader=reader,
+                          settle=lambda: capture_hooks._finisher and capture_hooks._finisher.drain())
+    if capture_hooks._finisher:
+        capture_hooks._finisher.close()
     reader.close()
 
 
@@ -65,6 +77,7 @@ def _req(rid, prompt, output, pool_idx, finished_reason=None, finished_len=None)
 
 
 def _assert_record(hook, rid, tokens, slots):
+    hook.settle()  # the worker's results are taken on the scheduler's side: reservations released there
     rec = hook.reader.take(rid, timeout=5)
     assert rec.input_ids.tolist() == tokens
     want = hook.writer.store[torch.as_tensor(slots, dtype=torch.long)]
@@ -106,6 +119,7 @@ def test_aborted_health_check_and_warmup_requests_are_not_emitted_but_released(h
     hook.finish(_req("HEALTH_CHECK_123", [1, 2], [3], pool_idx=1))
     hook.finish(_req(WARMUP + "0", [1, 2], [3], pool_idx=3))
     hook.finish(_req("after", [9, 8, 7], [6], pool_idx=5))
+    hook.settle()
     assert hook.admission.released == ["aborted", "HEALTH_CHECK_123", WARMUP + "0", "after"]
     rec = hook.reader.next(timeout=5)  # the next record in the ring is the one that was emitted
     assert rec.rid == "after"

@@ -1,0 +1,278 @@
+"""The finish path off the scheduler thread: a finished request's rows are gathered from the store into
+the output ring by a worker thread, while the KV slots they come from are kept from being reused.
+
+    scheduler thread (result processing)            worker thread "sglang-hs-finish"
+    submit(rid, token ids, slots):                  for each job, in hand-over order:
+      slots -> host: a CPU clone, or on CUDA a        wait for the job's event (the slot ids, and in
+        non_blocking copy into pinned memory on       direct mode the step's copy into the store, have
+        the current stream + a blocking-sync event    landed), then for the staging scatter;
+        (no device sync on this thread)               gather store[slots] into the ring and publish
+      queue the job; return                           (torch.index_select: runs without the GIL)
+    release_kv_cache -> allocator frees: HELD         report done (seq, rid, error)
+    next step / next free / idle / a check:
+      poll(): results -> admission release, stats,
+      errors; held frees whose gathers are done are
+      given back to the allocator
+
+Slot reuse: a slot is read by a gather after SGLang has released it (its request is finished, its KV
+row freed or put in the radix tree, whose eviction frees it later). While any gather is pending, EVERY
+free of the KV allocator (`free` of the token allocator, `_release_page_ids` of the paged one: what
+direct frees, `free_group_end`, `free_segment`/`free_page_ids` and radix-cache eviction all end in) is
+held, tagged with the latest job handed over, and given back once the worker is past that job. Which
+frees touch pending slots cannot be told without reading device tensors (a sync), so all are held;
+frees made while nothing is pending go through at once. Held frees are given back on the scheduler
+thread only (the allocator is not thread-safe): at the next free, at the start of every scheduler
+iteration, and by `drain()` (wait for the worker, then give everything back), which runs before
+anything that counts free slots: SGLang's idle leak check (`Scheduler.on_idle`), its busy self-check,
+`allocator.clear`, an allocation that came back empty (`alloc`, `alloc_extend`, `alloc_decode`, then
+retried), a decode-capacity check that failed (`check_decode_capacity`, retried: no retraction for
+slots that are only held), and the start of an iteration whose pool is short (what is free and
+evictable would not cover the held slots plus one prefill chunk).
+
+Errors: a record refused by the ring (ValueError: larger than the ring; TimeoutError: the ring stayed
+full) is counted in `dropped` and logged, as on the synchronous path. Any other failure of the worker
+(a slot count or a store check that fails) is raised on the scheduler thread at its next poll, so the
+server stops (and fails its health checks) with the worker's error, as the synchronous path would.
+
+`SGLANG_HS_SYNC_FINISH=1` keeps the synchronous path (CaptureWriter.finish on the scheduler thread).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    seq: int
+    rid: str
+    ids: torch.Tensor  # int32 [T], host
+    slots: torch.Tensor  # [T] host (pinned when copied from the device)
+    ready: Any = None  # torch.cuda.Event: slot ids (and direct-mode rows) have landed; None on the CPU
+    slot_errors: Optional[torch.Tensor] = None  # pinned copy of the direct copy kernel's error counter
+
+
+class FinishWorker:
+    """One writer's asynchronous finish path (module docstring). Methods other than the worker loop run
+    on the scheduler thread."""
+
+    def __init__(self, writer, on_done: Optional[Callable[[str], None]] = None) -> None:
+        self.writer = writer
+        self.on_done = on_done  # called with each rid once its job is done (published or not)
+        self.stats = writer.stats
+        self.stats.update(finish_pending=0, finish_failed=0, frees_held=0, frees_held_now=0, drain_s=0.0)
+        self._q: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._handed = 0  # seq of the last job handed over (scheduler thread)
+        self._done = 0  # seq of the last job the worker finished (under _cv)
+        self._results: Deque[Tuple[int, str, Optional[BaseException]]] = collections.deque()  # under _cv
+        self._pending: Dict[int, str] = {}  # seq -> rid, handed over and not yet polled (scheduler thread)
+        self._held: Deque[Tuple[int, Callable, tuple, int]] = collections.deque()  # (tag, fn, args, tokens)
+        self.held_tokens = 0
+        self._fatal: Optional[BaseException] = None
+        self._closed = False
+        self._device = None
+        self._started = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="sglang-hs-finish", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise RuntimeError(f"sglang-hs: the finish worker could not start: {self._start_error!r}")
+
+    # --- the scheduler's side --------------------------------------------------------------------
+    def submit(self, rid: str, token_ids, slots: torch.Tensor) -> None:
+        """Hand over a finished request: its token ids and its KV slots in position order (a view of
+        req_to_token is fine: the slot ids are copied here, before SGLang reuses the row)."""
+        self.poll()
+        T = len(token_ids)
+        if slots.shape[0] != T:
+            raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
+        ids = torch.tensor(token_ids, dtype=torch.int32) if not torch.is_tensor(token_ids) \
+            else token_ids.to(torch.int32).clone()
+        ready = errors = None
+        if slots.is_cuda:
+            if self._device is None:
+                self._device = slots.device
+            host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
+            host.copy_(slots, non_blocking=True)  # on the current stream: after every write of the row
+            w = self.writer
+            if w.staging is None and getattr(w, "_registered", None) is not None:
+                errors = torch.empty(w._registered.errors.counts.shape, dtype=torch.int64, pin_memory=True)
+                errors.copy_(w._registered.errors.counts, non_blocking=True)
+            ready = torch.cuda.Event(blocking=True)  # the worker sleeps in its sync instead of spinning
+            ready.record()  # after the step's copy into the store too (direct mode), as a stream sync was
+        else:
+            host = slots.clone()
+        self._handed += 1
+        self._pending[self._handed] = rid
+        self.stats["finish_pending"] = len(self._pending)
+        self._q.put(_Job(self._handed, rid, ids, host, ready, errors))
+
+    def pending_rids(self) -> List[str]:
+        return list(self._pending.values())
+
+    def poll(self) -> None:
+        """Take the worker's results and give back the frees no pending gather can read. Raises the
+        worker's error if it failed in an unexpected way."""
+        with self._cv:
+            results, self._results = self._results, collections.deque()
+            done = self._done
+        for seq, rid, err in results:
+            self._pending.pop(seq, None)
+            if self.on_done is not None:
+                self.on_done(rid)
+            if err is not None:
+                self.stats["dropped"] += 1
+                self.stats["finish_failed"] += 1
+                logger.error("sglang-hs: record of request %s NOT published: %r", rid, err)
+        self.stats["finish_pending"] = len(self._pending)
+        while self._held and self._held[0][0] <= done:
+            _, fn, args, n = self._held.popleft()
+            self.held_tokens -= n
+            fn(*args)
+        self.stats["frees_held_now"] = self.held_tokens
+        if self._fatal is not None:
+            err, self._fatal = self._fatal, None
+            raise RuntimeError(f"sglang-hs: the finish worker failed: {err!r}") from err
+
+    def drain(self) -> None:
+        """Wait until every job handed over is done, then give back every held free."""
+        if self._handed != self._done_now():
+            t0 = time.perf_counter()
+            with self._cv:
+                while self._done < self._handed and self._thread.is_alive():
+                    self._cv.wait(timeout=1.0)
+            self.stats["drain_s"] += time.perf_counter() - t0
+        self.poll()
+
+    def idle(self) -> bool:
+        return not self._pending and not self._held
+
+    def hold(self, fn: Callable, args: tuple, tokens: int) -> None:
+        """A free of the KV allocator: done now if no gather is pending, else held (module docstring)."""
+        self.poll()
+        if self._handed == self._done_now() and not self._held:
+            fn(*args)
+            return
+        # Own the indices: the caller may pass a view of a row SGLang rewrites next (as free groups copy).
+        self._held.append((self._handed, fn, tuple(a.clone() if torch.is_tensor(a) else a for a in args), tokens))
+        self.held_tokens += tokens
+        self.stats["frees_held"] += 1
+        self.stats["frees_held_now"] = self.held_tokens
+
+    def close(self) -> None:
+        """Publish what was handed over, give back held frees, stop the worker."""
+        if self._closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join(timeout=60)
+
+    def _done_now(self) -> int:
+        with self._cv:
+            return self._done
+
+    # --- the worker thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                from sglang_hs.store.staging import _prepare_scatter_thread
+
+                _prepare_scatter_thread(torch.device("cuda", torch.cuda.current_device()))
+        except BaseException as e:  # noqa: BLE001 - raised by the constructor
+            self._start_error = e
+            return
+        finally:
+            self._started.set()
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            err = None
+            try:
+                self._publish(job)
+            except (TimeoutError, ValueError) as e:  # the ring refused the record: counted and logged
+                err = e
+            except BaseException as e:  # noqa: BLE001 - raised on the scheduler thread at its next poll
+                err = e
+                self._fatal = self._fatal or e
+            with self._cv:
+                self._done = job.seq
+                self._results.append((job.seq, job.rid, err))
+                self._cv.notify_all()
+
+    def _publish(self, job: _Job) -> None:
+        w = self.writer
+        if job.ready is not None:
+            job.ready.synchronize()
+        if job.slot_errors is not None:  # the direct copy kernel's counter, copied with the slots
+            n, slot, S = job.slot_errors.tolist()
+            if n:
+                raise RuntimeError(
+                    f"sglang-hs: the capture copy dropped {n} row(s) whose KV slot lay outside the store's "
+                    f"[0, {S}) (e.g. slot {slot}): the store must hold every KV-cache slot the server hands out")
+        if w.staging is not None:
+            w.staging.drain()  # every computed row is in the store
+        w.publish_gathered(job.rid, job.ids, job.slots)
+
+
+def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:
+    """Route the KV allocator's frees through `worker.hold`, and drain before what needs them (module
+    docstring). Returns None when done, or why this allocator cannot be handled (the caller then keeps
+    the synchronous finish path)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    if getattr(allocator, "_sglang_hs_held", False):
+        return None
+    if type(allocator) is TokenToKVPoolAllocator:
+        name, unit = "free", 1  # free_group_end and free_page_ids end here too
+    elif type(allocator) is PagedTokenToKVPoolAllocator:
+        name, unit = "_release_page_ids", allocator.page_size  # free, free_page_ids, free_group_end end here
+    else:
+        return f"{type(allocator).__name__} is not one of the KV allocators whose frees sglang-hs can hold"
+    original = getattr(allocator, name)
+
+    def held(*args):
+        worker.hold(original, args, unit * sum(int(a.numel()) for a in args if torch.is_tensor(a)))
+
+    setattr(allocator, name, held)
+    for alloc_name in ("alloc", "alloc_extend", "alloc_decode"):
+        fn = getattr(allocator, alloc_name, None)
+        if fn is not None:
+            setattr(allocator, alloc_name, _retry_after_drain(fn, worker, lambda out: out is None))
+    allocator.check_decode_capacity = _retry_after_drain(allocator.check_decode_capacity, worker, lambda ok: not ok)
+    clear = allocator.clear
+
+    def drained_clear(*a, **k):
+        worker.drain()
+        return clear(*a, **k)
+
+    allocator.clear = drained_clear
+    allocator._sglang_hs_held = True
+    return None
+
+
+def _retry_after_drain(fn, worker: FinishWorker, failed: Callable[[Any], bool]):
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if failed(out) and worker.held_tokens:
+            worker.drain()  # the slots were only held: give them back and ask again
+            out = fn(*args, **kwargs)
+        return out
+
+    wrapped.__wrapped__ = fn
+    return wrapped

@@ -1,0 +1,229 @@
+"""The finish worker (sglang_hs/store/finisher.py) with SGLang's real KV allocators on the CPU: slots a
+pending gather will read are not handed out again, they come back once it is done, an allocation or a
+decode-capacity check that finds the pool short waits for the worker instead of failing, a failed
+gather is reported, and closing publishes everything that was handed over.
+
+The worker's gather is held at a gate (a threading.Event the test opens), so "pending" is a state the
+test controls, not a race it hopes to win."""
+import threading
+
+import pytest
+import torch
+
+from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.reader import HiddenStateReader
+
+H, NUM_SLOTS = 8, 64
+SPEC = CaptureSpec.resolve([1], True, 3, H)
+
+
+@pytest.fixture
+def writer(tmp_path):
+    from sglang_hs.store.writer import CaptureWriter
+
+    w = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS + 1, dtype=torch.float32, ring_bytes=1 << 20)
+    s = torch.arange(NUM_SLOTS + 1, dtype=torch.float32)
+    w.store.copy_(s[:, None, None] + torch.arange(H) / 64)  # row of slot s: s + h/64 in every part
+    return w
+
+
+class Gate:
+    """Wraps writer.publish_gathered: each gather waits until the test opens the gate."""
+
+    def __init__(self, writer):
+        self.open, self.entered = threading.Event(), threading.Event()
+        inner = writer.publish_gathered
+
+        def gated(*args, **kwargs):
+            self.entered.set()
+            self.open.wait()
+            return inner(*args, **kwargs)
+
+        writer.publish_gathered = gated
+
+
+def _token_allocator(size=NUM_SLOTS):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    return TokenToKVPoolAllocator(size, torch.float32, "cpu", None, need_sort=False)
+
+
+def _worker(writer, allocator, released=None):
+    from sglang_hs.store.finisher import FinishWorker, hold_frees
+
+    worker = FinishWorker(writer, on_done=(released.append if released is not None else None))
+    assert hold_frees(allocator, worker) is None
+    return worker
+
+
+def _free_set(allocator):
+    return set(allocator.free_pages.tolist()) | set(allocator.release_pages.tolist())
+
+
+def test_slots_of_a_pending_gather_are_not_handed_out_again_and_come_back_after(writer, tmp_path):
+    alloc = _token_allocator()
+    released = []
+    worker = _worker(writer, alloc, released)
+    gate = Gate(writer)
+    slots = alloc.alloc(10)
+    other = alloc.alloc(5)
+    worker.submit("r0", list(range(10)), slots)
+    gate.entered.wait()
+    alloc.free(slots)  # SGLang releases the finished request's KV right after the hand-over
+    alloc.free_group_begin()  # and frees in groups in result processing: held as well
+    alloc.free(other)
+    alloc.free_group_end()
+    held = set(slots.tolist()) | set(other.tolist())
+    assert not held & _free_set(alloc), "slots of a pending gather went back to the free list"
+    assert alloc.available_size() == NUM_SLOTS - 15 and worker.held_tokens == 15
+    rest = alloc.alloc(alloc.available_size())  # everything the allocator will hand out now
+    assert not held & set(rest.tolist())
+    assert released == [] and worker.pending_rids() == ["r0"]
+    gate.open.set()
+    worker.drain()
+    assert held <= _free_set(alloc) and worker.held_tokens == 0 and released == ["r0"]
+    alloc.free(rest)  # nothing pending: straight through
+    assert alloc.available_size() == NUM_SLOTS
+    with HiddenStateReader(str(tmp_path)) as reader:
+        rec = reader.take("r0", timeout=5)
+    assert torch.equal(rec.aux_hidden_states[:, 0, 0], slots.float())  # each row from its own slot
+    worker.close()
+
+
+def test_frees_come_back_at_the_next_poll_once_the_worker_is_done(writer):
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gate = Gate(writer)
+    slots = alloc.alloc(4)
+    worker.submit("r1", [1, 2, 3, 4], slots)
+    gate.entered.wait()
+    alloc.free(slots)
+    assert alloc.available_size() == NUM_SLOTS - 4
+    gate.open.set()
+    worker.drain()  # waits for the worker (the scheduler's idle point); poll() alone would not wait
+    assert alloc.available_size() == NUM_SLOTS
+    worker.close()
+
+
+def test_a_short_pool_waits_for_the_worker_instead_of_failing(writer, monkeypatch):
+    """alloc() and check_decode_capacity() that would fail only because slots are held drain the worker
+    first and then succeed (no 'out of memory', no retraction)."""
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gate = Gate(writer)
+    drain = worker.drain
+    monkeypatch.setattr(worker, "drain", lambda: (gate.open.set(), drain()))  # the worker finishes when waited for
+    slots = alloc.alloc(NUM_SLOTS)
+    worker.submit("r2", list(range(NUM_SLOTS)), slots)
+    gate.entered.wait()
+    alloc.free(slots)
+    assert alloc.available_size() == 0
+    assert not alloc.check_decode_capacity.__wrapped__(num_tokens=3, tree_cache=None)
+    assert alloc.check_decode_capacity(num_tokens=3, tree_cache=None)  # drained, then true
+    again = alloc.alloc(NUM_SLOTS)
+    assert again is not None and sorted(again.tolist()) == sorted(slots.tolist())
+    worker.close()
+
+
+def test_alloc_drains_when_only_held_slots_would_satisfy_it(writer, monkeypatch):
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gate = Gate(writer)
+    drain = worker.drain
+    monkeypatch.setattr(worker, "drain", lambda: (gate.open.set(), drain()))
+    slots = alloc.alloc(NUM_SLOTS - 2)
+    worker.submit("r3", list(range(NUM_SLOTS - 2)), slots)
+    gate.entered.wait()
+    alloc.free(slots)
+    out = alloc.alloc(10)
+    assert out is not None and len(out) == 10 and worker.held_tokens == 0
+    worker.close()
+
+
+def test_paged_allocator_holds_whole_pages(writer):
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    from sglang_hs.store.finisher import FinishWorker, hold_frees
+
+    ps = 4
+    alloc = PagedTokenToKVPoolAllocator(NUM_SLOTS, ps, torch.float32, "cpu", None, need_sort=False)
+    worker = FinishWorker(writer)
+    assert hold_frees(alloc, worker) is None
+    gate = Gate(writer)
+    pages = alloc.free_pages[:3].clone()
+    alloc.free_pages = alloc.free_pages[3:]
+    slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
+    worker.submit("p0", list(range(len(slots))), slots)
+    gate.entered.wait()
+    alloc.free(slots[:5])  # pages 0 and 1 of the request
+    alloc.free_segment(slots[8:], start_pos=8)  # its page 2, through free_page_ids
+    assert not set(pages.tolist()) & set(alloc.free_pages.tolist())
+    assert worker.held_tokens == 3 * ps
+    gate.open.set()
+    worker.drain()
+    assert set(pages.tolist()) <= set(alloc.free_pages.tolist())
+    assert alloc.available_size() == NUM_SLOTS
+    worker.close()
+
+
+def test_unknown_allocators_are_refused_with_the_reason(writer):
+    from sglang_hs.store.finisher import FinishWorker, hold_frees
+
+    class Other:
+        pass
+
+    worker = FinishWorker(writer)
+    why = hold_frees(Other(), worker)
+    assert why and "Other" in why
+    worker.close()
+
+
+def test_a_refused_record_is_counted_logged_and_its_reservation_released(writer, caplog):
+    alloc = _token_allocator()
+    released = []
+    worker = _worker(writer, alloc, released)
+    too_long = writer.ring.capacity // (writer.P * H * 4) + 1  # larger than the whole ring
+    slots = torch.ones(too_long, dtype=torch.int64)
+    worker.submit("big", [0] * too_long, slots)
+    worker.submit("ok", [1, 2], torch.tensor([3, 4]))
+    worker.drain()
+    assert released == ["big", "ok"]
+    assert writer.stats["dropped"] == 1 and writer.stats["finish_failed"] == 1 and writer.stats["records"] == 1
+    assert "big NOT published" in caplog.text
+    worker.close()
+
+
+def test_an_unexpected_worker_error_stops_the_scheduler_with_it(writer):
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+
+    def broken(*a, **k):
+        raise OSError("store unmapped")
+
+    writer.publish_gathered = broken
+    worker.submit("x", [1], torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="store unmapped"):
+        worker.drain()
+    assert writer.stats["finish_failed"] == 1
+    worker.close()
+
+
+def test_close_publishes_everything_handed_over_and_gives_back_held_frees(writer, tmp_path):
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gate = Gate(writer)
+    handed = []
+    for i in range(5):
+        s = alloc.alloc(3 + i)
+        worker.submit(f"c{i}", list(range(3 + i)), s)
+        handed.append((f"c{i}", s))
+    gate.entered.wait()
+    for _, s in handed:
+        alloc.free(s)
+    assert alloc.available_size() < NUM_SLOTS
+    gate.open.set()
+    worker.close()
+    assert alloc.available_size() == NUM_SLOTS and writer.stats["records"] == 5
+    with HiddenStateReader(str(tmp_path)) as reader:
+        for rid, s in handed:
+            assert torch.equal(reader.take(rid, timeout=5).aux_hidden_states[:, 0, 0], s.float())
