@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="specforge: rows_*/data_{i}.ckpt; safetensors: speculators' dataset (hs_{i}.safetensors per "
                         "sample, the datasets table and hidden_states/ written when the run completes); both need "
                         "the final state")
+    p.add_argument("--save-dtype", default=None, metavar="DTYPE",
+                   help="bf16, fp8 or fp8-per-layer (default: the dtype the server captured in, bf16 for these "
+                        "models). fp8: --format safetensors only, speculators' FP8 scheme (e4m3, one float32 "
+                        "scale per token over all layers; train with --hidden-states-backend fp8), about half "
+                        "the disk of bf16; fp8-per-layer: a scale per token and layer (read by hs-connectors "
+                        "0.9.0's FP8Transfer through broadcasting, not its documented scheme)")
     p.add_argument("--finalize", action="store_true",
                    help="--format safetensors: only (re)write speculators' dataset for the hs_*.safetensors files in "
                         "--output, e.g. after copying the outputs of several --shard runs into one folder")
@@ -82,6 +88,13 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     except (ValueError, AssertionError):
         raise ExtractError(f"--shard: {ns.shard!r} is not I/N with 0 <= I < N") from None
     ns.shard_index, ns.shard_count = i, n
+    from sglang_hs.extract.fp8 import SAVE_DTYPES
+
+    if ns.save_dtype is not None and ns.save_dtype not in SAVE_DTYPES:
+        raise ExtractError(f"--save-dtype: {ns.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}")
+    if ns.save_dtype in ("fp8", "fp8-per-layer") and ns.format != "safetensors":
+        raise ExtractError(f"--save-dtype {ns.save_dtype} needs --format safetensors: SpecForge 0.2.0 reads "
+                           f"--format {ns.format} files with no FP8 scales (it would train on the unscaled values)")
     if ns.finalize:
         if ns.format != "safetensors":
             raise ExtractError("--finalize is for --format safetensors (SpecForge reads rows_*/ as they are: merge "
@@ -168,6 +181,13 @@ def draft_config(manifest: dict) -> dict:
             "speculators_layer_ids": list(layers) + ([manifest["num_hidden_layers"]] if manifest["last"] else [])}
 
 
+def _stored_dtype(save_dtype: Optional[str], server_dtype: str) -> str:
+    if save_dtype is None:
+        return server_dtype
+    return {"bf16": "bfloat16", "fp8": "float8_e4m3fn (a float32 scale per token)",
+            "fp8-per-layer": "float8_e4m3fn (a float32 scale per token and layer)"}[save_dtype]
+
+
 def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, status: str,
                    dataset: Optional[dict] = None) -> None:
     from sglang_hs.version import SGLANG_VERSION, __version__
@@ -180,11 +200,14 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "last_hidden_state": m["last"], "hf_output_hidden_states_index": m["hf_output_hidden_states_index"],
         "convention": m["convention"], "draft_model_config": draft_config(m),
         "data": os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data,
+        "save_dtype": ns.save_dtype, "stored_dtype": _stored_dtype(ns.save_dtype, m["dtype"]),
         "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
     }
     if sink.name == "safetensors":
         doc["speculators_dataset_rows"] = (dataset or {}).get("rows")  # None: not written by this run
+        # speculators' train --hidden-states-backend: the file backend reads FP8 files without their scales
+        doc["speculators_hidden_states_backend"] = "fp8" if (ns.save_dtype or "").startswith("fp8") else "file"
     tmp = os.path.join(out_dir, f".manifest.json.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -201,6 +224,7 @@ class Extraction:
         self.pending: Dict[str, tuple] = {}  # rid -> (sample, future, reply-time)
         self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write), oldest first
         self.write_pool = cf.ThreadPoolExecutor(WRITERS, thread_name_prefix="sglang-hs-write")
+        self.verify_failure: Optional[str] = None  # a stored file that does not hold the captured rows
 
     # -- requests --
     def _session(self):
@@ -272,7 +296,21 @@ class Extraction:
         if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
         self.writes.append((sample.index, T, self.write_pool.submit(
-            self.sink.write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state)))
+            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state, verify)))
+
+    def _write(self, index, input_ids, mask, aux, last, verify: bool) -> int:
+        """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
+        or within FP8's rounding bound), else it is removed and VerificationError raised."""
+        size = self.sink.write(index, input_ids, mask, aux, last)
+        if verify and self.sink.name == "safetensors":
+            from sglang_hs.extract.verify import VerificationError, check_stored
+
+            try:
+                check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype)
+            except VerificationError:
+                os.unlink(self.sink.path(index))
+                raise
+        return size
 
     def _collect_writes(self, bar) -> int:
         """Count the files written so far; a write that failed (disk full) raises OSError naming the
@@ -294,6 +332,8 @@ class Extraction:
                 self.stats.failed.append((index, f"cannot write: {err.strerror or err}"))
                 bar.update(1)
             else:
+                if type(err).__name__ == "VerificationError":
+                    self.verify_failure = self.verify_failure or str(err)
                 self._fail(index, err, bar)
         if failed is not None:
             raise failed
@@ -368,6 +408,7 @@ class Extraction:
                     progressed = self._collect_writes(bar) > 0 or progressed
                 except OSError as e:
                     fatal = str(e)
+                fatal = fatal or self.verify_failure
                 ours = f"hsx-{self.run_id}-"
                 for rid in self.reader.ready_rids():
                     if not rid.startswith(ours):
@@ -387,6 +428,7 @@ class Extraction:
                 self._collect_writes(bar)
             except OSError as e:
                 fatal = fatal or str(e)
+            fatal = fatal or self.verify_failure
             self.stats.t1, self.stats.cpu1 = time.monotonic(), time.process_time()
             bar.close()
         if fatal:
@@ -451,7 +493,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from sglang_hs.extract.sinks import SINKS, SinkError
 
     out_dir = os.path.abspath(ns.output)
-    sink = SINKS[ns.format](out_dir)
+    sink = SINKS[ns.format](out_dir, ns.save_dtype)
     if ns.finalize:
         return _finalize_only(sink)
     try:
@@ -460,6 +502,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if have and not ns.resume:
             raise ExtractError(f"--output {out_dir} already holds {have} {ns.format} sample files; pass --resume "
                                "to continue that run, or choose another folder")
+        if have:
+            _check_resume_dtype(out_dir, ns.save_dtype)
         removed = sink.remove_partial()
         if removed:
             print(f"[extract] removed {removed} partial file(s) an interrupted run left", file=sys.stderr)
@@ -533,6 +577,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
     return rc
+
+
+def _check_resume_dtype(out_dir: str, save_dtype: Optional[str]) -> None:
+    """--resume continues a run with the --save-dtype it had (manifest.json says which)."""
+    try:
+        with open(os.path.join(out_dir, "manifest.json")) as f:
+            before = json.load(f).get("save_dtype")
+    except (OSError, ValueError):
+        return  # no manifest (a run killed before writing one): finalize still refuses mixed files
+    if before != save_dtype:
+        said = lambda d: f"--save-dtype {d}" if d else "no --save-dtype"  # noqa: E731
+        raise ExtractError(f"--save-dtype: --output {out_dir} holds files of a run with {said(before)}; resume it "
+                           f"with the same (this run has {said(save_dtype)})")
 
 
 def _finalize_only(sink) -> int:

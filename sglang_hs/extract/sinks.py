@@ -17,6 +17,13 @@ fsync), so a crash never leaves a file that looks done and `--resume` can trust 
                 has no hard links) to that row's hs_{i}.safetensors. Sample files carry global sample
                 indices, so --shard outputs merge by copying their hs_*.safetensors into one folder and
                 running finalize there (`python -m sglang_hs.extract --finalize --output DIR`).
+                With save_dtype "fp8" hidden_states is float8_e4m3fn with a float32 hidden_states_scales
+                [T, 1, 1] beside it (speculators' FP8 scheme, sglang_hs/extract/fp8.py: train with
+                `--hidden-states-backend fp8`, whose FP8Transfer dequantizes; the plain file backend would
+                hand the unscaled values to training); "fp8-per-layer": scales [T, K+1, 1].
+
+save_dtype "bf16" casts rows to bf16 (a float32 server's too); None (the CLI's default) keeps the dtype the
+server captured in. SpecForge 0.2.0 has no FP8 reader: its sink takes no FP8.
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ import shutil
 from typing import List, Optional, Tuple
 
 import torch
+
+from sglang_hs.extract import fp8
 
 GROUP = 2000  # SpecForge's --file-group-size
 TMP_SUFFIX = ".tmp"
@@ -48,8 +57,13 @@ class Sink:
     needs_last = False  # refuse a server without the final state
     wants_last = False  # start our own server with --hs-last
 
-    def __init__(self, out_dir: str) -> None:
+    save_dtypes: Tuple[Optional[str], ...] = (None, "bf16")
+
+    def __init__(self, out_dir: str, save_dtype: Optional[str] = None) -> None:
+        if save_dtype not in self.save_dtypes:
+            raise SinkError(f"--format {self.name} cannot store --save-dtype {save_dtype}")
         self.out_dir = out_dir
+        self.save_dtype = save_dtype
         self.layer_ids: Optional[List[int]] = None  # recorded in the files where the format has room
 
     def finalize(self) -> Optional[dict]:
@@ -78,6 +92,8 @@ class Sink:
         final = self.path(index)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = final + f".{os.getpid()}{TMP_SUFFIX}"
+        if self.save_dtype == "bf16":
+            aux, last = aux.to(torch.bfloat16), None if last is None else last.to(torch.bfloat16)
         try:
             self._save(tmp, input_ids.long(), loss_mask.long(), aux, last)
             return _commit(tmp, final)
@@ -110,6 +126,7 @@ class SpecForgeSink(Sink):
 class SafetensorsSink(Sink):
     name, wants_last = "safetensors", True
     HS_DIR = "hidden_states"
+    save_dtypes = (None, "bf16", "fp8", "fp8-per-layer")
 
     def path(self, index: int) -> str:
         return os.path.join(self.out_dir, f"hs_{index}.safetensors")
@@ -122,11 +139,16 @@ class SafetensorsSink(Sink):
 
         states = aux if last is None else torch.cat([aux, last[:, None]], dim=1)
         meta = {"format": "sglang-hs", "final_state": "true" if last is not None else "false",
-                "num_aux_layers": str(aux.shape[1])}
+                "num_aux_layers": str(aux.shape[1]), "fp8_scale": "none"}
         if self.layer_ids is not None:
             meta["layer_ids"] = ",".join(str(i) for i in self.layer_ids)
-        save_file({"hidden_states": states.contiguous(), "token_ids": input_ids.contiguous(),
-                   "loss_mask": loss_mask.contiguous()}, tmp, metadata=meta)
+        tensors = {"token_ids": input_ids.contiguous(), "loss_mask": loss_mask.contiguous()}
+        if self.save_dtype in ("fp8", "fp8-per-layer"):
+            per_layer = self.save_dtype == "fp8-per-layer"
+            states, tensors[fp8.SCALES_KEY] = fp8.quantize(states, per_layer=per_layer)
+            meta["fp8_scale"] = "per-layer" if per_layer else "per-token"
+        tensors["hidden_states"] = states.contiguous()
+        save_file(tensors, tmp, metadata=meta)
 
     def remove_partial(self) -> int:
         n = super().remove_partial()
@@ -159,7 +181,8 @@ class SafetensorsSink(Sink):
             with safe_open(p, "pt") as f:
                 meta = f.metadata() or {}
                 hs = f.get_slice("hidden_states")
-                sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"), meta.get("layer_ids"))
+                sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"), meta.get("layer_ids"),
+                       meta.get("fp8_scale", "none"))
             if meta.get("final_state") != "true":
                 raise SinkError(f"{p} holds no final hidden state (its server ran without --hs-last), which "
                                 "speculators trains on: no speculators dataset written")
@@ -167,7 +190,7 @@ class SafetensorsSink(Sink):
                 ref = (sig, p)
             elif sig != ref[0]:
                 raise SinkError(f"{p} holds rows {sig} but {ref[1]} holds {ref[0]} (shape, dtype, aux layers, "
-                                "layer ids): files of different captures cannot form one dataset")
+                                "layer ids, FP8 scale): files of different captures cannot form one dataset")
 
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),

@@ -91,3 +91,34 @@ def check(index: int, tokens: List[int], last: torch.Tensor, lm_head: torch.Tens
                                 f"logprob {ours[t]:.4f}, the server {theirs[t]:.4f} (tolerance {float(tol[t]):.3f}); "
                                 f"{len(bad)} of {T} rows disagree")
     return float(diff.max())
+
+
+def check_stored(index: int, path: str, aux: torch.Tensor, last: Optional[torch.Tensor],
+                 save_dtype: Optional[str] = None) -> None:
+    """The --format safetensors file of a verified sample, read back, holds the captured rows: exactly
+    (cast to bf16 with --save-dtype bf16), or with FP8 dequantized the way speculators' FP8Transfer does
+    (bf16) and within e4m3's rounding bound of every element (sglang_hs/extract/fp8.py)."""
+    from safetensors.torch import load_file
+
+    from sglang_hs.extract import fp8
+
+    t = load_file(path)
+    want = aux if last is None else torch.cat([aux, last[:, None]], dim=1)
+    if save_dtype == "bf16":
+        want = want.to(torch.bfloat16)
+    got = t["hidden_states"]
+    if got.shape != want.shape:
+        raise VerificationError(f"sample {index}: {path} holds hidden_states {tuple(got.shape)}, captured "
+                                f"{tuple(want.shape)}")
+    if fp8.SCALES_KEY not in t:
+        bad = (got != want).any(-1)
+        what = "differ from"
+    else:
+        scale = t[fp8.SCALES_KEY]
+        diff = (fp8.dequantize(got, scale).float() - want.float()).abs()
+        bad = (diff > fp8.error_bound(want, scale)).any(-1)
+        what = "dequantized, are off FP8's rounding bound of"
+    if bad.any():
+        row, layer = bad.nonzero()[0].tolist()
+        raise VerificationError(f"sample {index}: {path}: {int(bad.sum())} stored rows {what} the captured ones "
+                                f"(first: row {row}, layer {layer} of {want.shape[1]})")

@@ -172,3 +172,110 @@ def test_finalize_refuses_files_speculators_would_misread(tmp_path):
         sink.finalize()
     assert cli.main(["--finalize", "--format", "safetensors", "--output", str(tmp_path / "mixed")]) == 1
     assert cli.main(["--finalize", "--output", str(tmp_path / "mixed")]) == 2  # specforge needs no finalize
+
+
+# --- FP8 (--save-dtype fp8 / fp8-per-layer): speculators' scheme, read with hs-connectors' FP8Transfer ---
+
+def _layered_sample(index, K=3, H=160):
+    """bf16 rows whose layers differ in norm as a DeepSeek residual stream's do (early layers small, the
+    final post-norm state of order 1), with a few outliers per row, odd H."""
+    ids, mask, aux, last = _sample(index, K=K, H=H, dtype=torch.float32)
+    g = torch.Generator().manual_seed(77 + index)
+    aux = aux * torch.tensor([0.02, 0.3, 4.0][:K])[None, :, None]
+    aux[:, :, :3] *= 1 + 20 * torch.rand(aux.shape[0], K, 3, generator=g)  # outlier channels
+    return ids, mask, aux.bfloat16(), last.bfloat16()
+
+
+def _assert_fp8_rows_match(got, want, scale, what):
+    """got: the reader's dequantized rows [T, L, H]; want: the bf16 rows written; scale: the file's scales.
+    Every element within e4m3's rounding bound, so every row's L2 error within that bound's norm."""
+    from sglang_hs.extract import fp8
+
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape, (what, got.dtype, got.shape)
+    diff = (got.float() - want.float())
+    bound = fp8.error_bound(want, scale)
+    rel = diff.norm(dim=-1) / want.float().norm(dim=-1)
+    print(what, "max |diff|/bound", float((diff.abs() / bound).max()), "row rel L2 per layer: max",
+          rel.amax(0).tolist(), "mean", rel.mean(0).tolist())
+    assert (diff.abs() <= bound).all(), (what, (diff.abs() > bound).nonzero()[:5])
+    assert (diff.norm(dim=-1) <= bound.norm(dim=-1)).all(), what
+    assert rel.median() < 2 ** -4, what  # typical rows: e4m3's relative precision, not the worst case
+
+
+@pytest.mark.parametrize("save_dtype", ["fp8", "fp8-per-layer"])
+def test_fp8_files_are_speculators_scheme_and_fp8transfer_dequantizes_them(tmp_path, save_dtype):
+    from safetensors import safe_open
+
+    ArrowDataset, CollateFn, FileTransfer, FP8Transfer = _speculators()
+    (SCALES_KEY,) = _import_or_skip("hs_connectors.fp8_utils", ["SCALES_KEY"])
+    K, H = 3, 160
+    sink = SafetensorsSink(str(tmp_path), save_dtype)
+    sink.layer_ids = [2, 4, 5]
+    written = {}
+    for i in [0, 3, 4, 9]:
+        written[i] = _layered_sample(i, K, H)
+        sink.write(i, *written[i])
+    assert sink.finalize() == {"rows": 4}
+    order = sorted(written)
+    per_layer = save_dtype == "fp8-per-layer"
+    for row, index in enumerate(order):
+        ids, mask, aux, last = written[index]
+        T = len(ids)
+        want = torch.cat([aux, last[:, None]], dim=1)
+        with safe_open(str(tmp_path / f"hs_{index}.safetensors"), "pt") as f:  # the bytes on disk
+            assert set(f.keys()) == {"hidden_states", SCALES_KEY, "token_ids", "loss_mask"}
+            q, scale = f.get_tensor("hidden_states"), f.get_tensor(SCALES_KEY)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (T, K + 1, H)
+        assert scale.dtype == torch.float32 and scale.shape == ((T, K + 1, 1) if per_layer else (T, 1, 1))
+        assert torch.equal(scale.bfloat16().float(), scale)  # the reader casts it to bf16: exactly
+        # the scale spans e4m3's range: each token's (or token-layer's) largest value quantizes to 448
+        assert (q.float().abs().amax(dim=(2,) if per_layer else (1, 2), keepdim=True) == 448).all()
+        raw = FP8Transfer(tmp_path / "hidden_states").get_cached(row)  # the released reader, default bf16
+        assert SCALES_KEY not in raw and torch.equal(raw["token_ids"], ids)
+        _assert_fp8_rows_match(raw["hidden_states"], want, scale, f"{save_dtype} row {row}")
+    # and through the trainer's dataset and collate function, as `--hidden-states-backend fp8` builds them
+    ds = ArrowDataset(4096, str(tmp_path), transfer=FP8Transfer(tmp_path / "hidden_states"), on_missing="raise")
+    assert len(ds) == 4
+    for row, index in enumerate(order):
+        ids, mask, aux, last = written[index]
+        item = ds[row]
+        assert isinstance(item, dict), (row, item)
+        got = torch.cat([item["hidden_states"].view(len(ids), K, H), item["verifier_last_hidden_states"][:, None]], 1)
+        with safe_open(str(tmp_path / f"hs_{index}.safetensors"), "pt") as f:
+            scale = f.get_tensor(SCALES_KEY)
+        _assert_fp8_rows_match(got, torch.cat([aux, last[:, None]], dim=1), scale, f"ArrowDataset row {row}")
+        assert torch.equal(item["input_ids"], ids) and torch.equal(item["loss_mask"], mask)
+    batch = CollateFn(4096, H, K, dtype=torch.bfloat16)([ds[r] for r in range(len(ds))])
+    assert batch["error_records"] == 0
+
+
+def test_fp8_files_are_half_the_size_of_bf16(tmp_path):
+    """DeepSeek-V3's row width (H = 7168, 3 aux layers + the final state), 64 tokens."""
+    ids, mask, _, _ = _sample(0)
+    T = len(ids)
+    aux, last = torch.randn(T, 3, 7168).bfloat16(), torch.randn(T, 7168).bfloat16()
+    size = {d: SafetensorsSink(str(tmp_path / str(d)), d).write(0, ids, mask, aux, last) for d in (None, "fp8")}
+    print(size, size["fp8"] / size[None])
+    assert 0.49 < size["fp8"] / size[None] < 0.51
+
+
+def test_fp8_shards_merge_and_captures_of_another_dtype_are_refused(tmp_path, capsys):
+    _, _, _, FP8Transfer = _speculators()
+    written = {}
+    for i in range(2):  # --shard i/2 --save-dtype fp8, copied into one folder and finalized
+        sink = SafetensorsSink(str(tmp_path / "merged"), "fp8")
+        for j in range(i, 6, 2):
+            written[j] = _layered_sample(j)
+            sink.write(j, *written[j])
+    assert cli.main(["--finalize", "--format", "safetensors", "--output", str(tmp_path / "merged")]) == 0
+    for row, index in enumerate(sorted(written)):
+        ids, _, aux, last = written[index]
+        raw = FP8Transfer(tmp_path / "merged" / "hidden_states").get_cached(row)
+        assert torch.equal(raw["token_ids"], ids)
+        assert raw["hidden_states"].dtype == torch.bfloat16  # dequantized: the file had its scales
+    for other in (None, "fp8-per-layer"):  # a bf16 or per-layer shard copied in: not one dataset
+        out = tmp_path / f"mixed-{other}"
+        shutil.copytree(tmp_path / "merged", out)
+        SafetensorsSink(str(out), other).write(99, *_layered_sample(99))
+        with pytest.raises(SinkError, match="different captures"):
+            SafetensorsSink(str(out)).finalize()
