@@ -69,7 +69,8 @@ class FinishWorker:
         self.writer = writer
         self.on_done = on_done  # called with each rid once its job is done (published or not)
         self.stats = writer.stats
-        self.stats.update(finish_pending=0, finish_failed=0, frees_held=0, frees_held_now=0, drain_s=0.0)
+        for key in ("finish_pending", "finish_failed", "frees_held", "frees_held_now", "drain_s"):
+            self.stats.setdefault(key, 0)  # the writer has them from the start (the status thread reads them)
         self._q: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._handed = 0  # seq of the last job handed over (scheduler thread)

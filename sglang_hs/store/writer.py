@@ -36,13 +36,40 @@ from sglang_hs.version import SGLANG_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+FINISH_STATS = ("finish_pending", "finish_failed", "frees_held", "frees_held_now")
 MANIFEST = "manifest.json"
+
+
+def _write_manifest(dump_dir: str, manifest: dict, share_gid: Optional[int]) -> None:
+    """The dump dir's one manifest. With several writers (data-parallel attention), each adds its entry,
+    under a lock, to what the other writers of this server (same session) wrote, replacing a stale one."""
+    if manifest.get("num_writers", 1) > 1:
+        import fcntl
+
+        fd = os.open(os.path.join(dump_dir, ".manifest.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                with open(os.path.join(dump_dir, MANIFEST)) as f:
+                    old = json.load(f)
+            except (OSError, ValueError):
+                old = {}
+            if old.get("session") == manifest["session"]:
+                mine = {w["id"] for w in manifest["writers"]}
+                manifest["writers"] = sorted([w for w in old["writers"] if w["id"] not in mine] + manifest["writers"],
+                                             key=lambda w: w["id"])
+            write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
 
 
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
-                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0) -> None:
+                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0, num_writers: int = 1) -> None:
         from sglang_hs import envs
 
         if copy not in envs.COPY_STRATEGIES:
@@ -70,6 +97,8 @@ class CaptureWriter:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0}
+        # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
+        self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)
         manifest = {
             "format_version": FORMAT_VERSION,
             "sglang_hs_version": __version__,
@@ -85,6 +114,8 @@ class CaptureWriter:
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
                          "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
         }
+        if num_writers > 1:  # one writer per data-parallel attention group; readers wait for all of them
+            manifest.update(num_writers=num_writers, session=os.getsid(0))
         if str(device).startswith("cuda") and copy == "direct":
             self._host_store()  # register now: never during CUDA-graph capture
         self.staging = None
@@ -99,7 +130,7 @@ class CaptureWriter:
                     "--hs-staging-rows or --mem-fraction-static, or use --hs-copy direct") from None
             self.stats.update(self.staging.stats)
             self.staging.stats = self.stats  # one dict: the status file, the log line and /metrics read it
-        write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
+        _write_manifest(dump_dir, manifest, share_gid)
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
         if self.staging is not None:

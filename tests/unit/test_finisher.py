@@ -227,3 +227,24 @@ def test_close_publishes_everything_handed_over_and_gives_back_held_frees(writer
     with HiddenStateReader(str(tmp_path)) as reader:
         for rid, s in handed:
             assert torch.equal(reader.take(rid, timeout=5).aux_hidden_states[:, 0, 0], s.float())
+
+
+def test_hand_over_and_held_frees_own_their_slot_ids(writer, tmp_path):
+    """SGLang hands over, and frees, views of a req_to_token row, which it rewrites for the next request
+    at once: the record and the held free keep the ids they were given."""
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gate = Gate(writer)
+    table = torch.zeros(2, 16, dtype=torch.int32)
+    table[0, :6] = alloc.alloc(6).to(torch.int32)
+    slots = table[0, :6].tolist()
+    worker.submit("v0", list(range(6)), table[0, :6])
+    gate.entered.wait()
+    alloc.free(table[0, :6])
+    table[0, :] = 7  # the row of the next request
+    gate.open.set()
+    worker.drain()
+    assert set(slots) <= _free_set(alloc) and alloc.available_size() == NUM_SLOTS
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("v0", timeout=5).aux_hidden_states[:, 0, 0].tolist() == [float(s) for s in slots]
+    worker.close()
