@@ -27,6 +27,7 @@ bench: setup
 	$(PY) benchmarks/bench_host_path.py --out benchmarks/results
 	$(PY) benchmarks/bench_extract.py --out benchmarks/results
 	$(PY) benchmarks/profile_capture.py --out benchmarks/results
+	$(PY) benchmarks/measure_fp8.py --out benchmarks/results
 
 clean:
 	rm -rf .venv build *.egg-info sglang_hs/_C*.so
