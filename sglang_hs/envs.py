@@ -76,6 +76,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Test-only: hang in this start-up phase ("load", "warmup": sleeping; "load-busy", "warmup-busy":
     # spinning a core) to exercise the stall detector.
     "SGLANG_HS_TEST_HANG_PHASE": _str("SGLANG_HS_TEST_HANG_PHASE"),
+    # Test-only: seconds the finish worker waits before each gather, so that a test sees slots freed and
+    # handed out again while their gather is pending (tests/e2e/test_exact_rows.py).
+    "SGLANG_HS_TEST_FINISH_DELAY": _float("SGLANG_HS_TEST_FINISH_DELAY", 0.0),
     # Test-only: make the overlay module fail to import, as a broken install would.
     "SGLANG_HS_TEST_BREAK_OVERLAY": _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
     # Cache of generated checkpoints (and, for the Makefile, the dependency venvs).

@@ -46,6 +46,7 @@ def _after_init_capturers(self) -> None:
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
         device=self.device, context_len=self.model_config.context_len,
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
+        writer_id=par.attn_dp_rank, num_writers=par.attn_dp_size,  # one writer per DP attention group
     )
     model.hs_writer = _writer
     from sglang_hs.store.admission import AdmissionControl
@@ -203,16 +204,9 @@ def _finish_worker(processor):
 
 def _get_next_batch_to_run(self, *args, **kwargs):
     """Scheduler.get_next_batch_to_run, at the start of every iteration: take the worker's results and
-    give back the frees it is done with; when the pool is short, wait for it first."""
-    w = _finisher or None
-    if w is not None:
-        w.poll()
-        if w.held_tokens:
-            alloc = self.token_to_kv_pool_allocator
-            evictable = getattr(self.tree_cache, "evictable_size", lambda: 0)()
-            chunk = self.chunked_prefill_size or getattr(self, "max_prefill_tokens", 0) or 0
-            if alloc.available_size() + evictable < w.held_tokens + chunk:
-                w.drain()
+    give back the frees it is done with (without waiting for it)."""
+    if _finisher:
+        _finisher.poll()
     return ORIGINALS["get_next_batch_to_run"](self, *args, **kwargs)
 
 

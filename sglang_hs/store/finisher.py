@@ -22,12 +22,16 @@ held, tagged with the latest job handed over, and given back once the worker is 
 frees touch pending slots cannot be told without reading device tensors (a sync), so all are held;
 frees made while nothing is pending go through at once. Held frees are given back on the scheduler
 thread only (the allocator is not thread-safe): at the next free, at the start of every scheduler
-iteration, and by `drain()` (wait for the worker, then give everything back), which runs before
-anything that counts free slots: SGLang's idle leak check (`Scheduler.on_idle`), its busy self-check,
-`allocator.clear`, an allocation that came back empty (`alloc`, `alloc_extend`, `alloc_decode`, then
-retried), a decode-capacity check that failed (`check_decode_capacity`, retried: no retraction for
-slots that are only held), and the start of an iteration whose pool is short (what is free and
-evictable would not cover the held slots plus one prefill chunk).
+iteration, and by `drain()` (wait for the worker, then give everything back).
+
+Scheduling never sees the hold: `available_size()` counts held slots as free, so admission, eviction,
+decode-capacity checks (no retraction), SGLang's idle leak check (available + evictable == total) and
+its metrics come out exactly as without it, and with tensor parallelism (only attention-TP rank 0
+writes, and holds) every rank still makes the same decisions. Only the free list lacks them: an
+allocation that finds it short (`alloc`, `alloc_extend`, `alloc_decode` returning None) drains and is
+retried, the one place the scheduler thread waits for the worker. `drain()` also runs before the idle
+leak check and the busy self-check (`Scheduler.on_idle`, `self_check_during_busy`: nothing is held
+while SGLang audits its pool) and `allocator.clear`.
 
 Errors: a record refused by the ring (ValueError: larger than the ring; TimeoutError: the ring stayed
 full) is counted in `dropped` and logged, as on the synchronous path. Any other failure of the worker
@@ -82,6 +86,9 @@ class FinishWorker:
         self._fatal: Optional[BaseException] = None
         self._closed = False
         self._device = None
+        from sglang_hs import envs
+
+        self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window slots are held
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name="sglang-hs-finish", daemon=True)
@@ -217,6 +224,8 @@ class FinishWorker:
 
     def _publish(self, job: _Job) -> None:
         w = self.writer
+        if self._test_delay:
+            time.sleep(self._test_delay)
         if job.ready is not None:
             job.ready.synchronize()
         if job.slot_errors is not None:  # the direct copy kernel's counter, copied with the slots
@@ -251,11 +260,16 @@ def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:
         worker.hold(original, args, unit * sum(int(a.numel()) for a in args if torch.is_tensor(a)))
 
     setattr(allocator, name, held)
+    available = allocator.available_size
+
+    def available_size():
+        return available() + worker.held_tokens  # held slots count as free: SGLang decides as if not held
+
+    allocator.available_size = available_size
     for alloc_name in ("alloc", "alloc_extend", "alloc_decode"):
         fn = getattr(allocator, alloc_name, None)
         if fn is not None:
             setattr(allocator, alloc_name, _retry_after_drain(fn, worker, lambda out: out is None))
-    allocator.check_decode_capacity = _retry_after_drain(allocator.check_decode_capacity, worker, lambda ok: not ok)
     clear = allocator.clear
 
     def drained_clear(*a, **k):

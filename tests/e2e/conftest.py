@@ -1,11 +1,14 @@
 """One real server per configuration, shared by the tests of a session."""
 import glob
+import os
 
 import pytest
 
 from helpers import serving
 
 CHUNK = 16
+POOL = 128  # KV slots of the float32 servers: freed slots are handed out again at once (test_exact_rows.py)
+FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: slots are held meanwhile
 
 
 @pytest.fixture(scope="session")
@@ -24,18 +27,21 @@ def capture_server(dump_dir):
 def exact_server(tmp_path_factory):
     """The exact oracle's servers compute in float32 (rows match HF float32 to ~1e-6, see
     test_exact_rows.py). This one: --hs-copy direct, overlap scheduler on, chunked prefill of 16 tokens,
-    radix cache, --hs-last."""
-    yield from _serve(tmp_path_factory.mktemp("hs-exact") / "dump",
-                      ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK)])
+    radix cache, --hs-last. Both: a KV pool of POOL tokens, and a finish worker that waits FINISH_DELAY
+    before each gather (slots are freed and handed out again while gathers are pending)."""
+    yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-exact") / "dump",
+                                   ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
+                                    "--max-total-tokens", str(POOL)]))
 
 
 @pytest.fixture(scope="module")
 def exact_staging_server(tmp_path_factory):
     """The other float32 server: --hs-copy staging with an 8-row stage (each 16-token prefill chunk and
     each decode batch of more than 8 rows is shipped in several pieces), overlap scheduler off."""
-    yield from _serve(tmp_path_factory.mktemp("hs-exact-staging") / "dump",
-                      ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK), "--hs-copy",
-                       "staging", "--hs-staging-rows", "8", "--disable-overlap-schedule"])
+    yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-exact-staging") / "dump",
+                                   ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
+                                    "--hs-copy", "staging", "--hs-staging-rows", "8", "--disable-overlap-schedule",
+                                    "--max-total-tokens", str(POOL)]))
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +75,17 @@ def plain_sched_server(plain_dump_dir):
     """The same model with the scheduling features off: no chunking (prompts fit one chunk), no radix
     cache, no overlap scheduler. Records must agree with the capture server's."""
     yield from _serve(plain_dump_dir, ["--hs-last", "--disable-radix-cache", "--disable-overlap-schedule"])
+
+
+def _slow_finish(server_gen):
+    """Start the server of `server_gen` with SGLANG_HS_TEST_FINISH_DELAY=FINISH_DELAY, then run its teardown."""
+    os.environ["SGLANG_HS_TEST_FINISH_DELAY"] = str(FINISH_DELAY)
+    try:
+        server = next(server_gen)
+    finally:
+        del os.environ["SGLANG_HS_TEST_FINISH_DELAY"]
+    yield server
+    yield from server_gen
 
 
 def _sglang_shm():

@@ -26,7 +26,7 @@ import time
 import pytest
 
 import row_judge
-from conftest import CHUNK
+from conftest import CHUNK, POOL
 from sglang_hs import HiddenStateReader
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
@@ -144,3 +144,44 @@ def test_staging_counters_grow_by_the_rows_shipped(staging_pair, hf):
         time.sleep(FLUSH_INTERVAL_S)
     assert after["staged_rows"] - before["staged_rows"] >= forwarded and after["scatter_s"] > before["scatter_s"]
     assert_exact(rec, hf, (ids + out["output_ids"])[:-1])
+
+
+def _writer_status(server):
+    return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
+
+
+def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
+    """Exactness under slot reuse (issue 16, item 3). Both servers run with a KV pool of POOL tokens
+    (conftest.py), so every slot is freed and handed out again many times while this test runs, and the
+    finish worker gathers a record after SGLang has already released the request's slots (the servers'
+    worker waits FINISH_DELAY before each gather, so the window is wide): the worker's hold on the
+    allocator's frees is all that keeps them from being handed out and overwritten first. 24 requests at
+    once, about 950 tokens in all (over 7x the pool), in prefix-sharing groups (radix hits), 1 to 8
+    generated tokens; every row of every record is judged, and nothing is dropped or left pending."""
+    server, reader = served
+    before = _writer_status(server)
+    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
+             "Shared memory lets one process write and another read without copying through the kernel."]
+    jobs = []
+    for i in range(24):
+        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 12 + (i * 7) % 36]  # shared prefixes: radix hits
+        ids += row_judge.prompt_ids(hf, f" request {i} of the pressure test")[1:]  # a record of its own
+        jobs.append((f"x-reuse-{i}", ids, 1 + i % 8))
+    with cf.ThreadPoolExecutor(24) as pool:
+        outs = list(pool.map(lambda j: server.generate(
+            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
+    assert sum(len(ids) + len(out["output_ids"]) for (_, ids, _), out in zip(jobs, outs)) > 7 * POOL
+    assert any(out["meta_info"]["cached_tokens"] > 0 for out in outs)  # the radix cache served prefixes
+    worst = 0.0
+    for (rid, ids, _), out in zip(jobs, outs):
+        worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
+    deadline = time.monotonic() + 30
+    while ((after := _writer_status(server))["records"] < before["records"] + len(jobs)
+           or after["finish_pending"]) and time.monotonic() < deadline:
+        time.sleep(FLUSH_INTERVAL_S)
+    assert after["records"] >= before["records"] + len(jobs) and after["finish_pending"] == 0
+    assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
+    # The hold was exercised: frees came (a release at finish, evictions for the next requests) while
+    # gathers were pending, as they must with 24 gathers of FINISH_DELAY each amid this traffic.
+    assert after["frees_held"] > before["frees_held"], after
+    print(f"{len(jobs)} records, worst row {worst:.2e}, frees held {after['frees_held'] - before['frees_held']}")

@@ -1,7 +1,8 @@
 """The finish worker (sglang_hs/store/finisher.py) with SGLang's real KV allocators on the CPU: slots a
-pending gather will read are not handed out again, they come back once it is done, an allocation or a
-decode-capacity check that finds the pool short waits for the worker instead of failing, a failed
-gather is reported, and closing publishes everything that was handed over.
+pending gather will read are not handed out again, they come back once it is done, the scheduler's
+accounting (available_size) is as if nothing were held, an allocation that finds the free list short
+waits for the worker instead of failing, a failed gather is reported, and closing publishes
+everything that was handed over.
 
 The worker's gather is held at a gate (a threading.Event the test opens), so "pending" is a state the
 test controls, not a race it hopes to win."""
@@ -75,8 +76,9 @@ def test_slots_of_a_pending_gather_are_not_handed_out_again_and_come_back_after(
     alloc.free_group_end()
     held = set(slots.tolist()) | set(other.tolist())
     assert not held & _free_set(alloc), "slots of a pending gather went back to the free list"
-    assert alloc.available_size() == NUM_SLOTS - 15 and worker.held_tokens == 15
-    rest = alloc.alloc(alloc.available_size())  # everything the allocator will hand out now
+    assert len(_free_set(alloc)) == NUM_SLOTS - 15 and worker.held_tokens == 15
+    assert alloc.available_size() == NUM_SLOTS  # what SGLang schedules by: as if nothing were held
+    rest = alloc.alloc(len(alloc.free_pages))  # everything the allocator will hand out now
     assert not held & set(rest.tolist())
     assert released == [] and worker.pending_rids() == ["r0"]
     gate.open.set()
@@ -98,7 +100,7 @@ def test_frees_come_back_at_the_next_poll_once_the_worker_is_done(writer):
     worker.submit("r1", [1, 2, 3, 4], slots)
     gate.entered.wait()
     alloc.free(slots)
-    assert alloc.available_size() == NUM_SLOTS - 4
+    assert len(_free_set(alloc)) == NUM_SLOTS - 4
     gate.open.set()
     worker.drain()  # waits for the worker (the scheduler's idle point); poll() alone would not wait
     assert alloc.available_size() == NUM_SLOTS
@@ -106,8 +108,9 @@ def test_frees_come_back_at_the_next_poll_once_the_worker_is_done(writer):
 
 
 def test_a_short_pool_waits_for_the_worker_instead_of_failing(writer, monkeypatch):
-    """alloc() and check_decode_capacity() that would fail only because slots are held drain the worker
-    first and then succeed (no 'out of memory', no retraction)."""
+    """Decisions are taken as if nothing were held (check_decode_capacity: no retraction), and an alloc()
+    that would fail only because slots are held drains the worker first and then succeeds (no 'out of
+    memory')."""
     alloc = _token_allocator()
     worker = _worker(writer, alloc)
     gate = Gate(writer)
@@ -117,9 +120,9 @@ def test_a_short_pool_waits_for_the_worker_instead_of_failing(writer, monkeypatc
     worker.submit("r2", list(range(NUM_SLOTS)), slots)
     gate.entered.wait()
     alloc.free(slots)
-    assert alloc.available_size() == 0
-    assert not alloc.check_decode_capacity.__wrapped__(num_tokens=3, tree_cache=None)
-    assert alloc.check_decode_capacity(num_tokens=3, tree_cache=None)  # drained, then true
+    assert len(_free_set(alloc)) == 0 and alloc.available_size() == NUM_SLOTS
+    assert alloc.check_decode_capacity(num_tokens=3, tree_cache=None)
+    assert worker.held_tokens == NUM_SLOTS  # deciding did not wait for the worker
     again = alloc.alloc(NUM_SLOTS)
     assert again is not None and sorted(again.tolist()) == sorted(slots.tolist())
     worker.close()
@@ -220,7 +223,7 @@ def test_close_publishes_everything_handed_over_and_gives_back_held_frees(writer
     gate.entered.wait()
     for _, s in handed:
         alloc.free(s)
-    assert alloc.available_size() < NUM_SLOTS
+    assert len(_free_set(alloc)) < NUM_SLOTS
     gate.open.set()
     worker.close()
     assert alloc.available_size() == NUM_SLOTS and writer.stats["records"] == 5
