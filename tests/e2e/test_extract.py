@@ -1,6 +1,6 @@
 """`python -m sglang_hs.extract` end to end on the real server: conversations and pre-tokenized records in
 both formats (read back the SpecForge way, checked against the reader's records and the server's own
-logprobs), bad records skipped and counted, a run killed halfway and resumed, a server that dies
+logprobs), FP8 files within e4m3's bound of the records, bad records skipped and counted, a run killed halfway and resumed, a server that dies
 mid-run, SIGTERM, a full disk, and a server without the final state refused up front."""
 import json
 import os
@@ -135,6 +135,32 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
             masked = tok.decode([t for t, m in zip(want.input_ids, want.loss_mask) if m])
             assert masked == "".join(r + tok.eos_token for r in replies)
         assert_rows_are_the_stores(capture_server, reader, f"again-{fmt}-{i}", ids.tolist(), aux, last)
+
+
+def test_fp8_files_hold_the_stores_rows_within_e4m3s_bound(capture_server, dump_dir, tmp_path):
+    """--save-dtype fp8 end to end, every sample verified (logprobs and the stored file read back): each
+    file's rows, dequantized as speculators' FP8Transfer does, are the store's within e4m3's bound."""
+    from sglang_hs.extract import fp8
+
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(3, seed=5))
+    out = tmp_path / "out"
+    proc = extract(["--data", data, "--output", str(out), "--format", "safetensors", "--save-dtype", "fp8",
+                    "--verify", "1.0", *_server_args(capture_server, dump_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.load(open(out / "manifest.json"))
+    assert m["verified"] == 3 and m["save_dtype"] == "fp8" and m["speculators_hidden_states_backend"] == "fp8"
+    assert m["speculators_dataset_rows"] == 3 and (out / "hidden_states" / "hs_2.safetensors").exists()
+    reader = HiddenStateReader(str(dump_dir))
+    for i in range(3):
+        t = load_file(str(out / f"hs_{i}.safetensors"))
+        ids, q, scale = t["token_ids"].tolist(), t["hidden_states"], t[fp8.SCALES_KEY]
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (len(ids), 1, 1)
+        capture_server.generate(input_ids=ids + [ids[-1]], rid=f"again-fp8-{i}",
+                                sampling_params={"max_new_tokens": 1, "temperature": 0})
+        rec = reader.take(f"again-fp8-{i}", timeout=60)
+        want = torch.cat([rec.aux_hidden_states[:len(ids)], rec.last_hidden_state[:len(ids), None]], dim=1)
+        diff = (fp8.dequantize(q, scale).float() - want.float()).abs()
+        assert (diff <= fp8.error_bound(want, scale)).all(), (i, (diff / fp8.error_bound(want, scale)).max())
 
 
 def test_killed_run_resumes_to_the_same_output(capture_server, dump_dir, tmp_path):
