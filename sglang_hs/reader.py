@@ -149,6 +149,13 @@ class HiddenStateReader:
             time.sleep(0.05)
         uid = None if owner is None else owner_uid(owner)
         self.manifest = read_manifest(path, uid)
+        while len(self.manifest["writers"]) < self.manifest.get("num_writers", 1):
+            # data-parallel attention: each group's writer adds itself to the manifest as it starts
+            if time.monotonic() > deadline:
+                raise FileNotFoundError(f"{path}: {len(self.manifest['writers'])} of the "
+                                        f"{self.manifest['num_writers']} writers it announces after {wait}s")
+            time.sleep(0.05)
+            self.manifest = read_manifest(path, uid)
         self.num_aux = len(self.manifest["layer_ids"])
         self.has_last = bool(self.manifest["last"])
         self.ack_mode = ack

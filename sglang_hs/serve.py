@@ -50,10 +50,8 @@ def check_server_args(cfg) -> None:
         and "--speculative-algorithm: speculative decoding cannot run with --hs-dump-dir; serve the target alone",
         getattr(cfg, "enable_torch_compile", False)
         and "--enable-torch-compile: the capture copy is not a registered custom op yet; drop it (CUDA graphs stay)",
-        (getattr(cfg, "dp_size", 1) or 1) > 1
-        and "--dp-size > 1: one writer per data-parallel group is not supported yet; use --tp",
-        (getattr(cfg, "attn_dp_size", 1) or 1) > 1  # also what --dp-size N --enable-dp-attention resolves to
-        and "--attn-dp-size > 1 (DP attention): every group's writer would open the same store files; use --tp",
+        (getattr(cfg, "dp_size", 1) or 1) > (getattr(cfg, "attn_dp_size", 1) or 1)  # DP attention is allowed
+        and "--dp-size > 1 without DP attention: replicas would open the same store files; use --enable-dp-attention",
         (getattr(cfg, "attn_cp_size", 1) or 1) > 1
         and "--attn-cp-size > 1 (context parallel): its extend path bypasses the overlay's forward; use --tp",
         # KV reaching a slot without a forward pass (its rows in the store would be stale):

@@ -24,6 +24,8 @@ Ledger (what / why / upstream status / removal plan):
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
 | cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
 |                   | communicator for a group on the CPU device   | spawned process  |
+| torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
+| pad               | len fill value only the AMX backend defines  |                  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -75,6 +77,16 @@ cpu_gloo_groups
   removal:  when the pinned sglang turns PyNccl off for CPU groups; tests/e2e/test_multi_rank.py
             starts a --tp 2 CPU server and fails without it.
 
+torch_native_cpu_pad
+  why:      with data-parallel attention every step pads each group's batch to a common size, and on CPU
+            `ForwardBatch._pad_inputs_to_size` calls `attn_backend.get_cpu_graph_seq_len_fill_value()`,
+            defined in 0.5.23 only by the Intel AMX backend (value 1); without AMX the CPU engine runs
+            torch_native and DP attention fails at its first step (AttributeError). Same method, same value.
+  upstream: present in sglang 0.5.23 (forward_batch_info.py, _pad_inputs_to_size; torch_native_backend.py
+            has no such method); not reported upstream by us yet.
+  removal:  when TorchNativeAttnBackend defines the method; tests/e2e/test_multi_rank.py's DP-attention
+            server fails at its warm-up without it.
+
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward; warmup_rid, which concerns the HTTP server
 process, is applied by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
@@ -102,6 +114,11 @@ def apply() -> dict:
 
             _applied["mla_torch_native"] = mla_torch_native.apply()
         _apply_cpu_gloo_groups()
+        wanted = envs.SGLANG_HS_CPU_MODE and "torch_native_cpu_pad" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "torch_native_cpu_pad" not in _applied:
+            from sglang_hs.patches import torch_native_cpu_pad
+
+            _applied["torch_native_cpu_pad"] = torch_native_cpu_pad.apply()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.patches import capture_hooks
 

@@ -93,7 +93,7 @@ def test_numerics_with_the_source_patch_and_the_runtime_fix_off(patched_root, tm
     server = Launcher(["--hs-dump-dir", str(tmp_path / "hs"), "--chunked-prefill-size", "16"], env=env)
     try:
         server.wait_ready()
-        assert "runtime-patches=['capture_hooks', 'cpu_gloo_groups']" in server.output  # MLA fix: from the source
+        assert "runtime-patches=['capture_hooks', 'cpu_gloo_groups', 'torch_native_cpu_pad']" in server.output  # MLA: source
         check_prompt_logprobs(server)
     finally:
         server.stop()

@@ -34,9 +34,7 @@ REFUSED = [
     (["--disaggregation-mode", "decode", "--disaggregation-decode-enable-offload-kvcache",
       "--hicache-storage-backend", "file"], "--disaggregation-decode-enable-offload-kvcache"),
     (["--tp", "2", "--dcp-size", "2"], "--dcp-size > 1"),
-    (["--dp-size", "2"], "--dp-size > 1"),
-    (["--tp", "2", "--attn-dp-size", "2"], "--attn-dp-size > 1"),
-    (["--tp", "2", "--dp-size", "2", "--enable-dp-attention"], "--attn-dp-size > 1"),  # resolves to attn_dp_size
+    (["--dp-size", "2"], "--dp-size > 1 without DP attention"),
     (["--tp", "2", "--attn-cp-size", "2"], "--attn-cp-size > 1"),
     (["--pp-size", "2"], "--pp-size > 1"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
@@ -53,6 +51,8 @@ ALLOWED = [
     ["--enable-session-radix-cache"],
     ["--enable-pd-role-switch"],  # acts only in PD mode, which is refused
     ["--tp", "2", "--enable-dp-attention"],  # one attention-DP group (attn_dp_size 1)
+    ["--tp", "2", "--attn-dp-size", "2"],  # one writer per DP attention group (tests/e2e/test_multi_rank.py)
+    ["--tp", "2", "--dp-size", "2", "--enable-dp-attention"],  # the same, older spelling (resolves to attn_dp_size)
 ]
 
 # Also audited and not refused by sglang-hs: SGLang's own resolution rejects each of these unless a flag
