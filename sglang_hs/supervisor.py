@@ -292,7 +292,8 @@ class Supervisor:
                 pass
 
     def _cleanup_sglang_shm(self) -> None:
-        candidates = [p for p in glob.glob("/dev/shm/sglang_loads_*.shm")
+        # sgl_shm_mq_*: the request broadcast queue of a server with more than one rank (SGLang leaves it)
+        candidates = [p for pat in ("/dev/shm/sglang_loads_*.shm", "/dev/shm/sgl_shm_mq_*") for p in glob.glob(pat)
                       if os.stat(p).st_mtime >= self.started_at - 1]
         if not candidates:
             return
@@ -300,7 +301,8 @@ class Supervisor:
         for maps in glob.glob("/proc/[0-9]*/maps"):
             try:
                 with open(maps) as f:
-                    mapped.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/sglang_loads_" in line)
+                    mapped.update(line.split(None, 5)[-1].strip() for line in f
+                                  if "/dev/shm/sglang_loads_" in line or "/dev/shm/sgl_shm_mq_" in line)
             except OSError:
                 pass
         for path in candidates:

@@ -44,27 +44,38 @@ def _cmdline(pid):
         return ""
 
 
-def _scheduler(server, rank):
-    """Pid of the server's scheduler process of TP rank `rank` (SGLang titles it sglang::scheduler_TP<rank>)."""
-    pids = [p for p in processes_in_session(server_session(server.output))
-            if _cmdline(p).startswith(f"sglang::scheduler_TP{rank}")]
-    assert len(pids) == 1, (rank, [(_cmdline(p), p) for p in processes_in_session(server_session(server.output))])
+def _scheduler(server, rank, dp=None):
+    """Pid of the server's scheduler process of TP rank `rank` (SGLang titles it sglang::scheduler_TP<rank>,
+    or sglang::scheduler_DP<dp>_TP<rank> with DP attention)."""
+    title = f"sglang::scheduler_TP{rank}" if dp is None else f"sglang::scheduler_DP{dp}_TP{rank}"
+    pids = [p for p in processes_in_session(server_session(server.output)) if _cmdline(p).startswith(title)]
+    assert len(pids) == 1, (title, [(_cmdline(p), p) for p in processes_in_session(server_session(server.output))])
     return pids[0]
+
+
+def _mq_segments():
+    """SGLang's request broadcast queues in /dev/shm (a server with more than one rank makes one)."""
+    return set(glob.glob("/dev/shm/sgl_shm_mq_*"))
+
+
+def _serve(dump, parallel):
+    """A float32 server with `parallel` flags: chunked prefill of 16 tokens, radix cache, overlap scheduler,
+    --hs-last; no SGLANG_CPU_OMP_THREADS_BIND given (the launcher's default binds 1 core per rank)."""
+    bind = os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)  # the launcher must choose it
+    try:
+        return Launcher(["--hs-dump-dir", str(dump), "--hs-ring-size", "64MiB", "--dtype", "float32", *parallel,
+                         "--hs-last", "--chunked-prefill-size", str(CHUNK)])
+    finally:
+        if bind is not None:
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    """(server, reader) of a float32 `--tp 2` server: chunked prefill of 16 tokens, radix cache, overlap
-    scheduler, --hs-last; no SGLANG_CPU_OMP_THREADS_BIND given (the launcher's default binds 1 core
-    per rank). Stopped by SIGTERM after the module, unless a test has killed it already."""
-    dump = tmp_path_factory.mktemp("hs-tp2") / "dump"
-    bind = os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)  # the launcher must choose it
-    try:
-        server = Launcher(["--hs-dump-dir", str(dump), "--hs-ring-size", "64MiB", "--dtype", "float32", "--tp",
-                           "2", "--hs-last", "--chunked-prefill-size", str(CHUNK)])
-    finally:
-        if bind is not None:
-            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
+    """(server, reader) of a `--tp 2` server (see _serve). Stopped by SIGTERM after the module, unless a
+    test has killed it already."""
+    dump, before = tmp_path_factory.mktemp("hs-tp2") / "dump", _mq_segments()
+    server = _serve(dump, ["--tp", "2"])
     server.dump = dump
     reader = None
     try:
@@ -80,6 +91,7 @@ def tp2(tmp_path_factory):
         assert not alive or rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"
         assert not leftover_server_processes(server.output)
         assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
+        assert not _mq_segments() - before  # the supervisor removes what SGLang leaves in /dev/shm
 
 
 def assert_exact(rec, hf, want_ids):
@@ -204,3 +216,58 @@ def test_non_writer_rank_killed_mid_generation(tp2):
     assert errors  # the client was not told a lie
     assert reader.poll() == 0 and "tp-killed" not in reader._ready  # nothing of it, nothing torn
     assert not leftover_server_processes(server.output)
+
+
+# -- data-parallel attention: `--tp 2 --dp 2 --enable-dp-attention`, one writer per group --
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """(server, reader) of a DP-attention server: 2 groups of 1 attention-TP rank, each its own writer.
+    Its tests come after the kill test, which ends the tp2 server: one server runs at a time."""
+    dump, before = tmp_path_factory.mktemp("hs-dp2") / "dump", _mq_segments()
+    server = _serve(dump, ["--tp", "2", "--dp", "2", "--enable-dp-attention"])
+    server.dump = dump
+    reader = None
+    try:
+        server.wait_ready(timeout=900)
+        reader = HiddenStateReader(str(dump))
+        yield server, reader
+    finally:
+        if reader is not None:
+            reader.close()
+        rc = server.stop()
+        assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"
+        assert not leftover_server_processes(server.output)
+        assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
+        assert not _mq_segments() - before  # the supervisor removes what SGLang leaves in /dev/shm
+
+
+def test_dp_one_writer_per_group(dp2):
+    """Each DP group's attention-TP rank 0 (here: each scheduler) writes its own store and ring, and the one
+    manifest lists both; SGLang's warm-up (one prompt per group, a batch) emitted no record."""
+    server, reader = dp2
+    m = reader.manifest
+    assert m["num_writers"] == 2 and [w["id"] for w in m["writers"]] == [0, 1], m["writers"]
+    assert [w["pid"] for w in m["writers"]] == [_scheduler(server, 0, dp=0), _scheduler(server, 1, dp=1)]
+    assert sorted(p.name for p in server.dump.glob("store-*.bin")) == ["store-w0.bin", "store-w1.bin"]
+    assert sorted(p.name for p in server.dump.glob("ring-*.bin")) == ["ring-w0.bin", "ring-w1.bin"]
+    assert reader.poll() == 0, reader.ready_rids()  # the warm-up batch was tagged, not published
+
+
+def test_dp_rows_of_both_groups(dp2, hf):
+    """6 requests at once, one over several prefill chunks, 1 to 6 generated each: SGLang routes them to
+    both groups; every record, whichever ring it came from, is exact row by row."""
+    server, reader = dp2
+    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
+             "Shared memory lets one process write and another read without copying through the kernel."]
+    jobs = [(f"dp-{i}", row_judge.prompt_ids(hf, texts[i % 3])[: 60 - 9 * i], 1 + i) for i in range(6)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(
+            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
+    worst, writers = 0.0, set()
+    for (rid, ids, _), out in zip(jobs, outs):
+        rec = reader.take(rid, timeout=120)
+        writers.add(rec.writer)
+        worst = max(worst, assert_exact(rec, hf, (ids + out["output_ids"])[:-1]))
+    assert writers == {0, 1}, writers
+    print(f"dp2 concurrent: {len(jobs)} records from writers {sorted(writers)}, worst row {worst:.2e}")
