@@ -1,0 +1,65 @@
+"""python -m sglang_hs.plan without a server: its per-file sizes against files the real sinks write (odd
+T, the tiny model's and DeepSeek-V3's widths), the store and ring as the launcher sizes them, and what does
+not fit named with flags. Its figures against a real extraction: tests/e2e/test_extract.py."""
+import json
+
+import pytest
+import torch
+
+from sglang_hs import plan
+from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
+
+V3 = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,
+      "max_position_embeddings": 163840, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("T", [1, 37, 501])
+@pytest.mark.parametrize("H", [256, 7168])
+@pytest.mark.parametrize("kind", ["specforge", "safetensors", "fp8", "fp8-per-layer"])
+def test_file_bytes_are_what_the_sinks_write(tmp_path, T, H, kind):
+    sink = SpecForgeSink(str(tmp_path)) if kind == "specforge" else SafetensorsSink(
+        str(tmp_path), None if kind == "safetensors" else kind)
+    sink.layer_ids = [2, 30, 58]
+    n = sink.write(T, torch.arange(T), torch.ones(T, dtype=torch.long), torch.randn(T, 3, H).bfloat16(),
+                   torch.randn(T, H).bfloat16())
+    print(kind, T, H, n, n - plan.file_bytes(T, 4, H, 2, kind))
+    assert abs(n - plan.file_bytes(T, 4, H, 2, kind)) <= 192  # headers and zip entries vary by tens of bytes
+
+
+def _plan(tmp_path, capsys, *args):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(V3))
+    rc = plan.main(["--model-path", str(cfg), "--device", "cpu", "--json", *args])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out) if rc == 0 else out.err)
+
+
+def test_deepseek_v3_figures_and_what_does_not_fit(tmp_path, capsys):
+    rc, f = _plan(tmp_path, capsys, "--samples", "10000", "--mean-tokens", "2048", "--max-total-tokens", "100000",
+                  "--output", str(tmp_path))
+    assert rc == 0
+    assert f["layers"] == [2, 30, 58] and f["bytes_per_token"] == 57344 and f["bytes_per_token_fp8"] == 28676
+    assert f["store_bytes_per_writer"] == 100000 * 57344
+    assert f["ring_bytes_per_writer"] == f["ring_needed_for_one_record"] > 2 * 163840 * 57344  # grown to the context
+    assert f["disk"]["safetensors bf16"] == pytest.approx(10000 * 2048 * (57344 + 16 + 16), rel=1e-3)  # ~1.2 TB
+    assert f["disk"]["safetensors fp8"] / f["disk"]["safetensors bf16"] == pytest.approx(0.5, abs=0.01)
+    free = f["output_free"]
+    if f["disk"]["safetensors bf16"] > free:  # this machine's disk holds far less than 1.2 TB
+        msgs = [p for p in f["problems"] if p.startswith("--format safetensors bf16")]
+        assert msgs and "--max-samples" in msgs[0] and "--shard I/" in msgs[0], f["problems"]
+
+
+def test_a_store_that_does_not_fit_names_the_flags(tmp_path, capsys):
+    rc, f = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "10", "--max-total-tokens", str(10**9),
+                  "--context-length", "4096", "--hs-dump-dir", str(tmp_path))
+    assert rc == 0
+    (p,) = [p for p in f["problems"] if p.startswith("store + ring")]
+    assert "--max-total-tokens" in p and "--shm-size" in p
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    rc, err = _plan(tmp_path, capsys)
+    assert rc == 2 and err.strip() == ("python -m sglang_hs.plan: error: --data, or --samples and --mean-tokens, say "
+                                       "how much will be captured")
+    rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "1", "--hs-layers", "2,99")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--hs-layers" in err
