@@ -28,10 +28,11 @@ Scheduling never sees the hold: `available_size()` counts held slots as free, so
 decode-capacity checks (no retraction), SGLang's idle leak check (available + evictable == total) and
 its metrics come out exactly as without it, and with tensor parallelism (only attention-TP rank 0
 writes, and holds) every rank still makes the same decisions. Only the free list lacks them: an
-allocation that finds it short (`alloc`, `alloc_extend`, `alloc_decode` returning None) drains and is
-retried, the one place the scheduler thread waits for the worker. `drain()` also runs before the idle
-leak check and the busy self-check (`Scheduler.on_idle`, `self_check_during_busy`: nothing is held
-while SGLang audits its pool) and `allocator.clear`.
+allocation that finds it short (`alloc`, `alloc_extend`, `alloc_decode` returning None) waits for the
+worker to pass the oldest held free, gets it back and is retried (again while short and anything is
+held): the one place the scheduler thread waits for the worker, and only as long as it must.
+`drain()` also runs before the idle leak check and the busy self-check (`Scheduler.on_idle`,
+`self_check_during_busy`: nothing is held while SGLang audits its pool) and `allocator.clear`.
 
 Errors: a record refused by the ring (ValueError: larger than the ring; TimeoutError: the ring stayed
 full) is counted in `dropped` and logged, as on the synchronous path. Any other failure of the worker
@@ -155,13 +156,24 @@ class FinishWorker:
 
     def drain(self) -> None:
         """Wait until every job handed over is done, then give back every held free."""
-        if self._handed != self._done_now():
-            t0 = time.perf_counter()
-            with self._cv:
-                while self._done < self._handed and self._thread.is_alive():
-                    self._cv.wait(timeout=1.0)
-            self.stats["drain_s"] += time.perf_counter() - t0
+        self._wait_for(self._handed)
         self.poll()
+
+    def give_back_oldest(self) -> None:
+        """Wait until the worker is past the gathers the oldest held free waits for, then give back what
+        it may (an allocation that found the free list short: wait no longer than it needs)."""
+        if self._held:
+            self._wait_for(self._held[0][0])
+        self.poll()
+
+    def _wait_for(self, seq: int) -> None:
+        if self._done_now() >= seq:
+            return
+        t0 = time.perf_counter()
+        with self._cv:
+            while self._done < seq and self._thread.is_alive():
+                self._cv.wait(timeout=1.0)
+        self.stats["drain_s"] += time.perf_counter() - t0
 
     def idle(self) -> bool:
         return not self._pending and not self._held
@@ -284,8 +296,8 @@ def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:
 def _retry_after_drain(fn, worker: FinishWorker, failed: Callable[[Any], bool]):
     def wrapped(*args, **kwargs):
         out = fn(*args, **kwargs)
-        if failed(out) and worker.held_tokens:
-            worker.drain()  # the slots were only held: give them back and ask again
+        while failed(out) and worker.held_tokens:
+            worker.give_back_oldest()  # the slots were only held: give back the oldest, ask again
             out = fn(*args, **kwargs)
         return out
 

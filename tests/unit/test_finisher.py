@@ -114,8 +114,8 @@ def test_a_short_pool_waits_for_the_worker_instead_of_failing(writer, monkeypatc
     alloc = _token_allocator()
     worker = _worker(writer, alloc)
     gate = Gate(writer)
-    drain = worker.drain
-    monkeypatch.setattr(worker, "drain", lambda: (gate.open.set(), drain()))  # the worker finishes when waited for
+    wait_for = worker._wait_for
+    monkeypatch.setattr(worker, "_wait_for", lambda seq: (gate.open.set(), wait_for(seq)))  # done when waited for
     slots = alloc.alloc(NUM_SLOTS)
     worker.submit("r2", list(range(NUM_SLOTS)), slots)
     gate.entered.wait()
@@ -132,8 +132,8 @@ def test_alloc_drains_when_only_held_slots_would_satisfy_it(writer, monkeypatch)
     alloc = _token_allocator()
     worker = _worker(writer, alloc)
     gate = Gate(writer)
-    drain = worker.drain
-    monkeypatch.setattr(worker, "drain", lambda: (gate.open.set(), drain()))
+    wait_for = worker._wait_for
+    monkeypatch.setattr(worker, "_wait_for", lambda seq: (gate.open.set(), wait_for(seq)))
     slots = alloc.alloc(NUM_SLOTS - 2)
     worker.submit("r3", list(range(NUM_SLOTS - 2)), slots)
     gate.entered.wait()
@@ -250,4 +250,40 @@ def test_hand_over_and_held_frees_own_their_slot_ids(writer, tmp_path):
     assert set(slots) <= _free_set(alloc) and alloc.available_size() == NUM_SLOTS
     with HiddenStateReader(str(tmp_path)) as reader:
         assert reader.take("v0", timeout=5).aux_hidden_states[:, 0, 0].tolist() == [float(s) for s in slots]
+    worker.close()
+
+
+def test_a_short_alloc_waits_only_for_the_oldest_held_free(writer, monkeypatch):
+    """The free list is short by less than the oldest held free gives back: the allocation waits for
+    the gather that free waits for, not for every gather still pending."""
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gates = {"a": threading.Event(), "b": threading.Event()}
+    entered = {"a": threading.Event(), "b": threading.Event()}
+    inner = writer.publish_gathered
+
+    def gated(rid, *args, **kwargs):
+        entered[rid].set()
+        gates[rid].wait()
+        return inner(rid, *args, **kwargs)
+
+    writer.publish_gathered = gated
+    waited = []
+    wait_for = worker._wait_for
+    monkeypatch.setattr(worker, "_wait_for", lambda seq: (waited.append(seq), gates["a"].set(), wait_for(seq)))
+    a, b = alloc.alloc(20), alloc.alloc(30)
+    worker.submit("a", list(range(20)), a)
+    entered["a"].wait()
+    alloc.free(a)  # held until gather 1 is done
+    worker.submit("b", list(range(30)), b)
+    alloc.free(b)  # held until gather 2 is done
+    rest = alloc.alloc(len(alloc.free_pages))
+    out = alloc.alloc(15)  # only a's slots can satisfy it
+    assert out is not None and set(out.tolist()) <= set(a.tolist())
+    assert waited == [1] and worker.held_tokens == 30 and worker.pending_rids() == ["b"]
+    gates["b"].set()
+    worker.drain()
+    alloc.free(rest)
+    alloc.free(out)
+    assert alloc.available_size() == NUM_SLOTS and len(_free_set(alloc)) == NUM_SLOTS
     worker.close()
