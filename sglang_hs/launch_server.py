@@ -126,6 +126,14 @@ def cuda_available() -> bool:
 
 def read_model_config(model_path: str, trust_remote_code: bool) -> dict:
     local = os.path.join(model_path, "config.json")
+    if not os.path.isfile(local) and os.path.isfile(os.path.join(model_path, "params.json")):
+        # Mistral's native format (Mistral Large 3): read it with SGLang's own parser, as the server will.
+        from sglang.srt.utils.hf_transformers.mistral_utils import MistralConfigParser
+
+        try:
+            return MistralConfigParser().parse(model_path)[0]
+        except (OSError, ValueError, KeyError, AssertionError) as e:
+            raise CaptureConfigError(f"--model-path: cannot read {model_path}/params.json: {e}") from None
     if os.path.isfile(local):
         try:
             with open(local) as f:

@@ -7,7 +7,7 @@ map (SpecForge's TargetHead looks for one), and cached outside the repository un
 `$SGLANG_HS_CACHE/models/` keyed by the shipped files and the seed. Never committed.
 
     python -m sglang_hs.tiny_model            # prints the path, generating it if needed
-    python -m sglang_hs.tiny_model v2         # another shape: v2, kimi-k2 (see VARIANTS)
+    python -m sglang_hs.tiny_model v2         # another shape (see VARIANTS)
 
 Other shapes of the same family, for tests (`ensure(variant)`), share the tokenizer and differ only in
 config.json, which is derived from the shipped one in code (`variant_config`):
@@ -20,12 +20,24 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   correction bias), routed_scaling_factor 2.827, rope_theta 50000 and YaRN factor 32 with
   beta_fast = beta_slow = 1, no MTP layer. Not Kimi-K2's tokenizer (tiktoken-based remote code, not
   available offline): the embedded one.
+- "mistral-large-3": MistralLarge3ForCausalLM in Mistral's native format, as Mistral Large 3 ships:
+  `params.json` (no config.json; SGLang's own Mistral config parser turns it into a DeepSeek-V3 config)
+  and `consolidated.safetensors` with Mistral weight names (`layers.N.attention.wq_a.weight`, ...,
+  per-expert `layers.N.experts.E.w1.weight`), which the upstream class remaps on load. Its shape: one
+  expert group, softmax routing with renormalised top-k (no correction bias), routed_scale 1.5, YaRN,
+  and Llama-4 attention scaling (query x 1 + beta*log(1 + floor(pos / 16))) with a small original
+  length so that test prompts cross several scaling steps; routers drawn wider than HF's init (see
+  _generate_mistral). The folder name contains "mistral-large-3": SGLang picks its Mistral config
+  parser and weight format by that name, as for the released checkpoints. HF transformers has the
+  architecture as Mistral4ForCausalLM (the reference: `mistral_reference`); the weights are generated
+  with it and renamed (`to_mistral_names`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from importlib import resources
@@ -82,7 +94,29 @@ def _kimi_k2(cfg: dict) -> dict:
     return cfg
 
 
-VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2}
+# Mistral Large 3's native config (params.json), in Mistral's key names, with the tiny V3's sizes.
+_MISTRAL_ROUTER_STD = 0.5  # see _generate_mistral
+_MISTRAL_LLAMA4_ORIGINAL = 16  # Llama-4 scaling steps every 16 positions; the YaRN original length too
+MISTRAL_PARAMS = {
+    "dim": 256, "n_layers": 8, "n_heads": 4, "n_kv_heads": 4, "hidden_dim": 512, "norm_eps": 1e-06,
+    "vocab_size": 1024, "rope_theta": 10000.0, "max_position_embeddings": 4096, "tied_embeddings": False,
+    "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "moe": {"route_every_n": 1, "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2,
+            "expert_hidden_dim": 128, "routed_scale": 1.5, "num_shared_experts": 1, "num_expert_groups": 1,
+            "num_expert_groups_per_tok": 1},
+    "yarn": {"factor": 32.0, "original_max_position_embeddings": _MISTRAL_LLAMA4_ORIGINAL, "beta": 32.0,
+             "alpha": 1.0, "apply_scale": True},
+    "llama_4_scaling": {"original_max_position_embeddings": _MISTRAL_LLAMA4_ORIGINAL, "beta": 0.1},
+}
+
+
+def _mistral_config(cfg: dict) -> dict:
+    """What the launcher and the tests read for the Mistral variant: its params.json."""
+    return json.loads(json.dumps(MISTRAL_PARAMS))
+
+
+VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config}
+MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
 
@@ -98,6 +132,8 @@ def path(variant: str = "v3") -> str:
         return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-deepseek-v3-{_key()}")
     h = hashlib.sha256(f"{_key()};variant={variant};".encode())
     h.update(json.dumps(variant_config(variant), sort_keys=True).encode())
+    if variant in MISTRAL_NATIVE:
+        h.update(f"mistral-router-std={_MISTRAL_ROUTER_STD};".encode())
     for name, text in sorted(_EXTRA_FILES.get(variant, {}).items()):
         h.update(name.encode() + b"\0" + text.encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{variant}-{h.hexdigest()[:16]}")
@@ -124,7 +160,10 @@ def ensure(variant: str = "v3") -> str:
 
 
 def _write_config(out: str, variant: str) -> None:
-    if VARIANTS[variant] is None:
+    if variant in MISTRAL_NATIVE:
+        with open(os.path.join(out, "params.json"), "w") as f:
+            json.dump(variant_config(variant), f, indent=2)
+    elif VARIANTS[variant] is None:
         shutil.copy(os.path.join(source_dir(), "config.json"), os.path.join(out, "config.json"))
     else:
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -138,6 +177,9 @@ def hf_config(ckpt: str, variant: str = "v3"):
     SGLang reads them."""
     import transformers
 
+    if variant in MISTRAL_NATIVE:
+        with open(os.path.join(ckpt, "params.json")) as f:
+            return mistral4_config(json.load(f))
     if variant == "kimi-k2":
         with open(os.path.join(ckpt, "config.json")) as f:
             d = json.load(f)
@@ -147,13 +189,157 @@ def hf_config(ckpt: str, variant: str = "v3"):
     return transformers.AutoConfig.from_pretrained(ckpt)
 
 
+def mistral4_config(params: dict):
+    """HF transformers' Mistral4Config for a Mistral-native params.json (the MistralLarge3 shape: MLA,
+    softmax routing with renormalised top-k, YaRN, Llama-4 attention scaling). Written from Mistral's key
+    names, independently of SGLang's parser; HF reads the Llama-4 scaling's original length from the YaRN
+    block, so the two must be equal (they are in the released configs)."""
+    import transformers
+
+    moe, yarn, l4 = params["moe"], params["yarn"], params["llama_4_scaling"]
+    assert l4["original_max_position_embeddings"] == yarn["original_max_position_embeddings"]
+    assert moe.get("route_every_n", 1) == 1 and yarn.get("apply_scale", True)
+    return transformers.Mistral4Config(
+        vocab_size=params["vocab_size"], hidden_size=params["dim"], intermediate_size=params["hidden_dim"],
+        moe_intermediate_size=moe["expert_hidden_dim"], num_hidden_layers=params["n_layers"],
+        num_attention_heads=params["n_heads"], num_key_value_heads=params["n_kv_heads"],
+        n_shared_experts=moe["num_shared_experts"], n_routed_experts=moe["num_experts"],
+        num_experts_per_tok=moe["num_experts_per_tok"], n_group=moe["num_expert_groups"],
+        topk_group=moe["num_expert_groups_per_tok"], routed_scaling_factor=moe["routed_scale"],
+        first_k_dense_replace=moe["first_k_dense_replace"], norm_topk_prob=True,
+        q_lora_rank=params["q_lora_rank"], kv_lora_rank=params["kv_lora_rank"],
+        qk_nope_head_dim=params["qk_nope_head_dim"], qk_rope_head_dim=params["qk_rope_head_dim"],
+        v_head_dim=params["v_head_dim"], max_position_embeddings=params["max_position_embeddings"],
+        rms_norm_eps=params["norm_eps"], tie_word_embeddings=params["tied_embeddings"], rope_interleave=True,
+        rope_parameters={"type": "yarn", "rope_theta": params["rope_theta"], "factor": yarn["factor"],
+                         "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+                         "beta_fast": yarn["beta"], "beta_slow": yarn["alpha"], "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "llama_4_scaling_beta": l4["beta"]},
+        bos_token_id=0, eos_token_id=1, pad_token_id=None)
+
+
+# HF Mistral4 parameter name -> Mistral-native name (the inverse of the upstream class's remapping).
+_TO_MISTRAL = [
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight", r"layers.\1.attention.wq_a.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_a_layernorm\.weight", r"layers.\1.attention.q_a_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_b_proj\.weight", r"layers.\1.attention.wq_b.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight", r"layers.\1.attention.wkv_a_with_mqa.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_a_layernorm\.weight", r"layers.\1.attention.kv_a_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", r"layers.\1.attention.wkv_b.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attention.wo.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.gate.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.weight", r"layers.\1.shared_experts.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.weight", r"layers.\1.shared_experts.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.weight", r"layers.\1.shared_experts.w3.weight"),
+]
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def to_mistral_names(state: dict) -> dict:
+    """HF Mistral4 state dict -> Mistral-native tensors (experts split per expert: w1 gate, w3 up, w2 down)."""
+    out = {}
+    for name, t in state.items():
+        m = _FUSED_EXPERTS.fullmatch(name)
+        if m:
+            layer, kind = m.groups()
+            for e in range(t.shape[0]):
+                if kind == "down_proj":
+                    out[f"layers.{layer}.experts.{e}.w2.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"layers.{layer}.experts.{e}.w1.weight"] = gate
+                    out[f"layers.{layer}.experts.{e}.w3.weight"] = up
+            continue
+        for pat, rep in _TO_MISTRAL:
+            if re.fullmatch(pat, name):
+                out[re.sub(pat, rep, name)] = t
+                break
+        else:
+            raise KeyError(f"no Mistral name for {name}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_mistral_names(tensors: dict, num_experts: int) -> dict:
+    """The inverse of `to_mistral_names`, for loading a Mistral-native checkpoint into HF's Mistral4."""
+    inverse = [(re.escape(rep).replace(re.escape(r"\1"), r"(\d+)"), pat.replace(r"(\d+)", r"\1").replace("\\.", "."))
+               for pat, rep in _TO_MISTRAL]
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"layers\.(\d+)\.experts\.(\d+)\.(w[123])\.weight", name)
+        if m:
+            experts.setdefault(int(m.group(1)), {})[(int(m.group(2)), m.group(3))] = t
+            continue
+        for pat, rep in inverse:
+            if re.fullmatch(pat, name):
+                out[re.sub(pat, rep, name)] = t
+                break
+        else:
+            raise KeyError(f"unknown Mistral weight {name}")
+    import torch
+
+    for layer, w in experts.items():
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w[(e, "w1")], w[(e, "w3")]], dim=0) for e in range(num_experts)])
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([w[(e, "w2")] for e in range(num_experts)])
+    return out
+
+
+def mistral_reference(ckpt: str, dtype=None):
+    """HF transformers' Mistral4ForCausalLM holding a Mistral-native checkpoint's weights (strict load)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    with open(os.path.join(ckpt, "params.json")) as f:
+        params = json.load(f)
+    cfg = mistral4_config(params)
+    model = transformers.Mistral4ForCausalLM(cfg)
+    state = from_mistral_names(load_file(os.path.join(ckpt, "consolidated.safetensors")), cfg.n_routed_experts)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    return model.to(dtype or torch.float32).eval()
+
+
+def _generate_mistral(out: str, variant: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = mistral4_config(variant_config(variant))
+    torch.manual_seed(SEED)
+    import transformers
+
+    model = transformers.Mistral4ForCausalLM(cfg).to(torch.float32)
+    # Decisive routers, as in trained checkpoints: HF's initialisation leaves the softmax router near-uniform
+    # (logits ~0.3 apart), so bf16 rounding (SGLang serves this class in bf16 only) would flip many top-k
+    # choices between SGLang and the float32 reference.
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * _MISTRAL_ROUTER_STD)
+    state = {k: v.to(torch.bfloat16) for k, v in to_mistral_names(model.state_dict()).items()}
+    save_file(state, os.path.join(out, "consolidated.safetensors"), metadata={"format": "pt"})
+
+
 def _generate(out: str, variant: str = "v3") -> None:
     import torch
     import transformers
 
     for name in _FILES:
+        if name == "config.json" and variant in MISTRAL_NATIVE:
+            continue  # params.json instead
         shutil.copy(os.path.join(source_dir(), name), os.path.join(out, name))
     _write_config(out, variant)
+    if variant in MISTRAL_NATIVE:
+        _generate_mistral(out, variant)
+        return
     cfg = hf_config(out, variant)
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -83,7 +83,8 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         (["--hs-layers", "2,9"], "DeepseekV3ForCausalLM", "id 9 is out of range"),
         (["--hs-layers", "4,2"], "DeepseekV3ForCausalLM", "strictly increasing"),
         ([], "LlamaForCausalLM", "unsupported architecture 'LlamaForCausalLM'"),
-        ([], "DeepseekV32ForCausalLM", "unsupported architecture 'DeepseekV32ForCausalLM'"),
+        ([], "DeepseekV32ForCausalLM", "unsupported architecture 'DeepseekV32ForCausalLM'.*DSA indexer.* no CPU path"),
+        ([], "PixtralForConditionalGeneration", "'PixtralForConditionalGeneration'.*inside the Pixtral wrapper"),
         (["--hs-startup-timeout", "0"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
         (["--hs-admission-timeout", "-1"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
         (["--hs-admission-timeout", "nan"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
@@ -196,3 +197,19 @@ def test_ring_larger_than_the_filesystem_is_refused(tmp_path, clean_env):
     with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: 102400.00GiB does not fit the .*iB free"):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                                "--hs-ring-size", "100TiB"])
+
+
+def test_prepare_reads_a_mistral_native_folder_with_sglangs_parser(tmp_path, clean_env):
+    """Mistral Large 3 ships params.json, no config.json: the launcher reads it as SGLang will, so the
+    architecture check, default layer ids and ring size see MistralLarge3ForCausalLM's 8 layers."""
+    from sglang_hs import tiny_model
+
+    ckpt = tiny_model.ensure("mistral-large-3")
+    argv, dump = launch_server.prepare(["--model-path", ckpt, "--device", "cpu", "--hs-dump-dir",
+                                        str(tmp_path / "hs"), "--hs-last"])
+    assert os.environ["SGLANG_HS_LAYERS"] == "2,4,5" and os.environ["SGLANG_HS_LAST"] == "1"
+    broken = tmp_path / "mistral-large-3-broken"
+    broken.mkdir()
+    (broken / "params.json").write_text(json.dumps({"dim": 8, "moe": {"num_shared_experts": 1}}))
+    with pytest.raises(CaptureConfigError, match="cannot read .*params.json"):
+        launch_server.prepare(["--model-path", str(broken), "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs2")])

@@ -8,11 +8,18 @@ from sglang_hs.cpu import stubs_dir
 SCRIPT = """
 from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.models import deepseek_v2 as upstream
-for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+from sglang.srt.models import mistral_large_3
+from sglang_hs.models.deepseek_v2 import _HiddenStateOverlay
+for arch, module, up in (("DeepseekV2ForCausalLM", "deepseek_v2", upstream),
+                         ("DeepseekV3ForCausalLM", "deepseek_v2", upstream),
+                         ("MistralLarge3ForCausalLM", "mistral_large_3", mistral_large_3)):
     cls, name = ModelRegistry.resolve_model_cls([arch])
     assert name == arch, name
-    assert cls.__module__ == "sglang_hs.models.deepseek_v2", cls.__module__
-    assert issubclass(cls, getattr(upstream, arch)), cls.__mro__
+    assert cls.__module__ == "sglang_hs.models." + module, cls.__module__
+    assert issubclass(cls, getattr(up, arch)) and issubclass(cls, _HiddenStateOverlay), cls.__mro__
+# Mistral Large 3 keeps upstream's weight renaming (its checkpoints use Mistral names).
+assert cls.load_weights is mistral_large_3.MistralLarge3ForCausalLM.load_weights
+
 print("OK")
 """
 

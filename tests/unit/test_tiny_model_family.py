@@ -43,3 +43,48 @@ def test_checkpoint_reads_as_in_tree_class_with_per_expert_weights(variant, cls)
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names  # not fused: SGLang loads per expert
     assert ("model.layers.1.mlp.gate.e_score_correction_bias" in names) == (variant == "kimi-k2")
     assert ("model.layers.1.self_attn.q_proj.weight" in names) == (variant == "v2")  # no query LoRA in V2
+
+
+def test_mistral_large_3_is_mistral_native_and_parsed_by_sglang_as_such():
+    """params.json + consolidated.safetensors with Mistral names, in a folder SGLang's name heuristic
+    sends to its Mistral config parser; the parsed config is the MistralLarge3 shape."""
+    from sglang.srt.utils.hf_transformers.mistral_utils import MistralConfigParser, is_mistral_model
+
+    ckpt = tiny_model.ensure("mistral-large-3")
+    assert sorted(f for f in os.listdir(ckpt) if f.endswith((".json", ".safetensors"))) == [
+        "consolidated.safetensors", "generation_config.json", "params.json", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert is_mistral_model(ckpt)
+    d, _ = MistralConfigParser().parse(ckpt)
+    assert d["architectures"] == ["MistralLarge3ForCausalLM"] and d["model_type"] == "deepseek_v3"
+    assert d["num_hidden_layers"] == 8 and d["n_group"] == d["topk_group"] == 1 and d["topk_method"] is None
+    assert d["scoring_func"] == "softmax" and d["routed_scaling_factor"] == 1.5
+    assert d["llama_4_scaling"] == {"original_max_position_embeddings": 16, "beta": 0.1}
+    assert d["rope_scaling"]["rope_type"] == "deepseek_yarn"
+
+
+def test_mistral_names_round_trip_and_match_upstream_remapping():
+    """Our HF->Mistral names invert exactly, and SGLang's own remapping sends every Mistral name to the
+    HF DeepSeek name it came from (experts per expert), with none skipped."""
+    import re
+
+    import torch
+    from safetensors import safe_open
+    from sglang.srt.models.mistral_large_3 import MistralLarge3ForCausalLM
+
+    ckpt = tiny_model.ensure("mistral-large-3")
+    with safe_open(os.path.join(ckpt, "consolidated.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "layers.1.experts.7.w3.weight" in names and "layers.0.feed_forward.w1.weight" in names
+    assert not any(n.startswith("model.") for n in names)
+    model = tiny_model.mistral_reference(ckpt)
+    state = model.state_dict()
+    back = tiny_model.from_mistral_names(tiny_model.to_mistral_names(state), 8)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    remapped = []
+    for name in names:
+        hits = [re.sub(k, v, name) for k, v in MistralLarge3ForCausalLM.remapping.items() if re.fullmatch(k, name)]
+        assert hits, name
+        remapped.append(hits[0])
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in remapped
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in remapped and "lm_head.weight" in remapped
