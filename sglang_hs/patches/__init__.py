@@ -26,6 +26,8 @@ Ledger (what / why / upstream status / removal plan):
 |                   | communicator for a group on the CPU device   | spawned process  |
 | torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
 | pad               | len fill value only the AMX backend defines  |                  |
+| moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
+|                   | other ranks' experts (id -1) get weight 0    |                  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -87,6 +89,16 @@ torch_native_cpu_pad
   removal:  when TorchNativeAttnBackend defines the method; tests/e2e/test_multi_rank.py's DP-attention
             server fails at its warm-up without it.
 
+moe_native_ep
+  why:      with --ep-size > 1 the standard dispatcher marks the experts held by other ranks with the drop
+            sentinel -1; without AMX the CPU engine runs `moe_forward_native`, which scatters the ids into
+            a count table and fails on -1, so no EP server answers a request. Each -1 entry goes to local
+            expert 0 with weight 0 (adds exactly 0.0); the other ranks add theirs in the all-reduce.
+  upstream: present in sglang 0.5.23 (layers/moe/fused_moe_native.py, moe_forward_native: cnts.scatter_
+            on topk_ids; token_dispatcher/standard.py keeps -1); not reported upstream by us yet.
+  removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's EP server
+            fails at its warm-up without it.
+
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward; warmup_rid, which concerns the HTTP server
 process, is applied by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
@@ -119,6 +131,11 @@ def apply() -> dict:
             from sglang_hs.patches import torch_native_cpu_pad
 
             _applied["torch_native_cpu_pad"] = torch_native_cpu_pad.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "moe_native_ep" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "moe_native_ep" not in _applied:
+            from sglang_hs.patches import moe_native_ep
+
+            _applied["moe_native_ep"] = moe_native_ep.apply()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.patches import capture_hooks
 

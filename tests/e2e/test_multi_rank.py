@@ -44,10 +44,11 @@ def _cmdline(pid):
         return ""
 
 
-def _scheduler(server, rank, dp=None):
+def _scheduler(server, rank, dp=None, ep=None):
     """Pid of the server's scheduler process of TP rank `rank` (SGLang titles it sglang::scheduler_TP<rank>,
-    or sglang::scheduler_DP<dp>_TP<rank> with DP attention)."""
+    sglang::scheduler_DP<dp>_TP<rank> with DP attention, ..._TP<rank>_EP<ep> with expert parallel)."""
     title = f"sglang::scheduler_TP{rank}" if dp is None else f"sglang::scheduler_DP{dp}_TP{rank}"
+    title += "" if ep is None else f"_EP{ep}"
     pids = [p for p in processes_in_session(server_session(server.output)) if _cmdline(p).startswith(title)]
     assert len(pids) == 1, (title, [(_cmdline(p), p) for p in processes_in_session(server_session(server.output))])
     return pids[0]
@@ -271,3 +272,43 @@ def test_dp_rows_of_both_groups(dp2, hf):
         worst = max(worst, assert_exact(rec, hf, (ids + out["output_ids"])[:-1]))
     assert writers == {0, 1}, writers
     print(f"dp2 concurrent: {len(jobs)} records from writers {sorted(writers)}, worst row {worst:.2e}")
+
+
+# -- expert parallel: `--tp 2 --ep-size 2`, each rank holds 4 of the 8 routed experts --
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    """(server, reader) of an expert-parallel server (needs the CPU engine's runtime patch moe_native_ep)."""
+    dump, before = tmp_path_factory.mktemp("hs-ep2") / "dump", _mq_segments()
+    server = _serve(dump, ["--tp", "2", "--ep-size", "2"])
+    server.dump = dump
+    reader = None
+    try:
+        server.wait_ready(timeout=900)
+        reader = HiddenStateReader(str(dump))
+        yield server, reader
+    finally:
+        if reader is not None:
+            reader.close()
+        rc = server.stop()
+        assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"
+        assert not leftover_server_processes(server.output)
+        assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
+        assert not _mq_segments() - before
+
+
+def test_ep_one_writer_and_exact_rows(ep2, hf):
+    """One writer (TP0, as with plain TP); 4 requests at once, one over several prefill chunks, each a few
+    decode steps: every row exact (a token's experts are split over both ranks in every MoE layer)."""
+    server, reader = ep2
+    assert [w["pid"] for w in reader.manifest["writers"]] == [_scheduler(server, 0, ep=0)]
+    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
+             "Shared memory lets one process write and another read without copying through the kernel."]
+    jobs = [(f"ep-{i}", row_judge.prompt_ids(hf, texts[i % 3])[: 60 - 13 * i], 2 + i) for i in range(4)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(
+            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
+    worst = 0.0
+    for (rid, ids, _), out in zip(jobs, outs):
+        worst = max(worst, assert_exact(reader.take(rid, timeout=120), hf, (ids + out["output_ids"])[:-1]))
+    print(f"ep2 concurrent: {len(jobs)} records, worst row {worst:.2e}")
