@@ -1,16 +1,18 @@
-"""Tensor parallel on the real CPU engine (`--tp 2`), capture on: rows exact, one writer, rank death.
+"""Multi-rank capture on the real CPU engine: tensor parallel, data-parallel attention, expert parallel.
 
 The embedded tiny DeepSeek-V3 splits over 2 ranks as is (4 attention heads, 8 routed experts in 2
-groups). One float32 `--tp 2` server serves the whole module; its records are judged per row against
-HF transformers float32 with the exact oracle of test_exact_rows.py (row_judge: each row within
-row_judge.TOL = 1e-4 of its own HF row and closer to it than to its neighbours). TP changes the
-reduction order (each rank's partial sums, then a gloo all-reduce): measured here, the worst row of
-every record below is within 1.1e-6 of HF (the same as on one rank), so the single-rank tolerance
-holds with ~100x margin and is kept, not loosened.
+groups). Three float32 servers, one after the other, each for its tests: `--tp 2`, `--tp 2 --dp 2
+--enable-dp-attention` and `--tp 2 --ep-size 2`. Their records are judged per row against HF
+transformers float32 with the exact oracle of test_exact_rows.py (row_judge: each row within
+row_judge.TOL = 1e-4 of its own HF row and closer to it than to its neighbours). Several ranks change
+the reduction order (each rank's partial sums, then a gloo all-reduce): measured here, the worst row of
+every record is within 1.3e-6 of HF (1.1e-6 on one rank), so the single-rank tolerance holds with
+~100x margin and is kept, not loosened.
 
-The CPU engine needs the runtime patch cpu_gloo_groups (sglang_hs/patches) to start with more than
-one rank, and the launcher's SGLANG_CPU_OMP_THREADS_BIND default; without either, the fixture fails.
-The last test kills the non-writer rank and so ends the server: it must stay last in this module.
+The CPU engine needs runtime patches to run these (sglang_hs/patches: cpu_gloo_groups for any
+--tp > 1, torch_native_cpu_pad for DP attention, moe_native_ep for EP) and the launcher's
+SGLANG_CPU_OMP_THREADS_BIND default; without one, its server fails to start or to warm up. The kill
+test ends the tp2 server: it stays the last test of that server.
 """
 import concurrent.futures as cf
 import glob
