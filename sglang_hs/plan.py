@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
                    help="KV slots per writer: the store's rows (default: 4096 on the CPU engine; on GPUs "
                         "SGLang sizes the pool from free memory: give it to know the store)")
+    p.add_argument("--page-size", type=int, default=1, help="the server's KV page size (default 1): the store has "
+                                                             "a page of slots beyond the pool (SGLang's padding)")
     p.add_argument("--hs-ring-size", default=None, metavar="SIZE", help="as the launcher's")
     p.add_argument("--dp-size", type=int, default=1, help="with --enable-dp-attention: writers")
     p.add_argument("--enable-dp-attention", action="store_true")
@@ -140,7 +142,7 @@ def file_bytes(T: int, P: int, H: int, elem: int, kind: str) -> int:
 def plan(ns) -> dict:
     from sglang_hs.capture_spec import CaptureSpec, parse_layer_ids
     from sglang_hs.launch_server import parse_size
-    from sglang_hs.store.ring import record_bytes
+    from sglang_hs.store.ring import HEADER_BYTES, _align, record_bytes
 
     cfg = _config(ns.model_path)
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers else None
@@ -155,12 +157,14 @@ def plan(ns) -> dict:
     gpus = _gpus() if ns.device != "cpu" else []
     cpu = not gpus
     writers = ns.dp_size if ns.enable_dp_attention else 1
-    slots = ns.max_total_tokens or (CPU_DEFAULT_SLOTS if cpu else None)
+    pool = ns.max_total_tokens or (CPU_DEFAULT_SLOTS if cpu else None)
+    slots = pool + ns.page_size if pool else None  # kv_index_translator.capture_token_capacity
     store = slots * P * H * elem if slots else None
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (CPU_DEFAULT_RING if cpu else GPU_DEFAULT_RING)
     need = 2 * record_bytes(int(ctx), P, H, elem, RID_LEN)
     ring_grown = not ns.hs_ring_size and ring < need
     ring = max(ring, need) if not ns.hs_ring_size else ring
+    ring = HEADER_BYTES + _align(ring)  # the ring's file: its header, then the records
     if ns.data:
         counts = token_counts(ns.data, ns.model_path, min(int(ctx), slots or int(ctx)), ns.max_samples)
         samples, tokens, exact = len(counts), sum(counts), True

@@ -115,6 +115,11 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
     assert manifest["layer_ids"] == [2, 4, 5] and manifest["draft_model_config"]["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert "samples written" in proc.stderr and "skipped: empty-conversation 1" in proc.stderr
+    # python -m sglang_hs.plan foresaw this run: the samples, tokens and the files' bytes
+    f = _plan(data, out, dump_dir)
+    assert (f["samples"], f["tokens"]) == (8, manifest["tokens"])
+    files = list(out.glob("rows_*/data_*.ckpt" if fmt == "specforge" else "hs_*.safetensors"))
+    assert abs(sum(p.stat().st_size for p in files) - f["disk_sample_files"][f"{fmt} bf16"]) <= 192 * len(files)
 
     prep = Preparer(tok, 4096)
     reader = HiddenStateReader(str(dump_dir))
@@ -135,6 +140,15 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
             masked = tok.decode([t for t, m in zip(want.input_ids, want.loss_mask) if m])
             assert masked == "".join(r + tok.eos_token for r in replies)
         assert_rows_are_the_stores(capture_server, reader, f"again-{fmt}-{i}", ids.tolist(), aux, last)
+    reader.close()  # one reader per dump dir: the next test's extraction opens its own
+
+
+def _plan(data, out, dump_dir):
+    from sglang_hs import plan
+
+    args = plan.build_parser().parse_args(["--data", data, "--output", str(out), "--hs-dump-dir", str(dump_dir),
+                                           "--device", "cpu", "--hs-ring-size", "64MiB"])  # the capture server's
+    return plan.plan(args)
 
 
 def test_fp8_files_hold_the_stores_rows_within_e4m3s_bound(capture_server, dump_dir, tmp_path):
@@ -150,6 +164,13 @@ def test_fp8_files_hold_the_stores_rows_within_e4m3s_bound(capture_server, dump_
     m = json.load(open(out / "manifest.json"))
     assert m["verified"] == 3 and m["save_dtype"] == "fp8" and m["speculators_hidden_states_backend"] == "fp8"
     assert m["speculators_dataset_rows"] == 3 and (out / "hidden_states" / "hs_2.safetensors").exists()
+    # python -m sglang_hs.plan foresaw the store and ring this server made and the files of this run
+    f = _plan(data, out, dump_dir)
+    assert (f["samples"], f["tokens"]) == (3, m["tokens"])
+    assert f["store_bytes_per_writer"] == os.path.getsize(dump_dir / "store-w0.bin")
+    assert f["ring_bytes_per_writer"] == os.path.getsize(dump_dir / "ring-w0.bin")
+    files = list(out.glob("hs_*.safetensors"))
+    assert abs(sum(p.stat().st_size for p in files) - f["disk_sample_files"]["safetensors fp8"]) <= 192 * len(files)
     reader = HiddenStateReader(str(dump_dir))
     for i in range(3):
         t = load_file(str(out / f"hs_{i}.safetensors"))
@@ -161,6 +182,7 @@ def test_fp8_files_hold_the_stores_rows_within_e4m3s_bound(capture_server, dump_
         want = torch.cat([rec.aux_hidden_states[:len(ids)], rec.last_hidden_state[:len(ids), None]], dim=1)
         diff = (fp8.dequantize(q, scale).float() - want.float()).abs()
         assert (diff <= fp8.error_bound(want, scale)).all(), (i, (diff / fp8.error_bound(want, scale)).max())
+    reader.close()
 
 
 def test_killed_run_resumes_to_the_same_output(capture_server, dump_dir, tmp_path):

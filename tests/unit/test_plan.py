@@ -39,8 +39,8 @@ def test_deepseek_v3_figures_and_what_does_not_fit(tmp_path, capsys):
                   "--output", str(tmp_path))
     assert rc == 0
     assert f["layers"] == [2, 30, 58] and f["bytes_per_token"] == 57344 and f["bytes_per_token_fp8"] == 28676
-    assert f["store_bytes_per_writer"] == 100000 * 57344
-    assert f["ring_bytes_per_writer"] == f["ring_needed_for_one_record"] > 2 * 163840 * 57344  # grown to the context
+    assert f["store_bytes_per_writer"] == (100000 + 1) * 57344  # SGLang adds a page of padding slots
+    assert f["ring_bytes_per_writer"] == 4096 + f["ring_needed_for_one_record"] > 2 * 163840 * 57344  # grown to the context
     assert f["disk"]["safetensors bf16"] == pytest.approx(10000 * 2048 * (57344 + 16 + 16), rel=1e-3)  # ~1.2 TB
     assert f["disk"]["safetensors fp8"] / f["disk"]["safetensors bf16"] == pytest.approx(0.5, abs=0.01)
     free = f["output_free"]
