@@ -14,7 +14,8 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
   index_select         torch.index_select of the step's rows from the store into a preallocated
                        buffer: the ceiling of a gather                                            ceiling
   capture [variant]    scheduler-thread time for the step's finishing requests: what SGLang's scheduler
-                       waits for, synchronously today (`sync`: CaptureWriter.finish of each request)
+                       waits for (`sync`: CaptureWriter.finish of each request; `async`: the hand-over
+                       to the finish worker and the held KV frees)
   gather [variant]     store -> ring: until every record of the step is published
   reader               the consumer process's take() of the step's records, all published beforehand
   specforge_tmpfs|disk, safetensors_tmpfs|disk
@@ -30,10 +31,11 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
 
 GB/s is the step's row bytes (tokens x 57,344) / seconds for every figure, so they compare directly.
 Each process runs `--threads` torch threads (1: writer and consumer on a core each). `--steps` measured
-steps after `--warmup`; medians with min and max. Variants of the scheduler side (`--variants`): only
-`sync` today; an asynchronous gather is added as one more class in VARIANTS (step() returns once the
-scheduler's part is done, wait_published() until the records are in the ring) and shows as a row of its
-own. Everything under /dev/shm and the disk folder is removed at the end, on Ctrl-C and SIGTERM too.
+steps after `--warmup`; medians with min and max. Variants of the scheduler side (`--variants`, both
+by default, side by side in one run): `sync` (CaptureWriter.finish on the scheduler thread, the path of
+SGLANG_HS_SYNC_FINISH=1) and `async` (the finish worker, the default: the scheduler thread only hands
+over and holds the KV free). Each is a class in VARIANTS: step() returns once the scheduler's part is
+done, wait_published() once the records are in the ring. Everything under /dev/shm and the disk folder is removed at the end, on Ctrl-C and SIGTERM too.
 
     python benchmarks/bench_host_path.py --out benchmarks/results    # bench_host_path.csv, _summary.csv, .png
 """
@@ -112,7 +114,36 @@ class SyncFinish:
         pass
 
 
-VARIANTS = {"sync": SyncFinish}
+def _freed(slots) -> None:
+    pass  # the workload's allocator gets the step's slots back at the end of one_step
+
+
+class AsyncFinish:
+    """The finish worker (sglang_hs/store/finisher.py), what the server runs by default: per request the
+    scheduler thread hands over the record (token ids, a host copy of the slot ids) and has its KV free
+    held, as SGLang frees a request's slots right after the hand-over; the gather and publish run on
+    the worker thread, without the GIL in the copy. The scheduler-thread time counts both, and the
+    worker's results taken at the next hand-over."""
+    name = "async"
+
+    def __init__(self, writer) -> None:
+        from sglang_hs.store.finisher import FinishWorker
+
+        self.worker = FinishWorker(writer)
+
+    def step(self, reqs) -> None:
+        for rid, ids, slots in reqs:
+            self.worker.submit(rid, ids, slots)
+            self.worker.hold(_freed, (slots,), slots.shape[0])
+
+    def wait_published(self) -> None:
+        self.worker.drain()
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+VARIANTS = {"sync": SyncFinish, "async": AsyncFinish}
 
 
 def run_variant(variant, reqs):
@@ -469,7 +500,7 @@ def targets(summary):
     for (m, v), s in get.items():
         if m == "capture":
             lines.append((f"scheduler-thread time in capture per {s['tokens_per_step']}-token step [{v}]: "
-                          f"{s['ms_median']:.1f} ms (min {s['ms_min']:.1f}, max {s['ms_max']:.1f}); target "
+                          f"{s['ms_median']:.2f} ms (min {s['ms_min']:.2f}, max {s['ms_max']:.2f}); target "
                           f"< {TARGETS['capture_ms']:g} ms", s["ms_median"] < TARGETS["capture_ms"]))
         if m == "e2e":
             lines.append((f"host path end to end (store -> ring -> reader -> SpecForge on tmpfs) [{v}]: "
@@ -539,7 +570,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4096, help="longest finishing request")
     ap.add_argument("--steps", type=int, default=5, help="measured steps")
     ap.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the summary")
-    ap.add_argument("--variants", default="sync", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="sync,async", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of each process")
     ap.add_argument("--sink-threads", type=int, default=0, help="file writer threads (default: the CLI's)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the store, the ring and the tmpfs files")
@@ -602,7 +633,7 @@ def main(argv=None) -> int:
             rows += step_rows
             write_csv(csv_path, rows)
             by = {(r["measure"], r["variant"]): r for r in step_rows}
-            caps = ", ".join(f"{v.name} {by[('capture', v.name)]['ms']:.1f} ms" for v in variants)
+            caps = ", ".join(f"{v.name} {by[('capture', v.name)]['ms']:.2f} ms" for v in variants)
             gbs = "  ".join(f"{m}{'' if v == '-' else '[' + v + ']'} {r['GBps']:.2f}" for (m, v), r in by.items()
                             if MEASURES[m][0] != "scheduler")
             print(f"{'warm-up' if warm else 'step'} {i - args.warmup + 1 if not warm else i + 1}: "
@@ -626,7 +657,7 @@ def main(argv=None) -> int:
     for s in summary:
         v = "" if s["variant"] == "-" else f" [{s['variant']}]"
         if s["kind"] == "scheduler":
-            print(f"  {s['measure'] + v:>24}: {s['ms_median']:8.1f} ms   ({s['ms_min']:.1f}-{s['ms_max']:.1f})")
+            print(f"  {s['measure'] + v:>24}: {s['ms_median']:8.2f} ms   ({s['ms_min']:.2f}-{s['ms_max']:.2f})")
         else:
             print(f"  {s['measure'] + v:>24}: {s['GBps_median']:8.2f} GB/s ({s['GBps_min']:.2f}-{s['GBps_max']:.2f}) "
                   f"= {s['of_memcpy']:.2f} of memcpy")

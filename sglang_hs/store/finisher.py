@@ -43,6 +43,7 @@ server stops (and fails its health checks) with the worker's error, as the synch
 """
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import queue
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 class _Job:
     seq: int
     rid: str
-    ids: torch.Tensor  # int32 [T], host
+    ids: Any  # int32 [T] host tensor, or a list of ints the worker converts
     slots: torch.Tensor  # [T] host (pinned when copied from the device)
     ready: Any = None  # torch.cuda.Event: slot ids (and direct-mode rows) have landed; None on the CPU
     slot_errors: Optional[torch.Tensor] = None  # pinned copy of the direct copy kernel's error counter
@@ -100,14 +101,14 @@ class FinishWorker:
 
     # --- the scheduler's side --------------------------------------------------------------------
     def submit(self, rid: str, token_ids, slots: torch.Tensor) -> None:
-        """Hand over a finished request: its token ids and its KV slots in position order (a view of
-        req_to_token is fine: the slot ids are copied here, before SGLang reuses the row)."""
+        """Hand over a finished request: its token ids (a list the caller no longer changes, or a tensor)
+        and its KV slots in position order (a view of req_to_token is fine: the slot ids are copied
+        here, before SGLang reuses the row). A list is converted on the worker thread."""
         self.poll()
         T = len(token_ids)
         if slots.shape[0] != T:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
-        ids = torch.tensor(token_ids, dtype=torch.int32) if not torch.is_tensor(token_ids) \
-            else token_ids.to(torch.int32).clone()
+        ids = token_ids.to(torch.int32).clone() if torch.is_tensor(token_ids) else token_ids
         ready = errors = None
         if slots.is_cuda:
             if self._device is None:
@@ -248,7 +249,11 @@ class FinishWorker:
                     f"[0, {S}) (e.g. slot {slot}): the store must hold every KV-cache slot the server hands out")
         if w.staging is not None:
             w.staging.drain()  # every computed row is in the store
-        w.publish_gathered(job.rid, job.ids, job.slots)
+        ids = job.ids
+        if not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
+            ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32) if len(ids) else \
+                torch.empty(0, dtype=torch.int32)
+        w.publish_gathered(job.rid, ids, job.slots)
 
 
 def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:
