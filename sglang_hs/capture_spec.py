@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 # Architectures whose SGLang class is DeepseekV2ForCausalLM or a subclass the overlay covers
-# (DeepSeek-V2/V2.5/V3/R1, Kimi-K2 and other checkpoints declaring these names; Mistral Large 3, text).
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MistralLarge3ForCausalLM")
+# (DeepSeek-V2/V2.5/V3/R1, Kimi-K2 and other checkpoints declaring these names; Mistral Large 3, text;
+# Kimi-K2.5, text only, whose DeepseekV3 language model sits inside a vision-language wrapper).
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MistralLarge3ForCausalLM",
+                           "KimiK25ForConditionalGeneration")
+# Wrappers whose config keeps the language model's sizes in `text_config`.
+TEXT_CONFIG_WRAPPERS = ("KimiK25ForConditionalGeneration",)
 # DeepSeek-V3-family classes of SGLang 0.5.23 that are refused, and why (one line each).
 REFUSED_ARCHITECTURES = {
     # srt/layers/attention/dsa/dsa_indexer.py:1888-1891: Indexer.forward_native raises

@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from sglang_hs.capture_spec import (
+    TEXT_CONFIG_WRAPPERS,
     CaptureConfigError,
     CaptureSpec,
     check_architecture,
@@ -236,6 +237,29 @@ def cpu_threads_bind(argv: List[str]) -> Optional[str]:
                     else ",".join(map(str, g)) for g in groups)
 
 
+def text_only(argv: List[str]) -> List[str]:
+    """Serve a vision-language wrapper as text only: `language_model_only` in the model config (through
+    --json-model-override-args, merged with the user's). SGLang then builds no multimodal processor
+    (Kimi-K2.5's is remote code) and treats the model as text-only (model_config.py: is_lm_only);
+    its --language-model-only flag would do the same but refuses KimiK25ForConditionalGeneration
+    (srt/arg_groups/model_hook.py, handle_language_model_only)."""
+    flag = "--json-model-override-args"
+    given = _flag_value(argv, flag)
+    try:
+        overrides = json.loads(given) if given else {}
+    except ValueError as e:
+        raise CaptureConfigError(f"{flag}: not JSON ({e})") from None
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out + [flag, json.dumps(dict(overrides, language_model_only=True))]
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -278,7 +302,12 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     dump_dir = None
     if ns.hs_dump_dir:
         config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
-        check_architecture(config.get("architectures"), where=f"{model_path}/config.json")
+        arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json")
+        if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: capture its language model, text requests only
+            config = config["text_config"]
+            sg_argv = text_only(sg_argv)
+            print(f"[sglang-hs] {arch}: served text only (language_model_only): no image processor, chat "
+                  "requests with images are refused, image data sent to /generate is ignored", file=sys.stderr)
         ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
         spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"])
         try:

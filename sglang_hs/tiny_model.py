@@ -31,6 +31,10 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   parser and weight format by that name, as for the released checkpoints. HF transformers has the
   architecture as Mistral4ForCausalLM (the reference: `mistral_reference`); the weights are generated
   with it and renamed (`to_mistral_names`).
+- "kimi-k25": KimiK25ForConditionalGeneration (model_type "kimi_k25", read by SGLang's own KimiK25Config,
+  no remote code): text_config is the "kimi-k2" shape, the weights are its text model's under
+  "language_model." (as in Kimi-K2.5's checkpoint), and vision_config is the smallest MoonViT SGLang
+  builds (_KIMI_K25_VISION); no vision weights (served text only, the tower is never loaded or run).
 """
 from __future__ import annotations
 
@@ -115,7 +119,27 @@ def _mistral_config(cfg: dict) -> dict:
     return json.loads(json.dumps(MISTRAL_PARAMS))
 
 
-VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config}
+# The smallest vision tower SGLang's KimiK25ForConditionalGeneration builds (MoonViT3d + projector): one
+# layer, hidden 32, two heads, a 4x4 position grid. It is constructed but never loaded or run (text only).
+_KIMI_K25_VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 1,
+                    "pos_emb_type": "divided_fixed", "num_attention_heads": 2, "num_hidden_layers": 1,
+                    "hidden_size": 32, "vt_hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2],
+                    "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool",
+                    "mm_projector_type": "patchmerger", "mm_hidden_size": 32, "projector_hidden_act": "gelu",
+                    "projector_ln_eps": 1e-05, "text_hidden_size": 256}
+
+
+def _kimi_k25(cfg: dict) -> dict:
+    text = _kimi_k2(cfg)  # keeps architectures DeepseekV3ForCausalLM: upstream's wrapper reads it
+    text.pop("auto_map")
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": text, "vision_config": dict(_KIMI_K25_VISION, text_hidden_size=text["hidden_size"]),
+            "media_placeholder_token_id": text["vocab_size"] - 1, "pad_token_id": 0,
+            "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]}
+
+
+VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25}
+WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
@@ -180,6 +204,11 @@ def hf_config(ckpt: str, variant: str = "v3"):
     if variant in MISTRAL_NATIVE:
         with open(os.path.join(ckpt, "params.json")) as f:
             return mistral4_config(json.load(f))
+    if variant in WRAPPED:  # the language model's config (Kimi-K2.5: a DeepseekV3 with Kimi-K2's specifics)
+        with open(os.path.join(ckpt, "config.json")) as f:
+            d = json.load(f)["text_config"]
+        d.pop("model_type", None)
+        return transformers.DeepseekV3Config.from_dict(d)
     if variant == "kimi-k2":
         with open(os.path.join(ckpt, "config.json")) as f:
             d = json.load(f)
@@ -328,6 +357,22 @@ def _generate_mistral(out: str, variant: str) -> None:
     save_file(state, os.path.join(out, "consolidated.safetensors"), metadata={"format": "pt"})
 
 
+def _prefix_weights(out: str, prefix: str) -> None:
+    """Rename every tensor of the saved shards (and the index) to `prefix + name`, as a wrapper's
+    checkpoint holds its language model (Kimi-K2.5: `language_model.model.layers...`)."""
+    from safetensors.torch import load_file, save_file
+
+    index = os.path.join(out, "model.safetensors.index.json")
+    with open(index) as f:
+        idx = json.load(f)
+    for shard in sorted(set(idx["weight_map"].values())):
+        tensors = load_file(os.path.join(out, shard))
+        save_file({prefix + k: v for k, v in tensors.items()}, os.path.join(out, shard), metadata={"format": "pt"})
+    idx["weight_map"] = {prefix + k: v for k, v in idx["weight_map"].items()}
+    with open(index, "w") as f:
+        json.dump(idx, f, indent=2)
+
+
 def _generate(out: str, variant: str = "v3") -> None:
     import torch
     import transformers
@@ -353,6 +398,8 @@ def _generate(out: str, variant: str = "v3") -> None:
     # Small shards, so the folder carries the index.json weight map that training tools look for.
     model.save_pretrained(out, safe_serialization=True, max_shard_size="4MB")
     _write_config(out, variant)
+    if variant in WRAPPED:
+        _prefix_weights(out, "language_model.")
     for name, text in _EXTRA_FILES.get(variant, {}).items():
         with open(os.path.join(out, name), "w") as f:
             f.write(text)

@@ -93,6 +93,8 @@ class _CapturingDeepseekModel(OriginalDeepseekV2Model):
 class _HiddenStateOverlay:
     """Mixed in before the upstream class: runs the patches, the upstream constructor, then ours."""
 
+    hs_check_architecture = True
+
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         from sglang_hs import patches
 
@@ -107,7 +109,8 @@ class _HiddenStateOverlay:
         self.hs_status = None
         self.hs_writer = None  # set by the capture hooks once the KV pool is sized (writer ranks only)
         if dump_dir:
-            check_architecture(getattr(config, "architectures", None), where="the served model's config")
+            if self.hs_check_architecture:  # a wrapper building this as its language model checks its own
+                check_architecture(getattr(config, "architectures", None), where="the served model's config")
             self.hs_spec = CaptureSpec.resolve(
                 envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size
             )

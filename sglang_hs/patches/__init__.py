@@ -24,6 +24,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
 | cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
 |                   | communicator for a group on the CPU device   | spawned process  |
+| kimi_k25_language_| rebinds kimi_k25.DeepseekV3ForCausalLM to    | while the Kimi-  |
+| model             | the overlay's class, restored afterwards     | K2.5 overlay is  |
+|                   |                                              | constructed      |
 | torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
 | pad               | len fill value only the AMX backend defines  |                  |
 | moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
@@ -98,6 +101,18 @@ moe_native_ep
             on topk_ids; token_dispatcher/standard.py keeps -1); not reported upstream by us yet.
   removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's EP server
             fails at its warm-up without it.
+
+kimi_k25_language_model
+  why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
+            `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
+            architecture name) never reaches it; without the rebinding the wrapper serves upstream's
+            class and nothing is captured. Scoped to the wrapper overlay's `super().__init__()`
+            (sglang_hs/models/kimi_k25.py), which also checks it got the overlay's class.
+  upstream: present in sglang 0.5.23 (srt/models/kimi_k25.py: module-level import, called in
+            KimiK25ForConditionalGeneration.__init__); not reported upstream by us yet.
+  removal:  if the wrapper resolves its language model through the registry (or takes the class as
+            an argument); tests/unit/test_override_resolution.py checks the binding inside the
+            constructor and tests/e2e/test_model_family.py serves Kimi-K2.5 with capture.
 
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward; warmup_rid, which concerns the HTTP server

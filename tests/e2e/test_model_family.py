@@ -12,6 +12,10 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   remapping; softmax routing with renormalised top-k, Llama-4 query scaling stepping every 16 positions.
   Reference: HF transformers' Mistral4ForCausalLM (the same architecture) on the same weights. SGLang
   serves this class in bf16 whatever --dtype says, so its rows are judged by `judge_bf16`.
+- "kimi-k25": KimiK25ForConditionalGeneration (text only): the overlay's DeepseekV3 built inside
+  SGLang's vision-language wrapper, served with language_model_only (set by the launcher), so a chat
+  request with an image is refused with a one-line error. Reference: HF DeepseekV3 on the text config and the
+  "language_model."-prefixed weights.
 
 See sglang_hs/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
 time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus the
@@ -27,6 +31,7 @@ import os
 import time
 
 import pytest
+import requests
 
 import row_judge
 from conftest import CHUNK, _serve
@@ -42,6 +47,8 @@ FAMILIES = {
     # Mistral-native folder (params.json + consolidated.safetensors): SGLang's Mistral config parser and
     # weight format, chosen by the folder's name; the embedded tokenizer rides along as tokenizer.json.
     "mistral-large-3": [],
+    # The launcher serves Kimi-K2.5 text only (language_model_only); its text model has Kimi-K2's context.
+    "kimi-k25": ["--context-length", "4096"],
 }
 BF16_SERVED = {"mistral-large-3"}  # see judge_bf16
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "
@@ -79,6 +86,13 @@ def _hf_reference(ckpt, variant):
         # Llama-4 query scaling); the Mistral-named weights are loaded into it strictly, by our own map.
         model = tiny_model.mistral_reference(ckpt)
         cfg = model.config
+    elif variant == "kimi-k25":
+        # The wrapper's language model is a DeepseekV3: HF's, on the text config and the
+        # "language_model."-prefixed weights (all of them: a missing one would fail the load report).
+        model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            ckpt, config=cfg, dtype=torch.float32, key_mapping={r"^language_model\.": ""}, output_loading_info=True)
+        assert not any(info.values()), info
+        model.eval()
     else:
         cls = transformers.DeepseekV2ForCausalLM if variant == "v2" else transformers.DeepseekV3ForCausalLM
         model = cls.from_pretrained(ckpt, config=cfg, dtype=torch.float32).eval()
@@ -150,10 +164,19 @@ def test_checkpoint_has_the_family_shape(family):
     cfg = tiny_model.variant_config(variant)
     assert reader.manifest["layer_ids"] == LAYERS
     assert reader.manifest["dtype"] == ("bfloat16" if variant in BF16_SERVED else "float32")
-    arch = {"v2": "DeepseekV2ForCausalLM", "mistral-large-3": "MistralLarge3ForCausalLM"}.get(
-        variant, "DeepseekV3ForCausalLM")
+    arch = {"v2": "DeepseekV2ForCausalLM", "mistral-large-3": "MistralLarge3ForCausalLM",
+            "kimi-k25": "KimiK25ForConditionalGeneration"}.get(variant, "DeepseekV3ForCausalLM")
     assert reader.manifest["architecture"] == arch
-    if variant == "mistral-large-3":
+    if variant == "kimi-k25":
+        assert cfg["architectures"] == [arch] and cfg["text_config"]["model_type"] == "kimi_k2"
+        assert hf.config.n_group == 1 and hf.config.routed_scaling_factor == 2.827
+        # Text only (language_model_only, set by the launcher): a chat request with an image is refused.
+        r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "describe"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
+        assert r.status_code == 400 and "Model only supports text input" in r.text, (r.status_code, r.text)
+    elif variant == "mistral-large-3":
         assert not os.path.exists(os.path.join(tiny_model.path(variant), "config.json"))  # params.json only
         assert cfg["llama_4_scaling"]["original_max_position_embeddings"] == 16 and cfg["moe"]["routed_scale"] == 1.5
     elif variant == "v2":

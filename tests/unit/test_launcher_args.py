@@ -213,3 +213,18 @@ def test_prepare_reads_a_mistral_native_folder_with_sglangs_parser(tmp_path, cle
     (broken / "params.json").write_text(json.dumps({"dim": 8, "moe": {"num_shared_experts": 1}}))
     with pytest.raises(CaptureConfigError, match="cannot read .*params.json"):
         launch_server.prepare(["--model-path", str(broken), "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs2")])
+
+
+def test_prepare_serves_kimi_k25_text_only_and_sizes_from_its_text_config(tmp_path, clean_env):
+    """Kimi-K2.5 keeps its sizes in text_config; the launcher serves it with language_model_only merged
+    into the user's --json-model-override-args (SGLang's --language-model-only refuses this class)."""
+    from sglang_hs import tiny_model
+
+    ckpt = tiny_model.ensure("kimi-k25")
+    argv, _ = launch_server.prepare(["--model-path", ckpt, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                                     "--context-length", "4096", "--json-model-override-args", '{"x": 1}'])
+    assert os.environ["SGLANG_HS_LAYERS"] == "2,4,5" and "--language-model-only" not in argv
+    assert argv.count("--json-model-override-args") == 1
+    assert json.loads(argv[argv.index("--json-model-override-args") + 1]) == {"x": 1, "language_model_only": True}
+    assert launch_server.text_only(["--a", "--json-model-override-args={}"]) == [
+        "--a", "--json-model-override-args", '{"language_model_only": true}']

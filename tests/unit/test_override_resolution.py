@@ -20,6 +20,27 @@ for arch, module, up in (("DeepseekV2ForCausalLM", "deepseek_v2", upstream),
 # Mistral Large 3 keeps upstream's weight renaming (its checkpoints use Mistral names).
 assert cls.load_weights is mistral_large_3.MistralLarge3ForCausalLM.load_weights
 
+# Kimi-K2.5: the wrapper resolves to ours, and inside its constructor the name upstream's wrapper calls
+# for its language model is the overlay's DeepseekV3 (restored afterwards).
+from sglang.srt.models import kimi_k25
+from sglang_hs.models import kimi_k25 as ours
+from sglang_hs.patches import kimi_k25_language_model as patch
+cls, name = ModelRegistry.resolve_model_cls(["KimiK25ForConditionalGeneration"])
+assert cls is ours.KimiK25ForConditionalGeneration and issubclass(cls, kimi_k25.KimiK25ForConditionalGeneration)
+assert issubclass(ours.KimiK25LanguageModel, _HiddenStateOverlay)
+assert issubclass(ours.KimiK25LanguageModel, upstream.DeepseekV3ForCausalLM)
+seen = []
+def fake_init(self, config, quant_config=None, prefix="", **kw):
+    seen.append(kimi_k25.DeepseekV3ForCausalLM)
+    self.language_model = None
+orig_init = kimi_k25.KimiK25ForConditionalGeneration.__init__
+kimi_k25.KimiK25ForConditionalGeneration.__init__ = fake_init
+try:
+    cls.__new__(cls).__init__(type("C", (), {"architectures": ["KimiK25ForConditionalGeneration"]})())
+finally:
+    kimi_k25.KimiK25ForConditionalGeneration.__init__ = orig_init
+assert seen == [ours.KimiK25LanguageModel], seen
+assert kimi_k25.DeepseekV3ForCausalLM is patch.ORIGINAL is upstream.DeepseekV3ForCausalLM
 print("OK")
 """
 

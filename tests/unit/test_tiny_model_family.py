@@ -88,3 +88,22 @@ def test_mistral_names_round_trip_and_match_upstream_remapping():
         remapped.append(hits[0])
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in remapped
     assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in remapped and "lm_head.weight" in remapped
+
+
+def test_kimi_k25_is_a_wrapper_config_sglang_reads_without_remote_code():
+    """KimiK25ForConditionalGeneration: SGLang's own KimiK25Config (no auto_map), the Kimi-K2 text shape in
+    text_config, a tiny vision_config, and only "language_model."-prefixed (text) weights."""
+    import transformers
+    import sglang.srt.configs  # noqa: F401  (registers SGLang's KimiK25Config with transformers)
+
+    cfg = tiny_model.variant_config("kimi-k25")
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and "auto_map" not in cfg
+    assert cfg["text_config"]["architectures"] == ["DeepseekV3ForCausalLM"]  # upstream's wrapper reads it
+    assert cfg["text_config"]["model_type"] == "kimi_k2" and cfg["vision_config"]["num_hidden_layers"] == 1
+    ckpt = tiny_model.ensure("kimi-k25")
+    loaded = transformers.AutoConfig.from_pretrained(ckpt)
+    assert type(loaded.text_config).__name__ == "DeepseekV3Config" and loaded.text_config.num_hidden_layers == 8
+    names = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+    assert names and all(n.startswith("language_model.") for n in names)
+    assert "language_model.model.layers.1.mlp.experts.7.gate_proj.weight" in names
+    assert type(tiny_model.hf_config(ckpt, "kimi-k25")).__name__ == "DeepseekV3Config"
