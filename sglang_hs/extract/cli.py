@@ -8,7 +8,8 @@ in flight; its record comes back through the reader (sglang_hs.HiddenStateReader
 file per sample (sglang_hs/extract/sinks.py). `--resume` skips samples whose file exists (files are
 renamed into place only when complete). A manifest.json beside the files says what they hold. With
 --format safetensors a completed run then writes speculators' dataset over all the sample files in the folder
-(`--finalize` does only that, e.g. for --shard outputs copied into one folder).
+(`--finalize` does only that, e.g. for --shard outputs copied into one folder). `--save-dtype fp8` stores
+--format safetensors rows in speculators' FP8 scheme (sglang_hs/extract/fp8.py), about half the disk.
 """
 from __future__ import annotations
 
