@@ -215,6 +215,41 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
     os.replace(tmp, os.path.join(out_dir, "manifest.json"))
 
 
+def request_body(sample, rid: str, ns=None) -> dict:
+    """The /generate request of one sample: its tokens and one greedy token (with `ns.regenerate`, the
+    prompt and a reply sampled with ns's settings)."""
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    if ns is not None and ns.regenerate:
+        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    return {"input_ids": sample.input_ids, "rid": rid, "sampling_params": params}
+
+
+def record_loss_mask(sample, output_ids: List[int], rec):
+    """The loss mask [T] of a sample's record, after checking the record holds the tokens forwarded for it
+    (ExtractError if not): the sample's own mask, or with --regenerate 1 on the generated tokens."""
+    import torch
+
+    T = rec.num_tokens
+    expect = len(sample.input_ids) if sample.prompt_len is None else sample.prompt_len + len(output_ids) - 1
+    want = (sample.input_ids + list(output_ids))[:T]
+    if T != expect or rec.input_ids.tolist() != want:
+        raise ExtractError(f"the record holds {T} rows, not the {expect} tokens forwarded for this sample")
+    if sample.prompt_len is None:
+        return torch.tensor(sample.loss_mask[:T])
+    return (torch.arange(T) >= sample.prompt_len).long()
+
+
+def make_preparer(manifest: dict, regenerate: bool = False, max_new_tokens: int = 0):
+    """The sample preparer for the server of `manifest`: its model's tokenizer, its context length."""
+    from transformers import AutoTokenizer
+
+    from sglang_hs.extract.dataset import Preparer
+
+    tokenizer = AutoTokenizer.from_pretrained(manifest["model_path"])
+    limit = min(x for x in (manifest.get("context_len") or 10**12, manifest["writers"][0]["num_slots"]))
+    return Preparer(tokenizer, limit, regenerate=regenerate, max_new_tokens=max_new_tokens)
+
+
 class Extraction:
     def __init__(self, ns, url: str, reader, sink, preparer, lm_head, server=None) -> None:
         self.ns, self.url, self.reader, self.sink, self.prep = ns, url, reader, sink, preparer
@@ -238,11 +273,7 @@ class Extraction:
         return s
 
     def _send(self, sample, verify: bool) -> dict:
-        params = {"max_new_tokens": 1, "temperature": 0.0}
-        if self.ns.regenerate:
-            params = {"max_new_tokens": self.ns.max_new_tokens, "temperature": self.ns.temperature,
-                      "top_p": self.ns.top_p}
-        body = {"input_ids": sample.input_ids, "rid": self._rid(sample.index), "sampling_params": params}
+        body = request_body(sample, self._rid(sample.index), self.ns)
         if verify:
             body.update(return_logprob=True, logprob_start_len=0)
         r = self._session().post(f"{self.url}/generate", json=body, timeout=self.ns.request_timeout)
@@ -270,20 +301,10 @@ class Extraction:
 
     # -- records --
     def _complete(self, sample, reply: dict, rec, verify: bool) -> None:
-        import torch
-
         from sglang_hs.extract.verify import check
 
-        T = rec.num_tokens
         output = reply.get("output_ids", [])
-        expect = len(sample.input_ids) if sample.prompt_len is None else sample.prompt_len + len(output) - 1
-        want = (sample.input_ids + output)[:T]
-        if T != expect or rec.input_ids.tolist() != want:
-            raise ExtractError(f"the record holds {T} rows, not the {expect} tokens forwarded for this sample")
-        if sample.prompt_len is None:
-            mask = torch.tensor(sample.loss_mask[:T])
-        else:
-            mask = (torch.arange(T) >= sample.prompt_len).long()
+        mask = record_loss_mask(sample, output, rec)
         if verify:  # every row: the last one predicted the last generated token, output[-1]
             meta = reply["meta_info"]
             entries = list(meta["input_token_logprobs"]) + list(meta.get("output_token_logprobs", []))
@@ -296,7 +317,7 @@ class Extraction:
         unwritten = [f for _, _, f in self.writes if not f.done()]
         if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
-        self.writes.append((sample.index, T, self.write_pool.submit(
+        self.writes.append((sample.index, rec.num_tokens, self.write_pool.submit(
             self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state, verify)))
 
     def _write(self, index, input_ids, mask, aux, last, verify: bool) -> int:
@@ -633,14 +654,8 @@ def _wait_ready(server) -> None:
 
 def _model_side(ns, manifest):
     """The sample preparer (tokenizer, context length) and, for --verify, the lm_head weight."""
-    from transformers import AutoTokenizer
-
-    from sglang_hs.extract.dataset import Preparer
-
     model_path = manifest["model_path"]
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    limit = min(x for x in (manifest.get("context_len") or 10**12, manifest["writers"][0]["num_slots"]))
-    preparer = Preparer(tokenizer, limit, regenerate=ns.regenerate, max_new_tokens=ns.max_new_tokens)
+    preparer = make_preparer(manifest, regenerate=ns.regenerate, max_new_tokens=ns.max_new_tokens)
     lm_head = None
     if ns.verify:
         from sglang_hs.extract.verify import load_lm_head

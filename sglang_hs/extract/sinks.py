@@ -106,6 +106,17 @@ class Sink:
         raise NotImplementedError
 
 
+def specforge_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
+                     last: torch.Tensor) -> dict:
+    """One sample in SpecForge's offline layout, as its data_{i}.ckpt holds it (input_ids [T] and
+    loss_mask [T] int64, hidden_state [1, T, H], aux_hidden_state [1, T, K*H]); also what
+    sglang_hs.live yields, so files and live samples cannot drift apart."""
+    T = input_ids.shape[0]
+    return {"input_ids": input_ids.long(), "loss_mask": loss_mask.long(),
+            "hidden_state": last.reshape(1, T, -1).contiguous(),
+            "aux_hidden_state": aux.reshape(1, T, -1).contiguous()}
+
+
 class SpecForgeSink(Sink):
     name, needs_last, wants_last = "specforge", True, True
 
@@ -117,10 +128,7 @@ class SpecForgeSink(Sink):
         return len(glob.glob(os.path.join(self.out_dir, "rows_*", "data_*.ckpt")))
 
     def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
-        T = input_ids.shape[0]
-        torch.save({"input_ids": input_ids, "loss_mask": loss_mask,
-                    "hidden_state": last.reshape(1, T, -1).contiguous(),
-                    "aux_hidden_state": aux.reshape(1, T, -1).contiguous()}, tmp)
+        torch.save(specforge_sample(input_ids, loss_mask, aux, last), tmp)
 
 
 class SafetensorsSink(Sink):
