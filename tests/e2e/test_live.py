@@ -1,0 +1,127 @@
+"""sglang_hs.live.LiveHiddenStates on the real server: its samples are the extraction CLI's SpecForge files,
+tensor by tensor; a tiny EAGLE-3-style head trains on it through a DataLoader (the loss falls); more than
+one DataLoader worker is refused; a consumer killed mid-iteration leaves the server serving and its dump
+dir readable."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from sglang_hs import HiddenStateReader, tiny_model
+from sglang_hs.extract.verify import load_lm_head
+from sglang_hs.live import LiveDatasetError, LiveHiddenStates
+from test_extract import _server_args, conversations, extract, write_jsonl
+
+pytestmark = pytest.mark.e2e
+KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+
+
+def records():
+    """Conversations of both styles (multi-turn ones too), pre-tokenized records with and without a
+    mask, and two the extraction skips (no reply; a token out of the vocabulary)."""
+    return conversations(5, seed=3) + [
+        {"input_ids": [5 + (7 * j) % 900 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30},
+        {"input_ids": [9 + (3 * j) % 800 for j in range(25)]},
+        {"messages": [{"role": "user", "content": "no reply"}]},
+        {"input_ids": [1, 10**6]},
+    ]
+
+
+def test_samples_are_the_cli_files(capture_server, dump_dir, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", records())
+    out = tmp_path / "out"
+    proc = extract(["--data", data, "--output", str(out), "--format", "specforge", "--concurrency", "4",
+                    *_server_args(capture_server, dump_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(out / "manifest.json"))["samples_written"] == 7
+
+    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3)
+    samples = list(DataLoader(ds, batch_size=None, num_workers=0))
+    assert len(samples) == 7 and dict(ds.skipped) == {"empty-conversation": 1, "token-out-of-vocab": 1}
+    for i, got in enumerate(samples):  # dataset order; the skipped records come after these
+        want = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt")
+        assert sorted(got) == sorted(want) == sorted(KEYS), i
+        for k in KEYS:
+            a, b = got[k], want[k]
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), (i, k, a.dtype, a.shape, b.dtype, b.shape)
+            if a.dim() == 3:  # row by row: the rows of the same tokens, sent twice, are the store's bytes
+                bad = [t for t in range(a.shape[1]) if not torch.equal(a[0, t], b[0, t])]
+                print(f"sample {i} {k}: {a.shape[1]} rows, differing {bad}, "
+                      f"max diff {(a.float() - b.float()).abs().max().item():.3g}")
+                assert not bad, (i, k, bad)
+            else:
+                assert torch.equal(a, b), (i, k)
+    # the iteration closed its reader: the dump dir can be read again at once
+    HiddenStateReader(str(dump_dir), wait=0).close()
+
+
+def test_tiny_eagle3_head_trains_on_it(capture_server, dump_dir, tmp_path):
+    """A linear map of the aux layers side by side onto the final state, scored through the model's own
+    lm_head against the next token on the loss mask: four passes over four samples (a DataLoader
+    worker process feeds them), the loss of the last pass below the first's on every sample."""
+    torch.manual_seed(0)
+    convs = conversations(4, seed=5)
+    ds = LiveHiddenStates(convs * 4, capture_server.url, dump_dir, concurrency=4)
+    lm_head = load_lm_head(tiny_model.ensure()).float()  # [V, H]
+    head = None
+    losses = []
+    for s in DataLoader(ds, batch_size=None, num_workers=1):
+        aux, ids, mask = s["aux_hidden_state"][0].float(), s["input_ids"], s["loss_mask"]
+        if head is None:
+            head = torch.nn.Linear(aux.shape[1], lm_head.shape[1])
+            opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+        logits = head(aux[:-1]) @ lm_head.T  # row t predicts token t+1
+        keep = mask[1:].bool()
+        loss = torch.nn.functional.cross_entropy(logits[keep], ids[1:][keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    print("losses", [round(x, 3) for x in losses])
+    assert len(losses) == 16
+    first, last = losses[:4], losses[-4:]
+    assert all(b < a for a, b in zip(first, last)), (first, last)
+    assert (sum(first) - sum(last)) / 4 > 0.2, (first, last)  # nats per sample; ~0.4 measured
+
+
+def test_several_workers_refused(capture_server, dump_dir):
+    ds = LiveHiddenStates([{"input_ids": [5, 6, 7]}], capture_server.url, dump_dir)
+    with pytest.raises(LiveDatasetError, match="num_workers=2; use 0 or 1"):
+        list(DataLoader(ds, batch_size=None, num_workers=2))
+
+
+CONSUMER = """
+import sys
+from sglang_hs.live import LiveHiddenStates
+recs = [{"input_ids": [3 + (5 * i + 11 * j) % 1000 for j in range(30 + i)]} for i in range(40)]
+for s in LiveHiddenStates(recs, sys.argv[1], sys.argv[2], concurrency=4):
+    print("sample", s["input_ids"].shape[0], flush=True)
+    sys.stdin.readline()  # wait, mid-iteration, with requests in flight, until killed
+"""
+
+
+def test_killed_consumer_leaves_server_serving(capture_server, dump_dir):
+    proc = subprocess.Popen([sys.executable, "-c", CONSUMER, capture_server.url, str(dump_dir)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line == "sample 30\n", (line, proc.stderr.read() if proc.poll() is not None else "")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+    ids = [7 + (13 * j) % 1000 for j in range(21)]
+    reply = capture_server.generate(input_ids=ids, rid="live-after-kill",
+                                    sampling_params={"max_new_tokens": 1, "temperature": 0})
+    assert len(reply["output_ids"]) == 1
+    with HiddenStateReader(str(dump_dir), wait=0) as reader:  # the dead consumer's lock died with it
+        rec = reader.take("live-after-kill", timeout=60)
+        assert rec.num_tokens == 21 and rec.input_ids.tolist() == ids
+    # and a new live iteration works on the same dump dir
+    ds = LiveHiddenStates([{"input_ids": ids}], capture_server.url, dump_dir)
+    (s,) = list(ds)
+    assert s["input_ids"].tolist() == ids and s["hidden_state"].shape == (1, 21, 256)
