@@ -72,10 +72,14 @@ def _config(model_path: Optional[str]) -> dict:
     else:
         from sglang_hs.launch_server import CaptureConfigError, read_model_config
 
+        if not os.path.isdir(path) and (os.path.isabs(path) or path.startswith(".")):
+            raise PlanError(f"--model-path: {path} is neither a checkpoint folder nor a config.json")
         try:
             cfg = read_model_config(path, trust_remote_code=False)
         except CaptureConfigError as e:
             raise PlanError(str(e)) from None
+        except (OSError, ValueError) as e:  # a hub id that is malformed, unknown or offline
+            raise PlanError(f"--model-path: cannot read the config of {path}: {str(e).splitlines()[0]}") from None
     return cfg.get("text_config", cfg) if "text_config" in cfg else cfg
 
 

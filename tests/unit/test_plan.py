@@ -63,3 +63,6 @@ def test_bad_input_is_one_line(tmp_path, capsys):
                                        "how much will be captured")
     rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "1", "--hs-layers", "2,99")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--hs-layers" in err
+    rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "1", "--model-path", str(tmp_path / "none"))
+    assert rc == 2 and err.strip() == (f"python -m sglang_hs.plan: error: --model-path: {tmp_path / 'none'} is "
+                                       "neither a checkpoint folder nor a config.json")
