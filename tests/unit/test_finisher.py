@@ -270,7 +270,14 @@ def test_a_short_alloc_waits_only_for_the_oldest_held_free(writer, monkeypatch):
     writer.publish_gathered = gated
     waited = []
     wait_for = worker._wait_for
-    monkeypatch.setattr(worker, "_wait_for", lambda seq: (waited.append(seq), gates["a"].set(), wait_for(seq)))
+
+    def wait_for_a(seq):  # gather 1 ("a") finishes when waited for; waiting for gather 2 would hang: fail
+        waited.append(seq)
+        assert seq == 1, f"a short alloc waited for gather {seq}; the oldest held free needs only gather 1"
+        gates["a"].set()
+        wait_for(seq)
+
+    monkeypatch.setattr(worker, "_wait_for", wait_for_a)
     a, b = alloc.alloc(20), alloc.alloc(30)
     worker.submit("a", list(range(20)), a)
     entered["a"].wait()
