@@ -288,6 +288,7 @@ def test_a_short_alloc_waits_only_for_the_oldest_held_free(writer, monkeypatch):
     out = alloc.alloc(15)  # only a's slots can satisfy it
     assert out is not None and set(out.tolist()) <= set(a.tolist())
     assert waited == [1] and worker.held_tokens == 30 and worker.pending_rids() == ["b"]
+    monkeypatch.setattr(worker, "_wait_for", wait_for)
     gates["b"].set()
     worker.drain()
     alloc.free(rest)
