@@ -46,7 +46,8 @@ def _after_init_capturers(self) -> None:
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
         device=self.device, context_len=self.model_config.context_len,
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
-        writer_id=getattr(par, "attn_dp_rank", 0), num_writers=getattr(par, "attn_dp_size", 1),  # one per DP attention group
+        # one writer per DP attention group
+        writer_id=getattr(par, "attn_dp_rank", 0), num_writers=getattr(par, "attn_dp_size", 1),
     )
     model.hs_writer = _writer
     from sglang_hs.store.admission import AdmissionControl
