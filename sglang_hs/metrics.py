@@ -8,14 +8,21 @@ counters by the overlay's status thread (twice a second), never from the forward
     sglang_hs:records_published_total     finished requests published to the output ring
     sglang_hs:rows_captured_total         token rows in those records
     sglang_hs:bytes_published_total       record bytes written to the output ring
-    sglang_hs:gather_seconds_total        scheduler time spent gathering and publishing records
+    sglang_hs:gather_seconds_total        time spent gathering and publishing records (the finish worker's
+                                          thread; the scheduler's with SGLANG_HS_SYNC_FINISH=1)
+    sglang_hs:finish_wait_seconds_total   scheduler time spent waiting for the finish worker (a drain: idle
+                                          check, or an allocation that found the free list short)
+    sglang_hs:kv_frees_held_total         KV-allocator frees held while a gather was pending
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
     sglang_hs:staged_rows_total           rows shipped through the staging buffer (--hs-copy staging)
     sglang_hs:scatter_seconds_total       scatter-thread time spent putting staged rows into the store
-    sglang_hs:stage_wait_seconds_total    scheduler time spent waiting for staged rows or a free host buffer
+    sglang_hs:stage_wait_seconds_total    time spent waiting for staged rows or a free host buffer (scheduler,
+                                          and the finish worker before a gather)
     sglang_hs:admission_waits_total       scheduler iterations that held requests back
     sglang_hs:admission_failed_total      held requests failed after --hs-admission-timeout
     sglang_hs:admission_held              requests held right now
+    sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
+    sglang_hs:kv_slots_held               KV slots freed by SGLang, held until the gathers reading them are done
     sglang_hs:output_ring_fill_ratio      unread bytes / capacity of the output ring
 """
 from __future__ import annotations
@@ -27,12 +34,14 @@ COUNTERS = {  # metric name -> (source, key, help)
     "records_published": ("writer", "records", "Finished requests published to the output ring."),
     "rows_captured": ("writer", "rows", "Token rows in the published records."),
     "bytes_published": ("writer", "bytes", "Record bytes written to the output ring."),
-    "gather_seconds": ("writer", "gather_s", "Scheduler time spent gathering and publishing records."),
+    "gather_seconds": ("writer", "gather_s", "Time spent gathering and publishing records (finish worker)."),
+    "finish_wait_seconds": ("writer", "drain_s", "Scheduler time spent waiting for the finish worker."),
+    "kv_frees_held": ("writer", "frees_held", "KV-allocator frees held while a gather was pending."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),
     "scatter_seconds": ("writer", "scatter_s", "Scatter-thread time spent putting staged rows into the store."),
     "stage_wait_seconds": ("writer", "stage_wait_s",
-                           "Scheduler time spent waiting for staged rows or a free staging host buffer."),
+                           "Time spent waiting for staged rows or a free staging host buffer."),
     "admission_waits": ("admission", "admission_waits", "Scheduler iterations that held requests back."),
     "admission_failed": ("admission", "failed", "Held requests failed after the admission timeout."),
 }
@@ -55,6 +64,10 @@ class CaptureMetrics:
         self._seen = {name: 0 for name in COUNTERS}
         self._held = Gauge("sglang_hs:admission_held", "Requests held right now until the output ring has room.",
                            list(labels), multiprocess_mode="mostrecent").labels(**labels)
+        self._pending = Gauge("sglang_hs:finish_pending", "Finished requests handed to the finish worker, not yet "
+                              "published.", list(labels), multiprocess_mode="mostrecent").labels(**labels)
+        self._slots_held = Gauge("sglang_hs:kv_slots_held", "KV slots held until the gathers reading them are done.",
+                                 list(labels), multiprocess_mode="mostrecent").labels(**labels)
         self._fill = Gauge("sglang_hs:output_ring_fill_ratio", "Unread bytes / capacity of the output ring.",
                            list(labels), multiprocess_mode="mostrecent").labels(**labels)
 
@@ -65,4 +78,6 @@ class CaptureMetrics:
                 counter.inc(value - self._seen[name])
                 self._seen[name] = value
         self._held.set(self.sources.get("admission", {}).get("held_now", 0))
+        self._pending.set(self.sources.get("writer", {}).get("finish_pending", 0))
+        self._slots_held.set(self.sources.get("writer", {}).get("frees_held_now", 0))
         self._fill.set(self.ring_fill())
