@@ -23,6 +23,11 @@ restarted gets every record it had not acknowledged again, in order, and none it
             save(rec)          # make this idempotent (e.g. a file named by rec.rid, renamed into place)
             reader.ack(rec)    # a crash before this line means rec comes again after a restart
 
+A request the server served without capture (--hs-capture opt-in, --hs-capture-sample, --hs-when-behind
+skip) has no record; the server leaves a marker for it when the ring had room, and `take(rid)` then
+raises `NotCaptured` (its `.reason`: "not_opted_in", "not_sampled" or "reader_behind") instead of
+waiting; `reader.not_captured(rid)` asks without waiting. Iteration yields records only.
+
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
 """
@@ -40,7 +45,7 @@ from typing import Iterator, Optional
 import torch
 
 from sglang_hs.fsutil import check_private_file, owner_uid
-from sglang_hs.store.ring import OFF_READER_PID, RingReader
+from sglang_hs.store.ring import OFF_READER_PID, SKIP_REASONS, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
 
@@ -74,6 +79,17 @@ def read_manifest(path: str, owner: Optional[int] = None) -> dict:
         if os.path.basename(str(w["ring"])) != w["ring"]:
             raise ValueError(f"{path}: writer ring {w['ring']!r} is not a file name inside the dump dir")
     return manifest
+
+
+MAX_MARKERS = 1 << 16  # markers of requests served without capture kept for take(); the oldest go first
+
+
+class NotCaptured(LookupError):
+    """take(rid) of a request the server served without capture: it will never have a record."""
+
+    def __init__(self, rid: str, reason: str) -> None:
+        super().__init__(f"request {rid!r} was served without capture ({reason})")
+        self.rid, self.reason = rid, reason
 
 
 @dataclass
@@ -168,6 +184,8 @@ class HiddenStateReader:
             self.close()
             raise
         self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
+        self._skipped: "collections.OrderedDict[str, str]" = collections.OrderedDict()  # rid -> reason
+        self.markers = 0  # marker records seen (requests served without capture)
 
     def close(self) -> None:
         """Let another reader take over the dump dir (records not acknowledged stay in the ring)."""
@@ -195,6 +213,15 @@ class HiddenStateReader:
         n = 0
         for w, ring in enumerate(self._rings):
             for rec in (ring.read_ahead() if self.ack_mode else ring.drain()):
+                if rec.skipped:  # a marker: that request has no record
+                    if self.ack_mode:
+                        ring.release(rec.seq)
+                    self._skipped[rec.rid] = SKIP_REASONS[rec.skipped]
+                    if len(self._skipped) > MAX_MARKERS:
+                        self._skipped.popitem(last=False)
+                    self.markers += 1
+                    n += 1
+                    continue
                 K = self.num_aux
                 self._ready[rec.rid] = HiddenStateRecord(
                     rid=rec.rid,
@@ -229,6 +256,10 @@ class HiddenStateReader:
         """That request's record if a poll() already brought it in, else None (never waits)."""
         return self._ready.pop(rid, None)
 
+    def not_captured(self, rid: str) -> Optional[str]:
+        """Why request `rid` has no record (its marker arrived), else None (never waits)."""
+        return self._skipped.get(rid)
+
     def ready_rids(self) -> list:
         return list(self._ready)
 
@@ -237,8 +268,11 @@ class HiddenStateReader:
         return sum(ring.unread_bytes() for ring in self._rings)
 
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
+        """That request's record, waiting for it; raises NotCaptured once its marker says it has none."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while rid not in self._ready:
+            if rid in self._skipped:
+                raise NotCaptured(rid, self._skipped[rid])
             if not self.poll():
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._timeout(f"for request {rid!r} ", timeout)

@@ -17,6 +17,9 @@ nothing, when fewer than 64 bytes remain) and starts again at 0. The writer only
 reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes below the HEAD it
 acquire-loaded, so a record is either wholly visible or not at all; header/trailer mismatches (a
 corrupted or foreign file) are reported as torn, never emitted.
+A request served without capture (--hs-capture, --hs-capture-sample, --hs-when-behind skip) may leave
+a marker record: T = 0, no rows, the header's flags = the reason code (SKIP_REASONS), so a reader
+can tell that request will have no record, and why.
 Sequence numbers run 1, 2, 3, ... without gaps; the reader stores the last one it consumed beside TAIL
 (TAIL first, then TAIL_SEQ), so a reader that starts later resumes where the last one stopped; a
 record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refused, as is a gap after it.
@@ -40,7 +43,7 @@ import torch
 from sglang_hs.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 2  # 2: the trailer holds a CRC-32 of the record header and request id
+VERSION = 3  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags)
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
@@ -52,6 +55,8 @@ _TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid), seq, total
 ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
+# flags of a marker record (T = 0): why that request has no record
+SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind"}
 
 
 def _align(n: int) -> int:
@@ -77,6 +82,7 @@ class Record:
     seq: int
     input_ids: torch.Tensor  # [T] int32
     rows: torch.Tensor  # [T, P, H]
+    skipped: int = 0  # a marker record: the request was served without capture (SKIP_REASONS); T = 0
 
     @property
     def num_tokens(self) -> int:
@@ -116,17 +122,19 @@ class RingWriter:
             time.sleep(0.001)
 
     def publish(self, rid: str, input_ids: torch.Tensor, rows: Optional[torch.Tensor] = None, timeout: float = 60.0,
-                *, gather_from: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None) -> int:
+                *, gather_from: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None,
+                skipped: int = 0) -> int:
         """Append one record; returns its sequence number. Blocks while the ring is full (bounded).
 
         The rows are either `rows` [T, P, H], or gathered straight into the ring as
-        `gather_from[slots]` (a store [S, P, H] and its KV slots [T]): one copy fewer."""
+        `gather_from[slots]` (a store [S, P, H] and its KV slots [T]): one copy fewer. `skipped` (a
+        SKIP_REASONS code) makes it a marker record: T must be 0."""
         if rows is not None:
             T, P, H = rows.shape
             dtype = rows.dtype
         else:
             T, (_, P, H), dtype = slots.shape[0], gather_from.shape, gather_from.dtype
-        assert input_ids.shape == (T,) and dtype in DTYPES
+        assert input_ids.shape == (T,) and dtype in DTYPES and (not skipped or (T == 0 and skipped in SKIP_REASONS))
         elem = torch.empty(0, dtype=dtype).element_size()
         rid_b = rid.encode()
         total = record_bytes(T, P, H, elem, len(rid_b))
@@ -160,7 +168,7 @@ class RingWriter:
         else:
             torch.index_select(gather_from, 0, slots.long(), out=dst)
         o += _align(n)
-        header = _REC.pack(REC_MAGIC, 0, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b))
+        header = _REC.pack(REC_MAGIC, skipped, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b))
         self._write(pos + o, _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), self.seq, total))
         self._write(pos, header)
         self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
@@ -261,13 +269,14 @@ class RingReader:
                 continue
             base = HEADER_BYTES + pos
             header = bytes(self.r.buf[base : base + _REC.size].tolist())
-            magic, _, total, seq, T, P, H, dt, rid_len = _REC.unpack(header)
+            magic, flags, total, seq, T, P, H, dt, rid_len = _REC.unpack(header)
             if magic == SKIP_MAGIC:
                 if not _valid_skip(pos, total, head - tail, self.capacity):
                     raise TornRecord(f"{self.r.path}: corrupt skip marker at offset {tail}")
                 tail += total
                 continue
-            if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF:
+            if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF \
+                    or (flags and (flags not in SKIP_REASONS or T != 0)):
                 raise TornRecord(f"{self.r.path}: corrupt record header at offset {tail}")
             tm, crc, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
             dtype = DTYPE_OF[dt]
@@ -292,4 +301,4 @@ class RingReader:
             o += _align(4 * T)
             rows = self.r.buf[o : o + T * P * H * elem].clone().view(dtype).view(T, P, H)
             tail += total
-            yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows), tail
+            yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags), tail

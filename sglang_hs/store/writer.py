@@ -96,7 +96,7 @@ class CaptureWriter:
         except RuntimeError as e:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
-        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0}
+        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0}
         # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)
         manifest = {
@@ -200,6 +200,15 @@ class CaptureWriter:
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
         self.stats["gather_s"] += time.perf_counter() - t0
+
+    def publish_marker(self, rid: str, reason: str) -> None:
+        """Publish the marker record of a request served without capture (ring.SKIP_REASONS): no rows."""
+        from sglang_hs.store.ring import SKIP_REASONS
+
+        code = {name: c for c, name in SKIP_REASONS.items()}[reason]
+        self.ring.publish(rid, torch.empty(0, dtype=torch.int32),
+                          torch.empty(0, self.P, self.spec.hidden_size, dtype=self.store.dtype), skipped=code)
+        self.stats["markers"] += 1
 
 
 def _remove_stale(dump_dir: str, name: str) -> None:
