@@ -39,6 +39,8 @@ def _layers() -> Optional[List[int]]:
 
 
 COPY_STRATEGIES = ("direct", "staging")
+CAPTURE_MODES = ("all", "opt-in")
+WHEN_BEHIND = ("hold", "skip")
 DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
@@ -56,6 +58,16 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Seconds a request may be held by admission control (output ring full: the reader is behind)
     # before the server fails it with a clear error; 0 = hold as long as it takes.
     "SGLANG_HS_ADMISSION_TIMEOUT": _float("SGLANG_HS_ADMISSION_TIMEOUT", DEFAULT_ADMISSION_TIMEOUT_S),
+    # Which requests are captured (--hs-capture): "all", or "opt-in" (only requests whose sampling params
+    # carry custom_params {"hs_capture": true}, plus the --hs-capture-sample share of the others).
+    "SGLANG_HS_CAPTURE": _str("SGLANG_HS_CAPTURE", "all"),
+    # --hs-capture-sample P (0 < P <= 1): capture the requests whose rid hashes below P (opted-in ones
+    # always); unset: none sampled (all with --hs-capture all, none with opt-in).
+    "SGLANG_HS_CAPTURE_SAMPLE": lambda: float(os.environ["SGLANG_HS_CAPTURE_SAMPLE"])
+    if os.environ.get("SGLANG_HS_CAPTURE_SAMPLE") else None,
+    # When the output ring cannot take a request's reservation (--hs-when-behind): "hold" it in admission
+    # control until the reader frees room, or "skip": serve it without capture.
+    "SGLANG_HS_WHEN_BEHIND": _str("SGLANG_HS_WHEN_BEHIND", "hold"),
     # How rows reach the store (--hs-copy): "direct" (the copy kernel writes the store: registered,
     # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream, sglang_hs/store/staging.py).
     "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),

@@ -20,6 +20,10 @@ counters by the overlay's status thread (twice a second), never from the forward
                                           and the finish worker before a gather)
     sglang_hs:admission_waits_total       scheduler iterations that held requests back
     sglang_hs:admission_failed_total      held requests failed after --hs-admission-timeout
+    sglang_hs:requests_not_captured_total{reason}  requests served without capture: not_opted_in,
+                                          not_sampled (--hs-capture, --hs-capture-sample), reader_behind
+                                          (--hs-when-behind skip while the ring was full)
+    sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
     sglang_hs:kv_slots_held               KV slots freed by SGLang, held until the gathers reading them are done
@@ -44,7 +48,10 @@ COUNTERS = {  # metric name -> (source, key, help)
                            "Time spent waiting for staged rows or a free staging host buffer."),
     "admission_waits": ("admission", "admission_waits", "Scheduler iterations that held requests back."),
     "admission_failed": ("admission", "failed", "Held requests failed after the admission timeout."),
+    "skip_markers_dropped": ("admission", "markers_dropped",
+                             "Requests served without capture and without a marker record (no ring room)."),
 }
+NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind")
 
 
 def enabled() -> bool:
@@ -62,6 +69,12 @@ class CaptureMetrics:
         for name, (source, key, doc) in COUNTERS.items():
             self._counters[name] = (source, key, Counter(f"sglang_hs:{name}", doc, list(labels)).labels(**labels))
         self._seen = {name: 0 for name in COUNTERS}
+        skipped = Counter("sglang_hs:requests_not_captured", "Requests served without capture, per reason.",
+                          [*labels, "reason"])
+        for reason in NOT_CAPTURED_REASONS:
+            name = f"not_captured:{reason}"
+            self._counters[name] = ("admission", f"skipped_{reason}", skipped.labels(reason=reason, **labels))
+            self._seen[name] = 0
         self._held = Gauge("sglang_hs:admission_held", "Requests held right now until the output ring has room.",
                            list(labels), multiprocess_mode="mostrecent").labels(**labels)
         self._pending = Gauge("sglang_hs:finish_pending", "Finished requests handed to the finish worker, not yet "

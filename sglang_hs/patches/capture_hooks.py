@@ -53,7 +53,9 @@ def _after_init_capturers(self) -> None:
     from sglang_hs.store.admission import AdmissionControl
 
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
-                                  self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT)
+                                  self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT,
+                                  mode=envs.SGLANG_HS_CAPTURE, sample=envs.SGLANG_HS_CAPTURE_SAMPLE,
+                                  when_behind=envs.SGLANG_HS_WHEN_BEHIND)
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
@@ -159,6 +161,11 @@ def _after_collect(self, req) -> None:
     if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith(("HEALTH_CHECK", WARMUP)):
         _admission.release(req.rid)
         return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
+    take = getattr(_admission, "take_decision", None)  # tests' stand-ins without selection capture everything
+    decision = take(req.rid) if take is not None else None
+    if decision is not None:  # served without capture: no gather, at most a marker record
+        _publish_marker(self, str(req.rid), *decision)
+        return
     output = list(req.output_ids_through_stop)
     tokens = list(req.origin_input_ids) + output
     T = len(tokens) - 1  # every prompt token, every generated token but the last
@@ -173,6 +180,23 @@ def _after_collect(self, req) -> None:
     except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
         _writer.stats["dropped"] += 1
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
+
+
+def _publish_marker(processor, rid: str, reason: str, marked: bool) -> None:
+    """The marker record of a request admitted without capture, when admission reserved room for it."""
+    if not marked:
+        _admission.release(rid)
+        return
+    worker = _finish_worker(processor)
+    if worker is not None:  # in order with the records; the reservation goes when it is published
+        worker.submit_marker(rid, reason)
+        return
+    _admission.release(rid)
+    try:
+        _writer.publish_marker(rid, reason)
+    except (TimeoutError, ValueError) as e:
+        _writer.stats["dropped"] += 1
+        logger.error("sglang-hs: marker of request %s NOT published: %s", rid, e)
 
 
 def _finish_worker(processor):

@@ -28,35 +28,77 @@ failed: it goes in together with an AbortReq carrying a clear message (status 50
 answers from its waiting queue before the request ever runs. SGLang aborts by rid PREFIX, so a held
 request whose rid prefixes another live request's is held on rather than failed with a bystander.
 Forward steps never wait, so SGLang's watchdog never fires.
+
+Selection (--hs-capture all|opt-in, --hs-capture-sample P) and --hs-when-behind skip: each request is
+decided here, once, as it is admitted. A request opted in (sampling params `custom_params`
+{"hs_capture": true}; OpenAI chat: the request's top-level `custom_params`) is captured; else with
+--hs-capture-sample P one is captured when `sample_point(rid)` (a stable hash of its rid in [0, 1)) is
+below P; else it is captured only with --hs-capture all. A request not captured reserves no record:
+it is admitted at once and only reserves room for a SKIP marker record (rid + reason, no rows) when
+that room is free, so the reader can tell why it has no record. With --hs-when-behind skip, a request
+that would be held (its reservation exceeds the free ring) is admitted the same way, not captured,
+reason "reader_behind". The decision is in `decided[rid]` = (reason, marked) until the request
+finishes; the stats count each reason.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import time
 from typing import Callable, Dict, List, Optional
 
-from sglang_hs.store.ring import record_bytes
+from sglang_hs.store.ring import SKIP_REASONS, record_bytes
 
 logger = logging.getLogger(__name__)
 RECONCILE_EVERY_S = 0.5
 LOG_EVERY_S = 10.0
+OPT_IN_KEY = "hs_capture"  # sampling_params.custom_params[OPT_IN_KEY] = true: capture this request
+REASON_CODE = {name: code for code, name in SKIP_REASONS.items()}
+_NEVER_SELECTED = ("HEALTH_CHECK", "HS_WARMUP-")  # never recorded anyway (capture_hooks, patches/warmup_rid.py)
+
+
+def sample_point(rid: str) -> float:
+    """A stable point in [0, 1) for a request id (blake2b of its utf-8 bytes): the same rid is sampled the
+    same way by every server, process and run."""
+    return int.from_bytes(hashlib.blake2b(str(rid).encode(), digest_size=8).digest(), "big") / 2.0 ** 64
+
+
+def opted_in(req) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    if not isinstance(params, dict):
+        return False
+    v = params.get(OPT_IN_KEY)
+    return v is True or (isinstance(v, (int, str)) and str(v).strip().lower() in ("1", "true", "yes", "on"))
+
+
+def select(req, mode: str = "all", sample: Optional[float] = None) -> Optional[str]:
+    """None when `req` is to be captured, else the reason it is not (a key of REASON_CODE)."""
+    if opted_in(req):
+        return None
+    if sample is not None:
+        return None if sample_point(req.rid) < sample else "not_sampled"
+    return None if mode == "all" else "not_opted_in"
 
 
 class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
-                 timeout: float = 0.0) -> None:
+                 timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
+                 when_behind: str = "hold") -> None:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
         self.timeout = timeout
+        self.mode, self.sample, self.when_behind = mode, sample, when_behind
+        self.decided: Dict[str, tuple] = {}  # rid -> (reason, marker reserved): admitted without capture
         region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
         self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
         self.reserved: Dict[str, int] = {}
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
         self.held_since: Dict[str, float] = {}
         self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
-        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0}
-        self._last_reconcile = self._last_log = 0.0
+        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0}
+        self.stats.update({f"skipped_{r}": 0 for r in REASON_CODE})
+        self._last_reconcile = self._last_log = self._last_skip_log = 0.0
 
     def need(self, req) -> int:
         n_in = len(req.input_ids) if req.input_ids is not None else 0
@@ -81,7 +123,7 @@ class AdmissionControl:
             self._last_reconcile = now
             known = known_rids()
             if known is not None:
-                for rid in [r for r in self.reserved if r not in known]:
+                for rid in [r for r in set(self.reserved) | set(self.decided) if r not in known]:
                     self.release(rid)
         out = []
         for msg in pulled:
@@ -108,6 +150,12 @@ class AdmissionControl:
         free = self.ring.free_bytes() - sum(self.reserved.values())
         while self.held:
             req = self.held[0]
+            rid = str(req.rid)
+            reason = None if rid.startswith(_NEVER_SELECTED) else select(req, self.mode, self.sample)
+            if reason is not None:
+                free = self._skip(req, reason, free, now)
+                out.append(self._admit())
+                continue
             need = self.need(req)
             if need > self.ring.capacity:  # could never fit: let SGLang run it; its record is refused
                 self.stats["oversized"] += 1
@@ -116,6 +164,10 @@ class AdmissionControl:
                 out.append(self._admit())
                 continue
             if need > free:
+                if self.when_behind == "skip":  # serve it now, without capture
+                    free = self._skip(req, "reader_behind", free, now)
+                    out.append(self._admit())
+                    continue
                 break
             self.reserved[str(req.rid)] = need
             free -= need
@@ -131,6 +183,34 @@ class AdmissionControl:
                                sum(self.reserved.values()))
         self.stats["held_now"] = len(self.held)
         return self._rewrap(out) if self._batch_of else out
+
+    def marker_need(self, rid: str) -> int:
+        return 2 * record_bytes(0, self.P, self.H, self.elem, len(str(rid).encode()))
+
+    def _skip(self, req, reason: str, free: int, now: float) -> int:
+        """Admit the head of the queue without capture; reserve its SKIP marker if there is room for it
+        (else it goes unmarked, counted). Returns the free bytes left."""
+        rid = str(req.rid)
+        marker = self.marker_need(rid)
+        marked = marker <= free
+        if marked:
+            self.reserved[rid] = marker
+            free -= marker
+        else:
+            self.stats["markers_dropped"] += 1
+        self.decided[rid] = (reason, marked)
+        self.stats[f"skipped_{reason}"] += 1
+        if reason == "reader_behind" and now - self._last_skip_log > LOG_EVERY_S:
+            self._last_skip_log = now
+            logger.warning("sglang-hs: the output ring is too full for new records (%d bytes free, %d reserved; is "
+                           "the reader of %s keeping up?): requests are served without capture "
+                           "(--hs-when-behind skip); %d so far", self.ring.free_bytes(),
+                           sum(self.reserved.values()), self.ring_name, self.stats["skipped_reader_behind"])
+        return free
+
+    def take_decision(self, rid: str) -> Optional[tuple]:
+        """(reason, marker reserved) of a request admitted without capture, once; None: captured."""
+        return self.decided.pop(str(rid), None)
 
     def _rewrap(self, out: List) -> List:
         """Members of one batch that go in next to each other go in as a batch of the same type again
@@ -194,3 +274,4 @@ class AdmissionControl:
 
     def release(self, rid: str) -> None:
         self.reserved.pop(str(rid), None)
+        self.decided.pop(str(rid), None)

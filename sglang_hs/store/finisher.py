@@ -65,6 +65,7 @@ class _Job:
     slots: torch.Tensor  # [T] host (pinned when copied from the device)
     ready: Any = None  # torch.cuda.Event: slot ids (and direct-mode rows) have landed; None on the CPU
     slot_errors: Optional[torch.Tensor] = None  # pinned copy of the direct copy kernel's error counter
+    skipped: Optional[str] = None  # a marker record of a request served without capture: its reason
 
 
 class FinishWorker:
@@ -127,6 +128,15 @@ class FinishWorker:
         self._pending[self._handed] = rid
         self.stats["finish_pending"] = len(self._pending)
         self._q.put(_Job(self._handed, rid, ids, host, ready, errors))
+
+    def submit_marker(self, rid: str, reason: str) -> None:
+        """Hand over the marker record of a request served without capture (no rows, nothing to gather):
+        published in order with the records, on the worker thread (the ring has one writer thread)."""
+        self.poll()
+        self._handed += 1
+        self._pending[self._handed] = rid
+        self.stats["finish_pending"] = len(self._pending)
+        self._q.put(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason))
 
     def pending_rids(self) -> List[str]:
         return list(self._pending.values())
@@ -237,6 +247,9 @@ class FinishWorker:
 
     def _publish(self, job: _Job) -> None:
         w = self.writer
+        if job.skipped is not None:
+            w.publish_marker(job.rid, job.skipped)
+            return
         if self._test_delay:
             time.sleep(self._test_delay)
         if job.ready is not None:
