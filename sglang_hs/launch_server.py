@@ -64,6 +64,16 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a request held this long because the output ring is full (the reader is behind) "
                         f"instead of holding it forever; 0 = no limit (default {envs.DEFAULT_ADMISSION_TIMEOUT_S:g})")
+    g.add_argument("--hs-capture", default=None, metavar="all|opt-in",
+                   help="which requests are captured: all (default), or opt-in: only requests whose sampling params "
+                        "(OpenAI: the request) carry custom_params {\"hs_capture\": true}, plus the "
+                        "--hs-capture-sample share of the others")
+    g.add_argument("--hs-capture-sample", default=None, metavar="P",
+                   help="capture a fraction 0 < P <= 1 of the requests (not opted in), chosen reproducibly by a "
+                        "hash of the request id")
+    g.add_argument("--hs-when-behind", default=None, metavar="hold|skip",
+                   help="when the output ring has no room for a new request's record (the reader is behind): hold "
+                        "the request (default; --hs-admission-timeout), or skip: serve it without capture")
     g.add_argument("--hs-copy", default=None, choices=envs.COPY_STRATEGIES,
                    help="how captured rows reach the host store: direct (the copy kernel writes registered, mapped "
                         "host memory) or staging (a device buffer, copied out on a copy stream after each step and "
@@ -79,6 +89,31 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
                    help="give up when start-up shows no progress for this long "
                         f"(default {envs.DEFAULT_STARTUP_TIMEOUT_S:g})")
+
+
+def selection_env(ns: argparse.Namespace) -> dict:
+    """The settings of --hs-capture, --hs-capture-sample and --hs-when-behind, checked (one-line errors)."""
+    from sglang_hs import envs
+
+    env = {}
+    if ns.hs_capture is not None:
+        if ns.hs_capture not in envs.CAPTURE_MODES:
+            raise CaptureConfigError(f"--hs-capture: all or opt-in, got {ns.hs_capture!r}")
+        env["SGLANG_HS_CAPTURE"] = ns.hs_capture
+    if ns.hs_capture_sample is not None:
+        try:
+            p = float(ns.hs_capture_sample)
+        except ValueError:
+            p = float("nan")
+        if not 0 < p <= 1:
+            raise CaptureConfigError(f"--hs-capture-sample: a fraction 0 < P <= 1 of the requests, got "
+                                     f"{ns.hs_capture_sample!r}")
+        env["SGLANG_HS_CAPTURE_SAMPLE"] = repr(p)
+    if ns.hs_when_behind is not None:
+        if ns.hs_when_behind not in envs.WHEN_BEHIND:
+            raise CaptureConfigError(f"--hs-when-behind: hold or skip, got {ns.hs_when_behind!r}")
+        env["SGLANG_HS_WHEN_BEHIND"] = ns.hs_when_behind
+    return env
 
 
 def split_argv(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
@@ -297,7 +332,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
-                "SGLANG_HS_STAGING_ROWS"):
+                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_CAPTURE", "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -334,11 +369,13 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             if ns.hs_staging_rows <= 0:
                 raise CaptureConfigError(f"--hs-staging-rows: must be > 0 rows, got {ns.hs_staging_rows}")
             env["SGLANG_HS_STAGING_ROWS"] = str(ns.hs_staging_rows)
+        env.update(selection_env(ns))
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
-    elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None:
-        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows need "
-                                 "--hs-dump-dir (where to write the capture)")
+    elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
+            or ns.hs_capture is not None or ns.hs_capture_sample is not None or ns.hs_when_behind is not None:
+        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-capture/"
+                                 "--hs-capture-sample/--hs-when-behind need --hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (default_ring or envs.DEFAULT_RING_BYTES)

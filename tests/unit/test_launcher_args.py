@@ -92,6 +92,12 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         (["--hs-copy", "direct", "--hs-staging-rows", "64"], "DeepseekV3ForCausalLM", "needs --hs-copy staging"),
         (["--hs-copy", "staging", "--hs-staging-rows", "0"], "DeepseekV3ForCausalLM",
          "--hs-staging-rows: must be > 0 rows, got 0"),
+        (["--hs-capture", "some"], "DeepseekV3ForCausalLM", "--hs-capture: all or opt-in, got 'some'"),
+        (["--hs-capture-sample", "0"], "DeepseekV3ForCausalLM", "--hs-capture-sample: a fraction 0 < P <= 1"),
+        (["--hs-capture-sample", "1.5"], "DeepseekV3ForCausalLM", "--hs-capture-sample: .* got '1.5'"),
+        (["--hs-capture-sample", "nan"], "DeepseekV3ForCausalLM", "--hs-capture-sample: a fraction"),
+        (["--hs-capture-sample", "10%"], "DeepseekV3ForCausalLM", "--hs-capture-sample: .* got '10%'"),
+        (["--hs-when-behind", "drop"], "DeepseekV3ForCausalLM", "--hs-when-behind: hold or skip, got 'drop'"),
     ],
 )
 def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
@@ -101,7 +107,8 @@ def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
 
 
 @pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"], ["--hs-copy", "staging"],
-                                  ["--hs-staging-rows", "8"]])
+                                  ["--hs-staging-rows", "8"], ["--hs-capture", "opt-in"], ["--hs-capture-sample", "0.1"],
+                                  ["--hs-when-behind", "skip"]])
 def test_prepare_layers_without_dump_dir(tmp_path, clean_env, flag):
     with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
         launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", *flag])
@@ -118,6 +125,21 @@ def test_prepare_copy_strategy_reaches_the_server_env(tmp_path, clean_env):
     assert envs.SGLANG_HS_COPY == "staging" and envs.SGLANG_HS_STAGING_ROWS == 96
     launch_server.prepare(base("c"))  # a second run in the same environment does not inherit the first's
     assert envs.SGLANG_HS_COPY == "direct" and envs.SGLANG_HS_STAGING_ROWS == 0
+
+
+def test_prepare_capture_selection_reaches_the_server_env(tmp_path, clean_env):
+    model = _model_dir(tmp_path)
+
+    def base(name):
+        return ["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / name)]
+
+    launch_server.prepare(base("a"))
+    assert (envs.SGLANG_HS_CAPTURE, envs.SGLANG_HS_CAPTURE_SAMPLE, envs.SGLANG_HS_WHEN_BEHIND) == ("all", None, "hold")
+    launch_server.prepare(base("b") + ["--hs-capture", "opt-in", "--hs-capture-sample", "0.1",
+                                       "--hs-when-behind", "skip"])
+    assert (envs.SGLANG_HS_CAPTURE, envs.SGLANG_HS_CAPTURE_SAMPLE, envs.SGLANG_HS_WHEN_BEHIND) == ("opt-in", 0.1, "skip")
+    launch_server.prepare(base("c"))  # not inherited by the next run in the same environment
+    assert (envs.SGLANG_HS_CAPTURE, envs.SGLANG_HS_CAPTURE_SAMPLE, envs.SGLANG_HS_WHEN_BEHIND) == ("all", None, "hold")
 
 
 def test_unknown_copy_strategy_is_refused_naming_the_choices(capsys):
