@@ -30,7 +30,7 @@ Ledger (what / why / upstream status / removal plan):
 | torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
 | pad               | len fill value only the AMX backend defines  |                  |
 | moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
-|                   | other ranks' experts (id -1) get weight 0    |                  |
+|                   | other ranks' experts (id -1) are skipped     |                  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -95,8 +95,11 @@ torch_native_cpu_pad
 moe_native_ep
   why:      with --ep-size > 1 the standard dispatcher marks the experts held by other ranks with the drop
             sentinel -1; without AMX the CPU engine runs `moe_forward_native`, which scatters the ids into
-            a count table and fails on -1, so no EP server answers a request. Each -1 entry goes to local
-            expert 0 with weight 0 (adds exactly 0.0); the other ranks add theirs in the all-reduce.
+            a count table and fails on -1, so no EP server answers a request. SGLang's function runs per
+            top-k column on the rows whose entry is local (weight 1: the expert's output as SGLang computes
+            it), the outputs times their weights summed in the weights' dtype and cast once; -1 entries are
+            never computed; the other ranks add theirs in the all-reduce. tests/unit/test_moe_native_ep.py:
+            two ranks' outputs sum to the unsplit function's.
   upstream: present in sglang 0.5.23 (layers/moe/fused_moe_native.py, moe_forward_native: cnts.scatter_
             on topk_ids; token_dispatcher/standard.py keeps -1); not reported upstream by us yet.
   removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's EP server
