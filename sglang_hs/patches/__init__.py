@@ -23,7 +23,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
 | cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
-|                   | communicator for a group on the CPU device   | spawned process  |
+|                   | communicator for a group on the CPU device;  | spawned process  |
+|                   | and .reduce_scatterv: without PyNccl, a CPU  |                  |
+|                   | tensor takes SGLang's all-reduce + narrow    |                  |
 | kimi_k25_language_| rebinds kimi_k25.DeepseekV3ForCausalLM to    | while the Kimi-  |
 | model             | the overlay's class, restored afterwards     | K2.5 overlay is  |
 |                   |                                              | constructed      |
@@ -77,10 +79,17 @@ cpu_gloo_groups
             with more than one rank starts. The coordinator's CPU paths never use it: all-reduce goes
             to SGLang's shared-memory kernel (AMX / arm64 only) or else to torch.distributed on the
             group's gloo group, which is what runs here. Only `use_pynccl` changes, only for CPU groups.
+            The one coordinator method with no CPU branch, `reduce_scatterv` (used by DP attention with
+            expert parallel, ep size = dp size = tp size, to return the MoE output to each DP group:
+            layers/moe/utils.py should_use_dp_reduce_scatterv), then fails on the missing communicator
+            (AttributeError at warm-up); for a group without PyNccl and a CPU tensor it goes to SGLang's
+            own `_deterministic_reduce_scatterv` (all-reduce of a copy, then this rank's rows).
   upstream: present in sglang 0.5.23 (parallel_state.py, init_model_parallel_group: use_pynccl is
-            off only for NPU, XPU and mooncake); not reported upstream by us yet.
-  removal:  when the pinned sglang turns PyNccl off for CPU groups; tests/e2e/test_multi_rank.py
-            starts a --tp 2 CPU server and fails without it.
+            off only for NPU, XPU and mooncake; GroupCoordinator.reduce_scatterv calls
+            pynccl_comm.change_state unconditionally); not reported upstream by us yet.
+  removal:  when the pinned sglang turns PyNccl off for CPU groups and gives reduce_scatterv a CPU
+            branch; tests/e2e/test_multi_rank.py starts a --tp 2 CPU server and a --tp 2 --dp 2
+            --enable-dp-attention --ep-size 2 one, which fail without it.
 
 torch_native_cpu_pad
   why:      with data-parallel attention every step pads each group's batch to a common size, and on CPU
@@ -90,7 +99,7 @@ torch_native_cpu_pad
   upstream: present in sglang 0.5.23 (forward_batch_info.py, _pad_inputs_to_size; torch_native_backend.py
             has no such method); not reported upstream by us yet.
   removal:  when TorchNativeAttnBackend defines the method; tests/e2e/test_multi_rank.py's DP-attention
-            server fails at its warm-up without it.
+            + EP server fails at its warm-up without it.
 
 moe_native_ep
   why:      with --ep-size > 1 the standard dispatcher marks the experts held by other ranks with the drop
@@ -102,8 +111,8 @@ moe_native_ep
             two ranks' outputs sum to the unsplit function's.
   upstream: present in sglang 0.5.23 (layers/moe/fused_moe_native.py, moe_forward_native: cnts.scatter_
             on topk_ids; token_dispatcher/standard.py keeps -1); not reported upstream by us yet.
-  removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's EP server
-            fails at its warm-up without it.
+  removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's DP-attention
+            + EP server fails at its warm-up without it.
 
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the

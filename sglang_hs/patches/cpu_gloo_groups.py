@@ -7,7 +7,13 @@ cpu"). On CPU the coordinator never uses it anyway: `all_reduce` of a CPU tensor
 shared-memory kernel when that is available (AMX / arm64 only) and else `torch.distributed.all_reduce`
 on the group's gloo device group; `reduce_scatter_tensor` and `all_gather_into_tensor` take their
 `_is_cpu` branches. So the patch only turns `use_pynccl` off for groups whose device is the CPU; every
-other argument and the rest of the constructor are SGLang's. See the ledger in
+other argument and the rest of the constructor are SGLang's. One coordinator path does need PyNccl:
+`reduce_scatterv`, which DP attention with expert parallel (attention TP 1, ep size = dp size: the
+MoE output's return to each DP group, `should_use_dp_reduce_scatterv` in layers/moe/utils.py) calls
+with no CPU branch (`pynccl_comm.change_state` on None: AttributeError at warm-up). For a group
+without PyNccl and a CPU tensor the patch sends it to SGLang's own `_deterministic_reduce_scatterv`
+(a gloo all-reduce of a copy, then this rank's rows), the method's branch under
+SGLANG_ENABLE_DETERMINISTIC_INFERENCE; everything else is unchanged. See the ledger in
 sglang_hs/patches/__init__.py. Applied in every spawned SGLang process, before it builds its groups
 (sglang_hs/serve.py), and again, as a no-op, with the model's patches.
 """
@@ -21,7 +27,8 @@ ORIGINALS = {}
 
 
 def apply():
-    """Wrap GroupCoordinator.__init__; returns the original (for tests). Idempotent."""
+    """Wrap GroupCoordinator.__init__ and .reduce_scatterv; returns the original __init__ (for tests).
+    Idempotent."""
     import sglang
     from sglang.srt.distributed import parallel_state as ps
 
@@ -42,4 +49,14 @@ def apply():
         original(self, *args, **kwargs)
 
     ps.GroupCoordinator.__init__ = __init__
+
+    rsv = ORIGINALS["reduce_scatterv"] = ps.GroupCoordinator.reduce_scatterv
+
+    @functools.wraps(rsv)
+    def reduce_scatterv(self, input_, output=None, sizes=None):
+        if self.pynccl_comm is None and input_.device.type == "cpu":
+            return self._deterministic_reduce_scatterv(input_, output, sizes)
+        return rsv(self, input_, output, sizes)
+
+    ps.GroupCoordinator.reduce_scatterv = reduce_scatterv
     return original

@@ -221,14 +221,17 @@ def test_non_writer_rank_killed_mid_generation(tp2):
     assert not leftover_server_processes(server.output)
 
 
-# -- data-parallel attention: `--tp 2 --dp 2 --enable-dp-attention`, one writer per group --
+# -- data-parallel attention with expert parallel: `--tp 2 --dp 2 --enable-dp-attention --ep-size 2` --
+# (the usual DeepSeek deployment): 2 attention groups of 1 rank, each its own writer; each rank holds 4 of
+# the 8 routed experts, and a token's experts are split over both ranks in every MoE layer.
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    """(server, reader) of a DP-attention server: 2 groups of 1 attention-TP rank, each its own writer.
-    Its tests come after the kill test, which ends the tp2 server: one server runs at a time."""
-    dump, before = tmp_path_factory.mktemp("hs-dp2") / "dump", _mq_segments()
-    server = _serve(dump, ["--tp", "2", "--dp", "2", "--enable-dp-attention"])
+def dpep(tmp_path_factory):
+    """(server, reader) of a DP-attention + EP server (needs the CPU engine's runtime patches
+    torch_native_cpu_pad and moe_native_ep). Its tests come after the kill test, which ends the tp2
+    server: one server runs at a time."""
+    dump, before = tmp_path_factory.mktemp("hs-dpep") / "dump", _mq_segments()
+    server = _serve(dump, ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep-size", "2"])
     server.dump = dump
     reader = None
     try:
@@ -245,25 +248,29 @@ def dp2(tmp_path_factory):
         assert not _mq_segments() - before  # the supervisor removes what SGLang leaves in /dev/shm
 
 
-def test_dp_one_writer_per_group(dp2):
-    """Each DP group's attention-TP rank 0 (here: each scheduler) writes its own store and ring, and the one
-    manifest lists both; SGLang's warm-up (one prompt per group, a batch) emitted no record."""
-    server, reader = dp2
+def test_dpep_one_writer_per_group(dpep):
+    """Each DP group's attention-TP rank 0 (here: each scheduler, DP<g>_TP<g>_EP<g>) writes its own store
+    and ring, and the one manifest lists both; SGLang's warm-up (one prompt per group, a batch) emitted no
+    record. The titles show both DP attention and expert parallel (SGLang adds DP<d> only with DP attention,
+    EP<e> only with --ep-size > 1)."""
+    server, reader = dpep
     m = reader.manifest
+    assert m["dtype"] == "float32"
     assert m["num_writers"] == 2 and [w["id"] for w in m["writers"]] == [0, 1], m["writers"]
-    assert [w["pid"] for w in m["writers"]] == [_scheduler(server, 0, dp=0), _scheduler(server, 1, dp=1)]
+    assert [w["pid"] for w in m["writers"]] == [_scheduler(server, 0, dp=0, ep=0), _scheduler(server, 1, dp=1, ep=1)]
     assert sorted(p.name for p in server.dump.glob("store-*.bin")) == ["store-w0.bin", "store-w1.bin"]
     assert sorted(p.name for p in server.dump.glob("ring-*.bin")) == ["ring-w0.bin", "ring-w1.bin"]
     assert reader.poll() == 0, reader.ready_rids()  # the warm-up batch was tagged, not published
 
 
-def test_dp_rows_of_both_groups(dp2, hf):
+def test_dpep_rows_of_both_groups(dpep, hf):
     """6 requests at once, one over several prefill chunks, 1 to 6 generated each: SGLang routes them to
-    both groups; every record, whichever ring it came from, is exact row by row."""
-    server, reader = dp2
+    both groups, and every MoE layer gathers both groups' tokens and splits each token's experts over both
+    ranks; every record, whichever ring it came from, is exact row by row."""
+    server, reader = dpep
     texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
              "Shared memory lets one process write and another read without copying through the kernel."]
-    jobs = [(f"dp-{i}", row_judge.prompt_ids(hf, texts[i % 3])[: 60 - 9 * i], 1 + i) for i in range(6)]
+    jobs = [(f"dpep-{i}", row_judge.prompt_ids(hf, texts[i % 3])[: 60 - 9 * i], 1 + i) for i in range(6)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(
             input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
@@ -273,44 +280,4 @@ def test_dp_rows_of_both_groups(dp2, hf):
         writers.add(rec.writer)
         worst = max(worst, assert_exact(rec, hf, (ids + out["output_ids"])[:-1]))
     assert writers == {0, 1}, writers
-    print(f"dp2 concurrent: {len(jobs)} records from writers {sorted(writers)}, worst row {worst:.2e}")
-
-
-# -- expert parallel: `--tp 2 --ep-size 2`, each rank holds 4 of the 8 routed experts --
-
-@pytest.fixture(scope="module")
-def ep2(tmp_path_factory):
-    """(server, reader) of an expert-parallel server (needs the CPU engine's runtime patch moe_native_ep)."""
-    dump, before = tmp_path_factory.mktemp("hs-ep2") / "dump", _mq_segments()
-    server = _serve(dump, ["--tp", "2", "--ep-size", "2"])
-    server.dump = dump
-    reader = None
-    try:
-        server.wait_ready(timeout=900)
-        reader = HiddenStateReader(str(dump))
-        yield server, reader
-    finally:
-        if reader is not None:
-            reader.close()
-        rc = server.stop()
-        assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"
-        assert not leftover_server_processes(server.output)
-        assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
-        assert not _mq_segments() - before
-
-
-def test_ep_one_writer_and_exact_rows(ep2, hf):
-    """One writer (TP0, as with plain TP); 4 requests at once, one over several prefill chunks, each a few
-    decode steps: every row exact (a token's experts are split over both ranks in every MoE layer)."""
-    server, reader = ep2
-    assert [w["pid"] for w in reader.manifest["writers"]] == [_scheduler(server, 0, ep=0)]
-    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
-             "Shared memory lets one process write and another read without copying through the kernel."]
-    jobs = [(f"ep-{i}", row_judge.prompt_ids(hf, texts[i % 3])[: 60 - 13 * i], 2 + i) for i in range(4)]
-    with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda j: server.generate(
-            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
-    worst = 0.0
-    for (rid, ids, _), out in zip(jobs, outs):
-        worst = max(worst, assert_exact(reader.take(rid, timeout=120), hf, (ids + out["output_ids"])[:-1]))
-    print(f"ep2 concurrent: {len(jobs)} records, worst row {worst:.2e}")
+    print(f"dp2+ep2 concurrent: {len(jobs)} records from writers {sorted(writers)}, worst row {worst:.2e}")
