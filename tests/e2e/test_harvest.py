@@ -1,0 +1,174 @@
+"""Harvesting from live traffic on one float32 server (conftest.harvest_server: --hs-capture opt-in
+--hs-capture-sample 0.3 --hs-when-behind skip, a 2 MiB ring):
+
+1. a mixed load (/generate and OpenAI chat, some requests opting in through custom_params): exactly the
+   opted-in and sampled requests have records, each judged row by row against HF float32 (row_judge);
+   every other one has a marker (`reader.take` raises NotCaptured, reason not_sampled), and the status
+   file and /metrics count them;
+2. nobody reading: the ring fills, and every further request is still served (none is held), those that
+   found no room counted as skipped (reader_behind); once a reader drains, every record there is whole
+   and exact, and each request has either its record, a marker, or is counted as unmarked.
+"""
+import concurrent.futures as cf
+import glob
+import json
+import os
+import re
+import time
+
+import pytest
+import requests
+
+import row_judge
+from sglang_hs import HiddenStateReader
+from sglang_hs.reader import NotCaptured
+from sglang_hs.store.admission import sample_point
+
+pytestmark = pytest.mark.e2e
+LAYERS, N_LAYERS = [2, 4, 5], 8
+SAMPLE = 0.3
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+def _status(dump, want=lambda s: True, seconds=30):
+    """The overlay's status file once `want(status)` holds (it is rewritten every half second)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        files = glob.glob(os.path.join(dump, "overlay-*.json"))
+        try:
+            status = json.load(open(files[0])) if files else None
+        except ValueError:  # caught mid-rename
+            status = None
+        if status is not None and (want(status) or time.monotonic() > deadline):
+            return status
+        assert time.monotonic() < deadline, "no status file"
+        time.sleep(0.1)
+
+
+def _not_captured_metrics(server):
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    out = {}
+    for m in re.finditer(r'^sglang_hs:requests_not_captured_total\{([^}]*)\} (\S+)$', text, re.M):
+        reason = re.search(r'reason="([^"]+)"', m.group(1)).group(1)
+        out[reason] = out.get(reason, 0) + float(m.group(2))
+    return out
+
+
+def _metric_reaches(server, reason, n, seconds=30):
+    """/metrics counts at least `n` requests not captured for `reason` (it is refreshed twice a second)."""
+    deadline = time.monotonic() + seconds
+    while _not_captured_metrics(server).get(reason, 0) < n:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture(scope="module")
+def harvest(harvest_server):
+    reader = HiddenStateReader(str(harvest_server.dump))
+    assert reader.manifest["dtype"] == "float32"
+    yield harvest_server, reader
+    reader.close()
+
+
+def _judge(rec, hf, want_ids, manifest):
+    return row_judge.assert_exact(rec, hf, want_ids, LAYERS, N_LAYERS, manifest["hidden_size"])
+
+
+def test_only_sampled_and_opted_in_requests_are_captured_and_exact(harvest, hf):
+    server, reader = harvest
+    rids = [f"mix-{i}" for i in range(24)]
+    opt_in = {r for i, r in enumerate(rids) if i % 4 == 0}
+    chat = {r for i, r in enumerate(rids) if i % 3 == 1}
+    selected = opt_in | {r for r in rids if sample_point(r) < SAMPLE}
+    assert 0 < len(selected - opt_in) and len(selected) < len(rids)  # both kinds present in this mix
+
+    def send(i, rid):
+        extra = {"custom_params": {"hs_capture": True}} if rid in opt_in else {}
+        text = f"Request {i} asks about " + " ".join(["harvest", "traffic", "tokens", "rows"][: 1 + i % 4]) * (1 + i % 3)
+        if rid in chat:
+            out = server.chat([{"role": "user", "content": text}], max_tokens=4, temperature=0, rid=rid, **extra)
+            return None, out
+        ids = row_judge.prompt_ids(hf, text)
+        out = server.generate(input_ids=ids, rid=rid, sampling_params={**GREEDY, **extra})
+        return ids, out
+
+    before = _status(server.dump)["admission"]
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = {rid: pool.submit(send, i, rid) for i, rid in enumerate(rids)}
+        while not all(f.done() for f in futures.values()):
+            reader.poll()  # a reader keeping up: nothing is skipped for lack of room
+            time.sleep(0.01)
+        results = {rid: f.result() for rid, f in futures.items()}
+    worst = 0.0
+    for rid in rids:
+        if rid in selected:
+            rec = reader.take(rid, timeout=60)
+            ids, out = results[rid]
+            want = rec.input_ids.tolist() if ids is None else (ids + out["output_ids"])[:-1]
+            if ids is None:  # chat: the prompt came from the chat template; the answer's 4 tokens are in it
+                assert len(want) > 4
+            worst = max(worst, _judge(rec, hf, want, reader.manifest))
+        else:
+            with pytest.raises(NotCaptured) as e:
+                reader.take(rid, timeout=60)
+            assert e.value.reason == "not_sampled" and reader.not_captured(rid) == "not_sampled"
+    assert not [r for r in reader.ready_rids() if r.startswith("mix-")]
+    n_skip = len(rids) - len(selected)
+    status = _status(server.dump, lambda s: s["admission"]["skipped_not_sampled"] - before["skipped_not_sampled"]
+                      >= n_skip)
+    a = status["admission"]
+    assert a["skipped_not_sampled"] - before["skipped_not_sampled"] == n_skip, a
+    assert a["skipped_reader_behind"] == before["skipped_reader_behind"] == 0, a
+    assert a["markers_dropped"] == 0 and a["held_now"] == 0 and status["writer"]["dropped"] == 0, status
+    assert _metric_reaches(server, "not_sampled", n_skip)
+    print(f"\n{len(selected)} of {len(rids)} captured, worst row error {worst:.2e}")
+
+
+def test_with_nobody_reading_requests_are_served_without_capture_and_records_stay_whole(harvest, hf):
+    server, reader = harvest
+    N = 24  # all opted in: each would be captured; ~10 of their records fill the 2 MiB ring
+    rids = [f"behind-{i}" for i in range(N)]
+    prompts = {rid: row_judge.prompt_ids(hf, f"Unread request {i} " + "with a longer prompt " * (3 + i % 3))
+               for i, rid in enumerate(rids)}
+    before = _status(server.dump)["admission"]
+    with cf.ThreadPoolExecutor(8) as pool:  # nobody polls the reader meanwhile
+        futures = {rid: pool.submit(server.generate, input_ids=prompts[rid], rid=rid,
+                                    sampling_params={**GREEDY, "custom_params": {"hs_capture": True}})
+                   for rid in rids}
+        outs = {rid: f.result(timeout=240) for rid, f in futures.items()}  # every one served, none held
+    status = _status(server.dump)
+    a = status["admission"]
+    skipped = a["skipped_reader_behind"] - before["skipped_reader_behind"]
+    assert skipped > 0 and a["admission_waits"] == before["admission_waits"] and a["held_now"] == 0, a
+    assert status["output_ring_fill"] > 0.5, status
+    unmarked = a["markers_dropped"] - before["markers_dropped"]
+    assert "served without capture (--hs-when-behind skip)" in server.output
+    assert _metric_reaches(server, "reader_behind", skipped)
+    # Now a reader drains: each request has its whole, exact record, or a marker, or is counted as unmarked.
+    got, marked, deadline = {}, set(), time.monotonic() + 120
+    while len(got) + len(marked) + unmarked < N and time.monotonic() < deadline:
+        reader.poll()
+        for rid in rids:
+            if rid not in got and rid not in marked:
+                if reader.not_captured(rid):
+                    marked.add(rid)
+                else:
+                    rec = reader.pop_ready(rid)
+                    if rec is not None:
+                        got[rid] = rec
+        time.sleep(0.02)
+    assert len(got) + len(marked) + unmarked == N, (len(got), len(marked), unmarked)
+    assert len(marked) + unmarked == skipped and len(got) == N - skipped and got
+    assert all(reader.not_captured(r) == "reader_behind" for r in marked)
+    for rid, rec in got.items():
+        row_judge.assert_exact(rec, hf, (prompts[rid] + outs[rid]["output_ids"])[:-1], LAYERS, N_LAYERS,
+                               reader.manifest["hidden_size"])
+    assert _status(server.dump)["writer"]["dropped"] == 0
+    # the reader caught up: an opted-in request is captured again
+    out = server.generate(input_ids=prompts[rids[0]], rid="after-catch-up",
+                          sampling_params={**GREEDY, "custom_params": {"hs_capture": True}})
+    rec = reader.take("after-catch-up", timeout=60)
+    row_judge.assert_exact(rec, hf, (prompts[rids[0]] + out["output_ids"])[:-1], LAYERS, N_LAYERS,
+                           reader.manifest["hidden_size"])
