@@ -137,7 +137,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
         futures = {rid: pool.submit(server.generate, input_ids=prompts[rid], rid=rid,
                                     sampling_params={**GREEDY, "custom_params": {"hs_capture": True}})
                    for rid in rids}
-        outs = {rid: f.result(timeout=240) for rid, f in futures.items()}  # every one served, none held
+        outs = {rid: f.result(timeout=150) for rid, f in futures.items()}  # every one served, none held
     status = _status(server.dump)
     a = status["admission"]
     skipped = a["skipped_reader_behind"] - before["skipped_reader_behind"]
