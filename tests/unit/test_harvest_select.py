@@ -126,8 +126,12 @@ def test_a_full_ring_holds_or_skips(when_behind):
 def test_decisions_of_requests_that_left_are_reconciled():
     adm = _adm(1 << 20, mode="opt-in")
     adm.filter([_req("gone"), _req("here")])
-    adm.filter([], known_rids=lambda: {"here"})
-    assert "gone" not in adm.decided and "gone" not in adm.reserved and "here" in adm.decided
+    adm.ring.free = 0
+    adm.filter([_req("gone-unmarked"), _req("here-unmarked")])  # no room for their markers: no reservation
+    assert adm.decided["gone-unmarked"] == ("not_opted_in", False)
+    adm.filter([], known_rids=lambda: {"here", "here-unmarked"})
+    assert not {"gone", "gone-unmarked"} & (set(adm.decided) | set(adm.reserved))
+    assert {"here", "here-unmarked"} <= set(adm.decided)
 
 
 def test_health_checks_and_warmup_are_never_counted_as_skipped():
