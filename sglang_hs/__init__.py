@@ -4,12 +4,12 @@ Importing this package is cheap and never loads SGLang, torch or the compiled ex
 """
 from sglang_hs.version import SGLANG_VERSION, __version__
 
-__all__ = ["__version__", "SGLANG_VERSION", "HiddenStateReader"]
+__all__ = ["__version__", "SGLANG_VERSION", "HiddenStateReader", "NotCaptured"]
 
 
 def __getattr__(name):
-    if name == "HiddenStateReader":  # lazily: importing sglang_hs stays cheap
-        from sglang_hs.reader import HiddenStateReader
+    if name in ("HiddenStateReader", "NotCaptured"):  # lazily: importing sglang_hs stays cheap
+        from sglang_hs import reader
 
-        return HiddenStateReader
+        return getattr(reader, name)
     raise AttributeError(f"module 'sglang_hs' has no attribute {name!r}")

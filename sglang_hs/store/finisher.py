@@ -127,7 +127,7 @@ class FinishWorker:
         self._handed += 1
         self._pending[self._handed] = rid
         self.stats["finish_pending"] = len(self._pending)
-        self._q.put(_Job(self._handed, rid, ids, host, ready, errors))
+        self._enqueue(_Job(self._handed, rid, ids, host, ready, errors))
 
     def submit_marker(self, rid: str, reason: str) -> None:
         """Hand over the marker record of a request served without capture (no rows, nothing to gather):
@@ -136,7 +136,7 @@ class FinishWorker:
         self._handed += 1
         self._pending[self._handed] = rid
         self.stats["finish_pending"] = len(self._pending)
-        self._q.put(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason))
+        self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason))
 
     def pending_rids(self) -> List[str]:
         return list(self._pending.values())
@@ -157,9 +157,10 @@ class FinishWorker:
                 logger.error("sglang-hs: record of request %s NOT published: %r", rid, err)
         self.stats["finish_pending"] = len(self._pending)
         while self._held and self._held[0][0] <= done:
-            _, fn, args, n = self._held.popleft()
+            _, fn, args, n = self._held[0]
+            fn(*args)  # given back first: a free that raises stays held (and counted)
+            self._held.popleft()
             self.held_tokens -= n
-            fn(*args)
         self.stats["frees_held_now"] = self.held_tokens
         if self._fatal is not None:
             err, self._fatal = self._fatal, None
@@ -184,7 +185,10 @@ class FinishWorker:
         with self._cv:
             while self._done < seq and self._thread.is_alive():
                 self._cv.wait(timeout=1.0)
+            gone = self._done < seq
         self.stats["drain_s"] += time.perf_counter() - t0
+        if gone:  # never waits (or spins in an allocation's retry) on a worker that is not there
+            raise RuntimeError("sglang-hs: the finish worker stopped with records handed over and not published")
 
     def idle(self) -> bool:
         return not self._pending and not self._held
@@ -232,18 +236,28 @@ class FinishWorker:
             job = self._q.get()
             if job is None:
                 return
-            err = None
-            try:
-                self._publish(job)
-            except (TimeoutError, ValueError) as e:  # the ring refused the record: counted and logged
-                err = e
-            except BaseException as e:  # noqa: BLE001 - raised on the scheduler thread at its next poll
-                err = e
-                self._fatal = self._fatal or e
-            with self._cv:
-                self._done = job.seq
-                self._results.append((job.seq, job.rid, err))
-                self._cv.notify_all()
+            self._run(job)
+
+    def _enqueue(self, job: _Job) -> None:
+        if self._closed:  # a finish after close() (it runs at exit): published here, nothing left pending
+            self._run(job)
+            self.poll()
+        else:
+            self._q.put(job)
+
+    def _run(self, job: _Job) -> None:
+        err = None
+        try:
+            self._publish(job)
+        except (TimeoutError, ValueError) as e:  # the ring refused the record: counted and logged
+            err = e
+        except BaseException as e:  # noqa: BLE001 - raised on the scheduler thread at its next poll
+            err = e
+            self._fatal = self._fatal or e
+        with self._cv:
+            self._done = job.seq
+            self._results.append((job.seq, job.rid, err))
+            self._cv.notify_all()
 
     def _publish(self, job: _Job) -> None:
         w = self.writer

@@ -295,3 +295,41 @@ def test_a_short_alloc_waits_only_for_the_oldest_held_free(writer, monkeypatch):
     alloc.free(out)
     assert alloc.available_size() == NUM_SLOTS and len(_free_set(alloc)) == NUM_SLOTS
     worker.close()
+
+
+def test_a_finish_after_close_is_published_at_once_and_frees_are_not_held(writer, tmp_path):
+    """close() runs at exit; a request finishing after it (or a free) must neither wait on the stopped
+    worker nor leave its slots held for good (an allocation would retry forever)."""
+    alloc = _token_allocator(8)
+    worker = _worker(writer, alloc)
+    worker.close()
+    s = alloc.alloc(8)
+    worker.submit("late", list(range(8)), s)
+    alloc.free(s)
+    assert worker.held_tokens == 0 and worker.idle() and writer.stats["records"] == 1
+    assert alloc.alloc(8) is not None  # every slot is really free
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert torch.equal(reader.take("late", timeout=5).aux_hidden_states[:, 0, 0], s.float())
+
+
+def test_a_free_that_raises_stays_held(writer):
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gate = Gate(writer)
+    s = alloc.alloc(4)
+    worker.submit("r", list(range(4)), s)
+    gate.entered.wait()
+    calls = []
+
+    def failing_free(*args):
+        calls.append(args)
+        raise AssertionError("double free")  # what SGLANG_DEBUG_MEMORY_POOL's check raises
+
+    worker.hold(failing_free, (s,), 4)
+    gate.open.set()
+    with pytest.raises(AssertionError):
+        worker.drain()
+    assert calls and worker.held_tokens == 4  # still counted: available_size stays what is really there
+    worker._held.clear()
+    worker.held_tokens = 0
+    worker.close()
