@@ -161,8 +161,7 @@ def _after_collect(self, req) -> None:
     if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith(("HEALTH_CHECK", WARMUP)):
         _admission.release(req.rid)
         return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
-    take = getattr(_admission, "take_decision", None)  # tests' stand-ins without selection capture everything
-    decision = take(req.rid) if take is not None else None
+    decision = _admission.take_decision(req.rid)  # (reason, marked) for a request served without capture
     if decision is not None:  # served without capture: no gather, at most a marker record
         _publish_marker(self, str(req.rid), *decision)
         return

@@ -27,6 +27,9 @@ class Admission:
     def release(self, rid):
         self.released.append(rid)
 
+    def take_decision(self, rid):
+        return None  # every request captured (--hs-capture all)
+
 
 @pytest.fixture(params=["worker", "sync"])
 def hook(request, tmp_path, monkeypatch):
