@@ -150,6 +150,10 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                         if not other.startswith(ours):
                             reader.pop_ready(other)
                     rec = reader.pop_ready(rid)
+                if rec is None and reader.not_captured(rid):
+                    raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: served without capture "
+                                           f"({reader.not_captured(rid)}): the server runs with --hs-when-behind "
+                                           "skip; serve training with hold (the default)")
                 if rec is None:  # published before the reply left the server: on its way, briefly
                     if t_reply is None:
                         pending[rid][2] = time.monotonic()

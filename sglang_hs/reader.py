@@ -223,6 +223,7 @@ class HiddenStateReader:
                     n += 1
                     continue
                 K = self.num_aux
+                self._skipped.pop(rec.rid, None)  # a reused rid: its newest request has a record
                 self._ready[rec.rid] = HiddenStateRecord(
                     rid=rec.rid,
                     input_ids=rec.input_ids,
@@ -273,18 +274,24 @@ class HiddenStateReader:
         while rid not in self._ready:
             if rid in self._skipped:
                 raise NotCaptured(rid, self._skipped[rid])
-            if not self.poll():
-                if deadline is not None and time.monotonic() > deadline:
-                    raise self._timeout(f"for request {rid!r} ", timeout)
+            arrived = self.poll()
+            if rid in self._ready or rid in self._skipped:
+                continue
+            if deadline is not None and time.monotonic() > deadline:  # checked even while others arrive
+                raise self._timeout(f"for request {rid!r} ", timeout)
+            if not arrived:
                 time.sleep(self.poll_interval)
         return self._ready.pop(rid)
 
     def next(self, timeout: Optional[float] = None) -> HiddenStateRecord:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._ready:
-            if not self.poll():
-                if deadline is not None and time.monotonic() > deadline:
-                    raise self._timeout("", timeout)
+            arrived = self.poll()  # markers count as arrivals but are not records
+            if self._ready:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._timeout("", timeout)
+            if not arrived:
                 time.sleep(self.poll_interval)
         return self._ready.popitem(last=False)[1]
 

@@ -221,6 +221,7 @@ def request_body(sample, rid: str, ns=None) -> dict:
     params = {"max_new_tokens": 1, "temperature": 0.0}
     if ns is not None and ns.regenerate:
         params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    params["custom_params"] = {"hs_capture": True}  # captured by a server that harvests (--hs-capture opt-in)
     return {"input_ids": sample.input_ids, "rid": rid, "sampling_params": params}
 
 
@@ -411,6 +412,11 @@ class Extraction:
                         progressed = True
                         continue
                     rec = self.reader.pop_ready(rid)
+                    if rec is None and self.reader.not_captured(rid):  # --hs-when-behind skip left it out
+                        del self.pending[rid]
+                        self._fail(sample.index, f"served without capture ({self.reader.not_captured(rid)}): the "
+                                   "server runs with --hs-when-behind skip; extract with hold (the default)", bar)
+                        continue
                     if rec is None:
                         if t_reply is None:
                             self.pending[rid] = (sample, fut, verify, time.monotonic())

@@ -212,7 +212,7 @@ def _finish_worker(processor):
         return None
     from sglang_hs.store.finisher import FinishWorker, hold_frees
 
-    worker = FinishWorker(_writer, on_done=_admission.release)
+    worker = FinishWorker(_writer, on_done=_admission.release_reservation)
     why = hold_frees(processor.token_to_kv_pool_allocator, worker)
     if why is not None:
         worker.close()

@@ -119,7 +119,7 @@ class AdmissionControl:
         Batch = getattr(io_struct, "BatchTokenizedGenerateReqInput", ())  # () : stand-ins without batches
 
         now = time.monotonic()
-        if known_rids is not None and self.reserved and now - self._last_reconcile > RECONCILE_EVERY_S:
+        if known_rids is not None and (self.reserved or self.decided) and now - self._last_reconcile > RECONCILE_EVERY_S:
             self._last_reconcile = now
             known = known_rids()
             if known is not None:
@@ -148,30 +148,41 @@ class AdmissionControl:
             else:
                 out.append(msg)
         free = self.ring.free_bytes() - sum(self.reserved.values())
-        while self.held:
-            req = self.held[0]
+        keep: "collections.deque" = collections.deque()
+        blocked = False  # a captured request is waiting for room: captured ones behind it wait too (FIFO)
+        for req in self.held:
             rid = str(req.rid)
-            reason = None if rid.startswith(_NEVER_SELECTED) else select(req, self.mode, self.sample)
-            if reason is not None:
+            if rid.startswith(_NEVER_SELECTED):  # health checks, the warm-up: never recorded, never held
+                out.append(self._admit(req))
+                continue
+            reason = select(req, self.mode, self.sample)
+            if reason is not None:  # not captured: goes in at once, whatever waits ahead of it
                 free = self._skip(req, reason, free, now)
-                out.append(self._admit())
+                out.append(self._admit(req))
+                continue
+            if blocked:
+                keep.append(req)
                 continue
             need = self.need(req)
             if need > self.ring.capacity:  # could never fit: let SGLang run it; its record is refused
                 self.stats["oversized"] += 1
                 logger.error("sglang-hs: request %s may need %d bytes of output ring, more than its %d: "
                              "raise --hs-ring-size", req.rid, need, self.ring.capacity)
-                out.append(self._admit())
+                out.append(self._admit(req))
                 continue
             if need > free:
                 if self.when_behind == "skip":  # serve it now, without capture
                     free = self._skip(req, "reader_behind", free, now)
-                    out.append(self._admit())
+                    out.append(self._admit(req))
                     continue
-                break
-            self.reserved[str(req.rid)] = need
+                blocked = True
+                keep.append(req)
+                continue
+            self.decided.pop(rid, None)  # a reused rid: this request is captured, whatever an earlier one was
+            self.reserved[rid] = need
             free -= need
-            out.append(self._admit())
+            out.append(self._admit(req))
+        self.held = keep
         if self.held and self.timeout > 0:
             out = self._fail_expired(now, known_rids) + out
         if self.held:
@@ -188,7 +199,7 @@ class AdmissionControl:
         return 2 * record_bytes(0, self.P, self.H, self.elem, len(str(rid).encode()))
 
     def _skip(self, req, reason: str, free: int, now: float) -> int:
-        """Admit the head of the queue without capture; reserve its SKIP marker if there is room for it
+        """Admit `req` without capture; reserve its SKIP marker if there is room for it
         (else it goes unmarked, counted). Returns the free bytes left."""
         rid = str(req.rid)
         marker = self.marker_need(rid)
@@ -241,8 +252,7 @@ class AdmissionControl:
                 result.append(msgspec.structs.replace(src, **fields))
         return result
 
-    def _admit(self):
-        req = self.held.popleft()
+    def _admit(self, req):
         self.held_since.pop(str(req.rid), None)
         return req
 
@@ -275,3 +285,8 @@ class AdmissionControl:
     def release(self, rid: str) -> None:
         self.reserved.pop(str(rid), None)
         self.decided.pop(str(rid), None)
+
+    def release_reservation(self, rid: str) -> None:
+        """The finish worker published `rid`'s record or marker: its ring room goes; a decision made for a
+        newer request with the same rid stays."""
+        self.reserved.pop(str(rid), None)

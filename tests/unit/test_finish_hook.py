@@ -27,6 +27,8 @@ class Admission:
     def release(self, rid):
         self.released.append(rid)
 
+    release_reservation = release  # the finish worker's: the same here (no decisions to keep)
+
     def take_decision(self, rid):
         return None  # every request captured (--hs-capture all)
 

@@ -134,6 +134,48 @@ def test_decisions_of_requests_that_left_are_reconciled():
     assert {"here", "here-unmarked"} <= set(adm.decided)
 
 
+def test_requests_not_captured_pass_a_captured_one_waiting_for_room():
+    """Opt-in with hold: an opted-in request waiting for the reader holds back opted-in requests behind
+    it (in order), never the requests that will not be captured."""
+    need = 2 * record_bytes(PROMPT + NEW - 1, P, H, ELEM, 4)
+    adm = _adm(10 * need, mode="opt-in")
+    adm.ring.free = need // 2
+    out = adm.filter([_req("in-1", {"hs_capture": True}), _req("plain-1"), _req("in-2", {"hs_capture": True}),
+                      _req("plain-2"), _req("HEALTH_CHECK_9")])
+    assert _rids(out) == ["plain-1", "plain-2", "HEALTH_CHECK_9"]
+    assert [h.rid for h in adm.held] == ["in-1", "in-2"] and set(adm.held_since) == {"in-1", "in-2"}
+    out = adm.filter([_req("plain-3")])
+    assert _rids(out) == ["plain-3"] and [h.rid for h in adm.held] == ["in-1", "in-2"]
+    adm.ring.free = 10 * need
+    assert _rids(adm.filter([])) == ["in-1", "in-2"] and not adm.held
+
+
+def test_a_reused_rid_is_captured_when_its_new_request_is():
+    adm = _adm(1 << 20, mode="opt-in")
+    adm.filter([_req("x")])  # not captured; say it was aborted while queued (no finish, no take_decision)
+    adm.filter([_req("x", {"hs_capture": True})])  # a new request with the same rid opts in
+    assert adm.take_decision("x") is None and adm.reserved["x"] == adm.need(_req("x"))
+    adm.filter([_req("y")])
+    adm.release_reservation("y")  # a finished "y" published before a new "y" was decided keeps the decision
+    assert adm.take_decision("y") == ("not_opted_in", True)
+
+
+def test_unmarked_decisions_are_reconciled_with_nothing_reserved():
+    adm = _adm(1 << 20, mode="opt-in")
+    adm.ring.free = 0
+    adm.filter([_req("gone")])
+    assert not adm.reserved and adm.decided["gone"] == ("not_opted_in", False)
+    adm._last_reconcile = -1e9
+    adm.filter([], known_rids=lambda: set())
+    assert not adm.decided
+
+
+def test_health_checks_are_never_held():
+    adm = _adm(1 << 20)
+    adm.ring.free = 0
+    assert _rids(adm.filter([_req("HEALTH_CHECK_2")])) == ["HEALTH_CHECK_2"] and not adm.held
+
+
 def test_health_checks_and_warmup_are_never_counted_as_skipped():
     adm = _adm(1 << 20, mode="opt-in")
     adm.filter([_req("HEALTH_CHECK_1"), _req("HS_WARMUP-abc")])
@@ -191,3 +233,33 @@ def test_a_marker_with_rows_or_an_unknown_reason_is_refused(tmp_path):
     w._write(total - ring.ALIGN, trail)
     with pytest.raises(ring.TornRecord, match="corrupt record header"):
         ring.RingReader.open(str(tmp_path), "r").drain()
+
+
+def test_a_reused_rid_gets_its_new_record_and_markers_do_not_stop_the_timeout(tmp_path, monkeypatch):
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.reader import HiddenStateReader
+    from sglang_hs.store.writer import CaptureWriter
+
+    spec = CaptureSpec.resolve([1], False, 4, 8)
+    w = CaptureWriter(str(tmp_path), spec, 16, torch.float32, 1 << 16)
+    w.publish_marker("again", "not_sampled")
+    with HiddenStateReader(str(tmp_path)) as reader:
+        reader.poll()
+        assert reader.not_captured("again") == "not_sampled"
+        w.publish_gathered("again", torch.arange(2, dtype=torch.int32), torch.tensor([3, 4]))
+        reader.poll()
+        assert reader.not_captured("again") is None and reader.take("again", timeout=5).num_tokens == 2
+        # markers arriving on every poll (a busy opt-in server) must not keep next() from timing out
+        calls = []
+
+        def busy_poll():  # a marker arrives on every poll
+            calls.append(1)
+            if len(calls) > 200000:
+                raise AssertionError("the wait never checked its deadline while markers kept arriving")
+            return 1
+
+        monkeypatch.setattr(reader, "poll", busy_poll)
+        with pytest.raises(TimeoutError):
+            reader.next(timeout=0.01)
+        with pytest.raises(TimeoutError):
+            reader.take("never", timeout=0.01)
