@@ -3,7 +3,6 @@ tensor by tensor; a tiny EAGLE-3-style head trains on it through a DataLoader (t
 one DataLoader worker is refused; a consumer killed mid-iteration leaves the server serving and its dump
 dir readable."""
 import json
-import os
 import signal
 import subprocess
 import sys
