@@ -4,33 +4,20 @@ local ids and the other's as -1, as SGLang's standard dispatcher gives them), ea
 summed as the all-reduce sums them, equals the unsplit output; entries dropped on a rank are never
 computed (an expert that would return inf for them leaves the output finite); steps without -1 are
 SGLang's function unchanged."""
-import os
-import sys
 import types
 
 import pytest
 import torch
 
-from sglang_hs.cpu import stubs_dir
-
 
 @pytest.fixture(scope="module")
-def fmn():
-    saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    sys.path.insert(0, stubs_dir())
-    try:
+def fmn(cpu_engine_imports):
+    with cpu_engine_imports():
         from sglang.srt.layers.moe import fused_moe_native
         from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
         from sglang.srt.layers.moe.topk import StandardTopKOutput
 
         from sglang_hs.patches import moe_native_ep
-    finally:
-        sys.path.remove(stubs_dir())
-        if saved is None:
-            del os.environ["SGLANG_USE_CPU_ENGINE"]
-        else:
-            os.environ["SGLANG_USE_CPU_ENGINE"] = saved
     before = fused_moe_native.moe_forward_native
     original = moe_native_ep.apply()
     patched = fused_moe_native.moe_forward_native
