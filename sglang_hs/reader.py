@@ -8,9 +8,12 @@
 A record holds `input_ids` [T] (int32), `aux_hidden_states` [T, K, H] (the layers of
 `reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), and `last_hidden_state` [T, H] (HF
 `output_hidden_states[n]`) when the server runs with `--hs-last`. T = every prompt token, then every
-generated token but the last; row t is position t (`positions` is that arange, for convenience). The reader drains the ring eagerly
-(one copy per record, then the bytes go back to the server), so holding on to one record never stalls
-the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
+generated token but the last; row t is position t (`positions` is that arange, for convenience).
+`prompt_len` says where the prompt ends (rows >= prompt_len are generated tokens; prompt_len = T + 1
+when nothing was generated) and `next_token` is the token after the last row (the last generated one),
+so `output_ids` (input_ids[prompt_len:] + [next_token]) are exactly the tokens the server sent back.
+The reader drains the ring eagerly (one copy per record, then the bytes go back to the server), so
+holding on to one record never stalls the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
 emitted.
 
 A record drained eagerly is gone from the ring: if the reader process dies before its consumer handled
@@ -100,6 +103,15 @@ class HiddenStateRecord:
     last_hidden_state: Optional[torch.Tensor]
     seq: int = field(default=0, repr=False)  # its sequence number in its writer's ring (1, 2, 3, ...)
     writer: int = field(default=0, repr=False)  # index of that writer in manifest["writers"]
+    prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
+    next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
+
+    @property
+    def output_ids(self) -> list:
+        """The generated tokens the server sent: input_ids[prompt_len:] + [next_token]."""
+        if self.prompt_len > self.num_tokens or self.next_token < 0:
+            return []
+        return self.input_ids[self.prompt_len:].tolist() + [self.next_token]
 
     @property
     def num_tokens(self) -> int:
@@ -231,6 +243,8 @@ class HiddenStateReader:
                     last_hidden_state=rec.rows[:, K] if self.has_last else None,
                     seq=rec.seq,
                     writer=w,
+                    prompt_len=rec.prompt_len,
+                    next_token=rec.next_token,
                 )
                 n += 1
         return n

@@ -169,13 +169,15 @@ def _after_collect(self, req) -> None:
     tokens = list(req.origin_input_ids) + output
     T = len(tokens) - 1  # every prompt token, every generated token but the last
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
+    # where the prompt ends, and the last token (no row): the record then holds the whole exchange
+    said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]))
     worker = _finish_worker(self)
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
-        worker.submit(str(req.rid), tokens[:T], slots)
+        worker.submit(str(req.rid), tokens[:T], slots, **said)
         return
     _admission.release(req.rid)
     try:
-        _writer.finish(str(req.rid), tokens[:T], slots)
+        _writer.finish(str(req.rid), tokens[:T], slots, **said)
     except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
         _writer.stats["dropped"] += 1
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)

@@ -66,6 +66,8 @@ class _Job:
     ready: Any = None  # torch.cuda.Event: slot ids (and direct-mode rows) have landed; None on the CPU
     slot_errors: Optional[torch.Tensor] = None  # pinned copy of the direct copy kernel's error counter
     skipped: Optional[str] = None  # a marker record of a request served without capture: its reason
+    prompt_len: Optional[int] = None  # where the prompt ends in ids (None: all prompt)
+    next_token: int = -1  # the token after the last row (the last generated one)
 
 
 class FinishWorker:
@@ -101,10 +103,12 @@ class FinishWorker:
             raise RuntimeError(f"sglang-hs: the finish worker could not start: {self._start_error!r}")
 
     # --- the scheduler's side --------------------------------------------------------------------
-    def submit(self, rid: str, token_ids, slots: torch.Tensor) -> None:
+    def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
+               next_token: int = -1) -> None:
         """Hand over a finished request: its token ids (a list the caller no longer changes, or a tensor)
         and its KV slots in position order (a view of req_to_token is fine: the slot ids are copied
-        here, before SGLang reuses the row). A list is converted on the worker thread."""
+        here, before SGLang reuses the row), its prompt length and the token after its last row. A list
+        is converted on the worker thread."""
         self.poll()
         T = len(token_ids)
         if slots.shape[0] != T:
@@ -127,7 +131,7 @@ class FinishWorker:
         self._handed += 1
         self._pending[self._handed] = rid
         self.stats["finish_pending"] = len(self._pending)
-        self._enqueue(_Job(self._handed, rid, ids, host, ready, errors))
+        self._enqueue(_Job(self._handed, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token))
 
     def submit_marker(self, rid: str, reason: str) -> None:
         """Hand over the marker record of a request served without capture (no rows, nothing to gather):
@@ -280,7 +284,7 @@ class FinishWorker:
         if not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
             ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32) if len(ids) else \
                 torch.empty(0, dtype=torch.int32)
-        w.publish_gathered(job.rid, ids, job.slots)
+        w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token)
 
 
 def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:

@@ -10,16 +10,19 @@ File layout (`ring-<writer>.bin`, created 0600 under the dump dir; 0660 of the s
     [4096, 4096+capacity)  records at logical offsets that only grow, placed at offset % capacity
 
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
-rid length), the request id (utf-8), input_ids int32[T], rows [T, P, H], then a 64-byte trailer that
-repeats magic, sequence number and length and holds a CRC-32 of the header and request id. A record
-never wraps: when one does not fit before the end of the buffer the writer publishes a SKIP marker (or
-nothing, when fewer than 64 bytes remain) and starts again at 0. The writer only writes bytes the
-reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes below the HEAD it
-acquire-loaded, so a record is either wholly visible or not at all; header/trailer mismatches (a
-corrupted or foreign file) are reported as torn, never emitted.
+rid length, prompt length, next token), the request id (utf-8), input_ids int32[T], rows [T, P, H],
+then a 64-byte trailer that repeats magic, sequence number and length and holds a CRC-32 of the header
+and request id. A record never wraps: when one does not fit before the end of the buffer the writer
+publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and starts again at 0. The writer
+only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes
+below the HEAD it acquire-loaded, so a record is either wholly visible or not at all; header/trailer
+mismatches (a corrupted or foreign file) are reported as torn, never emitted.
 A request served without capture (--hs-capture, --hs-capture-sample, --hs-when-behind skip) may leave
 a marker record: T = 0, no rows, the header's flags = the reason code (SKIP_REASONS), so a reader
 can tell that request will have no record, and why.
+A record of a request says where its prompt ends (prompt length: rows >= it are generated tokens) and
+holds the token after its last row (the last generated token, which has no row, or -1 when the writer
+did not say), so the whole sequence the server sent is input_ids + [next token].
 Sequence numbers run 1, 2, 3, ... without gaps; the reader stores the last one it consumed beside TAIL
 (TAIL first, then TAIL_SEQ), so a reader that starts later resumes where the last one stopped; a
 record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refused, as is a gap after it.
@@ -43,14 +46,16 @@ import torch
 from sglang_hs.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 3  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags)
+VERSION = 4  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
+# 4: the record header holds the prompt length and the token after the last row (harvesting live traffic)
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
 OFF_TAIL_SEQ = 136  # sequence number of the last record consumed, written by the reader after TAIL
 OFF_READER_PID = 192  # pid of the reader holding the ring (informational: the lock is a flock on the file)
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
-_REC = struct.Struct("<IIQQIHIBxH")  # magic, flags, total, seq, T, P, H, dtype, pad, rid_len
+# magic, flags, total, seq, T, P, H, dtype, pad, rid_len, prompt_len, next_token (46 of the header's 64 bytes)
+_REC = struct.Struct("<IIQQIHIBxHIi")
 _TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid), seq, total
 ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
@@ -83,6 +88,8 @@ class Record:
     input_ids: torch.Tensor  # [T] int32
     rows: torch.Tensor  # [T, P, H]
     skipped: int = 0  # a marker record: the request was served without capture (SKIP_REASONS); T = 0
+    prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1 when nothing was generated)
+    next_token: int = -1  # the token after the last row (the last generated one); -1: not recorded
 
     @property
     def num_tokens(self) -> int:
@@ -123,18 +130,21 @@ class RingWriter:
 
     def publish(self, rid: str, input_ids: torch.Tensor, rows: Optional[torch.Tensor] = None, timeout: float = 60.0,
                 *, gather_from: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None,
-                skipped: int = 0) -> int:
+                skipped: int = 0, prompt_len: Optional[int] = None, next_token: int = -1) -> int:
         """Append one record; returns its sequence number. Blocks while the ring is full (bounded).
 
         The rows are either `rows` [T, P, H], or gathered straight into the ring as
         `gather_from[slots]` (a store [S, P, H] and its KV slots [T]): one copy fewer. `skipped` (a
-        SKIP_REASONS code) makes it a marker record: T must be 0."""
+        SKIP_REASONS code) makes it a marker record: T must be 0. `prompt_len` (default T: no row is a
+        generated token) and `next_token` (the token after the last row) go into the header."""
         if rows is not None:
             T, P, H = rows.shape
             dtype = rows.dtype
         else:
             T, (_, P, H), dtype = slots.shape[0], gather_from.shape, gather_from.dtype
         assert input_ids.shape == (T,) and dtype in DTYPES and (not skipped or (T == 0 and skipped in SKIP_REASONS))
+        prompt_len = T if prompt_len is None else prompt_len
+        assert 0 <= prompt_len <= T + 1 and -1 <= next_token < 2**31, (prompt_len, T, next_token)
         elem = torch.empty(0, dtype=dtype).element_size()
         rid_b = rid.encode()
         total = record_bytes(T, P, H, elem, len(rid_b))
@@ -147,7 +157,7 @@ class RingWriter:
             skip = self.capacity - pos
             self._wait_for(skip + total, timeout)
             if skip >= ALIGN:
-                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0))
+                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0, 0, 0))
             head += skip
             self.r.store_release(OFF_HEAD, head)
             pos = 0
@@ -168,7 +178,8 @@ class RingWriter:
         else:
             torch.index_select(gather_from, 0, slots.long(), out=dst)
         o += _align(n)
-        header = _REC.pack(REC_MAGIC, skipped, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b))
+        header = _REC.pack(REC_MAGIC, skipped, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b), prompt_len,
+                           next_token)
         self._write(pos + o, _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), self.seq, total))
         self._write(pos, header)
         self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
@@ -269,14 +280,14 @@ class RingReader:
                 continue
             base = HEADER_BYTES + pos
             header = bytes(self.r.buf[base : base + _REC.size].tolist())
-            magic, flags, total, seq, T, P, H, dt, rid_len = _REC.unpack(header)
+            magic, flags, total, seq, T, P, H, dt, rid_len, prompt_len, next_token = _REC.unpack(header)
             if magic == SKIP_MAGIC:
                 if not _valid_skip(pos, total, head - tail, self.capacity):
                     raise TornRecord(f"{self.r.path}: corrupt skip marker at offset {tail}")
                 tail += total
                 continue
             if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF \
-                    or (flags and (flags not in SKIP_REASONS or T != 0)):
+                    or (flags and (flags not in SKIP_REASONS or T != 0)) or prompt_len > T + 1 or next_token < -1:
                 raise TornRecord(f"{self.r.path}: corrupt record header at offset {tail}")
             tm, crc, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
             dtype = DTYPE_OF[dt]
@@ -301,4 +312,5 @@ class RingReader:
             o += _align(4 * T)
             rows = self.r.buf[o : o + T * P * H * elem].clone().view(dtype).view(T, P, H)
             tail += total
-            yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags), tail
+            yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
+                         next_token=next_token), tail

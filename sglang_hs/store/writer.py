@@ -111,8 +111,10 @@ class CaptureWriter:
             "copy": copy,  # how rows reach the store: direct (the kernel writes it) or staging
             "context_len": context_len,
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
+            # ring_id: tells this ring's records from those of another server's ring (e.g. a harvester's
+            # file names: sequence numbers start at 1 in every ring)
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
-                         "store": f"store-w{writer_id}.bin", "num_slots": num_slots}],
+                         "store": f"store-w{writer_id}.bin", "num_slots": num_slots, "ring_id": os.urandom(8).hex()}],
         }
         if num_writers > 1:  # one writer per data-parallel attention group; readers wait for all of them
             manifest.update(num_writers=num_writers, session=os.getsid(0))
@@ -175,8 +177,10 @@ class CaptureWriter:
             hs = self._registered = HostStore(self.store, pinned.register(self.region.buf))
         return hs
 
-    def finish(self, rid: str, token_ids, slots: torch.Tensor) -> None:
-        """Publish the record of a finished request: `slots` are its KV slots in position order."""
+    def finish(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
+               next_token: int = -1) -> None:
+        """Publish the record of a finished request: `slots` are its KV slots in position order;
+        `prompt_len` and `next_token` (the token after the last row) go into the record (ring.py)."""
         t0 = time.perf_counter()
         T = len(token_ids)
         if slots.shape[0] != T:
@@ -187,15 +191,17 @@ class CaptureWriter:
             torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
             self._host_store().check()  # a row whose KV slot lay outside the store: stop with one clear error
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
-        self.publish_gathered(rid, ids, slots.cpu(), t0)
+        self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token)
 
-    def publish_gathered(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, t0: Optional[float] = None) -> None:
+    def publish_gathered(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, t0: Optional[float] = None, *,
+                         prompt_len: Optional[int] = None, next_token: int = -1) -> None:
         """Gather store[slots] (host slot ids, every row already in the store) straight into the ring and
         publish the record. The synchronous finish runs it on the scheduler thread, the finish worker
         (sglang_hs/store/finisher.py) on its own; the gather (torch.index_select) runs without the GIL."""
         t0 = time.perf_counter() if t0 is None else t0
         T = int(slots.shape[0])
-        self.ring.publish(rid, ids, gather_from=self.store, slots=slots)  # gathered straight into the ring
+        self.ring.publish(rid, ids, gather_from=self.store, slots=slots,  # gathered straight into the ring
+                          prompt_len=prompt_len, next_token=next_token)
         self.stats["records"] += 1
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()

@@ -81,10 +81,13 @@ def _req(rid, prompt, output, pool_idx, finished_reason=None, finished_len=None)
     return req
 
 
-def _assert_record(hook, rid, tokens, slots):
+def _assert_record(hook, rid, tokens, slots, prompt_len, sent):
+    """`prompt_len`: where the record must say the prompt ends; `sent`: the generated tokens it must say
+    the server sent (the last one has no row)."""
     hook.settle()  # the worker's results are taken on the scheduler's side: reservations released there
     rec = hook.reader.take(rid, timeout=5)
     assert rec.input_ids.tolist() == tokens
+    assert (rec.prompt_len, rec.next_token, rec.output_ids) == (prompt_len, sent[-1], sent), rid
     want = hook.writer.store[torch.as_tensor(slots, dtype=torch.long)]
     assert torch.equal(rec.aux_hidden_states, want[:, :-1]), (rid, "aux rows are not the slots' rows")
     assert torch.equal(rec.last_hidden_state, want[:, -1]), (rid, "final-state rows are not the slots' rows")
@@ -94,14 +97,14 @@ def _assert_record(hook, rid, tokens, slots):
 def test_prompt_only_request_holds_every_prompt_row(hook):
     prompt = [5, 6, 7, 8, 9, 10, 11]
     hook.finish(_req("prompt-only", prompt, [42], pool_idx=2))  # one generated token: it has no row
-    _assert_record(hook, "prompt-only", prompt, hook.table[2, :len(prompt)].tolist())
+    _assert_record(hook, "prompt-only", prompt, hook.table[2, :len(prompt)].tolist(), len(prompt), [42])
 
 
 def test_generated_tokens_but_the_last_have_rows(hook):
     prompt, output = [3, 4, 5], [20, 21, 22, 23]
     hook.finish(_req("gen", prompt, output, pool_idx=4))
     T = len(prompt) + len(output) - 1
-    _assert_record(hook, "gen", (prompt + output)[:T], hook.table[4, :T].tolist())
+    _assert_record(hook, "gen", (prompt + output)[:T], hook.table[4, :T].tolist(), 3, output)
 
 
 def test_a_stop_string_trims_the_rows_past_it(hook):
@@ -112,7 +115,7 @@ def test_a_stop_string_trims_the_rows_past_it(hook):
     prompt, output = [3, 4, 5, 6], [30, 31, 32, 33, 34]
     hook.finish(_req("stop", prompt, output, pool_idx=1, finished_reason=FINISH_MATCHED_STR("x"), finished_len=2))
     T = len(prompt) + 2 - 1
-    _assert_record(hook, "stop", (prompt + output)[:T], hook.table[1, :T].tolist())
+    _assert_record(hook, "stop", (prompt + output)[:T], hook.table[1, :T].tolist(), 4, [30, 31])
 
 
 def test_aborted_health_check_and_warmup_requests_are_not_emitted_but_released(hook):
@@ -137,7 +140,7 @@ def test_repeated_slots_give_the_same_row_at_each_position(hook):
     hook.table[3, :6] = torch.tensor([50, 51, 50, 52, 52, 7], dtype=torch.int32)
     prompt = [1, 2, 3, 4, 5, 6]
     hook.finish(_req("repeat", prompt, [0], pool_idx=3))
-    _assert_record(hook, "repeat", prompt, [50, 51, 50, 52, 52, 7])
+    _assert_record(hook, "repeat", prompt, [50, 51, 50, 52, 52, 7], 6, [0])
 
 
 def test_records_of_successive_requests_come_from_their_own_pool_rows(hook):
@@ -147,4 +150,4 @@ def test_records_of_successive_requests_come_from_their_own_pool_rows(hook):
     for i, idx in enumerate((5, 0, 3)):
         prompt = list(range(10 + i, 10 + i + 4 + 3 * i))
         T = len(prompt) + 1
-        _assert_record(hook, f"seq-{i}", (prompt + [1, 2])[:T], hook.table[idx, :T].tolist())
+        _assert_record(hook, f"seq-{i}", (prompt + [1, 2])[:T], hook.table[idx, :T].tolist(), len(prompt), [1, 2])

@@ -26,11 +26,16 @@ def _record(i):
     return f"req-{i}-é", ids, rows
 
 
+def _said(i, T):
+    """Where record i's prompt ends (0..T + 1: T + 1 when nothing was generated) and its next token."""
+    return dict(prompt_len=i % (T + 2), next_token=(i * 31) % 1000)
+
+
 def _writer(dir_path, capacity):
     w = ring.RingWriter.create(dir_path, "ring-w0.bin", capacity)
     for i in range(N):
         rid, ids, rows = _record(i)
-        w.publish(rid, ids, rows, timeout=60)
+        w.publish(rid, ids, rows, timeout=60, **_said(i, len(ids)))
 
 
 def test_records_cross_processes_whole_in_order_with_wraparound(tmp_path):
@@ -53,6 +58,7 @@ def test_records_cross_processes_whole_in_order_with_wraparound(tmp_path):
         rid, ids, rows = _record(i)
         assert (rec.rid, rec.seq) == (rid, i + 1)
         assert torch.equal(rec.input_ids, ids) and torch.equal(rec.rows, rows)
+        assert dict(prompt_len=rec.prompt_len, next_token=rec.next_token) == _said(i, len(ids))
 
 
 def test_full_ring_blocks_then_times_out_without_overwriting(tmp_path):
@@ -150,3 +156,41 @@ def test_store_that_does_not_fit_names_the_flags(tmp_path):
             CaptureWriter(d, spec, 16, torch.bfloat16, 1 << 50)
     finally:
         shutil.rmtree(d)
+
+
+def test_prompt_length_and_next_token_are_checked_and_default_to_all_prompt(tmp_path):
+    """A record says where its prompt ends and which token followed its last row (format 4). Left out,
+    the whole record is prompt and the next token unknown (-1). Out of range on the writer's side is a
+    bug (assert); in the ring, a header altered without its checksum is torn, one that says a prompt
+    longer than T + 1 is corrupt even with a matching checksum."""
+    import zlib
+
+    w = ring.RingWriter.create(str(tmp_path), "r", 1 << 16)
+    ids, rows = torch.arange(5, dtype=torch.int32), torch.ones(5, P, H, dtype=torch.bfloat16)
+    w.publish("plain", ids, rows)
+    with pytest.raises(AssertionError):
+        w.publish("too-long", ids, rows, prompt_len=7)
+    reader = ring.RingReader.open(str(tmp_path), "r")
+    (plain,) = reader.drain()
+    assert (plain.prompt_len, plain.next_token) == (5, -1)
+    region = SharedRegion.open(str(tmp_path), "r")
+    rec = ring.record_bytes(5, P, H, 2, len("said"))
+    for prompt_len, fix_crc, message in ((3, False, "checksum mismatch"), (7, True, "corrupt record header")):
+        w.publish("said", ids, rows, prompt_len=2, next_token=77)
+        base = ring.HEADER_BYTES + ring.record_bytes(5, P, H, 2, len("plain")) + (rec if fix_crc else 0)
+        hdr = bytearray(bytes(region.buf[base : base + ring._REC.size].tolist()))
+        assert ring._REC.unpack(bytes(hdr))[-2:] == (2, 77)
+        struct.pack_into("<I", hdr, ring._REC.size - 8, prompt_len)
+        region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
+        if fix_crc:
+            trail = base + rec - ring.ALIGN
+            old = ring._TRAIL.unpack(bytes(region.buf[trail : trail + ring._TRAIL.size].tolist()))
+            new = ring._TRAIL.pack(old[0], zlib.crc32(bytes(hdr) + b"said"), *old[2:])
+            region.buf[trail : trail + len(new)] = torch.frombuffer(bytearray(new), dtype=torch.uint8)
+        with pytest.raises(ring.TornRecord, match=message):
+            ring.RingReader.open(str(tmp_path), "r").drain()
+        if not fix_crc:  # put it back and consume it, so the next record is the one altered
+            struct.pack_into("<I", hdr, ring._REC.size - 8, 2)
+            region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
+            (said,) = ring.RingReader.open(str(tmp_path), "r").drain()
+            assert (said.prompt_len, said.next_token) == (2, 77)
