@@ -13,7 +13,7 @@ demo: setup
 	$(PY) -m sglang_hs.demo
 
 test: setup
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=30 tests
 
 test-unit: setup
 	$(PY) -m pytest -q -ra tests/unit

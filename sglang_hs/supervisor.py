@@ -297,14 +297,7 @@ class Supervisor:
                       if os.stat(p).st_mtime >= self.started_at - 1]
         if not candidates:
             return
-        mapped = set()
-        for maps in glob.glob("/proc/[0-9]*/maps"):
-            try:
-                with open(maps) as f:
-                    mapped.update(line.split(None, 5)[-1].strip() for line in f
-                                  if "/dev/shm/sglang_loads_" in line or "/dev/shm/sgl_shm_mq_" in line)
-            except OSError:
-                pass
+        mapped = mapped_shm(("/dev/shm/sglang_loads_", "/dev/shm/sgl_shm_mq_"))
         for path in candidates:
             if path not in mapped:
                 try:
@@ -382,3 +375,15 @@ class Supervisor:
         port = _flag_value(args, "--port") or "30000"
         return f"http://{host}:{port}"
 
+
+def mapped_shm(prefixes) -> set:
+    """Paths starting with one of `prefixes` that some live process maps (read from /proc/*/maps): a
+    segment of a server still running, never one to remove."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if any(p in line for p in prefixes))
+        except OSError:
+            pass
+    return mapped

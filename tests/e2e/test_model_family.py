@@ -42,8 +42,10 @@ LAYERS = [1, 2, 5, 7]
 GREEDY = {"temperature": 0}
 FAMILIES = {
     "v2": [],
-    # Kimi-K2's 131072-token context would need a 1.3 GiB ring for one float32 record: cap it.
-    "kimi-k2": ["--trust-remote-code", "--context-length", "4096"],
+    # Kimi-K2's 131072-token context would need a 1.3 GiB ring for one float32 record: cap it. Served on
+    # 2 ranks with expert parallel alone (no DP attention; see test_multi_rank.py for TP and DP attention):
+    # attention heads and experts split over both ranks, one expert group, Kimi-K2's routed scaling.
+    "kimi-k2": ["--trust-remote-code", "--context-length", "4096", "--tp", "2", "--ep-size", "2"],
     # Mistral-native folder (params.json + consolidated.safetensors): SGLang's Mistral config parser and
     # weight format, chosen by the folder's name; the embedded tokenizer rides along as tokenizer.json.
     "mistral-large-3": [],
