@@ -6,7 +6,8 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
 - "kimi-k2": DeepseekV3ForCausalLM with Kimi-K2's config specifics (model_type "kimi_k2" with an
   auto_map to remote config code, served with --trust-remote-code; one expert group; rope_theta 50000,
   YaRN factor 32 with beta_fast = beta_slow = 1; routed_scaling_factor 2.827). The embedded tokenizer,
-  not Kimi-K2's (its tiktoken-based tokenizer is remote code not available offline).
+  not Kimi-K2's (its tiktoken-based tokenizer is remote code not available offline). Served on two ranks
+  with expert parallel alone (`--tp 2 --ep-size 2`): the suite's EP-without-DP-attention configuration.
 - "mistral-large-3": MistralLarge3ForCausalLM from a Mistral-native folder (params.json +
   consolidated.safetensors with Mistral weight names), through SGLang's Mistral config parser and weight
   remapping; softmax routing with renormalised top-k, Llama-4 query scaling stepping every 16 positions.
