@@ -27,10 +27,16 @@ raises aborts its requests still in flight, closes the reader and its HTTP threa
 outright leaves the server serving: its flock on the dump dir dies with it, and a later reader drains
 whatever records its last requests left in the ring.
 
-DataLoader workers: num_workers 0 or 1. Several workers would each need the dump dir's one reader, so
-num_workers > 1 is refused with a one-line error (LiveDatasetError) rather than sharded; the server is
-the part that works, and `concurrency` keeps it busy from one process. Use one dataset per server
-(each with its own dump dir) to feed from several.
+DataLoader workers: any number. With num_workers N > 1, worker k sends the records of index % N == k
+(concurrency / N of them in flight each, at least one: max(concurrency, N) in all), and worker 0 holds the
+dump dir's one reader in a thread that hands each record to the worker whose request it is, tensors through
+shared memory (sglang_hs/live_workers.py; fork or spawn). Every sample comes once per epoch. Order: each
+worker yields its share in dataset order and the DataLoader (in_order, the default) takes one sample from
+each worker in turn, so the order is the dataset's until a worker's share runs short (a skipped record,
+an uneven split), and the same for the same data and N. Worker 0 ends last: when the DataLoader's
+iteration ends, every request has been answered and the reader is closed. `skipped` counts in each
+worker's copy, out of the main process's sight. A killed consumer's workers exit once PyTorch's
+watchdog sees their parent gone (within 5 s), the router's reader lock going with worker 0.
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         self.request_timeout, self.reader_wait, self.owner = request_timeout, reader_wait, owner
         self.skipped: "collections.Counter[str]" = collections.Counter()
         self._preparer = None
+        self._key, self._authkey, self._epochs = uuid.uuid4().hex, os.urandom(32), 0  # for DataLoader workers
 
     def _records(self) -> Iterator:
         if isinstance(self.data, str):
@@ -79,25 +86,64 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise LiveDatasetError(f"LiveHiddenStates: DataLoader num_workers={info.num_workers}; use 0 or 1 (the "
-                                   "dump dir has one reader; raise concurrency to keep the server busy instead)")
-        return self._iterate()
+        if info is None or info.num_workers == 1:
+            return self._iterate()
+        self._epochs += 1  # in this worker's copy; every worker counts the same
+        return self._iterate_worker(info)
 
     def _iterate(self) -> Iterator[dict]:
-        import requests
-
-        from sglang_hs.extract.cli import RECORD_GRACE_S, ExtractError, make_preparer, record_loss_mask, request_body
-        from sglang_hs.extract.dataset import SkipSample
-        from sglang_hs.extract.sinks import specforge_sample
+        """One process (no DataLoader workers, or one): it holds the dump dir's reader itself."""
         from sglang_hs.reader import HiddenStateReader
 
         try:
             reader = HiddenStateReader(self.dump_dir, wait=self.reader_wait, owner=self.owner)
         except (RuntimeError, FileNotFoundError) as e:
             raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
+        yield from self._samples(reader, f"hsl-{uuid.uuid4().hex[:12]}-", 0, 1, self.concurrency)
+
+    def _iterate_worker(self, info) -> Iterator[dict]:
+        """DataLoader worker `info.id` of several: it sends the records of index % num_workers == id, and
+        gets their records from the router worker 0 runs (sglang_hs/live_workers.py)."""
+        from sglang_hs.live_workers import RecordRouter, RoutedRecords, iteration_key, rid_prefix
+
+        key, n = iteration_key(self._key, self._epochs), info.num_workers
+        router = None
+        if info.id == 0:
+            try:
+                router = RecordRouter(key, self._authkey, n, self.dump_dir, self.reader_wait, self.owner)
+            except (RuntimeError, FileNotFoundError, OSError) as e:
+                raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
+        finished = False
+        try:
+            try:  # worker 0 may still be waiting for the manifest
+                source = RoutedRecords(key, self._authkey, info.id, 2 * self.reader_wait + 10)
+            except (OSError, EOFError) as e:
+                raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {info.id}: the record router "
+                                       f"(worker 0) did not answer ({type(e).__name__}: {e})") from None
+            share = max(1, (self.concurrency + n - 1 - info.id) // n)  # the shares sum to concurrency
+            yield from self._samples(source, rid_prefix(key, info.id), info.id, n, share)
+            finished = True
+        finally:
+            if router is not None:
+                if not finished:
+                    router.stop()
+                try:
+                    router.join()  # worker 0 ends last: the reader is closed when the DataLoader ends
+                except Exception as e:  # noqa: BLE001
+                    if finished:
+                        raise LiveDatasetError(f"LiveHiddenStates: the record router stopped: {e}") from None
+
+    def _samples(self, reader, ours: str, worker: int, num_workers: int, concurrency: int) -> Iterator[dict]:
+        """The samples of records index % num_workers == worker, records from `reader` (a HiddenStateReader
+        or a worker's RoutedRecords), rids `ours` + index; closes `reader` when it ends."""
+        import requests
+
+        from sglang_hs.extract.cli import RECORD_GRACE_S, ExtractError, make_preparer, record_loss_mask, request_body
+        from sglang_hs.extract.dataset import SkipSample
+        from sglang_hs.extract.sinks import specforge_sample
+
         session = requests.Session()
-        pool = cf.ThreadPoolExecutor(self.concurrency, thread_name_prefix="sglang-hs-live")
+        pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="sglang-hs-live")
         pending: "collections.OrderedDict[str, list]" = collections.OrderedDict()  # rid -> [sample, future, t_reply]
         try:
             if not reader.manifest["last"]:
@@ -105,7 +151,6 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                                        "SpecForge's layout needs the final hidden state")
             if self._preparer is None:
                 self._preparer = make_preparer(reader.manifest)
-            ours = f"hsl-{uuid.uuid4().hex[:12]}-"
             timeout = self.request_timeout
 
             def send(body):
@@ -120,12 +165,14 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
 
             records, exhausted = self._records(), False
             while not exhausted or pending:
-                while not exhausted and len(pending) < self.concurrency:
+                while not exhausted and len(pending) < concurrency:
                     try:
                         index, record = next(records)
                     except StopIteration:
                         exhausted = True
                         break
+                    if index % num_workers != worker:
+                        continue
                     try:
                         sample = self._preparer(index, record)
                     except SkipSample as e:

@@ -1,7 +1,7 @@
 """sglang_hs.live.LiveHiddenStates on the real server: its samples are the extraction CLI's SpecForge files,
-tensor by tensor; a tiny EAGLE-3-style head trains on it through a DataLoader (the loss falls); more than
-one DataLoader worker is refused; a consumer killed mid-iteration leaves the server serving and its dump
-dir readable."""
+tensor by tensor, with no DataLoader worker and with several (fork and spawn, two epochs of persistent
+workers); a tiny EAGLE-3-style head trains on it through a DataLoader (the loss falls); a consumer killed
+mid-iteration leaves the server serving and its dump dir readable."""
 import json
 import signal
 import subprocess
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from sglang_hs import HiddenStateReader, tiny_model
 from sglang_hs.extract.verify import load_lm_head
-from sglang_hs.live import LiveDatasetError, LiveHiddenStates
+from sglang_hs.live import LiveHiddenStates
 from test_extract import _server_args, conversations, extract, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -31,19 +31,23 @@ def records():
     ]
 
 
-def test_samples_are_the_cli_files(capture_server, dump_dir, tmp_path):
-    data = write_jsonl(tmp_path / "data.jsonl", records())
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def cli_files(capture_server, dump_dir, tmp_path_factory):
+    """records() as a JSON Lines file, and the extraction CLI's SpecForge files of it."""
+    tmp = tmp_path_factory.mktemp("live")
+    data = write_jsonl(tmp / "data.jsonl", records())
+    out = tmp / "out"
     proc = extract(["--data", data, "--output", str(out), "--format", "specforge", "--concurrency", "4",
                     *_server_args(capture_server, dump_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(out / "manifest.json"))["samples_written"] == 7
+    return data, [torch.load(out / "rows_0-2000" / f"data_{i}.ckpt") for i in range(7)]
 
-    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3)
-    samples = list(DataLoader(ds, batch_size=None, num_workers=0))
-    assert len(samples) == 7 and dict(ds.skipped) == {"empty-conversation": 1, "token-out-of-vocab": 1}
-    for i, got in enumerate(samples):  # dataset order; the skipped records come after these
-        want = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt")
+
+def assert_same_samples(samples, files):
+    """Sample i is the CLI's file i (dataset order; the skipped records come after these), row by row."""
+    assert len(samples) == len(files) == 7
+    for i, (got, want) in enumerate(zip(samples, files)):
         assert sorted(got) == sorted(want) == sorted(KEYS), i
         for k in KEYS:
             a, b = got[k], want[k]
@@ -55,8 +59,35 @@ def test_samples_are_the_cli_files(capture_server, dump_dir, tmp_path):
                 assert not bad, (i, k, bad)
             else:
                 assert torch.equal(a, b), (i, k)
+
+
+def test_samples_are_the_cli_files(capture_server, dump_dir, cli_files):
+    data, files = cli_files
+    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3)
+    samples = list(DataLoader(ds, batch_size=None, num_workers=0))
+    assert dict(ds.skipped) == {"empty-conversation": 1, "token-out-of-vocab": 1}
+    assert_same_samples(samples, files)
     # the iteration closed its reader: the dump dir can be read again at once
     HiddenStateReader(str(dump_dir), wait=0).close()
+
+
+@pytest.mark.parametrize("workers,context,epochs", [(2, "fork", 2), (3, "spawn", 1)])
+def test_several_workers_yield_the_cli_files(capture_server, dump_dir, cli_files, workers, context, epochs):
+    """Each worker sends its share (record index % workers) and gets its records from worker 0's router;
+    every sample comes exactly once, and since the skipped records are the last ones, the DataLoader's
+    turn-taking over the workers gives dataset order. Persistent workers: a second epoch, the same samples."""
+    data, files = cli_files
+    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context,
+                        persistent_workers=epochs > 1)
+    for epoch in range(epochs):
+        samples = list(loader)
+        print(f"epoch {epoch}: {len(samples)} samples of {[s['input_ids'].shape[0] for s in samples]} tokens")
+        assert sorted(tuple(s["input_ids"].tolist()) for s in samples) == \
+            sorted(tuple(f["input_ids"].tolist()) for f in files), "not every sample exactly once"
+        assert_same_samples(samples, files)
+        # worker 0 ends last, closing the one reader: the dump dir can be read again at once
+        HiddenStateReader(str(dump_dir), wait=0).close()
 
 
 def test_tiny_eagle3_head_trains_on_it(capture_server, dump_dir, tmp_path):
@@ -86,12 +117,6 @@ def test_tiny_eagle3_head_trains_on_it(capture_server, dump_dir, tmp_path):
     first, last = losses[:4], losses[-4:]
     assert all(b < a for a, b in zip(first, last)), (first, last)
     assert (sum(first) - sum(last)) / 4 > 0.2, (first, last)  # nats per sample; ~0.4 measured
-
-
-def test_several_workers_refused(capture_server, dump_dir):
-    ds = LiveHiddenStates([{"input_ids": [5, 6, 7]}], capture_server.url, dump_dir)
-    with pytest.raises(LiveDatasetError, match="num_workers=2; use 0 or 1"):
-        list(DataLoader(ds, batch_size=None, num_workers=2))
 
 
 CONSUMER = """
