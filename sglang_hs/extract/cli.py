@@ -1,4 +1,5 @@
 """python -m sglang_hs.extract --data FILE --output DIR [--server URL --hs-dump-dir DIR | <launcher flags>]
+   python -m sglang_hs.extract --from-dump DIR --output DIR
 
 A training dataset in, drafter-ready hidden-state files out. Without --server it starts
 `python -m sglang_hs.launch_server` itself with the launcher flags given (default: the embedded tiny
@@ -10,6 +11,8 @@ renamed into place only when complete). A manifest.json beside the files says wh
 --format safetensors a completed run then writes speculators' dataset over all the sample files in the folder
 (`--finalize` does only that, e.g. for --shard outputs copied into one folder). `--save-dtype fp8` stores
 --format safetensors rows in speculators' FP8 scheme (sglang_hs/extract/fp8.py), about half the disk.
+`--from-dump DIR` sends nothing: it turns the records a harvesting server captures from its own traffic
+into training files, loss mask on the generated tokens, until stopped (sglang_hs/extract/harvest.py).
 """
 from __future__ import annotations
 
@@ -56,13 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finalize", action="store_true",
                    help="--format safetensors: only (re)write speculators' dataset for the hs_*.safetensors files in "
                         "--output, e.g. after copying the outputs of several --shard runs into one folder")
+    p.add_argument("--from-dump", default=None, metavar="DIR",
+                   help="no --data: turn the records a running server captures from its live traffic (its "
+                        "--hs-dump-dir, --hs-capture opt-in / --hs-capture-sample) into training files, loss mask "
+                        "on the generated tokens, until SIGINT/SIGTERM, --max-samples or --idle-timeout; a "
+                        "restarted run continues where the last stopped")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="--from-dump: stop (and finalize) after this long without a record (default: never)")
     p.add_argument("--server", default=None, metavar="URL", help="a running sglang-hs server (with --hs-dump-dir)")
     p.add_argument("--hs-dump-dir", default=None, metavar="DIR",
                    help="the server's dump dir (required with --server; default without: a fresh one in /dev/shm)")
     p.add_argument("--hs-owner", default=None, metavar="USER",
                    help="with --server: the user the server runs as, when it is not you (it shares the dump with "
                         "--hs-share-group, of which you are a member); default: you")
-    p.add_argument("--max-samples", type=int, default=None, metavar="N", help="only the first N records")
+    p.add_argument("--max-samples", type=int, default=None, metavar="N",
+                   help="only the first N records (--from-dump: stop after N files written)")
     p.add_argument("--shard", default="0/1", metavar="I/N", help="only records whose index is I modulo N")
     p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default 8)")
     p.add_argument("--resume", action="store_true", help="skip samples whose file exists in --output")
@@ -96,6 +107,20 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     if ns.save_dtype in ("fp8", "fp8-per-layer") and ns.format != "safetensors":
         raise ExtractError(f"--save-dtype {ns.save_dtype} needs --format safetensors: SpecForge 0.2.0 reads "
                            f"--format {ns.format} files with no FP8 scales (it would train on the unscaled values)")
+    if ns.idle_timeout is not None and not ns.from_dump:
+        raise ExtractError("--idle-timeout is for --from-dump")
+    if ns.from_dump and ns.finalize:
+        raise ExtractError("--finalize does not go with --from-dump (a --from-dump run finalizes when it stops)")
+    if ns.from_dump:
+        from sglang_hs.extract.harvest import check_args
+
+        why = check_args(ns, launcher_args)
+        if why:
+            raise ExtractError(why)
+        if ns.torch_threads < 1:
+            raise ExtractError(f"--torch-threads: must be >= 1, got {ns.torch_threads}")
+        _owner(ns)
+        return ns, launcher_args
     if ns.finalize:
         if ns.format != "safetensors":
             raise ExtractError("--finalize is for --format safetensors (SpecForge reads rows_*/ as they are: merge "
@@ -115,18 +140,24 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
         raise ExtractError(f"{launcher_args[0]}: launcher flags need no --server (the server is already running)")
     if ns.server and not ns.hs_dump_dir:
         raise ExtractError("--server needs --hs-dump-dir: the dump dir that server captures into")
-    if ns.hs_owner is not None:
-        if not ns.server:
-            raise ExtractError("--hs-owner needs --server: a server this command starts runs as you")
-        from sglang_hs.fsutil import owner_uid
-
-        try:
-            ns.hs_owner = owner_uid(ns.hs_owner)
-        except ValueError:
-            raise ExtractError(f"--hs-owner: no such user {ns.hs_owner!r}") from None
+    if ns.hs_owner is not None and not ns.server:
+        raise ExtractError("--hs-owner needs --server or --from-dump: a server this command starts runs as you")
+    _owner(ns)
     if not os.path.exists(ns.data) and os.path.sep in ns.data:
         raise ExtractError(f"--data: {ns.data} does not exist")
     return ns, launcher_args
+
+
+def _owner(ns) -> None:
+    """--hs-owner as a uid."""
+    if ns.hs_owner is None:
+        return
+    from sglang_hs.fsutil import owner_uid
+
+    try:
+        ns.hs_owner = owner_uid(ns.hs_owner)
+    except ValueError:
+        raise ExtractError(f"--hs-owner: no such user {ns.hs_owner!r}") from None
 
 
 def _selected_for_verify(index: int, fraction: float) -> bool:
@@ -200,7 +231,8 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "hidden_size": m["hidden_size"], "num_hidden_layers": m["num_hidden_layers"], "layer_ids": m["layer_ids"],
         "last_hidden_state": m["last"], "hf_output_hidden_states_index": m["hf_output_hidden_states_index"],
         "convention": m["convention"], "draft_model_config": draft_config(m),
-        "data": os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data,
+        "data": (os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data) if ns.data else None,
+        "from_dump": os.path.abspath(ns.from_dump) if ns.from_dump else None,
         "save_dtype": ns.save_dtype, "stored_dtype": _stored_dtype(ns.save_dtype, m["dtype"]),
         "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
@@ -524,6 +556,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     sink = SINKS[ns.format](out_dir, ns.save_dtype)
     if ns.finalize:
         return _finalize_only(sink)
+    if ns.from_dump:
+        from sglang_hs.extract.harvest import run
+
+        return run(ns, sink, out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
         have = sink.existing()

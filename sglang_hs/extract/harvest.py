@@ -1,0 +1,225 @@
+"""python -m sglang_hs.extract --from-dump DIR --output OUT: training files from a harvesting server.
+
+A server harvesting live traffic (--hs-capture opt-in, --hs-capture-sample P; README "Harvesting from live
+traffic") publishes one record per captured request: its prompt and the tokens it generated, with their
+rows, and where the prompt ends. This attaches to its dump dir as the acknowledging reader
+(HiddenStateReader(ack=True)) and turns each record into one training file with the extraction CLI's
+sinks (--format specforge or safetensors, --save-dtype with its FP8), loss mask 1 on the generated rows
+(rows >= the record's prompt_len), without running the model again.
+
+Nothing lost, nothing twice: a record is acknowledged (its ring bytes go back to the server) only once
+its file is renamed into place (sinks.py) and journaled, so a harvester killed at any point and started
+again gets every record it had not acknowledged again. A record's file index is fixed by the record:
+the number of its ring (its manifest ring_id, numbered in the journal in the order rings were first
+seen) shifted left 32 bits, plus its sequence number in that ring; a record whose file or journal line is
+already there is only acknowledged. The journal (harvest.jsonl in --output, one fsynced line per file)
+says which request each file holds: rid, ring, sequence number, prompt length and the last generated
+token (no row of its own, so not in the file: input_ids[prompt_len:] + [next_token] is what the
+server sent back).
+
+Skipped and counted: marker records (requests served without capture) and records with no generated row
+(prompt_len >= T: a request that generated at most one token; its loss mask would be all zero, and a
+file that trains nothing only costs disk). Runs until SIGINT or SIGTERM (the file in hand is finished),
+--max-samples files written, or --idle-timeout seconds without a record; then writes the manifest and,
+with --format safetensors and the final state, speculators' dataset over every hs_*.safetensors in
+--output, as a completed extraction run does (so `--finalize` applies as well).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+
+JOURNAL = "harvest.jsonl"
+RING_SHIFT = 32  # file index = ring number << RING_SHIFT | sequence number
+POLL_S = 0.2  # how often a harvester waiting for records looks at its stop conditions
+
+
+class Journal:
+    """harvest.jsonl: a line per ring first seen ({"ring", "number"}) and per file ({"index", "rid", ...}),
+    each appended and fsynced. A line a crash cut short is dropped when the journal is opened."""
+
+    def __init__(self, out_dir: str) -> None:
+        from sglang_hs.extract.cli import ExtractError
+
+        self.path = os.path.join(out_dir, JOURNAL)
+        self.rings: dict = {}  # ring_id -> number
+        self.files: dict = {}  # file index -> its line
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            os.truncate(self.path, end)
+        for n, line in enumerate(data[:end].splitlines(), 1):
+            try:
+                entry = json.loads(line)
+                if "index" in entry:
+                    self.files[int(entry["index"])] = entry
+                else:
+                    self.rings[str(entry["ring"])] = int(entry["number"])
+            except (ValueError, KeyError, TypeError):
+                raise ExtractError(f"{self.path}: line {n} is not a journal entry ({line[:80]!r})") from None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def _append(self, entry: dict) -> None:
+        os.write(self._fd, (json.dumps(entry) + "\n").encode())
+        os.fsync(self._fd)
+
+    def ring_number(self, ring_id: str) -> int:
+        if ring_id not in self.rings:
+            self.rings[ring_id] = len(self.rings)
+            self._append({"ring": ring_id, "number": self.rings[ring_id]})
+        return self.rings[ring_id]
+
+    def add_file(self, entry: dict) -> None:
+        self._append(entry)
+        self.files[entry["index"]] = entry
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def loss_mask(rec) -> torch.Tensor:
+    """1 on the generated rows (rows >= prompt_len), 0 on the prompt's."""
+    return (torch.arange(rec.num_tokens) >= rec.prompt_len).long()
+
+
+class Harvester:
+    def __init__(self, reader, sink, journal: Journal, stats) -> None:
+        self.reader, self.sink, self.journal, self.stats = reader, sink, journal, stats
+        self.ring_ids = [str(w.get("ring_id") or f"pid-{w['pid']}") for w in reader.manifest["writers"]]
+
+    def handle(self, rec) -> None:
+        """One record: its file (unless there already), its journal line, then the acknowledgement."""
+        T = rec.num_tokens
+        if rec.prompt_len >= T:
+            self.stats.skipped["no_generated_rows"] += 1
+            self.reader.ack(rec)
+            return
+        ring_id = self.ring_ids[rec.writer]
+        index = self.journal.ring_number(ring_id) << RING_SHIFT | rec.seq
+        if index in self.journal.files:  # written and journaled by a harvester killed before it acknowledged
+            self.stats.resumed += 1
+        else:
+            if self.sink.done(index):  # renamed into place, killed before its journal line
+                self.stats.resumed += 1
+            else:
+                self.stats.bytes += self.sink.write(index, rec.input_ids, loss_mask(rec), rec.aux_hidden_states,
+                                                    rec.last_hidden_state)
+                self.stats.done += 1
+                self.stats.tokens += T
+            self.journal.add_file({"index": index, "rid": rec.rid, "ring": ring_id, "seq": rec.seq, "tokens": T,
+                                   "prompt_len": rec.prompt_len, "next_token": rec.next_token})
+        self.reader.ack(rec)
+
+
+def _open_reader(ns):
+    from sglang_hs.extract.cli import ExtractError
+    from sglang_hs.reader import MANIFEST, HiddenStateReader
+
+    dump = os.path.abspath(ns.from_dump)
+    if not os.path.isdir(dump):
+        raise ExtractError(f"--from-dump: {dump} is not a folder")
+    if not os.path.exists(os.path.join(dump, MANIFEST)):
+        raise ExtractError(f"--from-dump: {dump} holds no {MANIFEST} (is a server running with --hs-dump-dir {dump}?)")
+    try:
+        return HiddenStateReader(dump, wait=5, ack=True, recycle_memory=True, owner=ns.hs_owner)
+    except (RuntimeError, ValueError, OSError) as e:  # another reader, another format, permissions
+        raise ExtractError(f"--from-dump: {e}") from None
+
+
+def run(ns, sink, out_dir: str) -> int:
+    """The --from-dump run (module docstring); returns the exit status."""
+    from sglang_hs.extract.cli import PROG, ExtractError, Stats, _check_resume_dtype, _print_summary, write_manifest
+    from sglang_hs.extract.sinks import SinkError
+
+    stop = []
+
+    def on_signal(signum, frame):
+        stop.append(signal.Signals(signum).name)
+
+    reader = journal = harvester = manifest = dataset = None
+    status, rc = "failed", 1
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ns.torch_threads)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        have = sink.existing()
+        if have and not os.path.exists(os.path.join(out_dir, JOURNAL)):
+            raise ExtractError(f"--output {out_dir} already holds {have} {ns.format} sample files of another run "
+                               "(no harvest journal): choose another folder")
+        if have:
+            _check_resume_dtype(out_dir, ns.save_dtype)
+        sink.remove_partial()
+        reader = _open_reader(ns)
+        manifest = reader.manifest
+        if sink.needs_last and not manifest["last"]:
+            raise ExtractError(f"--format {ns.format} needs the final hidden state: the server of {ns.from_dump} "
+                               "runs without --hs-last (restart it with --hs-last)")
+        if sink.wants_last and not manifest["last"]:
+            print(f"[extract] warning: the server of {ns.from_dump} runs without --hs-last: no {ns.format} training "
+                  "set is made of these files", file=sys.stderr, flush=True)
+        sink.layer_ids = list(manifest["layer_ids"])
+        journal = Journal(out_dir)
+        harvester = Harvester(reader, sink, journal, Stats())
+        print(f"[extract] harvesting {ns.from_dump} into {out_dir} (--format {ns.format}); stop with Ctrl-C or "
+              "SIGTERM", file=sys.stderr, flush=True)
+        last_record = time.monotonic()
+        while not stop and (ns.max_samples is None or harvester.stats.done < ns.max_samples):
+            try:
+                rec = reader.next(timeout=POLL_S)
+            except TimeoutError:
+                if ns.idle_timeout is not None and time.monotonic() - last_record > ns.idle_timeout:
+                    break
+                continue
+            last_record = time.monotonic()
+            harvester.handle(rec)
+        status, rc = ("stopped by " + stop[0] if stop else "complete"), 0
+        if manifest["last"]:
+            try:
+                dataset = sink.finalize()
+            except SinkError as e:
+                status, rc = "complete without the training set", 1
+                print(f"{PROG}: error: {e}", file=sys.stderr)
+    except (ExtractError, OSError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        rc = 2 if harvester is None else 1
+    finally:
+        torch.set_num_threads(threads)
+        for s, h in old.items():
+            signal.signal(s, h)
+        if reader is not None:
+            reader.close()  # records not acknowledged stay in the ring for the next harvester
+        if journal is not None:
+            journal.close()
+    if harvester is not None:
+        stats = harvester.stats
+        stats.skipped["served_without_capture"] += reader.markers
+        stats.t1, stats.cpu1 = time.monotonic(), time.process_time()
+        _print_summary(stats, out_dir)
+        write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
+    return rc
+
+
+def check_args(ns, launcher_args) -> Optional[str]:
+    """Why these flags cannot go with --from-dump (one line), else None."""
+    if launcher_args:
+        return f"{launcher_args[0]}: --from-dump reads a running server's dump; it starts no server"
+    for flag, given in (("--data", ns.data), ("--server", ns.server), ("--hs-dump-dir", ns.hs_dump_dir),
+                        ("--regenerate", ns.regenerate), ("--verify", ns.verify), ("--shard", ns.shard != "0/1")):
+        if given:
+            return f"{flag} does not go with --from-dump: the records come from the server's live traffic"
+    if ns.idle_timeout is not None and ns.idle_timeout <= 0:
+        return f"--idle-timeout: seconds > 0, got {ns.idle_timeout}"
+    if ns.max_samples is not None and ns.max_samples < 1:
+        return f"--max-samples: must be >= 1 with --from-dump, got {ns.max_samples}"
+    return None

@@ -1,0 +1,190 @@
+"""`python -m sglang_hs.extract --from-dump DIR` (sglang_hs/extract/harvest.py) on a dump written by the real
+writer and ring (no server): each record of a request becomes one training file whose rows are the store
+rows it was gathered from and whose loss mask is 1 exactly on the generated rows; markers and records with
+no generated row are skipped and counted; a harvester that dies between writing a file and acknowledging
+its record, or between writing it and journaling it, and is started again, ends with every record's file
+exactly once; bad flags get one line. The real server, SIGKILL and the trainers' readers:
+tests/e2e/test_harvest.py."""
+import json
+import os
+
+import pytest
+import torch
+
+from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.extract import cli, harvest
+from sglang_hs.store.writer import CaptureWriter
+
+H, SLOTS = 8, 64
+
+
+class Crash(BaseException):
+    """Stands in for the process dying at that point (nothing below catches a BaseException)."""
+
+
+def _dump(path, last=True):
+    path.mkdir(mode=0o700)
+    w = CaptureWriter(str(path), CaptureSpec.resolve([1, 2], last, 4, H), SLOTS, torch.float32, 1 << 18)
+    s, p, h = torch.meshgrid(torch.arange(SLOTS), torch.arange(w.P), torch.arange(H), indexing="ij")
+    w.store.copy_(s + p / 8 + h / 1024)  # differs per slot, layer and index
+    return w
+
+
+# (rid, prompt length, generated tokens); the record holds prompt + generated[:-1]
+REQUESTS = [("a", 5, 3), ("b", 4, 1), ("c", 3, 6), ("d", 6, 2), ("e", 2, 4)]
+
+
+def _publish(w, requests=REQUESTS, first_slot=0):
+    """Each request's record from its own KV slots; a marker between each. Returns rid -> (ids, slots, p, next)."""
+    out, slot = {}, first_slot
+    for i, (rid, p, g) in enumerate(requests):
+        tokens = [100 * i + t for t in range(p + g)]
+        T = p + g - 1
+        slots = torch.arange(slot, slot + T) % SLOTS
+        slot += T
+        w.publish_gathered(rid, torch.tensor(tokens[:T], dtype=torch.int32), slots, prompt_len=p,
+                           next_token=tokens[T])
+        w.publish_marker(f"unsampled-{i}", "not_sampled")
+        out[rid] = tokens[:T], slots, p, tokens[T]
+    return out
+
+
+def _run(dump, out, *flags):
+    return cli.main(["--from-dump", str(dump), "--output", str(out), "--idle-timeout", "0.5", *flags])
+
+
+def _journal(out):
+    lines = [json.loads(x) for x in open(os.path.join(out, harvest.JOURNAL))]
+    return {e["rid"]: e for e in lines if "index" in e}, lines
+
+
+def _check_files(w, out, sent, fmt="specforge"):
+    """Every request with a generated row has one file, exactly its rows and mask; returns the journal."""
+    from sglang_hs.extract.sinks import SINKS
+
+    sink = SINKS[fmt](str(out))
+    files, lines = _journal(out)
+    assert len([e for e in lines if "index" in e]) == len(files), "a record journaled twice"
+    want = {rid for rid, (ids, _, p, _) in sent.items() if len(ids) > p}
+    assert set(files) == want and sink.existing() == len(want)
+    for rid in want:
+        ids, slots, p, nxt = sent[rid]
+        e = files[rid]
+        assert (e["prompt_len"], e["next_token"], e["tokens"]) == (p, nxt, len(ids))
+        rows = w.store[slots]
+        if fmt == "specforge":
+            d = torch.load(sink.path(e["index"]))
+            got_ids, mask, aux, last = d["input_ids"], d["loss_mask"], d["aux_hidden_state"][0], d["hidden_state"][0]
+            assert torch.equal(aux, rows[:, :-1].reshape(len(ids), -1)) and torch.equal(last, rows[:, -1])
+        else:
+            from safetensors.torch import load_file
+
+            d = load_file(sink.path(e["index"]))
+            got_ids, mask = d["token_ids"], d["loss_mask"]
+            assert torch.equal(d["hidden_states"], rows)
+        assert got_ids.tolist() == ids
+        assert mask.tolist() == [0] * p + [1] * (len(ids) - p), (rid, mask)
+    return files
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "safetensors"])
+def test_records_become_files_masked_on_the_generated_rows(tmp_path, fmt, capsys):
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    assert _run(tmp_path / "dump", tmp_path / "out", "--format", fmt) == 0
+    _check_files(w, tmp_path / "out", sent, fmt)
+    m = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert m["samples_written"] == 4 and m["status"] == "complete" and m["from_dump"] == str(tmp_path / "dump")
+    assert m["skipped"] == {"no_generated_rows": 1, "served_without_capture": 5}, m["skipped"]
+    if fmt == "safetensors":  # finalized as a completed extraction run: speculators' dataset over the files
+        assert m["speculators_dataset_rows"] == 4 and os.path.exists(tmp_path / "out" / "state.json")
+    assert w.ring.free_bytes() == w.ring.capacity  # every record acknowledged
+    # more traffic later: a second run continues in the same folder, same ring numbering
+    more = _publish(w, [("f", 3, 3)], first_slot=40)
+    assert _run(tmp_path / "dump", tmp_path / "out", "--format", fmt) == 0
+    files = _check_files(w, tmp_path / "out", {**sent, **more}, fmt)
+    assert len({e["index"] >> harvest.RING_SHIFT for e in files.values()}) == 1
+
+
+@pytest.mark.parametrize("where", ["before the ack", "before the journal line"])
+def test_a_harvester_killed_mid_record_and_restarted_loses_and_duplicates_nothing(tmp_path, monkeypatch, where):
+    from sglang_hs.reader import HiddenStateReader
+
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    calls = []
+    name, owner = ("ack", HiddenStateReader) if where == "before the ack" else ("add_file", harvest.Journal)
+    original = getattr(owner, name)
+
+    def dies_on_the_third(self, *a):
+        calls.append(a)
+        if len(calls) == 3:
+            raise Crash(where)
+        return original(self, *a)
+
+    monkeypatch.setattr(owner, name, dies_on_the_third)
+    with pytest.raises(Crash):
+        _run(tmp_path / "dump", tmp_path / "out")
+    monkeypatch.setattr(owner, name, original)
+    assert w.ring.free_bytes() < w.ring.capacity  # records not acknowledged stayed in the ring
+    assert _run(tmp_path / "dump", tmp_path / "out") == 0
+    _check_files(w, tmp_path / "out", sent)
+    m = json.load(open(tmp_path / "out" / "manifest.json"))
+    # before the ack: a and c written, c acknowledged never; before the journal: d's file there, unjournaled
+    assert m["samples_already_done"] == 1 and m["samples_written"] == {"before the ack": 2}.get(where, 1)
+    assert w.ring.free_bytes() == w.ring.capacity
+
+
+def test_max_samples_stops_after_that_many_files_and_the_rest_wait_in_the_ring(tmp_path):
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    assert _run(tmp_path / "dump", tmp_path / "out", "--max-samples", "2") == 0
+    assert len(_journal(tmp_path / "out")[0]) == 2
+    assert _run(tmp_path / "dump", tmp_path / "out") == 0
+    _check_files(w, tmp_path / "out", sent)
+
+
+def test_a_journal_line_cut_by_a_crash_is_dropped(tmp_path):
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    assert _run(tmp_path / "dump", tmp_path / "out", "--max-samples", "1") == 0
+    with open(tmp_path / "out" / harvest.JOURNAL, "a") as f:
+        f.write('{"index": 12, "rid": "half')
+    assert _run(tmp_path / "dump", tmp_path / "out") == 0
+    _check_files(w, tmp_path / "out", sent)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data", "x.jsonl"], "--data does not go with --from-dump"),
+    (["--server", "http://x"], "--server does not go with --from-dump"),
+    (["--regenerate"], "--regenerate does not go with --from-dump"),
+    (["--tp", "2"], "--tp: --from-dump reads a running server's dump; it starts no server"),
+    (["--finalize", "--format", "safetensors"], "--finalize does not go with --from-dump"),
+    (["--idle-timeout", "0"], "--idle-timeout: seconds > 0"),
+    (["--max-samples", "0"], "--max-samples: must be >= 1 with --from-dump"),
+])
+def test_flags_that_do_not_go_with_from_dump_are_refused_in_one_line(tmp_path, capsys, flags, message):
+    assert cli.main(["--from-dump", str(tmp_path), "--output", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_dumps_and_outputs_are_refused_in_one_line(tmp_path, capsys):
+    def refused(args, message):
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+    refused(["--idle-timeout", "5", "--data", "x", "--output", str(tmp_path / "o")], "--idle-timeout is for --from-dump")
+    refused(["--from-dump", str(tmp_path / "nope"), "--output", str(tmp_path / "o")], "is not a folder")
+    (tmp_path / "empty").mkdir()
+    refused(["--from-dump", str(tmp_path / "empty"), "--output", str(tmp_path / "o")], "holds no manifest.json")
+    _dump(tmp_path / "no-last", last=False)
+    refused(["--from-dump", str(tmp_path / "no-last"), "--output", str(tmp_path / "o")],
+            "--format specforge needs the final hidden state")
+    _dump(tmp_path / "dump")
+    from sglang_hs.extract.sinks import SpecForgeSink
+
+    other = SpecForgeSink(str(tmp_path / "other"))
+    other.write(0, torch.arange(3), torch.ones(3), torch.zeros(3, 2, H), torch.zeros(3, H))
+    refused(["--from-dump", str(tmp_path / "dump"), "--output", str(tmp_path / "other")], "(no harvest journal)")
