@@ -48,12 +48,12 @@ def exact_staging_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def harvest_server(tmp_path_factory):
     """A float32 server harvesting like a production one (tests/e2e/test_harvest.py): only requests that
-    opt in or fall in a 30% sample are captured, and when its 2 MiB output ring is too full for a new
+    opt in or fall in a 10% sample are captured, and when its 2 MiB output ring is too full for a new
     record the request is served without capture (--hs-when-behind skip). Chunked prefill of 16 tokens,
     radix cache and overlap scheduler on, --hs-last, metrics on."""
     yield from _serve(tmp_path_factory.mktemp("hs-harvest") / "dump",
                       ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
-                       "--hs-capture", "opt-in", "--hs-capture-sample", "0.3", "--hs-when-behind", "skip",
+                       "--hs-capture", "opt-in", "--hs-capture-sample", "0.1", "--hs-when-behind", "skip",
                        "--hs-ring-size", "2MiB", "--context-length", "128", "--enable-metrics"])
 
 

@@ -1,6 +1,11 @@
 """Harvesting from live traffic on one float32 server (conftest.harvest_server: --hs-capture opt-in
---hs-capture-sample 0.3 --hs-when-behind skip, a 2 MiB ring):
+--hs-capture-sample 0.1 --hs-when-behind skip, a 2 MiB ring):
 
+0. production style: OpenAI chat requests, 10% sampled, harvested by `python -m sglang_hs.extract
+   --from-dump` that is SIGKILLed mid-load and started again: every request is served, the files are exactly
+   the sampled requests', once each, and load in SpecForge 0.2.0's released reader with rows exact against
+   HF float32 and the loss mask exactly on the generated tokens (the prompt is the chat template's, the
+   generated tokens decode to the reply);
 1. a mixed load (/generate and OpenAI chat, some requests opting in through custom_params): exactly the
    opted-in and sampled requests have records, each judged row by row against HF float32 (row_judge);
    every other one has a marker (`reader.take` raises NotCaptured, reason not_sampled), and the status
@@ -14,7 +19,11 @@ import glob
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -26,7 +35,7 @@ from sglang_hs.store.admission import sample_point
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8
-SAMPLE = 0.3
+SAMPLE = 0.1
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
@@ -62,6 +71,101 @@ def _metric_reaches(server, reason, n, seconds=30):
             return False
         time.sleep(0.2)
     return True
+
+
+def _harvester(dump, out, log):
+    """`python -m sglang_hs.extract --from-dump`, once it holds the dump (it says so on stderr)."""
+    n = log.read_text().count("[extract] harvesting") if log.exists() else 0
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_hs.extract", "--from-dump", str(dump), "--output", str(out),
+                             "--format", "specforge"], stdout=subprocess.DEVNULL, stderr=open(log, "a"))
+    deadline = time.monotonic() + 120
+    while log.read_text().count("[extract] harvesting") == n:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return proc
+
+
+def _journaled(out):
+    path = os.path.join(out, "harvest.jsonl")
+    lines = [json.loads(x) for x in open(path).read().splitlines(True) if x.endswith("\n")] if os.path.exists(path) else []
+    return [e for e in lines if "index" in e]
+
+
+def _wait_journaled(out, n, proc, log, seconds=120):
+    deadline = time.monotonic() + seconds
+    while len(_journaled(out)) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, (len(_journaled(out)), n, log.read_text())
+        time.sleep(0.1)
+
+
+def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and_restarted(harvest_server, hf,
+                                                                                             tmp_path):
+    """Runs before the module's `harvest` reader exists: the harvester is the dump's one reader."""
+    import importlib.util
+
+    import torch
+
+    unit = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit", "test_trainer_readers.py")
+    spec = importlib.util.spec_from_file_location("test_trainer_readers", unit)  # SpecForge 0.2.0, as installed there
+    readers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readers)
+    (build_offline_eagle3_dataset,) = readers._import_or_skip("specforge.data.preprocessing", ["build_offline_eagle3_dataset"])
+    server, out, log = harvest_server, tmp_path / "harvested", tmp_path / "harvester.log"
+    rids = [f"prod-{i}" for i in range(60)]
+    sampled = {r for r in rids if sample_point(r) < SAMPLE}
+    first = [r for r in rids[:30] if r in sampled]
+    assert first and 0.03 <= len(sampled) / len(rids) <= 0.2, sorted(sampled)  # about the 10% asked for
+    topics = ["harvest", "traffic", "tokens", "rows", "drafts", "servers"]
+    messages = {r: [{"role": "user", "content": f"Question {i}: tell me about {topics[i % 6]} " * (1 + i % 3)}]
+                for i, r in enumerate(rids)}
+
+    def send(rid):
+        return server.chat(messages[rid], max_tokens=6, temperature=0, rid=rid)
+
+    harvester = _harvester(server.dump, out, log)
+    replies = {}
+    with cf.ThreadPoolExecutor(4) as pool:
+        for rid, f in zip(rids[:30], pool.map(send, rids[:30])):
+            replies[rid] = f
+        _wait_journaled(out, 1, harvester, log)
+        futures = {rid: pool.submit(send, rid) for rid in rids[30:]}
+        harvester.send_signal(signal.SIGKILL)  # mid-load: requests in flight, records maybe mid-file
+        assert harvester.wait(60) == -signal.SIGKILL
+        harvester = _harvester(server.dump, out, log)
+        replies.update({rid: f.result(timeout=300) for rid, f in futures.items()})
+    assert all(r["choices"][0]["message"]["content"] is not None for r in replies.values())  # every one served
+    _wait_journaled(out, len(sampled), harvester, log)
+    harvester.send_signal(signal.SIGTERM)
+    assert harvester.wait(120) == 0, log.read_text()
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["status"] == "stopped by SIGTERM" and manifest["samples_on_disk"] == len(sampled), manifest
+    entries = _journaled(out)
+    by_index = {e["index"]: e for e in entries}
+    assert sorted(e["rid"] for e in entries) == sorted(sampled) and len(by_index) == len(entries)  # once each
+
+    ds = build_offline_eagle3_dataset(str(out), max_len=4096)
+    assert len(ds) == len(sampled)
+    H, worst = manifest["hidden_size"], 0.0
+    for i in range(len(ds)):
+        path = ds.datapaths[i]
+        e = by_index[int(os.path.basename(path)[len("data_"):-len(".ckpt")])]
+        item, saved = ds[i], torch.load(path)
+        ids, p, T = saved["input_ids"].tolist(), e["prompt_len"], e["tokens"]
+        prompt = hf.tok.apply_chat_template(messages[e["rid"]], add_generation_prompt=True, tokenize=True)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]  # a BatchEncoding in transformers 5
+        assert ids[:p] == list(prompt) and T == len(ids) > p, e  # the prompt the server built, then generated
+        sent = ids[p:] + [e["next_token"]]
+        reply = replies[e["rid"]]["choices"][0]["message"]["content"]
+        assert hf.tok.decode(sent, skip_special_tokens=True) == reply, (e, reply)
+        assert saved["loss_mask"].tolist() == [0] * p + [1] * (T - p)  # exactly the generated tokens
+        assert item["loss_mask"][0].tolist() == [0] * p + [1] * (T - p - 1) + [0]  # SpecForge zeroes the last
+        assert item["input_ids"][0].tolist() == ids
+        rec = SimpleNamespace(rid=e["rid"], input_ids=item["input_ids"][0],
+                              aux_hidden_states=item["hidden_state"][0].reshape(T, len(LAYERS), H),
+                              last_hidden_state=item["target"][0])
+        worst = max(worst, row_judge.assert_exact(rec, hf, ids, LAYERS, N_LAYERS, H))
+    print(f"\n{len(sampled)} of {len(rids)} chat requests harvested, worst row error {worst:.2e}; "
+          f"{manifest['skipped']}")
 
 
 @pytest.fixture(scope="module")
