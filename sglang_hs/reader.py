@@ -31,6 +31,18 @@ skip) has no record; the server leaves a marker for it when the ring had room, a
 raises `NotCaptured` (its `.reason`: "not_opted_in", "not_sampled" or "reader_behind") instead of
 waiting; `reader.not_captured(rid)` asks without waiting. Iteration yields records only.
 
+With `zero_copy=True` too (it needs ack=True), nothing is copied: a record's tensors are views of the
+server's output ring, valid until `reader.ack(record)`, after which the server overwrites those bytes.
+So finish with the tensors (write the file, copy what you keep) before acking; ack() drops the record's
+tensors (they become None) so the record itself is not handed on stale, but a view you took from it
+yourself (`aux = rec.aux_hidden_states`) is not protected: do not use it after the ack. A view's storage is
+exactly that record's bytes (torch.save of it saves the record, not the ring):
+
+    with HiddenStateReader("/dev/shm/hs", ack=True, zero_copy=True) as reader:
+        for rec in reader:
+            torch.save({"aux": rec.aux_hidden_states}, f"{rec.rid}.pt")   # one copy: ring -> file
+            reader.ack(rec)                                               # rec's tensors are gone now
+
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
 """
@@ -161,9 +173,13 @@ def _lock_ring(ring: RingReader) -> int:
 
 class HiddenStateReader:
     def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002,
-                 recycle_memory: bool = False, ack: bool = False, owner=None) -> None:
+                 recycle_memory: bool = False, ack: bool = False, owner=None, zero_copy: bool = False) -> None:
         """`owner`: the user (name or uid) whose dump files to trust; default this user. Pass the
-        server's user when it shares the dump with a group of yours (--hs-share-group)."""
+        server's user when it shares the dump with a group of yours (--hs-share-group). `zero_copy`
+        (with `ack`): records are views of the ring, valid until acked (module docstring)."""
+        if zero_copy and not ack:
+            raise ValueError("HiddenStateReader(zero_copy=True) needs ack=True: a zero-copy record is a view of the "
+                             "server's ring, valid until you ack() it")
         if recycle_memory:
             recycle_freed_memory()
         self.dump_dir = os.path.abspath(dump_dir)
@@ -187,6 +203,7 @@ class HiddenStateReader:
         self.num_aux = len(self.manifest["layer_ids"])
         self.has_last = bool(self.manifest["last"])
         self.ack_mode = ack
+        self.zero_copy = zero_copy
         self._rings, self._locks = [], []
         try:
             for w in self.manifest["writers"]:
@@ -224,7 +241,7 @@ class HiddenStateReader:
             raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed")
         n = 0
         for w, ring in enumerate(self._rings):
-            for rec in (ring.read_ahead() if self.ack_mode else ring.drain()):
+            for rec in (ring.read_ahead(copy=not self.zero_copy) if self.ack_mode else ring.drain()):
                 if rec.skipped:  # a marker: that request has no record
                     if self.ack_mode:
                         ring.release(rec.seq)
@@ -251,9 +268,12 @@ class HiddenStateReader:
 
     def ack(self, record: HiddenStateRecord) -> None:
         """The consumer is done with `record`: with ack=True its ring bytes go back to the server (once
-        the records before it are acknowledged too); a no-op for an eager reader."""
+        the records before it are acknowledged too); a no-op for an eager reader. A zero-copy record's
+        tensors are dropped (None): its bytes are the server's again."""
         if self.ack_mode:
             self._rings[record.writer].release(record.seq)
+        if self.zero_copy:
+            record.input_ids = record.aux_hidden_states = record.last_hidden_state = None
 
     def unacked(self) -> int:
         """Records brought in and not acknowledged yet (0 for an eager reader)."""

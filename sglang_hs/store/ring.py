@@ -30,7 +30,10 @@ record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refuse
 Consuming is either eager (`drain`: copy out, release at once) or acknowledged (`read_ahead` copies
 records out from a private cursor and releases nothing; `release(seq)` moves TAIL over the records up
 to seq once every record before it was released too): a reader killed before it released a record
-leaves it in the ring for the next reader.
+leaves it in the ring for the next reader. `read_ahead(copy=False)` copies nothing: a record's tensors are
+views of the ring's shared memory (their storage exactly that record's input_ids, and its rows), valid
+until it is released; a record never wraps, so its rows are one contiguous block. Released, its bytes
+are the writer's to overwrite: whoever holds such a view must be done with it before `release`.
 """
 from __future__ import annotations
 
@@ -205,6 +208,7 @@ class RingReader:
         self._cursor = self._cursor_seq = None  # read_ahead's position (offset, seq), from its first call
         self._unreleased: dict = {}  # seq -> offset after that record, for records read ahead
         self._released: set = set()  # released out of order, waiting for the records before them
+        self._mem: Optional[memoryview] = None  # the mapping as a buffer, for zero-copy views (read_ahead)
 
     @classmethod
     def open(cls, dir_path: str, name: str, owner: Optional[int] = None,
@@ -228,13 +232,14 @@ class RingReader:
         self._store_tail(tail, last_seq)  # a SKIP marker after the last record goes with the next one
         return out
 
-    def read_ahead(self) -> List[Record]:
+    def read_ahead(self, copy: bool = True) -> List[Record]:
         """Copy out the records published since the last call (the first call: since TAIL) without
-        releasing any: `release(seq)` does that once the consumer has handled them."""
+        releasing any: `release(seq)` does that once the consumer has handled them. copy=False: the
+        records' tensors are views of the ring, valid until released (nothing is copied)."""
         if self._cursor is None:
             self._cursor, self._cursor_seq = self.r.load_acquire(OFF_TAIL), self.r.load_acquire(OFF_TAIL_SEQ)
         out = []
-        for rec, end in self._records(self._cursor, self._cursor_seq):
+        for rec, end in self._records(self._cursor, self._cursor_seq, copy):
             out.append(rec)
             self._unreleased[rec.seq] = end
             self._cursor, self._cursor_seq = end, rec.seq
@@ -266,8 +271,18 @@ class RingReader:
         self.r.store_release(OFF_TAIL, tail)
         self.r.store_release(OFF_TAIL_SEQ, last_seq)  # after TAIL: a reader killed in between still resumes
 
-    def _records(self, tail: int, last_seq: int):
-        """(record, offset after it) for each record published between `tail` and HEAD, checked."""
+    def _view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """uint8 tensor over buf[offset:offset+nbytes] whose storage is exactly those bytes (a slice of
+        buf would carry the whole ring's storage: torch.save of it would save the whole ring); it keeps
+        the mapping alive."""
+        if self._mem is None:
+            self._mem = memoryview(self.r.buf.numpy())
+        return torch.frombuffer(self._mem[offset : offset + nbytes], dtype=torch.uint8) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+
+    def _records(self, tail: int, last_seq: int, copy: bool = True):
+        """(record, offset after it) for each record published between `tail` and HEAD, checked; copied
+        out, or (copy=False) views of the ring."""
         head = self.r.load_acquire(OFF_HEAD)
         if tail > head or head - tail > self.capacity:
             raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "
@@ -308,9 +323,10 @@ class RingReader:
             except UnicodeDecodeError:
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: request id is not UTF-8") from None
             o = base + ALIGN + _align(rid_len)
-            ids = self.r.buf[o : o + 4 * T].clone().view(torch.int32)
+            take = (lambda off, n: self.r.buf[off : off + n].clone()) if copy else self._view
+            ids = take(o, 4 * T).view(torch.int32)
             o += _align(4 * T)
-            rows = self.r.buf[o : o + T * P * H * elem].clone().view(dtype).view(T, P, H)
+            rows = take(o, T * P * H * elem).view(dtype).view(T, P, H)
             tail += total
             yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
                          next_token=next_token), tail

@@ -2,7 +2,10 @@
 every record before it, so a reader killed and restarted gets exactly the records it had not released,
 in order (an out-of-order ack waits for the records before it: those come again too); every row is
 handed out exactly as published (each value differs by record, token, layer and hidden index); one
-reader per dump dir, refused with the holder's pid while it lives and free again once closed or dead."""
+reader per dump dir, refused with the holder's pid while it lives and free again once closed or dead. Zero-copy
+reading (ack=True, zero_copy=True): the records are views of the ring, byte for byte the copied records, each
+holding only its own bytes, dropped when acked, and exact while the writer wraps around the ring beside them."""
+import io
 import multiprocessing as mp
 import os
 import signal
@@ -163,15 +166,15 @@ def test_a_killed_reader_restarted_gets_exactly_what_it_had_not_acknowledged(dum
         reader.next(timeout=0.2)
 
 
-@pytest.mark.parametrize("ack", [False, True])
+@pytest.mark.parametrize("ack, zero_copy", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("layers, last", [([1, 2, 3], True), ([0, 2], False)])
-def test_every_row_of_every_record_is_handed_out_exactly(tmp_path, layers, last, ack):
+def test_every_row_of_every_record_is_handed_out_exactly(tmp_path, layers, last, ack, zero_copy):
     """Records of 1..8 tokens, several in the ring at once, wrapping around it: every token id and every
     row comes out exactly as published, each layer's row as that layer, the final state as the final state."""
     K, P = len(layers), len(layers) + int(last)
     w = CaptureWriter(str(tmp_path), CaptureSpec.resolve(layers, last, 4, H), 8, torch.bfloat16,
                       3 * ring.record_bytes(8, P, H, 2, 3))
-    reader = HiddenStateReader(str(tmp_path), wait=1, ack=ack)
+    reader = HiddenStateReader(str(tmp_path), wait=1, ack=ack, zero_copy=zero_copy)
     assert reader.num_aux == K and reader.has_last == last
     lengths = [1 + (i * 5) % 8 for i in range(15)]
     for start in range(0, 15, 3):
@@ -197,3 +200,70 @@ def test_one_reader_per_dump_dir_until_closed(dump):
     del second
     HiddenStateReader(str(dump.dir), wait=1)  # and a dropped reader lets go too (no close needed)
     HiddenStateReader(str(dump.dir), wait=1)
+
+
+# -- zero-copy reading: records are views of the ring, valid until acked -------------------------------
+def test_zero_copy_views_are_byte_for_byte_the_copied_record_and_hold_only_its_bytes(dump):
+    for i, T in enumerate((3, 1, 2)):
+        _publish(dump, i, T)
+    copied = ring.RingReader.open(str(dump.dir), "ring-w0.bin").read_ahead()
+    viewed = ring.RingReader.open(str(dump.dir), "ring-w0.bin").read_ahead(copy=False)
+    assert [r.seq for r in viewed] == [r.seq for r in copied] == [1, 2, 3]
+    for c, v in zip(copied, viewed):
+        T = c.num_tokens
+        assert (v.rid, v.seq, v.rows.shape, v.rows.dtype) == (c.rid, c.seq, c.rows.shape, c.rows.dtype)
+        assert bytes(v.rows.view(torch.uint8).flatten().tolist()) == bytes(c.rows.view(torch.uint8).flatten().tolist())
+        assert torch.equal(v.input_ids, c.input_ids)
+        # the storage is exactly this record's bytes, not the ring's: torch.save writes the record only
+        assert v.rows.untyped_storage().nbytes() == T * (K + 1) * H * 2
+        assert v.input_ids.untyped_storage().nbytes() == 4 * T
+        buf = io.BytesIO()
+        torch.save({"rows": v.rows}, buf)
+        assert len(buf.getvalue()) < T * (K + 1) * H * 2 + 4096
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue()))["rows"], c.rows)
+
+
+def test_zero_copy_records_are_views_of_the_ring_and_are_dropped_when_acked(dump):
+    with pytest.raises(ValueError, match="zero_copy=True.* needs ack=True"):
+        HiddenStateReader(str(dump.dir), wait=1, zero_copy=True)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, zero_copy=True)
+    for i in range(4):
+        _publish(dump, i)
+    recs = [reader.next(timeout=1) for _ in range(4)]
+    for i, rec in enumerate(recs):
+        _assert_exact(rec, i, 3)
+    kept_by_mistake = recs[0].aux_hidden_states  # a view taken out of the record before its ack
+    reader.ack(recs[0])
+    assert recs[0].aux_hidden_states is None and recs[0].last_hidden_state is None and recs[0].input_ids is None
+    _publish(dump, 4)  # the writer reuses r0's bytes at once: what a stale view would show
+    assert torch.equal(kept_by_mistake, _rows(4, 3)[:, :K])
+    for i in (1, 2, 3):  # the records not acked yet are untouched
+        _assert_exact(recs[i], i, 3)
+    _assert_exact(reader.next(timeout=1), 4, 3)
+
+
+def test_zero_copy_views_stay_exact_while_the_writer_wraps_around_the_ring(tmp_path):
+    """The reader holds every view it can while the writer fills the rest of the ring with records of 1..8
+    tokens (skip markers at the end, wrapping to 0), acking the oldest only when the writer has no room:
+    every held view stays exactly its record until acked, in order."""
+    biggest = ring.record_bytes(8, K + 1, H, 2, 3)
+    w = CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 6 * biggest)
+    reader = HiddenStateReader(str(tmp_path), wait=1, ack=True, zero_copy=True)
+    lengths = [1 + (i * 5) % 8 for i in range(19)]
+    held, most_held, wrapped, last_pos = [], 0, 0, -1
+    for i, T in enumerate(lengths):
+        while w.ring.free_bytes() < 2 * biggest:  # room for this record and a skip marker
+            j, rec = held.pop(0)
+            _assert_exact(rec, j, lengths[j])  # after the writer wrote every record since
+            reader.ack(rec)
+        pos = w.ring.r.load_acquire(ring.OFF_HEAD) % w.ring.capacity
+        wrapped += pos < last_pos
+        last_pos = pos
+        w.ring.publish(f"r{i}", _ids(i, T), _rows(i, T), timeout=5)
+        held.append((i, reader.next(timeout=1)))
+        most_held = max(most_held, len(held))
+    for j, rec in held:
+        _assert_exact(rec, j, lengths[j])
+        reader.ack(rec)
+    print("views held at most", most_held, "wraps", wrapped)
+    assert most_held >= 3 and wrapped >= 1 and reader.unacked() == 0 and reader.unread_bytes() == 0
