@@ -25,7 +25,7 @@ CPU_DEFAULT_SLOTS = 4096  # launch_server.CPU_DEFAULT_MAX_TOTAL_TOKENS
 RID_LEN = 256  # the launcher sizes a record with a rid of this length
 # Per file, beyond the rows (measured on files the sinks write; tests/unit/test_plan.py checks them):
 SAFETENSORS_HEADER = 340  # JSON header with our metadata, about (the scales' entry: 90 more)
-SPECFORGE_OVERHEAD = 2500  # torch.save's zip entries and pickle, about
+SPECFORGE_OVERHEAD = 2240  # torch.save's zip entries and pickle, about (the rows saved as one storage, as the CLI does)
 ARROW_PER_TOKEN = 16  # speculators' dataset table: input_ids and loss_mask, int64
 ARROW_PER_ROW = 32
 

@@ -24,9 +24,19 @@ fsync), so a crash never leaves a file that looks done and `--resume` can trust 
 
 save_dtype "bf16" casts rows to bf16 (a float32 server's too); None (the CLI's default) keeps the dtype the
 server captured in. SpecForge 0.2.0 has no FP8 reader: its sink takes no FP8.
+
+Speed (benchmarks/bench_host_path.py): when aux and last are the two views of one record's rows [T, K+1, H]
+(as HiddenStateReader hands them out, copied or zero-copy) and that storage holds nothing else, both sinks
+write those bytes as they lie, without copying them first: safetensors' hidden_states is the rows tensor
+itself, and SpecForge's hidden_state and aux_hidden_state are saved as views sharing the one storage (torch
+saves a shared storage once: the file is no bigger; torch.load gives them back as non-contiguous views,
+which SpecForge's reader slices as it does any tensor). The SpecForge sink also skips torch.save's CRC-32
+of every zip entry (torch.load does not need it; `unzip -t` then reports CRC errors): torch's flag is set
+around the sink's own torch.save only (torch keeps it per thread: other threads' saves keep their CRC).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -106,6 +116,36 @@ class Sink:
         raise NotImplementedError
 
 
+def record_rows(aux: torch.Tensor, last: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The record's rows [T, K+1, H] when `aux` [T, K, H] and `last` [T, H] are its two views rows[:, :K] and
+    rows[:, K] (what HiddenStateReader hands out) and their storage is exactly those rows; else None."""
+    if last is None or aux.dim() != 3 or aux.dtype != last.dtype or aux.device != last.device:
+        return None
+    T, K, H = aux.shape
+    storage = aux.untyped_storage()
+    if T == 0 or last.untyped_storage().data_ptr() != storage.data_ptr() \
+            or storage.nbytes() != T * (K + 1) * H * aux.element_size():
+        return None
+    if (aux.storage_offset(), aux.stride(), last.storage_offset(), last.stride(), last.shape) != \
+            (0, ((K + 1) * H, H, 1), K * H, ((K + 1) * H, 1), (T, H)):
+        return None
+    return aux.as_strided((T, K + 1, H), ((K + 1) * H, H, 1), 0)
+
+
+@contextlib.contextmanager
+def _without_crc32():
+    """torch.save in this thread skips the CRC-32 of its zip entries meanwhile (torch's config is per thread:
+    a ContextVar since torch 2.x's config module)."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    before = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(before)
+
+
 def specforge_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
                      last: torch.Tensor) -> dict:
     """One sample in SpecForge's offline layout, as its data_{i}.ckpt holds it (input_ids [T] and
@@ -119,6 +159,8 @@ def specforge_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torc
 
 class SpecForgeSink(Sink):
     name, needs_last, wants_last = "specforge", True, True
+    crc32 = False  # torch.save's CRC-32 of every entry (True: as torch.save does by default)
+    share_rows = True  # a record's rows saved as they lie (module docstring); False: contiguous copies
 
     def path(self, index: int) -> str:
         k = index // GROUP * GROUP
@@ -128,13 +170,21 @@ class SpecForgeSink(Sink):
         return len(glob.glob(os.path.join(self.out_dir, "rows_*", "data_*.ckpt")))
 
     def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
-        torch.save(specforge_sample(input_ids, loss_mask, aux, last), tmp)
+        if self.share_rows and record_rows(aux, last) is not None:  # views of the one storage: saved once
+            T = input_ids.shape[0]
+            sample = {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_state": last.reshape(1, T, -1),
+                      "aux_hidden_state": aux.reshape(1, T, -1)}
+        else:
+            sample = specforge_sample(input_ids, loss_mask, aux, last)
+        with contextlib.nullcontext() if self.crc32 else _without_crc32():
+            torch.save(sample, tmp)
 
 
 class SafetensorsSink(Sink):
     name, wants_last = "safetensors", True
     HS_DIR = "hidden_states"
     save_dtypes = (None, "bf16", "fp8", "fp8-per-layer")
+    share_rows = True  # a record's rows are hidden_states as they lie (module docstring); False: torch.cat
 
     def path(self, index: int) -> str:
         return os.path.join(self.out_dir, f"hs_{index}.safetensors")
@@ -145,7 +195,8 @@ class SafetensorsSink(Sink):
     def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
         from safetensors.torch import save_file
 
-        states = aux if last is None else torch.cat([aux, last[:, None]], dim=1)
+        rows = record_rows(aux, last) if self.share_rows else None
+        states = rows if rows is not None else aux if last is None else torch.cat([aux, last[:, None]], dim=1)
         meta = {"format": "sglang-hs", "final_state": "true" if last is not None else "false",
                 "num_aux_layers": str(aux.shape[1]), "fp8_scale": "none"}
         if self.layer_ids is not None:

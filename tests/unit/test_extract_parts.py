@@ -3,6 +3,7 @@ file layouts (read back the SpecForge way and the safetensors way), atomic write
 layer ids, and the logprob verification."""
 import os
 import re
+import zipfile
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import specforge_way
 from sglang_hs import tiny_model
 from sglang_hs.extract.cli import draft_config
 from sglang_hs.extract.dataset import Preparer, SkipSample
-from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
+from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink, record_rows
 from sglang_hs.extract.verify import VerificationError, check
 
 CONV = [{"from": "human", "value": "What is the capital of France?"}, {"from": "gpt", "value": "Paris, of course."},
@@ -122,6 +123,41 @@ def test_safetensors_files_hold_layers_then_the_final_state(tmp_path):
     assert t["hidden_states"].shape == (7, 4, 16) and torch.equal(t["hidden_states"][:, :3], aux)
     assert torch.equal(t["hidden_states"][:, 3], last) and torch.equal(t["token_ids"], ids)
     assert torch.equal(t["loss_mask"], mask)
+
+
+def test_a_records_rows_are_written_as_they_lie_only_when_their_storage_is_the_record(tmp_path):
+    """The sinks skip their copies only for aux/last that are the two views of one record's rows whose storage
+    holds nothing else (else torch.save would store the bigger storage, or the wrong bytes would be read);
+    SpecForge's sink saves without CRC-32 from several threads and leaves torch's flag as it found it."""
+    import concurrent.futures as cf
+
+    from safetensors.torch import load_file
+
+    K, H = 3, 256
+    rows = torch.randn(7, K + 1, H).bfloat16()
+    assert torch.equal(record_rows(rows[:, :K], rows[:, K]), rows)
+    assert record_rows(rows[:, :K], rows[:, K]).data_ptr() == rows.data_ptr()
+    batch = torch.randn(20, K + 1, H).bfloat16()
+    inner = batch[:7]  # a record inside a bigger storage
+    for aux, last in [(inner[:, :K], inner[:, K]), (rows[:, :K], rows[:, K - 1]), (rows[:, 1:], rows[:, 0]),
+                      (rows[:, :K].clone(), rows[:, K]), (rows[:, :K], None), (rows[:, :K].float(), rows[:, K])]:
+        assert record_rows(aux, last) is None
+    ids, mask = torch.arange(7), torch.ones(7, dtype=torch.long)
+    sf, st = SpecForgeSink(str(tmp_path / "sf")), SafetensorsSink(str(tmp_path / "st"))
+    with cf.ThreadPoolExecutor(4) as pool:  # the CLI's writer threads
+        list(pool.map(lambda i: sf.write(i, ids, mask, inner[:, :K], inner[:, K]), range(7)))
+    sf.write(7, ids, mask, inner[:, :K], inner[:, K])
+    assert torch.serialization.get_crc32_options()  # this thread's flag is back
+    for i in range(8):  # no CRC-32 computed in any of them (torch's flag is per thread)
+        with zipfile.ZipFile(sf.path(i)) as z:
+            crcs = [e.CRC for e in z.infolist() if "/data/" in e.filename and e.file_size]
+            assert len(crcs) == 4 and not any(crcs), (i, crcs)  # ids, mask, and the copies of aux and last
+    assert os.path.getsize(sf.path(0)) < batch.numel() * 2  # the record's rows, not the batch's storage
+    s = specforge_way.load_sample(sf.path(7))
+    assert torch.equal(s["hidden_state"][0], inner[:, :K].reshape(7, -1)) and torch.equal(s["target"][0], inner[:, K])
+    for i, src in enumerate((rows, inner)):
+        st.write(i, ids, mask, src[:, :K], src[:, K])
+        assert torch.equal(load_file(st.path(i))["hidden_states"], src)
 
 
 def test_a_failed_write_leaves_no_file_that_looks_done(tmp_path, monkeypatch):

@@ -50,18 +50,31 @@ def _sample(index, K=3, H=24, dtype=torch.bfloat16):
     return ids, mask, aux, last
 
 
-def _write(sink, indices, **kw):
+def _write(sink, indices, shared=False, **kw):
+    """shared: aux and last handed to the sink as the reader hands them out, the two views rows[:, :K] and
+    rows[:, K] of one record's rows (the sinks then write those bytes without copying them first)."""
     written = {}
     for i in indices:
-        written[i] = _sample(i, **kw)
-        sink.write(i, *written[i])
+        written[i] = ids, mask, aux, last = _sample(i, **kw)
+        if shared:
+            rows = torch.cat([aux, last[:, None]], dim=1)
+            aux, last = rows[:, :aux.shape[1]], rows[:, aux.shape[1]]
+        sink.write(i, ids, mask, aux, last)
     return written
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_specforge_reader_gives_back_every_tensor_written(tmp_path, dtype):
+def test_specforge_reader_gives_back_every_tensor_written(tmp_path, dtype, shared):
     (build_offline_eagle3_dataset,) = _import_or_skip("specforge.data.preprocessing", ["build_offline_eagle3_dataset"])
-    written = _write(SpecForgeSink(str(tmp_path)), [0, 1, 10, 1999, 2000, 4711], dtype=dtype)
+    sink = SpecForgeSink(str(tmp_path))
+    written = _write(sink, [0, 1, 10, 1999, 2000, 4711], shared=shared, dtype=dtype)
+    copies = SpecForgeSink(str(tmp_path / "copies"))
+    copies.share_rows = False
+    for i, sample in written.items():  # a shared storage is saved once: the file is no bigger than with copies
+        copies.write(i, *sample)
+        assert os.path.getsize(sink.path(i)) <= os.path.getsize(copies.path(i)) + 64
+    shutil.rmtree(tmp_path / "copies")
     ds = build_offline_eagle3_dataset(str(tmp_path), max_len=4096)
     assert len(ds) == len(written)
     for i in range(len(ds)):
@@ -115,11 +128,12 @@ def _check_speculators_folder(out, written, K=3, H=24):
     assert torch.equal(batch["input_ids"][0, :max_len - 3], torch.cat([written[i][0] for i in order]))
 
 
-def test_speculators_reader_gives_back_every_tensor_written(tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_speculators_reader_gives_back_every_tensor_written(tmp_path, shared):
     _speculators()
     sink = SafetensorsSink(str(tmp_path))
     sink.layer_ids = [2, 4, 5]
-    written = _write(sink, [0, 2, 3, 7, 12])  # gaps, as skipped or failed samples leave
+    written = _write(sink, [0, 2, 3, 7, 12], shared=shared)  # gaps, as skipped or failed samples leave
     assert sink.finalize() == {"rows": 5}
     _check_speculators_folder(tmp_path, written)
     # hidden_states/ costs no disk: row r is the sample file itself
