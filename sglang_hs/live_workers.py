@@ -139,11 +139,13 @@ class RecordRouter:
                         self.reader.pop_ready(rid)
                         continue
                     worker = rid[len(ours):].split("-", 1)[0]
-                    conn = by_worker.get(int(worker)) if worker.isdigit() else None
-                    if conn is not None:
+                    worker = int(worker) if worker.isdigit() else -1
+                    if worker in by_worker:
                         asked.pop(rid, None)
-                        _send(conn, ("record", self.reader.pop_ready(rid)))
-                    # else: a worker of ours that has not joined yet; it gets the record when it does
+                        _send(by_worker[worker], ("record", self.reader.pop_ready(rid)))
+                    elif worker in ended or not 0 <= worker < self.num_workers:  # nobody to take it
+                        self.reader.pop_ready(rid)
+                    # else: a worker that has not joined yet; it gets the record when it does
                 for rid, conn in list(asked.items()):
                     reason = self.reader.not_captured(rid)
                     if conn not in clients:

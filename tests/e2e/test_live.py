@@ -1,11 +1,13 @@
 """sglang_hs.live.LiveHiddenStates on the real server: its samples are the extraction CLI's SpecForge files,
 tensor by tensor, with no DataLoader worker and with several (fork and spawn, two epochs of persistent
 workers); a tiny EAGLE-3-style head trains on it through a DataLoader (the loss falls); a consumer killed
-mid-iteration leaves the server serving and its dump dir readable."""
+mid-iteration, with or without DataLoader workers, leaves the server serving and its dump dir readable."""
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch.utils.data import DataLoader
 from sglang_hs import HiddenStateReader, tiny_model
 from sglang_hs.extract.verify import load_lm_head
 from sglang_hs.live import LiveHiddenStates
+from sglang_hs.server_process import processes_in_session
 from test_extract import _server_args, conversations, extract, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -121,23 +124,33 @@ def test_tiny_eagle3_head_trains_on_it(capture_server, dump_dir, tmp_path):
 
 CONSUMER = """
 import sys
+from torch.utils.data import DataLoader
 from sglang_hs.live import LiveHiddenStates
 recs = [{"input_ids": [3 + (5 * i + 11 * j) % 1000 for j in range(30 + i)]} for i in range(40)]
-for s in LiveHiddenStates(recs, sys.argv[1], sys.argv[2], concurrency=4):
+ds = LiveHiddenStates(recs, sys.argv[1], sys.argv[2], concurrency=4)
+for s in DataLoader(ds, batch_size=None, num_workers=int(sys.argv[3])):
     print("sample", s["input_ids"].shape[0], flush=True)
     sys.stdin.readline()  # wait, mid-iteration, with requests in flight, until killed
 """
 
 
-def test_killed_consumer_leaves_server_serving(capture_server, dump_dir):
-    proc = subprocess.Popen([sys.executable, "-c", CONSUMER, capture_server.url, str(dump_dir)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_consumer_leaves_server_serving(capture_server, dump_dir, workers):
+    """The consumer is SIGKILLed with its DataLoader workers (its process group, as a job's kill takes
+    them), mid-iteration, while worker 0's router holds the reader and both workers have requests out."""
+    proc = subprocess.Popen([sys.executable, "-c", CONSUMER, capture_server.url, str(dump_dir), str(workers)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         line = proc.stdout.readline()
         assert line == "sample 30\n", (line, proc.stderr.read() if proc.poll() is not None else "")
     finally:
-        proc.send_signal(signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(60)
+        deadline = time.monotonic() + 60
+        while processes_in_session(proc.pid):  # its workers are not our children: wait until none is alive
+            assert time.monotonic() < deadline, processes_in_session(proc.pid)
+            time.sleep(0.05)
     ids = [7 + (13 * j) % 1000 for j in range(21)]
     reply = capture_server.generate(input_ids=ids, rid="live-after-kill",
                                     sampling_params={"max_new_tokens": 1, "temperature": 0})
