@@ -167,6 +167,9 @@ def _after_collect(self, req) -> None:
         return
     output = list(req.output_ids_through_stop)
     tokens = list(req.origin_input_ids) + output
+    if not tokens:  # nothing forwarded and nothing sent (an empty prompt that generated nothing): no record
+        _admission.release(req.rid)
+        return
     T = len(tokens) - 1  # every prompt token, every generated token but the last
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
     # where the prompt ends, and the last token (no row): the record then holds the whole exchange

@@ -151,3 +151,14 @@ def test_records_of_successive_requests_come_from_their_own_pool_rows(hook):
         prompt = list(range(10 + i, 10 + i + 4 + 3 * i))
         T = len(prompt) + 1
         _assert_record(hook, f"seq-{i}", (prompt + [1, 2])[:T], hook.table[idx, :T].tolist(), len(prompt), [1, 2])
+
+
+def test_a_request_with_no_token_at_all_is_not_emitted_but_released(hook):
+    """An empty prompt that generated nothing has no row and no last token: no record (there is nothing
+    to say), its admission reservation released, and the next request's record follows as usual."""
+    hook.finish(_req("empty", [], [], pool_idx=0))
+    hook.finish(_req("after-empty", [9, 8], [6], pool_idx=2))
+    hook.settle()
+    assert hook.admission.released == ["empty", "after-empty"]
+    assert hook.reader.next(timeout=5).rid == "after-empty"
+    assert hook.writer.stats["dropped"] == 0
