@@ -291,7 +291,7 @@ class Extraction:
         self.run_id = uuid.uuid4().hex[:12]
         self._local = threading.local()
         self.pending: Dict[str, tuple] = {}  # rid -> (sample, future, reply-time)
-        self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write), oldest first
+        self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write, record), oldest first
         self.write_pool = cf.ThreadPoolExecutor(WRITERS, thread_name_prefix="sglang-hs-write")
         self.verify_failure: Optional[str] = None  # a stored file that does not hold the captured rows
 
@@ -347,11 +347,11 @@ class Extraction:
                          sampled_from=len(sample.input_ids))
             self.stats.verified += 1
             self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
-        unwritten = [f for _, _, f in self.writes if not f.done()]
+        unwritten = [w[2] for w in self.writes if not w[2].done()]
         if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
         self.writes.append((sample.index, rec.num_tokens, self.write_pool.submit(
-            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state, verify)))
+            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state, verify), rec))
 
     def _write(self, index, input_ids, mask, aux, last, verify: bool) -> int:
         """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
@@ -373,7 +373,8 @@ class Extraction:
         done = [w for w in self.writes if w[2].done()]
         self.writes = [w for w in self.writes if not w[2].done()]
         failed = None
-        for index, T, fut in done:
+        for index, T, fut, rec in done:
+            self.reader.ack(rec)  # the file is in place (or failed): the record's ring bytes go back
             if fut.cancelled():  # an interrupted or failed run: not written, --resume does it
                 continue
             err = fut.exception()
@@ -436,7 +437,7 @@ class Extraction:
                     err = fut.exception()
                     if err is not None:
                         del self.pending[rid]
-                        self.reader.pop_ready(rid)
+                        self._drop(rid)
                         self._fail(sample.index, err, bar)
                         dead = self._server_dead()
                         if dead:
@@ -460,6 +461,7 @@ class Extraction:
                     try:
                         self._complete(sample, fut.result(), rec, verify)
                     except Exception as e:  # noqa: BLE001 - reported per sample, the run goes on
+                        self.reader.ack(rec)
                         if type(e).__name__ == "VerificationError":
                             fatal = str(e)
                         self._fail(sample.index, e, bar)
@@ -471,16 +473,16 @@ class Extraction:
                 fatal = fatal or self.verify_failure
                 ours = f"hsx-{self.run_id}-"
                 for rid in self.reader.ready_rids():
-                    if not rid.startswith(ours):
-                        self.reader.pop_ready(rid)
-                        self.stats.foreign += 1
+                    if rid not in self.pending:  # another client's, or ours after its sample failed
+                        self._drop(rid)
+                        self.stats.foreign += not rid.startswith(ours)
                 if fatal is not None and not any(f.done() is False for _, f, _, _ in self.pending.values()):
                     break
                 if progressed:
                     self._postfix(bar)
                 else:
                     self._idle()
-            cf.wait([f for _, _, f in self.writes])  # the last files
+            cf.wait([w[2] for w in self.writes])  # the last files
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
             self.write_pool.shutdown(wait=True, cancel_futures=True)  # a started file is finished (or removed)
@@ -493,6 +495,12 @@ class Extraction:
             bar.close()
         if fatal:
             raise ExtractError(fatal)
+
+    def _drop(self, rid: str) -> None:
+        """Forget the record of `rid` if it came, giving its ring bytes back."""
+        rec = self.reader.pop_ready(rid)
+        if rec is not None:
+            self.reader.ack(rec)
 
     def _idle(self) -> None:
         """Nothing progressed: sleep until a reply arrives, or briefly while a replied sample's record is
@@ -583,7 +591,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(ns.torch_threads)  # restored below: main() also runs inside other programs
-    server = extraction = manifest = dataset = None
+    server = extraction = manifest = dataset = reader = None
     status, rc = "failed", 1
     try:
         if ns.server:
@@ -595,7 +603,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from sglang_hs.reader import HiddenStateReader
 
         try:
-            reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True, owner=ns.hs_owner)
+            # zero-copy: a record goes from the ring straight into its file, acked once the file is in place
+            reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True, owner=ns.hs_owner, ack=True,
+                                       zero_copy=True)
         except RuntimeError as e:  # another reader holds the dump dir
             raise ExtractError(f"--hs-dump-dir: {e}") from None
         manifest = reader.manifest
@@ -633,6 +643,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         torch.set_num_threads(threads)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if reader is not None:  # the dump dir is free for the next reader even if something still holds ours
+            reader.close()
         if server is not None:
             server.stop()
             if not ns.hs_dump_dir:  # the dump dir we made: its ring and manifest outlive the server
