@@ -13,7 +13,9 @@ again gets every record it had not acknowledged again. A record's file index is 
 the number of its ring (its manifest ring_id, numbered in the journal in the order rings were first
 seen) shifted left 32 bits, plus its sequence number in that ring; a record whose file or journal line is
 already there is only acknowledged. The journal (harvest.jsonl in --output, one fsynced line per file)
-says which request each file holds: rid, ring, sequence number, prompt length and the last generated
+is held under an exclusive lock for the harvester's life (a second harvester into the same --output, e.g.
+of another server, would number its ring 0 too and overwrite the first one's files: it is refused), and
+it says which request each file holds: rid, ring, sequence number, prompt length and the last generated
 token (no row of its own, so not in the file: input_ids[prompt_len:] + [next_token] is what the
 server sent back).
 
@@ -26,6 +28,7 @@ with --format safetensors and the final state, speculators' dataset over every h
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -42,7 +45,9 @@ POLL_S = 0.2  # how often a harvester waiting for records looks at its stop cond
 
 class Journal:
     """harvest.jsonl: a line per ring first seen ({"ring", "number"}) and per file ({"index", "rid", ...}),
-    each appended and fsynced. A line a crash cut short is dropped when the journal is opened."""
+    each appended and fsynced. Opening it takes an exclusive lock (flock, dropped by the kernel when the
+    process dies, so a SIGKILLed harvester leaves none behind) or refuses; a line a crash cut short is
+    dropped."""
 
     def __init__(self, out_dir: str) -> None:
         from sglang_hs.extract.cli import ExtractError
@@ -50,14 +55,25 @@ class Journal:
         self.path = os.path.join(out_dir, JOURNAL)
         self.rings: dict = {}  # ring_id -> number
         self.files: dict = {}  # file index -> its line
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            data = b""
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise ExtractError(f"--output {out_dir} is being harvested into by another harvester (it holds the lock "
+                               f"on {JOURNAL}): give each harvester its own --output") from None
+        try:
+            self._load(ExtractError)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _load(self, ExtractError) -> None:
+        with open(self.path, "rb") as f:
+            data = f.read()
         end = data.rfind(b"\n") + 1
         if end < len(data):
-            os.truncate(self.path, end)
+            os.ftruncate(self._fd, end)
         for n, line in enumerate(data[:end].splitlines(), 1):
             try:
                 entry = json.loads(line)
@@ -67,7 +83,6 @@ class Journal:
                     self.rings[str(entry["ring"])] = int(entry["number"])
             except (ValueError, KeyError, TypeError):
                 raise ExtractError(f"{self.path}: line {n} is not a journal entry ({line[:80]!r})") from None
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def _append(self, entry: dict) -> None:
         os.write(self._fd, (json.dumps(entry) + "\n").encode())
@@ -84,6 +99,10 @@ class Journal:
         self.files[entry["index"]] = entry
 
     def close(self) -> None:
+        """Unlocks; a journal left empty (a run refused before its first line) is removed, so the folder
+        does not look like a harvest's."""
+        if os.fstat(self._fd).st_size == 0:
+            os.unlink(self.path)
         os.close(self._fd)
 
 
@@ -159,6 +178,7 @@ def run(ns, sink, out_dir: str) -> int:
                                "(no harvest journal): choose another folder")
         if have:
             _check_resume_dtype(out_dir, ns.save_dtype)
+        journal = Journal(out_dir)  # locked: the partial files removed below are no other harvester's
         sink.remove_partial()
         reader = _open_reader(ns)
         manifest = reader.manifest
@@ -169,7 +189,6 @@ def run(ns, sink, out_dir: str) -> int:
             print(f"[extract] warning: the server of {ns.from_dump} runs without --hs-last: no {ns.format} training "
                   "set is made of these files", file=sys.stderr, flush=True)
         sink.layer_ids = list(manifest["layer_ids"])
-        journal = Journal(out_dir)
         harvester = Harvester(reader, sink, journal, Stats())
         print(f"[extract] harvesting {ns.from_dump} into {out_dir} (--format {ns.format}); stop with Ctrl-C or "
               "SIGTERM", file=sys.stderr, flush=True)
@@ -193,20 +212,26 @@ def run(ns, sink, out_dir: str) -> int:
     except (ExtractError, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         rc = 2 if harvester is None else 1
+    except BaseException:  # dying (a bug, KeyboardInterrupt outside the loop): no manifest, the lock goes
+        if journal is not None:
+            journal.close()
+        raise
     finally:
         torch.set_num_threads(threads)
         for s, h in old.items():
             signal.signal(s, h)
         if reader is not None:
             reader.close()  # records not acknowledged stay in the ring for the next harvester
+    try:
+        if harvester is not None:
+            stats = harvester.stats
+            stats.skipped["served_without_capture"] += reader.markers
+            stats.t1, stats.cpu1 = time.monotonic(), time.process_time()
+            _print_summary(stats, out_dir)
+            write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
+    finally:
         if journal is not None:
-            journal.close()
-    if harvester is not None:
-        stats = harvester.stats
-        stats.skipped["served_without_capture"] += reader.markers
-        stats.t1, stats.cpu1 = time.monotonic(), time.process_time()
-        _print_summary(stats, out_dir)
-        write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
+            journal.close()  # after the manifest: no other harvester writes into --output before it is there
     return rc
 
 

@@ -188,3 +188,31 @@ def test_bad_dumps_and_outputs_are_refused_in_one_line(tmp_path, capsys):
     other = SpecForgeSink(str(tmp_path / "other"))
     other.write(0, torch.arange(3), torch.ones(3), torch.zeros(3, 2, H), torch.zeros(3, H))
     refused(["--from-dump", str(tmp_path / "dump"), "--output", str(tmp_path / "other")], "(no harvest journal)")
+
+
+def test_a_second_harvester_into_the_same_output_is_refused_and_touches_nothing(tmp_path, capsys):
+    """Two harvesters (of two servers) into one --output would both number their ring 0 and overwrite each
+    other's files: the journal's lock lets one in and refuses the other before it removes or writes anything."""
+    from sglang_hs.extract.sinks import TMP_SUFFIX
+
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    out = tmp_path / "out"
+    out.mkdir()
+    first = harvest.Journal(str(out))  # the running harvester (flock: another open of the file is refused)
+    first.ring_number("its-ring")
+    (out / "rows_0").mkdir()
+    partial = out / "rows_0" / f"data_7.ckpt{TMP_SUFFIX}"  # the running harvester's file in the making
+    partial.write_bytes(b"half")
+    before = (out / harvest.JOURNAL).read_bytes()
+    assert _run(tmp_path / "dump", out) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--output {out} is being harvested into by another harvester" in err and len(err.splitlines()) == 1, err
+    assert partial.read_bytes() == b"half" and (out / harvest.JOURNAL).read_bytes() == before
+    assert not (out / "manifest.json").exists() and w.ring.free_bytes() < w.ring.capacity  # nothing read
+    first.close()  # the first one ends (the kernel drops the lock of a killed one just the same)
+    os.remove(out / harvest.JOURNAL)
+    partial.unlink()
+    assert _run(tmp_path / "dump", out) == 0
+    _check_files(w, out, sent)
+
