@@ -14,10 +14,11 @@ the number of its ring (its manifest ring_id, numbered in the journal in the ord
 seen) shifted left 32 bits, plus its sequence number in that ring; a record whose file or journal line is
 already there is only acknowledged. The journal (harvest.jsonl in --output, one fsynced line per file)
 is held under an exclusive lock for the harvester's life (a second harvester into the same --output, e.g.
-of another server, would number its ring 0 too and overwrite the first one's files: it is refused), and
-it says which request each file holds: rid, ring, sequence number, prompt length and the last generated
-token (no row of its own, so not in the file: input_ids[prompt_len:] + [next_token] is what the
-server sent back).
+of another server, would number its ring 0 too and overwrite the first one's files: it is refused); a line
+of it says what the files are (--format, --save-dtype, the model and its captured layers: a harvester
+started again against another setup is refused), and it says which request each file holds: rid, ring,
+sequence number, prompt length and the last generated token (no row of its own, so not in the file:
+input_ids[prompt_len:] + [next_token] is what the server sent back).
 
 Skipped and counted: marker records (requests served without capture) and records with no generated row
 (prompt_len >= T: a request that generated at most one token; its loss mask would be all zero, and a
@@ -43,11 +44,16 @@ RING_SHIFT = 32  # file index = ring number << RING_SHIFT | sequence number
 POLL_S = 0.2  # how often a harvester waiting for records looks at its stop conditions
 
 
+# what the files in one --output must share (manifest.json's names): a harvester started again checks them
+SETUP_KEYS = ("format", "save_dtype", "model_path", "architecture", "dtype", "hidden_size", "num_hidden_layers",
+              "layer_ids", "last_hidden_state")
+
+
 class Journal:
-    """harvest.jsonl: a line per ring first seen ({"ring", "number"}) and per file ({"index", "rid", ...}),
-    each appended and fsynced. Opening it takes an exclusive lock (flock, dropped by the kernel when the
-    process dies, so a SIGKILLed harvester leaves none behind) or refuses; a line a crash cut short is
-    dropped."""
+    """harvest.jsonl: a line with the setup ({"setup": {...}}), a line per ring first seen ({"ring",
+    "number"}) and per file ({"index", "rid", ...}), each appended and fsynced. Opening it takes an
+    exclusive lock (flock, dropped by the kernel when the process dies, so a SIGKILLed harvester leaves
+    none behind) or refuses; a line a crash cut short is dropped."""
 
     def __init__(self, out_dir: str) -> None:
         from sglang_hs.extract.cli import ExtractError
@@ -55,6 +61,7 @@ class Journal:
         self.path = os.path.join(out_dir, JOURNAL)
         self.rings: dict = {}  # ring_id -> number
         self.files: dict = {}  # file index -> its line
+        self.setup: Optional[dict] = None
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -79,10 +86,34 @@ class Journal:
                 entry = json.loads(line)
                 if "index" in entry:
                     self.files[int(entry["index"])] = entry
+                elif "setup" in entry:
+                    self.setup = dict(entry["setup"])
                 else:
                     self.rings[str(entry["ring"])] = int(entry["number"])
             except (ValueError, KeyError, TypeError):
                 raise ExtractError(f"{self.path}: line {n} is not a journal entry ({line[:80]!r})") from None
+
+    def check_setup(self, setup: dict, out_dir: str) -> None:
+        """The files already in --output were made with `setup`, or there are none yet (then it is written):
+        files of another --format, --save-dtype or model (its layers, hidden size, dtype) are not one set."""
+        from sglang_hs.extract.cli import ExtractError
+
+        before = self.setup
+        if before is None:  # a journal of a version that wrote none: the last run's manifest says it
+            try:
+                with open(os.path.join(out_dir, "manifest.json")) as f:
+                    before = {k: v for k, v in json.load(f).items() if k in SETUP_KEYS} or None
+            except (OSError, ValueError):
+                pass
+        if before is not None:
+            differ = [k for k in SETUP_KEYS if k in before and before[k] != setup[k]]
+            if differ:
+                said = "; ".join(f"{k} {before[k]!r} there, {setup[k]!r} now" for k in differ)
+                raise ExtractError(f"--output {out_dir} holds files harvested with another setup ({said}): harvest "
+                                   "into another --output")
+        if self.setup is None:
+            self.setup = dict(setup)
+            self._append({"setup": self.setup})
 
     def _append(self, entry: dict) -> None:
         os.write(self._fd, (json.dumps(entry) + "\n").encode())
@@ -99,7 +130,7 @@ class Journal:
         self.files[entry["index"]] = entry
 
     def close(self) -> None:
-        """Unlocks; a journal left empty (a run refused before its first line) is removed, so the folder
+        """Unlocks; a journal left empty (a run refused before its setup line) is removed, so the folder
         does not look like a harvest's."""
         if os.fstat(self._fd).st_size == 0:
             os.unlink(self.path)
@@ -140,6 +171,14 @@ class Harvester:
         self.reader.ack(rec)
 
 
+def setup_of(ns, manifest: dict) -> dict:
+    """What the files of this run are (SETUP_KEYS), from the flags and the server's manifest."""
+    return {"format": ns.format, "save_dtype": ns.save_dtype, "model_path": manifest["model_path"],
+            "architecture": manifest["architecture"], "dtype": manifest["dtype"],
+            "hidden_size": manifest["hidden_size"], "num_hidden_layers": manifest["num_hidden_layers"],
+            "layer_ids": list(manifest["layer_ids"]), "last_hidden_state": manifest["last"]}
+
+
 def _open_reader(ns):
     from sglang_hs.extract.cli import ExtractError
     from sglang_hs.reader import MANIFEST, HiddenStateReader
@@ -157,8 +196,9 @@ def _open_reader(ns):
 
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
-    from sglang_hs.extract.cli import PROG, ExtractError, Stats, _check_resume_dtype, _print_summary, write_manifest
+    from sglang_hs.extract.cli import PROG, ExtractError, Stats, _print_summary, write_manifest
     from sglang_hs.extract.sinks import SinkError
+    from sglang_hs.store.ring import TornRecord
 
     stop = []
 
@@ -176,8 +216,6 @@ def run(ns, sink, out_dir: str) -> int:
         if have and not os.path.exists(os.path.join(out_dir, JOURNAL)):
             raise ExtractError(f"--output {out_dir} already holds {have} {ns.format} sample files of another run "
                                "(no harvest journal): choose another folder")
-        if have:
-            _check_resume_dtype(out_dir, ns.save_dtype)
         journal = Journal(out_dir)  # locked: the partial files removed below are no other harvester's
         sink.remove_partial()
         reader = _open_reader(ns)
@@ -188,11 +226,13 @@ def run(ns, sink, out_dir: str) -> int:
         if sink.wants_last and not manifest["last"]:
             print(f"[extract] warning: the server of {ns.from_dump} runs without --hs-last: no {ns.format} training "
                   "set is made of these files", file=sys.stderr, flush=True)
+        journal.check_setup(setup_of(ns, manifest), out_dir)
         sink.layer_ids = list(manifest["layer_ids"])
         harvester = Harvester(reader, sink, journal, Stats())
         print(f"[extract] harvesting {ns.from_dump} into {out_dir} (--format {ns.format}); stop with Ctrl-C or "
               "SIGTERM", file=sys.stderr, flush=True)
         last_record = time.monotonic()
+        torn = None
         while not stop and (ns.max_samples is None or harvester.stats.done < ns.max_samples):
             try:
                 rec = reader.next(timeout=POLL_S)
@@ -200,14 +240,20 @@ def run(ns, sink, out_dir: str) -> int:
                 if ns.idle_timeout is not None and time.monotonic() - last_record > ns.idle_timeout:
                     break
                 continue
+            except TornRecord as e:  # the ring's bytes are not what the server wrote: nothing after it is read
+                torn = e
+                break
             last_record = time.monotonic()
             harvester.handle(rec)
         status, rc = ("stopped by " + stop[0] if stop else "complete"), 0
+        if torn is not None:  # the files written so far are whole: they are finalized as a stopped run's
+            status, rc = "stopped by a torn record", 1
+            print(f"{PROG}: error: --from-dump: {torn} (the files written before it are kept)", file=sys.stderr)
         if manifest["last"]:
             try:
                 dataset = sink.finalize()
             except SinkError as e:
-                status, rc = "complete without the training set", 1
+                status, rc = ("complete" if torn is None else status) + " without the training set", 1
                 print(f"{PROG}: error: {e}", file=sys.stderr)
     except (ExtractError, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ exactly once; bad flags get one line. The real server, SIGKILL and the trainers'
 tests/e2e/test_harvest.py."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -200,7 +201,8 @@ def test_a_second_harvester_into_the_same_output_is_refused_and_touches_nothing(
     out = tmp_path / "out"
     out.mkdir()
     first = harvest.Journal(str(out))  # the running harvester (flock: another open of the file is refused)
-    first.ring_number("its-ring")
+    manifest = json.load(open(tmp_path / "dump" / "manifest.json"))  # of the same server: only the lock refuses
+    first.check_setup(harvest.setup_of(SimpleNamespace(format="specforge", save_dtype=None), manifest), str(out))
     (out / "rows_0").mkdir()
     partial = out / "rows_0" / f"data_7.ckpt{TMP_SUFFIX}"  # the running harvester's file in the making
     partial.write_bytes(b"half")
@@ -216,3 +218,53 @@ def test_a_second_harvester_into_the_same_output_is_refused_and_touches_nothing(
     assert _run(tmp_path / "dump", out) == 0
     _check_files(w, out, sent)
 
+
+def test_a_harvester_started_again_against_another_setup_is_refused(tmp_path, capsys):
+    def refused(dump, flags, *said):
+        assert _run(dump, tmp_path / "out", *flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--output {tmp_path / 'out'} holds files harvested with another setup" in err, err
+        assert all(s in err for s in said) and len(err.splitlines()) == 1, err
+
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    assert _run(tmp_path / "dump", tmp_path / "out") == 0
+    capsys.readouterr()
+    journal = (tmp_path / "out" / harvest.JOURNAL).read_bytes()
+    refused(tmp_path / "dump", ["--format", "safetensors"], "format 'specforge' there, 'safetensors' now")
+    refused(tmp_path / "dump", ["--save-dtype", "bf16"], "save_dtype None there, 'bf16' now")
+    other = tmp_path / "other-model"  # another model's server: other layers, hidden size and dtype
+    other.mkdir(mode=0o700)
+    w2 = CaptureWriter(str(other), CaptureSpec.resolve([1, 3], True, 4, 2 * H), SLOTS, torch.bfloat16, 1 << 18)
+    w2.publish_gathered("x", torch.arange(4, dtype=torch.int32), torch.arange(4), prompt_len=2, next_token=1)
+    refused(other, [], "dtype 'float32' there, 'bfloat16' now", f"hidden_size {H} there, {2 * H} now",
+            "layer_ids [1, 2] there, [1, 3] now")
+    assert (tmp_path / "out" / harvest.JOURNAL).read_bytes() == journal  # refused before writing anything
+    assert w2.ring.free_bytes() < w2.ring.capacity  # and before taking a record
+    # an output of the version before the setup line: the last manifest says what its files are
+    lines = [x for x in journal.splitlines(True) if b'"setup"' not in x]
+    (tmp_path / "out" / harvest.JOURNAL).write_bytes(b"".join(lines))
+    refused(other, [], "layer_ids [1, 2] there, [1, 3] now")
+    assert _run(tmp_path / "dump", tmp_path / "out") == 0  # the same setup goes on
+    _check_files(w, tmp_path / "out", sent)
+
+
+def test_a_torn_record_stops_the_harvester_in_one_line_and_keeps_the_files_written(tmp_path, capsys):
+    from sglang_hs.store.ring import HEADER_BYTES, OFF_HEAD
+
+    w = _dump(tmp_path / "dump")
+    sent = _publish(w)
+    out = tmp_path / "out"
+    assert _run(tmp_path / "dump", out, "--format", "safetensors") == 0
+    capsys.readouterr()
+    pos = w.ring.r.load_acquire(OFF_HEAD) % w.ring.capacity
+    w.publish_gathered("torn", torch.arange(5, dtype=torch.int32), torch.arange(5), prompt_len=2, next_token=9)
+    w.ring.r.buf[HEADER_BYTES + pos] ^= 0xFF  # its header's magic: bytes that are not what the server wrote
+    assert _run(tmp_path / "dump", out, "--format", "safetensors") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [x for x in err if "error" in x]
+    assert len(errors) == 1 and "corrupt record header" in errors[0] and "files written before it are kept" in errors[0]
+    assert "Traceback" not in "\n".join(err)
+    m = json.load(open(out / "manifest.json"))
+    assert m["status"] == "stopped by a torn record" and m["speculators_dataset_rows"] == 4, m
+    _check_files(w, out, sent, "safetensors")  # the files before it: whole, journaled, and the training set
