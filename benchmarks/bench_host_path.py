@@ -17,22 +17,33 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        waits for (`sync`: CaptureWriter.finish of each request; `async`: the hand-over
                        to the finish worker and the held KV frees)
   gather [variant]     store -> ring: until every record of the step is published
-  reader               the consumer process's take() of the step's records, all published beforehand
-  specforge_tmpfs|disk, safetensors_tmpfs|disk
+  reader [copy|view]   the consumer process's take() of the step's records, all published beforehand:
+                       `copy` drains them out of the ring (HiddenStateReader's default, one copy each),
+                       `view` hands out views of the ring (ack=True, zero_copy=True: no copy; the
+                       records are acked once consumed), as the extraction CLI reads now
+  specforge_tmpfs|disk, safetensors_tmpfs|disk [sink way]
                        the extraction CLI's sinks (sglang_hs/extract/sinks.py: one file per record, temp
-                       name, fsync, rename; its 4 writer threads) writing the records the reader took to
-                       a folder in /dev/shm and one on disk (`--disk-dir`)
+                       name, fsync, rename; its 4 writer threads) writing the records of the last take
+                       (views of the ring) to a folder in /dev/shm and one on disk (`--disk-dir`); ways
+                       (SINK_OPTS): `shared` the record's rows written as they lie, no CRC (the sinks'
+                       default), `copies` contiguous copies first (safetensors: torch.cat, as before),
+                       `copies+crc` SpecForge's sink as it was (copies, torch.save's CRC-32 of each entry)
   file_write_tmpfs|disk  the same bytes sequentially into one file, fsync'd: the filesystem's ceiling
-  ring                 the output ring alone: the writer publishes prepared rows while the consumer
-                       takes them (two copies, two processes), until the consumer has the last
-  e2e [variant]        the whole host path at once: finish -> ring -> reader -> SpecForge files on tmpfs
-                       (capture, reader and sink running concurrently), until the last file is renamed
-  capture_concurrent [variant]   the scheduler-thread time of that e2e run (consumer busy meanwhile)
+  ring [copy|view]     the output ring alone: the writer publishes prepared rows while the consumer
+                       takes them, until the consumer has the last: `copy` two copies (into the ring,
+                       out of it), `view` one (into the ring; the consumer acks each view)
+  e2e [variant/copy|view]  the whole host path at once: finish -> ring -> reader -> SpecForge files on
+                       tmpfs (capture, reader and sink running concurrently), until the last file is
+                       renamed; `copy`: the path as it was (drained copies, SpecForge's sink with copies
+                       and CRC), `view`: as it is now (views of the ring acked once their file is in
+                       place, the sink writing the rows as they lie)
+  capture_concurrent [variant/...]   the scheduler-thread time of that e2e run (consumer busy meanwhile)
 
 GB/s is the step's row bytes (tokens x 57,344) / seconds for every figure, so they compare directly.
 Each process runs `--threads` torch threads (1: writer and consumer on a core each). `--steps` measured
 steps after `--warmup`; medians with min and max. Variants of the scheduler side (`--variants`, both
-by default, side by side in one run): `sync` (CaptureWriter.finish on the scheduler thread, the path of
+by default, side by side in one run; each runs once per reader way, so capture and gather
+have two samples a step): `sync` (CaptureWriter.finish on the scheduler thread, the path of
 SGLANG_HS_SYNC_FINISH=1) and `async` (the finish worker, the default: the scheduler thread only hands
 over and holds the KV free). Each is a class in VARIANTS: step() returns once the scheduler's part is
 done, wait_published() once the records are in the ring. Everything under /dev/shm and the disk folder is removed at the end, on Ctrl-C and SIGTERM too.
@@ -89,9 +100,20 @@ MEASURES = {
     "capture": ("scheduler", "scheduler-thread time in capture per step"),
     "capture_concurrent": ("scheduler", "the same, inside the e2e run"),
 }
-SINK_TARGETS = [("specforge_tmpfs", "specforge", "tmpfs"), ("safetensors_tmpfs", "safetensors", "tmpfs"),
-                ("file_write_tmpfs", None, "tmpfs"), ("specforge_disk", "specforge", "disk"),
-                ("safetensors_disk", "safetensors", "disk"), ("file_write_disk", None, "disk")]
+# the sinks' ways of writing a record (attributes of sglang_hs/extract/sinks.py's classes): "shared", today's
+# default, writes the record's rows as they lie (SpecForge: two views of one storage, no CRC-32; safetensors:
+# the rows tensor itself); "copies" the SpecForge layout of contiguous copies without CRC (safetensors: the
+# torch.cat of before); "copies+crc" SpecForge's sink as it was before (contiguous copies, torch.save's CRC-32)
+SINK_OPTS = {"-": {}, "shared": {}, "copies": {"share_rows": False}, "copies+crc": {"share_rows": False, "crc32": True}}
+SINK_TARGETS = [("specforge_tmpfs", "copies+crc", "specforge", "tmpfs"), ("specforge_tmpfs", "copies", "specforge", "tmpfs"),
+                ("specforge_tmpfs", "shared", "specforge", "tmpfs"), ("safetensors_tmpfs", "copies", "safetensors", "tmpfs"),
+                ("safetensors_tmpfs", "shared", "safetensors", "tmpfs"), ("file_write_tmpfs", "-", None, "tmpfs"),
+                ("specforge_disk", "shared", "specforge", "disk"), ("safetensors_disk", "shared", "safetensors", "disk"),
+                ("file_write_disk", "-", None, "disk")]
+# the reader's ways (HiddenStateReader): "copy" drains every record out of the ring (eager, one copy each);
+# "view" (ack=True, zero_copy=True) hands out views of the ring, acked once consumed (the extraction CLI's)
+READERS = ("copy", "view")
+E2E_SINK = {"copy": "copies+crc", "view": "shared"}  # e2e [copy]: the path as it was; [view]: as it is now
 
 
 # -- the scheduler side, one class per variant --------------------------------------------------------
@@ -228,10 +250,31 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
     from sglang_hs.reader import HiddenStateReader
 
     torch.set_num_threads(threads)
-    reader = HiddenStateReader(dump_dir, poll_interval=0.0005, recycle_memory=True)  # as the extraction CLI
     pool = cf.ThreadPoolExecutor(sink_threads, thread_name_prefix="bench-sink")
+    reader, held = None, []
+
+    def use(mode):
+        """The reader of `mode` (READERS), opened in place of the other one (one reader per dump dir)."""
+        nonlocal reader
+        release()
+        if reader is None or reader.mode != mode:
+            if reader is not None:
+                reader.close()
+            zero_copy = mode == "view"
+            reader = HiddenStateReader(dump_dir, poll_interval=0.0005, recycle_memory=True, ack=zero_copy,
+                                       zero_copy=zero_copy)  # recycle_memory: as the extraction CLI
+            reader.mode = mode
+        return reader
+
+    def release():
+        """Ack the records held from the last take (their ring bytes go back; no-op for copies)."""
+        nonlocal held
+        for rec in held:
+            reader.ack(rec)
+        held = []
+
+    use("copy")
     res_q.put(("ready",))
-    held = []
 
     def take(rids):
         return [reader.take(rid, timeout=300) for rid in rids]
@@ -239,9 +282,19 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
     def nbytes(recs):
         return sum(r.num_tokens * ROW_BYTES for r in recs)
 
-    def write_sink(name, folder, recs, bounded):
-        """The CLI's way: sink.write on its writer threads, at most 2 x WRITERS unwritten; returns file bytes."""
-        sink, futs = SINKS[name](folder), []
+    def write_sink(name, folder, recs, bounded, opts, ack=False):
+        """The CLI's way: sink.write on its writer threads, at most 2 x WRITERS unwritten, each record acked
+        once its file is in place when `ack` (zero-copy records); `opts`: the sink's attributes (SINK_OPTS).
+        Returns file bytes."""
+        sink, futs, unacked = SINKS[name](folder), [], []
+        for attr, value in opts.items():
+            setattr(sink, attr, value)
+
+        def ack_written():
+            for f, rec in [x for x in unacked if x[0].done()]:
+                reader.ack(rec)
+                unacked.remove((f, rec))
+
         for i, rec in enumerate(recs):
             if bounded:
                 unwritten = [f for f in futs if not f.done()]
@@ -249,7 +302,13 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
                     cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
             mask = torch.ones(rec.num_tokens, dtype=torch.long)
             futs.append(pool.submit(sink.write, i, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state))
-        return sum(f.result() for f in futs)
+            if ack:
+                unacked.append((futs[-1], rec))
+                ack_written()
+        nbytes = sum(f.result() for f in futs)
+        if ack:
+            ack_written()
+        return nbytes
 
     def write_plain(folder, recs):
         """Each record's rows, as they lie in memory, one after another into one file; fsync."""
@@ -273,7 +332,11 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
         try:
             if op == "stop":
                 return
-            if op == "take":  # the reader alone: every record is in the ring already
+            if op == "release":
+                release()
+                res_q.put(("release",))
+            elif op == "take":  # the reader alone: every record is in the ring already
+                use(cmd[2])
                 t0 = time.perf_counter()
                 held = take(cmd[1])
                 dt = time.perf_counter() - t0
@@ -284,24 +347,29 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
                 res_q.put(("take", dt, nbytes(held), check))
             elif op == "sinks":  # the records just taken, to each sink and the plain write in turn
                 out = []
-                for measure, sink, folder in cmd[1]:
+                for measure, variant, sink, folder in cmd[1]:
                     os.makedirs(folder, mode=0o700, exist_ok=True)
                     t0 = time.perf_counter()
-                    fbytes = write_sink(sink, folder, held, False) if sink else write_plain(folder, held)
-                    out.append((measure, time.perf_counter() - t0, nbytes(held), fbytes))
+                    fbytes = write_sink(sink, folder, held, False, SINK_OPTS[variant]) if sink else \
+                        write_plain(folder, held)
+                    out.append((measure, variant, time.perf_counter() - t0, nbytes(held), fbytes))
                     shutil.rmtree(folder)
-                held = []
+                release()
                 res_q.put(("sinks", out))
             elif op in ("drain", "e2e"):  # concurrent with the writer: armed first, then the writer starts
-                rids, folder = cmd[1], cmd[2]
+                rids, folder, mode = cmd[1], cmd[2], cmd[3]
+                use(mode)
                 if folder:
                     os.makedirs(folder, mode=0o700, exist_ok=True)
                 res_q.put(("armed",))
                 if op == "drain":
-                    recs = take(rids)
+                    recs, n = [], 0
+                    for rid in rids:  # a copy is kept; a view is acked at once (the ring's own cost)
+                        recs.append(reader.take(rid, timeout=300))
+                        n += nbytes(recs[-1:])
+                        reader.ack(recs[-1])
                     fbytes = 0
                     t_end = time.perf_counter()  # CLOCK_MONOTONIC: the same clock as the writer process's
-                    n = nbytes(recs)
                     del recs
                 else:
                     n = 0
@@ -313,7 +381,7 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
                             n += rec.num_tokens * ROW_BYTES
                             yield rec
 
-                    fbytes = write_sink("specforge", folder, records(), True)
+                    fbytes = write_sink("specforge", folder, records(), True, SINK_OPTS[cmd[4]], mode == "view")
                     t_end = time.perf_counter()  # CLOCK_MONOTONIC: the same clock as the writer process's
                 if folder:
                     shutil.rmtree(folder)
@@ -335,6 +403,11 @@ class Consumer:
 
     def send(self, *cmd) -> None:
         self.cmd_q.put(cmd)
+
+    def release(self) -> None:
+        """The consumer acks the views it holds (its last take's), so the ring has room for the next step."""
+        self.send("release")
+        self.recv("release")
 
     def recv(self, op: str, timeout: float = 900):
         deadline = time.monotonic() + timeout
@@ -419,12 +492,13 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
     torch.index_select(writer.store, 0, all_slots, out=out)
     add("index_select", time.perf_counter() - t0)
 
-    for v in variants:  # capture + gather, then the reader alone on what it published
-        named_reqs = named(reqs, f"s{step}-{v.name}")
+    for v, mode in [(v, mode) for v in variants for mode in READERS]:  # capture + gather, then the reader alone
+        consumer.release()  # the ring gets the last take's views back
+        named_reqs = named(reqs, f"s{step}-{v.name}-{mode}")
         sched, pub = run_variant(v, named_reqs)
         add("capture", sched, v.name)
         add("gather", pub, v.name)
-        consumer.send("take", [r[0] for r in named_reqs])
+        consumer.send("take", [r[0] for r in named_reqs], mode)
         dt, got, check = consumer.recv("take")
         assert got == nbytes, (got, nbytes)
         for (rid, T, digest), i in zip(check, (0, -1)):  # the rows arrived: the store's, in position order
@@ -432,40 +506,42 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
             if (rid, T, digest) != (named_reqs[i][0], len(named_reqs[i][1]), want):
                 raise RuntimeError(f"record {rid}: {T} rows, first row {digest}; expected {named_reqs[i][0]}, "
                                    f"{len(named_reqs[i][1])} rows, {want}")
-        add("reader", dt)
+        add("reader", dt, mode)
 
+    # the records of the last take (views of the ring: they go from the ring straight into the files)
     folders = {"tmpfs": tmp_out, "disk": disk_out}
-    consumer.send("sinks", [(m, sink, os.path.join(folders[where], m)) for m, sink, where in SINK_TARGETS])
+    consumer.send("sinks", [(m, v, sink, os.path.join(folders[where], f"{m}-{v}")) for m, v, sink, where in SINK_TARGETS])
     (results,) = consumer.recv("sinks")
-    for measure, dt, got, fbytes in results:
+    for measure, variant, dt, got, fbytes in results:
         assert got == nbytes
-        add(measure, dt, file_bytes=fbytes)
+        add(measure, dt, variant, file_bytes=fbytes)
 
-    # the ring alone: prepared rows published while the consumer takes them
-    named_reqs = named(reqs, f"s{step}-ring")
+    # the ring alone: prepared rows published while the consumer takes them (copies them out, or acks views)
     prepared = src.view(torch.bfloat16).view(-1, P, H)
-    consumer.send("drain", [r[0] for r in named_reqs], None)
-    consumer.recv("armed")
-    t0, o = time.perf_counter(), 0
-    for rid, ids, _ in named_reqs:
-        T = len(ids)
-        writer.ring.publish(rid, torch.as_tensor(ids, dtype=torch.int32), rows=prepared[o:o + T])
-        o += T
-    t_write = time.perf_counter() - t0
-    t_end, got, _ = consumer.recv("drain")
-    assert got == nbytes
-    add("ring", t_end - t0, write_seconds=round(t_write, 6))
+    for mode in READERS:
+        named_reqs = named(reqs, f"s{step}-ring-{mode}")
+        consumer.send("drain", [r[0] for r in named_reqs], None, mode)
+        consumer.recv("armed")
+        t0, o = time.perf_counter(), 0
+        for rid, ids, _ in named_reqs:
+            T = len(ids)
+            writer.ring.publish(rid, torch.as_tensor(ids, dtype=torch.int32), rows=prepared[o:o + T])
+            o += T
+        t_write = time.perf_counter() - t0
+        t_end, got, _ = consumer.recv("drain")
+        assert got == nbytes
+        add("ring", t_end - t0, mode, write_seconds=round(t_write, 6))
 
-    for v in variants:  # the whole path at once
-        named_reqs = named(reqs, f"s{step}-{v.name}-e2e")
-        consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(tmp_out, "e2e"))
+    for v, mode in [(v, mode) for v in variants for mode in READERS]:  # the whole path at once
+        named_reqs = named(reqs, f"s{step}-{v.name}-{mode}-e2e")
+        consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(tmp_out, "e2e"), mode, E2E_SINK[mode])
         consumer.recv("armed")
         t0 = time.perf_counter()
         sched, _ = run_variant(v, named_reqs)
         t_end, got, fbytes = consumer.recv("e2e")
         assert got == nbytes
-        add("e2e", t_end - t0, v.name, file_bytes=fbytes)
-        add("capture_concurrent", sched, v.name)
+        add("e2e", t_end - t0, f"{v.name}/{mode}", file_bytes=fbytes)
+        add("capture_concurrent", sched, f"{v.name}/{mode}")
 
     for _, slots in reqs:
         alloc.release(slots.long())
