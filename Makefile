@@ -28,6 +28,8 @@ bench: setup
 	$(PY) benchmarks/bench_extract.py --out benchmarks/results
 	$(PY) benchmarks/profile_capture.py --out benchmarks/results
 	$(PY) benchmarks/measure_fp8.py --out benchmarks/results
+	$(PY) benchmarks/bench_live.py --out benchmarks/results
+	$(PY) benchmarks/bench_harvest.py --out benchmarks/results
 
 clean:
 	rm -rf .venv build *.egg-info sglang_hs/_C*.so
