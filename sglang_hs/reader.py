@@ -14,7 +14,8 @@ when nothing was generated) and `next_token` is the token after the last row (th
 so `output_ids` (input_ids[prompt_len:] + [next_token]) are exactly the tokens the server sent back.
 The reader drains the ring eagerly (one copy per record, then the bytes go back to the server), so
 holding on to one record never stalls the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
-emitted.
+emitted. A request id used again after its request finished (a client's retry) gives one record per
+request, oldest first: `take(rid)` returns them in turn, never one in place of another.
 
 A record drained eagerly is gone from the ring: if the reader process dies before its consumer handled
 it, it is lost. With `ack=True` the reader still copies records out as they arrive, but their bytes go
@@ -213,6 +214,10 @@ class HiddenStateReader:
             self.close()
             raise
         self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
+        # a reused rid (a client retrying with the same rid after its request finished): records of that rid
+        # that arrived while an older one was still here wait in line behind it, never replacing it (a
+        # replaced record would be lost and, with ack=True, never acknowledged: the ring would stay full)
+        self._later: "dict[str, collections.deque]" = {}
         self._skipped: "collections.OrderedDict[str, str]" = collections.OrderedDict()  # rid -> reason
         self.markers = 0  # marker records seen (requests served without capture)
 
@@ -253,7 +258,7 @@ class HiddenStateReader:
                     continue
                 K = self.num_aux
                 self._skipped.pop(rec.rid, None)  # a reused rid: its newest request has a record
-                self._ready[rec.rid] = HiddenStateRecord(
+                record = HiddenStateRecord(
                     rid=rec.rid,
                     input_ids=rec.input_ids,
                     aux_hidden_states=rec.rows[:, :K],
@@ -263,8 +268,22 @@ class HiddenStateReader:
                     prompt_len=rec.prompt_len,
                     next_token=rec.next_token,
                 )
+                if rec.rid in self._ready:
+                    self._later.setdefault(rec.rid, collections.deque()).append(record)
+                else:
+                    self._ready[rec.rid] = record
                 n += 1
         return n
+
+    def _pop(self, rid: str) -> HiddenStateRecord:
+        """The oldest ready record of `rid`; the next one of a reused rid, if any, becomes ready."""
+        record = self._ready.pop(rid)
+        later = self._later.get(rid)
+        if later:
+            self._ready[rid] = later.popleft()
+            if not later:
+                del self._later[rid]
+        return record
 
     def ack(self, record: HiddenStateRecord) -> None:
         """The consumer is done with `record`: with ack=True its ring bytes go back to the server (once
@@ -289,7 +308,7 @@ class HiddenStateReader:
 
     def pop_ready(self, rid: str) -> Optional[HiddenStateRecord]:
         """That request's record if a poll() already brought it in, else None (never waits)."""
-        return self._ready.pop(rid, None)
+        return self._pop(rid) if rid in self._ready else None
 
     def not_captured(self, rid: str) -> Optional[str]:
         """Why request `rid` has no record (its marker arrived), else None (never waits)."""
@@ -315,7 +334,7 @@ class HiddenStateReader:
                 raise self._timeout(f"for request {rid!r} ", timeout)
             if not arrived:
                 time.sleep(self.poll_interval)
-        return self._ready.pop(rid)
+        return self._pop(rid)
 
     def next(self, timeout: Optional[float] = None) -> HiddenStateRecord:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -327,7 +346,7 @@ class HiddenStateReader:
                 raise self._timeout("", timeout)
             if not arrived:
                 time.sleep(self.poll_interval)
-        return self._ready.popitem(last=False)[1]
+        return self._pop(next(iter(self._ready)))
 
     def __iter__(self) -> Iterator[HiddenStateRecord]:
         while True:

@@ -267,3 +267,25 @@ def test_zero_copy_views_stay_exact_while_the_writer_wraps_around_the_ring(tmp_p
         reader.ack(rec)
     print("views held at most", most_held, "wraps", wrapped)
     assert most_held >= 3 and wrapped >= 1 and reader.unacked() == 0 and reader.unread_bytes() == 0
+
+
+@pytest.mark.parametrize("ack", [True, False])
+def test_a_reused_rid_gives_every_record_oldest_first_and_each_is_acked(dump, ack):
+    """A client reuses a rid after its request finished: the second record of that rid arrives while the
+    first is still unread (same poll). Both are handed out, oldest first, each exact; with ack=True
+    acknowledging them gives every ring byte back (before, the newer replaced the older, which was
+    never acknowledged: the ring stayed full for good)."""
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=ack)
+    for i, rid in ((0, "same"), (1, "same"), (2, "other")):
+        dump.ring.publish(rid, _ids(i, 3), _rows(i, 3), timeout=5)
+    first, second = reader.take("same", timeout=1), reader.take("same", timeout=1)
+    assert (first.seq, second.seq) == (1, 2)
+    for rec, i in ((first, 0), (second, 1)):
+        rec.rid = f"r{i}"
+        _assert_exact(rec, i, 3)
+    other = reader.next(timeout=1)
+    assert other.rid == "other" and not reader.ready_rids()
+    for rec in (first, second, other):
+        reader.ack(rec)
+    assert _free(dump) == dump.ring.capacity
+    reader.close()
