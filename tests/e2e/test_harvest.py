@@ -2,8 +2,9 @@
 --hs-capture-sample 0.1 --hs-when-behind skip, a 2 MiB ring):
 
 0. production style: OpenAI chat requests, 10% sampled, harvested by `python -m sglang_hs.extract
-   --from-dump` that is SIGKILLed mid-load and started again: every request is served, the files are exactly
-   the sampled requests', once each, and load in SpecForge 0.2.0's released reader with rows exact against
+   --from-dump` that is SIGKILLed mid-load, in the middle of a file, with records it read and records it
+   has not read yet unacknowledged in the ring, and started again: every request is served, the files are
+   exactly the sampled requests', once each, the ring is fully acknowledged in the end, and load in SpecForge 0.2.0's released reader with rows exact against
    HF float32 and the loss mask exactly on the generated tokens (the prompt is the chat template's, the
    generated tokens decode to the reply);
 1. a mixed load (/generate and OpenAI chat, some requests opting in through custom_params): exactly the
@@ -73,16 +74,46 @@ def _metric_reaches(server, reason, n, seconds=30):
     return True
 
 
-def _harvester(dump, out, log):
+# `python -m sglang_hs.extract` that stops itself (SIGSTOP) as it starts writing its n-th file: the record
+# in hand and every one after it are then unacknowledged, and the file is not in place
+STOPS_AT_WRITE = """
+import os, signal, sys
+from sglang_hs.extract import cli, sinks
+n, write = [int(sys.argv.pop(1))], sinks.Sink.write
+def stopping_write(self, *a):
+    n[0] -= 1
+    if n[0] == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return write(self, *a)
+sinks.Sink.write = stopping_write
+sys.exit(cli.main())
+"""
+
+
+def _harvester(dump, out, log, stop_at_write=None):
     """`python -m sglang_hs.extract --from-dump`, once it holds the dump (it says so on stderr)."""
     n = log.read_text().count("[extract] harvesting") if log.exists() else 0
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_hs.extract", "--from-dump", str(dump), "--output", str(out),
-                             "--format", "specforge"], stdout=subprocess.DEVNULL, stderr=open(log, "a"))
+    run = [sys.executable, "-m", "sglang_hs.extract"] if stop_at_write is None else \
+        [sys.executable, "-c", STOPS_AT_WRITE, str(stop_at_write)]
+    proc = subprocess.Popen([*run, "--from-dump", str(dump), "--output", str(out), "--format", "specforge"],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "a"))
     deadline = time.monotonic() + 120
     while log.read_text().count("[extract] harvesting") == n:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     return proc
+
+
+def _wait_stopped(proc, log, seconds=300):
+    """Until `proc` stops itself (SIGSTOP; os.waitpid reports it once)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        pid, how = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid:
+            assert os.WIFSTOPPED(how), (how, log.read_text())
+            return
+        assert time.monotonic() < deadline, ("it did not stop", log.read_text())
+        time.sleep(0.1)
 
 
 def _journaled(out):
@@ -113,8 +144,8 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
     server, out, log = harvest_server, tmp_path / "harvested", tmp_path / "harvester.log"
     rids = [f"prod-{i}" for i in range(60)]
     sampled = {r for r in rids if sample_point(r) < SAMPLE}
-    first = [r for r in rids[:30] if r in sampled]
-    assert first and 0.03 <= len(sampled) / len(rids) <= 0.2, sorted(sampled)  # about the 10% asked for
+    first = [r for r in rids[:10] if r in sampled]  # harvested, then the harvester stops at the 2nd file of the rest
+    assert first and len(sampled) - len(first) >= 3 and 0.03 <= len(sampled) / len(rids) <= 0.2, sorted(sampled)
     topics = ["harvest", "traffic", "tokens", "rows", "drafts", "servers"]
     messages = {r: [{"role": "user", "content": f"Question {i}: tell me about {topics[i % 6]} " * (1 + i % 3)}]
                 for i, r in enumerate(rids)}
@@ -122,23 +153,35 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
     def send(rid):
         return server.chat(messages[rid], max_tokens=6, temperature=0, rid=rid)
 
-    harvester = _harvester(server.dump, out, log)
+    records0 = _status(server.dump)["writer"]["records"]
+    # stops itself as it begins the second file of the second half's records
+    harvester = _harvester(server.dump, out, log, stop_at_write=len(first) + 2)
     replies = {}
     with cf.ThreadPoolExecutor(4) as pool:
-        for rid, f in zip(rids[:30], pool.map(send, rids[:30])):
+        for rid, f in zip(rids[:10], pool.map(send, rids[:10])):
             replies[rid] = f
-        _wait_journaled(out, 1, harvester, log)
-        futures = {rid: pool.submit(send, rid) for rid in rids[30:]}
-        harvester.send_signal(signal.SIGKILL)  # mid-load: requests in flight, records maybe mid-file
+        _wait_journaled(out, len(first), harvester, log)
+        futures = {rid: pool.submit(send, rid) for rid in rids[10:]}
+        _wait_stopped(harvester, log)
+        replies.update({rid: f.result(timeout=300) for rid, f in futures.items()})  # served while it is stopped
+        status = _status(server.dump, lambda s: s["writer"]["records"] - records0 >= len(sampled))
+        assert status["writer"]["records"] - records0 == len(sampled), status  # all published, to the ring
+        assert status["output_ring_fill"] > 0, status  # ... and not all acknowledged
+        harvested = {e["rid"] for e in _journaled(out)}
+        assert len(harvested) == len(first) + 1 and set(first) < harvested, sorted(harvested)
+        harvester.send_signal(signal.SIGKILL)  # the file in hand not in place; it and the next: unacknowledged
         assert harvester.wait(60) == -signal.SIGKILL
         harvester = _harvester(server.dump, out, log)
-        replies.update({rid: f.result(timeout=300) for rid, f in futures.items()})
     assert all(r["choices"][0]["message"]["content"] is not None for r in replies.values())  # every one served
     _wait_journaled(out, len(sampled), harvester, log)
+    status = _status(server.dump, lambda s: s["output_ring_fill"] == 0)
+    assert status["output_ring_fill"] == 0, status  # every record acknowledged, and nothing more came
     harvester.send_signal(signal.SIGTERM)
     assert harvester.wait(120) == 0, log.read_text()
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["status"] == "stopped by SIGTERM" and manifest["samples_on_disk"] == len(sampled), manifest
+    # the restarted one wrote what the killed one left: the file in hand and every record after it
+    assert manifest["samples_written"] + manifest["samples_already_done"] == len(sampled) - len(first) - 1, manifest
     entries = _journaled(out)
     by_index = {e["index"]: e for e in entries}
     assert sorted(e["rid"] for e in entries) == sorted(sampled) and len(by_index) == len(entries)  # once each
