@@ -123,6 +123,7 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
 
     prep = Preparer(tok, 4096)
     reader = HiddenStateReader(str(dump_dir))
+    assert reader.poll() == 0  # the CLI read zero-copy and acked every record once its file was in place
     for i, record in enumerate(convs + pretok):
         want = prep(i, record)
         if fmt == "specforge":
