@@ -33,8 +33,10 @@ dump dir's one reader in a thread that hands each record to the worker whose req
 shared memory (sglang_hs/live_workers.py; fork or spawn). Every sample comes once per epoch. Order: each
 worker yields its share in dataset order and the DataLoader (in_order, the default) takes one sample from
 each worker in turn, so the order is the dataset's until a worker's share runs short (a skipped record,
-an uneven split), and the same for the same data and N. Worker 0 ends last: when the DataLoader's
-iteration ends, every request has been answered and the reader is closed. `skipped` counts in each
+an uneven split), and the same for the same data and N. No worker waits for another (the DataLoader
+would wait for that one and hand the others no work): worker 0's router thread outlives worker 0's share
+and closes the reader before it answers the last worker's goodbye, so when the DataLoader's iteration
+ends, every request has been answered and the reader is closed. `skipped` counts in each
 worker's copy, out of the main process's sight. A killed consumer's workers exit once PyTorch's
 watchdog sees their parent gone (within 5 s), the router's reader lock going with worker 0.
 """
@@ -71,6 +73,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         self.skipped: "collections.Counter[str]" = collections.Counter()
         self._preparer = None
         self._key, self._authkey, self._epochs = uuid.uuid4().hex, os.urandom(32), 0  # for DataLoader workers
+        self._router = None  # worker 0's RecordRouter of its latest iteration
 
     def _records(self) -> Iterator:
         if isinstance(self.data, str):
@@ -103,14 +106,21 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
 
     def _iterate_worker(self, info) -> Iterator[dict]:
         """DataLoader worker `info.id` of several: it sends the records of index % num_workers == id, and
-        gets their records from the router worker 0 runs (sglang_hs/live_workers.py)."""
-        from sglang_hs.live_workers import RecordRouter, RoutedRecords, iteration_key, rid_prefix
+        gets their records from the router worker 0 runs (sglang_hs/live_workers.py). Worker 0's iteration
+        ends with its share, not waiting for the others' (the DataLoader, in order, would wait for it and
+        hand the others no work: a deadlock); its router goes on until every worker is done, the last one's
+        done answered only once the reader is closed."""
+        from sglang_hs.live_workers import RecordRouter, RoutedRecords, iteration_key
 
         key, n = iteration_key(self._key, self._epochs), info.num_workers
         router = None
         if info.id == 0:
+            if self._router is not None:  # persistent workers: the last epoch's, ended or stopped early
+                self._router.stop()
+                self._router.join()
             try:
-                router = RecordRouter(key, self._authkey, n, self.dump_dir, self.reader_wait, self.owner)
+                router = self._router = RecordRouter(key, self._authkey, n, self.dump_dir, self.reader_wait,
+                                                     self.owner)
             except (RuntimeError, FileNotFoundError, OSError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         finished = False
@@ -121,17 +131,11 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {info.id}: the record router "
                                        f"(worker 0) did not answer ({type(e).__name__}: {e})") from None
             share = max(1, (self.concurrency + n - 1 - info.id) // n)  # the shares sum to concurrency
-            yield from self._samples(source, rid_prefix(key, info.id), info.id, n, share)
+            yield from self._samples(source, source.rid_prefix, info.id, n, share)
             finished = True
         finally:
-            if router is not None:
-                if not finished:
-                    router.stop()
-                try:
-                    router.join()  # worker 0 ends last: the reader is closed when the DataLoader ends
-                except Exception as e:  # noqa: BLE001
-                    if finished:
-                        raise LiveDatasetError(f"LiveHiddenStates: the record router stopped: {e}") from None
+            if router is not None and not finished:  # an error, or the iteration closed early: end them all
+                router.stop()
 
     def _samples(self, reader, ours: str, worker: int, num_workers: int, concurrency: int) -> Iterator[dict]:
         """The samples of records index % num_workers == worker, records from `reader` (a HiddenStateReader
