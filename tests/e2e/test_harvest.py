@@ -90,13 +90,25 @@ sys.exit(cli.main())
 """
 
 
-def _harvester(dump, out, log, stop_at_write=None):
+@pytest.fixture
+def harvesters():
+    """The harvester processes a test starts; any still there when it ends (a failed test) is killed."""
+    procs = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _harvester(procs, dump, out, log, stop_at_write=None):
     """`python -m sglang_hs.extract --from-dump`, once it holds the dump (it says so on stderr)."""
     n = log.read_text().count("[extract] harvesting") if log.exists() else 0
     run = [sys.executable, "-m", "sglang_hs.extract"] if stop_at_write is None else \
         [sys.executable, "-c", STOPS_AT_WRITE, str(stop_at_write)]
     proc = subprocess.Popen([*run, "--from-dump", str(dump), "--output", str(out), "--format", "specforge"],
                             stdout=subprocess.DEVNULL, stderr=open(log, "a"))
+    procs.append(proc)
     deadline = time.monotonic() + 120
     while log.read_text().count("[extract] harvesting") == n:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -130,7 +142,7 @@ def _wait_journaled(out, n, proc, log, seconds=120):
 
 
 def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and_restarted(harvest_server, hf,
-                                                                                             tmp_path):
+                                                                                             tmp_path, harvesters):
     """Runs before the module's `harvest` reader exists: the harvester is the dump's one reader."""
     import importlib.util
 
@@ -155,7 +167,7 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
 
     records0 = _status(server.dump)["writer"]["records"]
     # stops itself as it begins the second file of the second half's records
-    harvester = _harvester(server.dump, out, log, stop_at_write=len(first) + 2)
+    harvester = _harvester(harvesters, server.dump, out, log, stop_at_write=len(first) + 2)
     replies = {}
     with cf.ThreadPoolExecutor(4) as pool:
         for rid, f in zip(rids[:10], pool.map(send, rids[:10])):
@@ -171,7 +183,7 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
         assert len(harvested) == len(first) + 1 and set(first) < harvested, sorted(harvested)
         harvester.send_signal(signal.SIGKILL)  # the file in hand not in place; it and the next: unacknowledged
         assert harvester.wait(60) == -signal.SIGKILL
-        harvester = _harvester(server.dump, out, log)
+        harvester = _harvester(harvesters, server.dump, out, log)
     assert all(r["choices"][0]["message"]["content"] is not None for r in replies.values())  # every one served
     _wait_journaled(out, len(sampled), harvester, log)
     status = _status(server.dump, lambda s: s["output_ring_fill"] == 0)
