@@ -33,7 +33,8 @@ raises `NotCaptured` (its `.reason`: "not_opted_in", "not_sampled" or "reader_be
 waiting; `reader.not_captured(rid)` asks without waiting. Iteration yields records only.
 
 With `zero_copy=True` too (it needs ack=True), nothing is copied: a record's tensors are views of the
-server's output ring, valid until `reader.ack(record)`, after which the server overwrites those bytes.
+server's output ring, valid until `reader.ack(record)` or `reader.close()`, after which the server overwrites
+those bytes (close() drops the records it holds; a view you kept is not protected).
 So finish with the tensors (write the file, copy what you keep) before acking; ack() drops the record's
 tensors (they become None) so the record itself is not handed on stale, but a view you took from it
 yourself (`aux = rec.aux_hidden_states`) is not protected: do not use it after the ack. A view's storage is
@@ -222,7 +223,15 @@ class HiddenStateReader:
         self.markers = 0  # marker records seen (requests served without capture)
 
     def close(self) -> None:
-        """Let another reader take over the dump dir (records not acknowledged stay in the ring)."""
+        """Let another reader take over the dump dir (records not acknowledged stay in the ring). A
+        zero-copy reader first drops the records it holds and has not handed out: once the next reader
+        acknowledges them the server writes over their bytes."""
+        if self.zero_copy:
+            held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
+            for record in held:
+                record.input_ids = record.aux_hidden_states = record.last_hidden_state = None
+            self._ready.clear()
+            self._later.clear()
         for fd in self._locks:
             os.close(fd)
         self._locks, self._rings = [], []
@@ -290,6 +299,9 @@ class HiddenStateReader:
         the records before it are acknowledged too); a no-op for an eager reader. A zero-copy record's
         tensors are dropped (None): its bytes are the server's again."""
         if self.ack_mode:
+            if not self._locks:
+                raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed: the record of "
+                                   f"{record.rid!r} comes again to the next reader")
             self._rings[record.writer].release(record.seq)
         if self.zero_copy:
             record.input_ids = record.aux_hidden_states = record.last_hidden_state = None

@@ -370,11 +370,12 @@ class Extraction:
     def _collect_writes(self, bar) -> int:
         """Count the files written so far; a write that failed (disk full) raises OSError naming the
         file. Returns how many completed."""
-        done = [w for w in self.writes if w[2].done()]
-        self.writes = [w for w in self.writes if not w[2].done()]
-        failed = None
-        for index, T, fut, rec in done:
+        failed, collected = None, 0
+        for w in [w for w in self.writes if w[2].done()]:
+            index, T, fut, rec = w
             self.reader.ack(rec)  # the file is in place (or failed): the record's ring bytes go back
+            self.writes.remove(w)  # only once acked: an interrupt before leaves it to the next call
+            collected += 1
             if fut.cancelled():  # an interrupted or failed run: not written, --resume does it
                 continue
             err = fut.exception()
@@ -393,7 +394,7 @@ class Extraction:
                 self._fail(index, err, bar)
         if failed is not None:
             raise failed
-        return len(done)
+        return collected
 
     def run(self, samples, total: Optional[int]) -> None:
         from tqdm import tqdm
@@ -485,14 +486,19 @@ class Extraction:
             cf.wait([w[2] for w in self.writes])  # the last files
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-            self.write_pool.shutdown(wait=True, cancel_futures=True)  # a started file is finished (or removed)
+            # a started file is finished (or removed) and every record acked before the reader may go: the
+            # writer threads read the records' views of the ring. A second Ctrl-C / SIGTERM meanwhile is
+            # taken after, not in the middle (it would leave threads reading bytes another reader frees).
+            interrupted = _uninterrupted(lambda: self.write_pool.shutdown(wait=True, cancel_futures=True))
             try:
-                self._collect_writes(bar)
+                interrupted |= _uninterrupted(lambda: self._collect_writes(bar))
             except OSError as e:
                 fatal = fatal or str(e)
             fatal = fatal or self.verify_failure
             self.stats.t1, self.stats.cpu1 = time.monotonic(), time.process_time()
             bar.close()
+            if interrupted:
+                raise KeyboardInterrupt
         if fatal:
             raise ExtractError(fatal)
 
@@ -589,6 +595,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     import torch
 
+    from sglang_hs.store.ring import TornRecord
+
     threads = torch.get_num_threads()
     torch.set_num_threads(ns.torch_threads)  # restored below: main() also runs inside other programs
     server = extraction = manifest = dataset = reader = None
@@ -638,7 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\n{PROG}: interrupted; completed files are kept, rerun with --resume", file=sys.stderr)
         if extraction is not None:
             extraction.abort_pending()
-    except (ExtractError, OSError, ValueError) as e:
+    except (ExtractError, OSError, ValueError, TornRecord) as e:  # TornRecord: a corrupted ring, one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
     finally:
         torch.set_num_threads(threads)
@@ -653,6 +661,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
     return rc
+
+
+def _uninterrupted(step) -> bool:
+    """Run `step` to its end, again after each KeyboardInterrupt (SIGTERM is one here); True if one came."""
+    interrupted = False
+    while True:
+        try:
+            step()
+            return interrupted
+        except KeyboardInterrupt:
+            interrupted = True
 
 
 def _check_resume_dtype(out_dir: str, save_dtype: Optional[str]) -> None:

@@ -289,3 +289,31 @@ def test_a_reused_rid_gives_every_record_oldest_first_and_each_is_acked(dump, ac
         reader.ack(rec)
     assert _free(dump) == dump.ring.capacity
     reader.close()
+
+
+def test_a_closed_zero_copy_reader_hands_out_no_view_of_bytes_another_reader_gave_back(dump):
+    """Reader A polls three records zero-copy, hands out one, and closes; reader B takes over, acks them
+    and the writer publishes over their bytes. A must not hand out its other two (their views now show
+    the new records: review finding, r1 came back holding r5's ids), and acking after close is an error
+    naming the record, not an IndexError."""
+    a = HiddenStateReader(str(dump.dir), wait=1, ack=True, zero_copy=True)
+    for i in range(3):
+        _publish(dump, i)
+    first = a.next(timeout=1)
+    assert a.poll() == 0 and len(a.ready_rids()) == 2
+    a.close()
+    assert not a.ready_rids() and a.pop_ready("r1") is None
+    with pytest.raises(RuntimeError, match="is closed"):
+        a.next(timeout=1)
+    with pytest.raises(RuntimeError, match="is closed.*'r0'"):
+        a.ack(first)
+    b = HiddenStateReader(str(dump.dir), wait=1, ack=True)
+    for i in range(3):
+        rec = b.take(f"r{i}", timeout=1)
+        _assert_exact(rec, i, 3)
+        b.ack(rec)
+    for i in range(3, 6):
+        _publish(dump, i)
+    for i in range(3, 6):
+        _assert_exact(b.take(f"r{i}", timeout=1), i, 3)
+    b.close()
