@@ -617,13 +617,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except RuntimeError as e:  # another reader holds the dump dir
             raise ExtractError(f"--hs-dump-dir: {e}") from None
         manifest = reader.manifest
-        if sink.needs_last and not manifest["last"]:
-            raise ExtractError(f"--format {ns.format} needs the final hidden state: the server at {url} runs "
-                               "without --hs-last (restart it with --hs-last)")
-        if sink.wants_last and not manifest["last"]:
-            print(f"[extract] warning: the server at {url} runs without --hs-last: the files hold the aux layers "
-                  f"only and no {ns.format} training set is made of them (speculators trains on the final state "
-                  "too); restart the server with --hs-last", file=sys.stderr, flush=True)
+        check_final_state(ns.format, sink, manifest, f"the server at {url}")
         sink.layer_ids = list(manifest["layer_ids"])
         if ns.verify and not manifest["last"]:
             raise ExtractError("--verify needs the final hidden state: run the server with --hs-last")
@@ -661,6 +655,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
     return rc
+
+
+def check_final_state(fmt: str, sink, manifest: dict, server: str) -> None:
+    """Refuse a format that trains on the final hidden state when `server` runs without --hs-last; warn
+    where the files can be written but make no training set."""
+    if sink.needs_last and not manifest["last"]:
+        raise ExtractError(f"--format {fmt} needs the final hidden state: {server} runs without --hs-last "
+                           "(restart it with --hs-last)")
+    if sink.wants_last and not manifest["last"]:
+        print(f"[extract] warning: {server} runs without --hs-last: the files hold the aux layers only and no "
+              f"{fmt} training set is made of them (speculators trains on the final state too); restart the "
+              "server with --hs-last", file=sys.stderr, flush=True)
 
 
 def _uninterrupted(step) -> bool:

@@ -196,7 +196,7 @@ def _open_reader(ns):
 
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
-    from sglang_hs.extract.cli import PROG, ExtractError, Stats, _print_summary, write_manifest
+    from sglang_hs.extract.cli import PROG, ExtractError, Stats, _print_summary, check_final_state, write_manifest
     from sglang_hs.extract.sinks import SinkError
     from sglang_hs.store.ring import TornRecord
 
@@ -220,12 +220,7 @@ def run(ns, sink, out_dir: str) -> int:
         sink.remove_partial()
         reader = _open_reader(ns)
         manifest = reader.manifest
-        if sink.needs_last and not manifest["last"]:
-            raise ExtractError(f"--format {ns.format} needs the final hidden state: the server of {ns.from_dump} "
-                               "runs without --hs-last (restart it with --hs-last)")
-        if sink.wants_last and not manifest["last"]:
-            print(f"[extract] warning: the server of {ns.from_dump} runs without --hs-last: no {ns.format} training "
-                  "set is made of these files", file=sys.stderr, flush=True)
+        check_final_state(ns.format, sink, manifest, f"the server of {ns.from_dump}")
         journal.check_setup(setup_of(ns, manifest), out_dir)
         sink.layer_ids = list(manifest["layer_ids"])
         harvester = Harvester(reader, sink, journal, Stats())
