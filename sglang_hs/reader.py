@@ -206,6 +206,13 @@ class HiddenStateReader:
         self.has_last = bool(self.manifest["last"])
         self.ack_mode = ack
         self.zero_copy = zero_copy
+        self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
+        # a reused rid (a client retrying with the same rid after its request finished): records of that rid
+        # that arrived while an older one was still here wait in line behind it, never replacing it (a
+        # replaced record would be lost and, with ack=True, never acknowledged: the ring would stay full)
+        self._later: "dict[str, collections.deque]" = {}
+        self._skipped: "collections.OrderedDict[str, str]" = collections.OrderedDict()  # rid -> reason
+        self.markers = 0  # marker records seen (requests served without capture)
         self._rings, self._locks = [], []
         try:
             for w in self.manifest["writers"]:
@@ -214,13 +221,6 @@ class HiddenStateReader:
         except BaseException:
             self.close()
             raise
-        self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
-        # a reused rid (a client retrying with the same rid after its request finished): records of that rid
-        # that arrived while an older one was still here wait in line behind it, never replacing it (a
-        # replaced record would be lost and, with ack=True, never acknowledged: the ring would stay full)
-        self._later: "dict[str, collections.deque]" = {}
-        self._skipped: "collections.OrderedDict[str, str]" = collections.OrderedDict()  # rid -> reason
-        self.markers = 0  # marker records seen (requests served without capture)
 
     def close(self) -> None:
         """Let another reader take over the dump dir (records not acknowledged stay in the ring). A

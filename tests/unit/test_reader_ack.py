@@ -192,6 +192,8 @@ def test_one_reader_per_dump_dir_until_closed(dump):
     first = HiddenStateReader(str(dump.dir), wait=1)
     with pytest.raises(RuntimeError, match=rf"ring-w0.bin: already read by another HiddenStateReader \(pid {os.getpid()}\)"):
         HiddenStateReader(str(dump.dir), wait=1)
+    with pytest.raises(RuntimeError, match="already read by another"):  # the same refusal for a zero-copy reader
+        HiddenStateReader(str(dump.dir), wait=1, ack=True, zero_copy=True)
     first.close()
     with pytest.raises(RuntimeError, match="is closed"):
         first.poll()
