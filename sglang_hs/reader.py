@@ -34,8 +34,7 @@ waiting; `reader.not_captured(rid)` asks without waiting. Iteration yields recor
 
 With `zero_copy=True` too (it needs ack=True), nothing is copied: a record's tensors are views of the
 server's output ring, valid until `reader.ack(record)` or `reader.close()`, after which the server overwrites
-those bytes (close() drops the records it holds; a view you kept is not protected).
-So finish with the tensors (write the file, copy what you keep) before acking; ack() drops the record's
+those bytes (close() drops the records it holds and has not handed out). So finish with the tensors (write the file, copy what you keep) before acking; ack() drops the record's
 tensors (they become None) so the record itself is not handed on stale, but a view you took from it
 yourself (`aux = rec.aux_hidden_states`) is not protected: do not use it after the ack. A view's storage is
 exactly that record's bytes (torch.save of it saves the record, not the ring):
@@ -119,6 +118,10 @@ class HiddenStateRecord:
     writer: int = field(default=0, repr=False)  # index of that writer in manifest["writers"]
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
+
+    def drop_tensors(self) -> None:
+        """A zero-copy record whose ring bytes went back to the server: no tensor of it is handed on."""
+        self.input_ids = self.aux_hidden_states = self.last_hidden_state = None
 
     @property
     def output_ids(self) -> list:
@@ -229,7 +232,7 @@ class HiddenStateReader:
         if self.zero_copy:
             held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
             for record in held:
-                record.input_ids = record.aux_hidden_states = record.last_hidden_state = None
+                record.drop_tensors()
             self._ready.clear()
             self._later.clear()
         for fd in self._locks:
@@ -304,7 +307,7 @@ class HiddenStateReader:
                                    f"{record.rid!r} comes again to the next reader")
             self._rings[record.writer].release(record.seq)
         if self.zero_copy:
-            record.input_ids = record.aux_hidden_states = record.last_hidden_state = None
+            record.drop_tensors()
 
     def unacked(self) -> int:
         """Records brought in and not acknowledged yet (0 for an eager reader)."""

@@ -147,14 +147,17 @@ def _without_crc32():
 
 
 def specforge_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-                     last: torch.Tensor) -> dict:
+                     last: torch.Tensor, contiguous: bool = True) -> dict:
     """One sample in SpecForge's offline layout, as its data_{i}.ckpt holds it (input_ids [T] and
     loss_mask [T] int64, hidden_state [1, T, H], aux_hidden_state [1, T, K*H]); also what
-    sglang_hs.live yields, so files and live samples cannot drift apart."""
+    sglang_hs.live yields, so files and live samples cannot drift apart. contiguous=False: the states
+    stay views of their rows where a view can hold them (the sink's shared rows)."""
     T = input_ids.shape[0]
-    return {"input_ids": input_ids.long(), "loss_mask": loss_mask.long(),
-            "hidden_state": last.reshape(1, T, -1).contiguous(),
-            "aux_hidden_state": aux.reshape(1, T, -1).contiguous()}
+    hidden, aux = last.reshape(1, T, -1), aux.reshape(1, T, -1)
+    if contiguous:
+        hidden, aux = hidden.contiguous(), aux.contiguous()
+    return {"input_ids": input_ids.long(), "loss_mask": loss_mask.long(), "hidden_state": hidden,
+            "aux_hidden_state": aux}
 
 
 class SpecForgeSink(Sink):
@@ -170,12 +173,8 @@ class SpecForgeSink(Sink):
         return len(glob.glob(os.path.join(self.out_dir, "rows_*", "data_*.ckpt")))
 
     def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
-        if self.share_rows and record_rows(aux, last) is not None:  # views of the one storage: saved once
-            T = input_ids.shape[0]
-            sample = {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_state": last.reshape(1, T, -1),
-                      "aux_hidden_state": aux.reshape(1, T, -1)}
-        else:
-            sample = specforge_sample(input_ids, loss_mask, aux, last)
+        shared = self.share_rows and record_rows(aux, last) is not None  # views of the one storage: saved once
+        sample = specforge_sample(input_ids, loss_mask, aux, last, contiguous=not shared)
         with contextlib.nullcontext() if self.crc32 else _without_crc32():
             torch.save(sample, tmp)
 

@@ -283,6 +283,7 @@ class RingReader:
     def _records(self, tail: int, last_seq: int, copy: bool = True):
         """(record, offset after it) for each record published between `tail` and HEAD, checked; copied
         out, or (copy=False) views of the ring."""
+        take = (lambda off, n: self.r.buf[off : off + n].clone()) if copy else self._view
         head = self.r.load_acquire(OFF_HEAD)
         if tail > head or head - tail > self.capacity:
             raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "
@@ -323,7 +324,6 @@ class RingReader:
             except UnicodeDecodeError:
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: request id is not UTF-8") from None
             o = base + ALIGN + _align(rid_len)
-            take = (lambda off, n: self.r.buf[off : off + n].clone()) if copy else self._view
             ids = take(o, 4 * T).view(torch.int32)
             o += _align(4 * T)
             rows = take(o, T * P * H * elem).view(dtype).view(T, P, H)
