@@ -53,7 +53,7 @@ def _extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     os.environ.setdefault("MAX_JOBS", _default_max_jobs())
-    sources = ["csrc/shm.cpp", "csrc/copy_rows_cpu.cpp", "csrc/bindings.cpp"]
+    sources = ["csrc/shm.cpp", "csrc/copy_rows_cpu.cpp", "csrc/gather_rows_cpu.cpp", "csrc/bindings.cpp"]
     cxx = ["-O3"]  # the C++ standard comes from torch (C++20 for torch 2.14)
     if cuda_home:
         ext = CUDAExtension(

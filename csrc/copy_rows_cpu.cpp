@@ -6,14 +6,17 @@
 //
 // Same contract as the Triton launcher: same dtype everywhere (a copy, never a cast), unit stride
 // along H, a contiguous store, every slot in range (checked before anything is written). Rows are
-// copied in parallel with one memcpy per row part. Graph-style padding rows all aim at the padding
-// slot, which no request reads; which of them lands there last is unspecified.
+// copied in parallel with one copy per row part (streaming stores for a large step). Graph-style
+// padding rows all aim at the padding slot, which no request reads; which of them lands there last
+// is unspecified.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 
 #include <cstring>
+
+#include "stream_copy.h"
 
 namespace sglang_hs {
 
@@ -53,12 +56,21 @@ void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last,
   char* dst = static_cast<char*>(store.data_ptr());
   const int64_t a_row = aux.stride(0) * esz, l_row = has_last ? last->stride(0) * esz : 0;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, P * part));
+  // A large step's rows (a long prefill, the staging scatter) are read only when their request
+  // finishes: streamed past the cache (stream_copy.h); a decode step's few rows are copied plainly.
+  const bool stream = T * P * part >= kStreamThresholdBytes;
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       char* row = dst + s[t] * P * part;
-      std::memcpy(row, a + t * a_row, K * part);  // the K aux parts are adjacent in aux and in the store
-      if (l) std::memcpy(row + K * part, l + t * l_row, part);
+      if (stream) {
+        stream_copy(row, a + t * a_row, K * part);  // the K aux parts are adjacent in aux and in the store
+        if (l) stream_copy(row + K * part, l + t * l_row, part);
+      } else {
+        std::memcpy(row, a + t * a_row, K * part);
+        if (l) std::memcpy(row + K * part, l + t * l_row, part);
+      }
     }
+    if (stream) stream_fence();  // this thread's streamed stores, before parallel_for returns
   });
 }
 

@@ -44,6 +44,7 @@ WHEN_BEHIND = ("hold", "skip")
 DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
+DEFAULT_GATHER_THREADS = 2
 
 env_variables: Dict[str, Callable[[], Any]] = {
     # Capture is on when this is set: the folder of the manifest, the store and the output rings.
@@ -76,6 +77,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Publish finished records on the scheduler thread (the synchronous path, for debugging) instead of
     # handing them to the finish worker (sglang_hs/store/finisher.py).
     "SGLANG_HS_SYNC_FINISH": _bool("SGLANG_HS_SYNC_FINISH"),
+    # Threads of one record's gather into the output ring (--hs-gather-threads); a record gets at most
+    # one thread per 8 MiB of rows (csrc/gather_rows_cpu.cpp), so short records always take one.
+    "SGLANG_HS_GATHER_THREADS": _int("SGLANG_HS_GATHER_THREADS", DEFAULT_GATHER_THREADS),
     # gid of --hs-share-group: the dump dir, manifest and rings are shared with this group (fsutil.py).
     "SGLANG_HS_SHARE_GID": lambda: int(os.environ["SGLANG_HS_SHARE_GID"]) if os.environ.get("SGLANG_HS_SHARE_GID") else None,
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).

@@ -82,6 +82,10 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="rows of the --hs-copy staging buffers (2 on the device, 2 pinned on the host); larger "
                         "steps are shipped in chunks; CUDA graphs must fit (default: max(--chunked-prefill-size, "
                         "--max-running-requests))")
+    g.add_argument("--hs-gather-threads", type=int, default=None, metavar="N",
+                   help="threads that copy one finished record's rows from the store into the output ring, off the "
+                        "scheduler thread (one per 8 MiB of rows at most; default "
+                        f"{envs.DEFAULT_GATHER_THREADS})")
     g.add_argument("--hs-share-group", default=None, metavar="GROUP",
                    help="let readers running as other users of GROUP read the dump (folder 0750, manifest 0640, "
                         "rings 0660, of GROUP; the store stays 0600); they pass owner=<this user> to "
@@ -332,7 +336,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
-                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_CAPTURE", "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND"):
+                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE", "SGLANG_HS_CAPTURE_SAMPLE",
+                "SGLANG_HS_WHEN_BEHIND"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -369,13 +374,19 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             if ns.hs_staging_rows <= 0:
                 raise CaptureConfigError(f"--hs-staging-rows: must be > 0 rows, got {ns.hs_staging_rows}")
             env["SGLANG_HS_STAGING_ROWS"] = str(ns.hs_staging_rows)
+        if ns.hs_gather_threads is not None:
+            if ns.hs_gather_threads <= 0:
+                raise CaptureConfigError(f"--hs-gather-threads: must be > 0 threads, got {ns.hs_gather_threads}")
+            env["SGLANG_HS_GATHER_THREADS"] = str(ns.hs_gather_threads)
         env.update(selection_env(ns))
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
-            or ns.hs_capture is not None or ns.hs_capture_sample is not None or ns.hs_when_behind is not None:
-        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-capture/"
-                                 "--hs-capture-sample/--hs-when-behind need --hs-dump-dir (where to write the capture)")
+            or ns.hs_gather_threads is not None or ns.hs_capture is not None or ns.hs_capture_sample is not None \
+            or ns.hs_when_behind is not None:
+        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/"
+                                 "--hs-gather-threads/--hs-capture/--hs-capture-sample/--hs-when-behind need "
+                                 "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (default_ring or envs.DEFAULT_RING_BYTES)

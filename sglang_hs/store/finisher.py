@@ -7,7 +7,7 @@ the output ring by a worker thread, while the KV slots they come from are kept f
         non_blocking copy into pinned memory on       direct mode the step's copy into the store, have
         the current stream + a blocking-sync event    landed), then for the staging scatter;
         (no device sync on this thread)               gather store[slots] into the ring and publish
-      queue the job; return                           (torch.index_select: runs without the GIL)
+      queue the job; return                           (csrc/gather_rows_cpu.cpp: without the GIL)
     release_kv_cache -> allocator frees: HELD         report done (seq, rid, error)
     next step / next free / idle / a check:
       poll(): results -> admission release, stats,

@@ -46,6 +46,7 @@ from typing import List, Optional
 
 import torch
 
+from sglang_hs._ext import ext
 from sglang_hs.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
@@ -104,6 +105,7 @@ class RingWriter:
         self.r = region
         self.capacity = region.nbytes - HEADER_BYTES
         self.seq = 0
+        self.gather_threads = 1  # threads of a large record's copy into the ring (the writer sets its setting)
 
     @classmethod
     def create(cls, dir_path: str, name: str, capacity: int) -> "RingWriter":
@@ -176,10 +178,12 @@ class RingWriter:
         o += _align(4 * T)
         n = T * P * H * elem
         dst = buf[base + o : base + o + n].view(dtype).view(T, P, H)
-        if rows is not None:
-            dst.copy_(rows)
+        if rows is None:  # streamed, threaded, without the GIL (csrc/gather_rows_cpu.cpp)
+            ext().gather_rows_cpu(gather_from, slots, dst, self.gather_threads)
+        elif rows.device.type == "cpu" and rows.is_contiguous():
+            ext().gather_rows_cpu(rows, None, dst, self.gather_threads)
         else:
-            torch.index_select(gather_from, 0, slots.long(), out=dst)
+            dst.copy_(rows)
         o += _align(n)
         header = _REC.pack(REC_MAGIC, skipped, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b), prompt_len,
                            next_token)
@@ -280,10 +284,17 @@ class RingReader:
         return torch.frombuffer(self._mem[offset : offset + nbytes], dtype=torch.uint8) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
 
+    def _copy_out(self, offset: int, nbytes: int) -> torch.Tensor:
+        """buf[offset:offset+nbytes] copied into a new tensor (csrc/gather_rows_cpu.cpp: streamed when large)."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            ext().gather_rows_cpu(self.r.buf[offset : offset + nbytes].view(1, nbytes), None, out.view(1, nbytes), 1)
+        return out
+
     def _records(self, tail: int, last_seq: int, copy: bool = True):
         """(record, offset after it) for each record published between `tail` and HEAD, checked; copied
         out, or (copy=False) views of the ring."""
-        take = (lambda off, n: self.r.buf[off : off + n].clone()) if copy else self._view
+        take = self._copy_out if copy else self._view
         head = self.r.load_acquire(OFF_HEAD)
         if tail > head or head - tail > self.capacity:
             raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "

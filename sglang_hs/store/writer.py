@@ -96,6 +96,10 @@ class CaptureWriter:
         except RuntimeError as e:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
+        self.ring.gather_threads = envs.SGLANG_HS_GATHER_THREADS
+        if self.ring.gather_threads <= 0:
+            raise ValueError(f"sglang-hs: SGLANG_HS_GATHER_THREADS (--hs-gather-threads) must be > 0, got "
+                             f"{self.ring.gather_threads}")
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0}
         # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)
@@ -197,7 +201,7 @@ class CaptureWriter:
                          prompt_len: Optional[int] = None, next_token: int = -1) -> None:
         """Gather store[slots] (host slot ids, every row already in the store) straight into the ring and
         publish the record. The synchronous finish runs it on the scheduler thread, the finish worker
-        (sglang_hs/store/finisher.py) on its own; the gather (torch.index_select) runs without the GIL."""
+        (sglang_hs/store/finisher.py) on its own; the gather (csrc/gather_rows_cpu.cpp) runs without the GIL."""
         t0 = time.perf_counter() if t0 is None else t0
         T = int(slots.shape[0])
         self.ring.publish(rid, ids, gather_from=self.store, slots=slots,  # gathered straight into the ring

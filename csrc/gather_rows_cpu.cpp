@@ -1,0 +1,100 @@
+// The finish path's gather: a finished request's rows out of the store into the output ring.
+//
+//   gather_rows_cpu(src [S, ...], idx [T] int32/int64 | None, out [T, ...], num_threads)
+//       out[t] = src[idx[t]]        (idx None: out = src, S = T; the ring's prepared-rows copy)
+//
+// Contract: CPU tensors, same dtype (a copy, never a cast), both contiguous, rows of equal size, every
+// index in range (checked before anything is written). Runs of consecutive indices are copied as one
+// block. Large gathers use streaming stores (stream_copy.h) and up to num_threads threads, each with
+// at least kMinBytesPerThread; the caller has released the GIL (bindings.cpp), so the finish worker's
+// gather runs beside the scheduler's Python. Every byte is visible to other threads and processes
+// when the call returns (each thread fences its streamed stores before it ends).
+#include <torch/extension.h>
+
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "stream_copy.h"
+
+namespace sglang_hs {
+
+namespace {
+
+constexpr int64_t kMinBytesPerThread = 8 << 20;
+
+void copy_range(char* out, const char* src, const int64_t* idx, int64_t begin, int64_t end, int64_t row,
+                bool stream) {
+  int64_t t = begin;
+  while (t < end) {
+    int64_t run = 1;
+    if (idx != nullptr) {
+      while (t + run < end && idx[t + run] == idx[t] + run) ++run;
+    } else {
+      run = end - t;
+    }
+    const char* from = src + (idx != nullptr ? idx[t] : t) * row;
+    char* to = out + t * row;
+    if (stream) {
+      stream_copy(to, from, static_cast<size_t>(run * row));
+    } else {
+      std::memcpy(to, from, static_cast<size_t>(run * row));
+    }
+    t += run;
+  }
+  if (stream) stream_fence();
+}
+
+}  // namespace
+
+void gather_rows_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& idx, at::Tensor& out,
+                     int64_t num_threads) {
+  TORCH_CHECK(src.device().is_cpu() && out.device().is_cpu(), "gather_rows_cpu: src and out must be CPU tensors");
+  TORCH_CHECK(src.dim() >= 1 && out.dim() == src.dim() && src.sizes().slice(1) == out.sizes().slice(1),
+              "gather_rows_cpu: out ", out.sizes(), " does not hold rows of src ", src.sizes());
+  TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), "gather_rows_cpu: src and out must be contiguous");
+  TORCH_CHECK(src.scalar_type() == out.scalar_type(), "gather_rows_cpu: src is ", src.scalar_type(), ", out is ",
+              out.scalar_type());
+  TORCH_CHECK(num_threads >= 1, "gather_rows_cpu: num_threads must be >= 1, got ", num_threads);
+  const int64_t S = src.size(0), T = out.size(0);
+  const bool has_idx = idx.has_value() && idx->defined();
+  at::Tensor slots;
+  const int64_t* s = nullptr;
+  if (has_idx) {
+    TORCH_CHECK(idx->device().is_cpu() && idx->dim() == 1 && idx->size(0) == T &&
+                    (idx->scalar_type() == at::kInt || idx->scalar_type() == at::kLong),
+                "gather_rows_cpu: idx must be a CPU [T=", T, "] int32/int64 tensor, got ", idx->sizes(), " ",
+                idx->scalar_type());
+    slots = idx->to(at::kLong).contiguous();
+    s = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(s[t] >= 0 && s[t] < S, "gather_rows_cpu: index ", s[t], " of row ", t, " outside [0, ", S, ")");
+    }
+  } else {
+    TORCH_CHECK(S == T, "gather_rows_cpu: without idx, out must have src's ", S, " rows, not ", T);
+  }
+  if (T == 0 || src.numel() == 0) return;
+  const int64_t row = src.numel() / S * src.element_size();
+  const int64_t total = T * row;
+  const bool stream = total >= kStreamThresholdBytes;
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(out.data_ptr());
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>({num_threads, total / kMinBytesPerThread, T}));
+  if (n == 1) {
+    copy_range(to, from, s, 0, T, row, stream);
+    return;
+  }
+  std::vector<std::thread> helpers;
+  helpers.reserve(n - 1);
+  const int64_t per = (T + n - 1) / n;
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t b = std::min(T, i * per), e = std::min(T, (i + 1) * per);
+    helpers.emplace_back(copy_range, to, from, s, b, e, row, stream);
+  }
+  copy_range(to, from, s, 0, std::min(T, per), row, stream);
+  for (auto& h : helpers) h.join();
+}
+
+}  // namespace sglang_hs
