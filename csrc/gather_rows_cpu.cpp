@@ -3,14 +3,15 @@
 //   gather_rows_cpu(src [S, ...], idx [T] int32/int64 | None, out [T, ...], num_threads)
 //       out[t] = src[idx[t]]        (idx None: out = src, S = T; the ring's prepared-rows copy)
 //
-// Contract: CPU tensors, same dtype (a copy, never a cast), both contiguous, rows of equal size, every
-// index in range (checked before anything is written). Runs of consecutive indices are copied as one
+// Contract: CPU tensors, same dtype (a copy, never a cast), both contiguous and not overlapping, rows
+// of equal size, every index in range (checked before anything is written). Runs of consecutive indices are copied as one
 // block. Large gathers use streaming stores (stream_copy.h) and up to num_threads threads, each with
 // at least kMinBytesPerThread; the caller has released the GIL (bindings.cpp), so the finish worker's
 // gather runs beside the scheduler's Python. Every byte is visible to other threads and processes
 // when the call returns (each thread fences its streamed stores before it ends).
 #include <torch/extension.h>
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>
@@ -55,6 +56,9 @@ void gather_rows_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& idx
   TORCH_CHECK(src.dim() >= 1 && out.dim() == src.dim() && src.sizes().slice(1) == out.sizes().slice(1),
               "gather_rows_cpu: out ", out.sizes(), " does not hold rows of src ", src.sizes());
   TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), "gather_rows_cpu: src and out must be contiguous");
+  const auto overlap = at::get_overlap_status(out, src);
+  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+              "gather_rows_cpu: out overlaps src");
   TORCH_CHECK(src.scalar_type() == out.scalar_type(), "gather_rows_cpu: src is ", src.scalar_type(), ", out is ",
               out.scalar_type());
   TORCH_CHECK(num_threads >= 1, "gather_rows_cpu: num_threads must be >= 1, got ", num_threads);
@@ -91,7 +95,11 @@ void gather_rows_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& idx
   const int64_t per = (T + n - 1) / n;
   for (int64_t i = 1; i < n; ++i) {
     const int64_t b = std::min(T, i * per), e = std::min(T, (i + 1) * per);
-    helpers.emplace_back(copy_range, to, from, s, b, e, row, stream);
+    try {
+      helpers.emplace_back(copy_range, to, from, s, b, e, row, stream);
+    } catch (...) {  // no thread to be had (std::system_error, std::bad_alloc): this range here; the
+      copy_range(to, from, s, b, e, row, stream);  // threads already started are joined below
+    }
   }
   copy_range(to, from, s, 0, std::min(T, per), row, stream);
   for (auto& h : helpers) h.join();

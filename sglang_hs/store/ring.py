@@ -284,17 +284,11 @@ class RingReader:
         return torch.frombuffer(self._mem[offset : offset + nbytes], dtype=torch.uint8) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
 
-    def _copy_out(self, offset: int, nbytes: int) -> torch.Tensor:
-        """buf[offset:offset+nbytes] copied into a new tensor (csrc/gather_rows_cpu.cpp: streamed when large)."""
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            ext().gather_rows_cpu(self.r.buf[offset : offset + nbytes].view(1, nbytes), None, out.view(1, nbytes), 1)
-        return out
-
     def _records(self, tail: int, last_seq: int, copy: bool = True):
         """(record, offset after it) for each record published between `tail` and HEAD, checked; copied
         out, or (copy=False) views of the ring."""
-        take = self._copy_out if copy else self._view
+        # a copy is read at once by the consumer: torch's clone (its threads, cached stores), not the streamed op
+        take = (lambda off, n: self.r.buf[off : off + n].clone()) if copy else self._view
         head = self.r.load_acquire(OFF_HEAD)
         if tail > head or head - tail > self.capacity:
             raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "

@@ -75,6 +75,15 @@ class CaptureWriter:
         if copy not in envs.COPY_STRATEGIES:
             raise ValueError(f"sglang-hs: unknown copy strategy {copy!r} (direct or staging)")
         share_gid = envs.SGLANG_HS_SHARE_GID
+        gather_threads = envs.SGLANG_HS_GATHER_THREADS
+        if gather_threads <= 0:
+            raise ValueError(f"sglang-hs: SGLANG_HS_GATHER_THREADS (--hs-gather-threads) must be > 0, got "
+                             f"{gather_threads}")
+        from sglang_hs._ext import ext
+
+        if not hasattr(ext(), "gather_rows_cpu"):
+            raise RuntimeError("sglang-hs: the compiled extension sglang_hs._C predates this sglang-hs (it has no "
+                               "gather_rows_cpu); rebuild it: pip install --no-build-isolation -e .")
         self.spec = spec
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size
@@ -96,10 +105,7 @@ class CaptureWriter:
         except RuntimeError as e:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
-        self.ring.gather_threads = envs.SGLANG_HS_GATHER_THREADS
-        if self.ring.gather_threads <= 0:
-            raise ValueError(f"sglang-hs: SGLANG_HS_GATHER_THREADS (--hs-gather-threads) must be > 0, got "
-                             f"{self.ring.gather_threads}")
+        self.ring.gather_threads = gather_threads
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0}
         # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)

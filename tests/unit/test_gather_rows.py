@@ -108,6 +108,7 @@ def test_zero_rows_is_a_no_op(ext):
     (lambda a: {**a, "out": torch.zeros(16, 2, dtype=torch.uint8).t()}, "must be contiguous"),
     (lambda a: {**a, "threads": 0}, "num_threads must be >= 1"),
     (lambda a: {**a, "idx": None}, "without idx, out must have src's 8 rows, not 2"),
+    (lambda a: {**a, "out": a["src"][2:4]}, "out overlaps src"),
 ])
 def test_refuses_before_writing(ext, change, message):
     args = change({"src": _src(8, 16), "idx": torch.tensor([0, 1]), "out": torch.full((2, 16), 0xA5,
