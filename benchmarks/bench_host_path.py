@@ -12,11 +12,12 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        (the yardstick of every "of memcpy" ratio)
   torch_copy           torch copy_ of the same bytes (ratios to it are in the summary CSV too)     ceiling
   index_select         torch.index_select of the step's rows from the store into a preallocated
-                       buffer: the ceiling of a gather                                            ceiling
+                       buffer: how the finish path gathered before its C++ op                     baseline
   capture [variant]    scheduler-thread time for the step's finishing requests: what SGLang's scheduler
                        waits for (`sync`: CaptureWriter.finish of each request; `async`: the hand-over
                        to the finish worker and the held KV frees)
-  gather [variant]     store -> ring: until every record of the step is published
+  gather [variant]     store -> ring: until every record of the step is published (the C++ gather,
+                       csrc/gather_rows_cpu.cpp: streaming stores, `--gather-threads` threads)
   reader [copy|view]   the consumer process's take() of the step's records, all published beforehand:
                        `copy` drains them out of the ring (HiddenStateReader's default, one copy each),
                        `view` hands out views of the ring (ack=True, zero_copy=True: no copy; the
@@ -38,6 +39,15 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        and CRC), `view`: as it is now (views of the ring acked once their file is in
                        place, the sink writing the rows as they lie)
   capture_concurrent [variant/...]   the scheduler-thread time of that e2e run (consumer busy meanwhile)
+  e2e_sustained [async/view]   the same path fed `--sustained-steps` steps' requests back to back (the
+                       next step's records are gathered while the last one's files are written, as in
+                       a server that keeps finishing requests); GB/s of all their bytes until the last
+                       file is in place. `e2e` of one step also counts filling and emptying the pipeline:
+                       nothing to write until the first record is gathered, one file left to write
+                       (one thread) after the last
+  specforge_huge, file_write_huge, e2e_sustained_huge   with `--huge-dir`: the same on a tmpfs mounted
+                       with huge=within_size, where a file's pages come 2 MB at a time (on /dev/shm's
+                       4 KB pages the kernel's page allocation, not the copy, bounds a file write)
 
 GB/s is the step's row bytes (tokens x 57,344) / seconds for every figure, so they compare directly.
 Each process runs `--threads` torch threads (1: writer and consumer on a core each). `--steps` measured
@@ -86,14 +96,18 @@ TARGETS = {"capture_ms": 1.0, "e2e_GBps": 2.5, "of_memcpy": 0.7}  # the tracking
 MEASURES = {
     "memcpy": ("ceiling", "libc memcpy of the step's bytes"),
     "torch_copy": ("ceiling", "torch copy_ of the same bytes"),
-    "index_select": ("ceiling", "index_select of the step's rows from the store"),
+    "index_select": ("baseline", "index_select of the step's rows (the gather before the C++ op)"),
     "gather": ("path", "store -> ring (finish)"),
     "ring": ("path", "ring write+read (prepared rows)"),
     "reader": ("path", "reader take() in the consumer"),
     "e2e": ("path", "store -> ring -> reader -> SpecForge on tmpfs"),
+    "e2e_sustained": ("path", "the same, steps back to back"),
+    "e2e_sustained_huge": ("path", "the same, files on a huge-page tmpfs"),
     "specforge_tmpfs": ("file", "SpecForge .ckpt sink, tmpfs"),
     "safetensors_tmpfs": ("file", "safetensors sink, tmpfs"),
     "file_write_tmpfs": ("ceiling", "sequential write + fsync, tmpfs"),
+    "specforge_huge": ("file", "SpecForge .ckpt sink, huge-page tmpfs"),
+    "file_write_huge": ("ceiling", "sequential write + fsync, huge-page tmpfs"),
     "specforge_disk": ("file", "SpecForge .ckpt sink, disk"),
     "safetensors_disk": ("file", "safetensors sink, disk"),
     "file_write_disk": ("ceiling", "sequential write + fsync, disk"),
@@ -109,7 +123,8 @@ SINK_TARGETS = [("specforge_tmpfs", "copies+crc", "specforge", "tmpfs"), ("specf
                 ("specforge_tmpfs", "shared", "specforge", "tmpfs"), ("safetensors_tmpfs", "copies", "safetensors", "tmpfs"),
                 ("safetensors_tmpfs", "shared", "safetensors", "tmpfs"), ("file_write_tmpfs", "-", None, "tmpfs"),
                 ("specforge_disk", "shared", "specforge", "disk"), ("safetensors_disk", "shared", "safetensors", "disk"),
-                ("file_write_disk", "-", None, "disk")]
+                ("file_write_disk", "-", None, "disk"),
+                ("specforge_huge", "shared", "specforge", "huge"), ("file_write_huge", "-", None, "huge")]
 # the reader's ways (HiddenStateReader): "copy" drains every record out of the ring (eager, one copy each);
 # "view" (ack=True, zero_copy=True) hands out views of the ring, acked once consumed (the extraction CLI's)
 READERS = ("copy", "view")
@@ -228,18 +243,19 @@ def row_digest(row: torch.Tensor) -> str:
     return hashlib.sha1(row.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def fs_type(path: str) -> str:
-    path, best, typ = os.path.realpath(path), "", "?"
+def fs_type(path: str, with_options: bool = False):
+    """The type of the filesystem `path` is on ("?" when unknown); with_options: (type, mount options)."""
+    path, best, typ, opts = os.path.realpath(path), "", "?", ""
     try:
         with open("/proc/mounts") as f:
             for line in f:
-                mnt, t = line.split()[1:3]
+                mnt, t, o = line.split()[1:4]
                 mnt = mnt.replace("\\040", " ")
                 if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, typ = mnt, t
+                    best, typ, opts = mnt, t, o
     except OSError:
         pass
-    return typ
+    return (typ, opts) if with_options else typ
 
 
 # -- the consumer process ----------------------------------------------------------------------------
@@ -450,19 +466,25 @@ def check_room(args, step_bytes: int, ring_bytes: int) -> None:
     worst = record_bytes(args.step_tokens, P, H, ELEM, 0) + most * 512 + record_bytes(args.max_tokens, P, H, ELEM, 64)
     if worst > ring_bytes:
         raise SystemExit(f"--ring-mib {args.ring_mib}: a step's records need up to {worst / 2**20:.0f} MiB in the ring")
-    if args.step_tokens > args.slots - 1:
-        raise SystemExit(f"--slots {args.slots}: fewer than the {args.step_tokens} tokens of a step (+ the padding slot)")
-    files = int(step_bytes * 1.05) + (64 << 20)
+    if args.step_tokens * args.sustained_steps > args.slots - 1:
+        raise SystemExit(f"--slots {args.slots}: fewer than the {args.step_tokens * args.sustained_steps} tokens of "
+                         f"{args.sustained_steps} step(s) (--sustained-steps) + the padding slot")
+    files = int(step_bytes * args.sustained_steps * 1.05) + (64 << 20)
     shm = args.slots * ROW_BYTES + ring_bytes + files
     if free_bytes(args.shm_dir) < shm:
         raise SystemExit(f"{args.shm_dir}: {free_bytes(args.shm_dir) / 1e9:.1f} GB free, this run needs "
-                         f"{shm / 1e9:.1f} GB (store, ring, one sink's files): lower --slots or --ring-mib")
-    if free_bytes(args.disk_dir) < files:
-        raise SystemExit(f"--disk-dir {args.disk_dir}: {free_bytes(args.disk_dir) / 1e9:.1f} GB free, "
+                         f"{shm / 1e9:.1f} GB (store, ring, the sustained run's files): lower --slots, --ring-mib or "
+                         "--sustained-steps")
+    if args.huge_dir and free_bytes(args.huge_dir) < files:
+        raise SystemExit(f"--huge-dir {args.huge_dir}: {free_bytes(args.huge_dir) / 1e9:.1f} GB free, "
                          f"{files / 1e9:.1f} GB needed")
+    disk_files = int(step_bytes * 1.05) + (64 << 20)
+    if free_bytes(args.disk_dir) < disk_files:
+        raise SystemExit(f"--disk-dir {args.disk_dir}: {free_bytes(args.disk_dir) / 1e9:.1f} GB free, "
+                         f"{disk_files / 1e9:.1f} GB needed")
 
 
-def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp_out, disk_out):
+def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp_out, disk_out, huge_out):
     """Every measure once for one step of finishing requests; returns CSV rows."""
     lengths = request_lengths(args.step_tokens, args.min_tokens, args.max_tokens, rng)
     reqs = make_step(alloc, lengths, rng)
@@ -509,8 +531,9 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
         add("reader", dt, mode)
 
     # the records of the last take (views of the ring: they go from the ring straight into the files)
-    folders = {"tmpfs": tmp_out, "disk": disk_out}
-    consumer.send("sinks", [(m, v, sink, os.path.join(folders[where], f"{m}-{v}")) for m, v, sink, where in SINK_TARGETS])
+    folders = {"tmpfs": tmp_out, "disk": disk_out, "huge": huge_out}
+    consumer.send("sinks", [(m, v, sink, os.path.join(folders[where], f"{m}-{v}")) for m, v, sink, where in SINK_TARGETS
+                            if folders[where]])
     (results,) = consumer.recv("sinks")
     for measure, variant, dt, got, fbytes in results:
         assert got == nbytes
@@ -542,6 +565,28 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
         assert got == nbytes
         add("e2e", t_end - t0, f"{v.name}/{mode}", file_bytes=fbytes)
         add("capture_concurrent", sched, f"{v.name}/{mode}")
+
+    if args.sustained_steps > 1 and "async" in [v.name for v in variants]:
+        v = next(v for v in variants if v.name == "async")
+        more = [reqs] + [make_step(alloc, request_lengths(args.step_tokens, args.min_tokens, args.max_tokens, rng),
+                                   rng) for _ in range(args.sustained_steps - 1)]
+        for measure, out in (("e2e_sustained", tmp_out), ("e2e_sustained_huge", huge_out)):
+            if not out:
+                continue
+            named_reqs = named([r for step_reqs in more for r in step_reqs], f"s{step}-{measure}")
+            total = sum(len(ids) for _, ids, _ in named_reqs) * ROW_BYTES
+            consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(out, "e2e"), "view", E2E_SINK["view"])
+            consumer.recv("armed")
+            t0 = time.perf_counter()
+            run_variant(v, named_reqs)
+            t_end, got, fbytes = consumer.recv("e2e")
+            assert got == total
+            add(measure, t_end - t0, "async/view", file_bytes=fbytes)
+            rows[-1].update(tokens=total // ROW_BYTES, bytes=total, GBps=round(total / (t_end - t0) / 1e9, 3),
+                            requests=len(named_reqs))
+        for step_reqs in more[1:]:
+            for _, slots in step_reqs:
+                alloc.release(slots.long())
 
     for _, slots in reqs:
         alloc.release(slots.long())
@@ -578,8 +623,10 @@ def targets(summary):
             lines.append((f"scheduler-thread time in capture per {s['tokens_per_step']}-token step [{v}]: "
                           f"{s['ms_median']:.2f} ms (min {s['ms_min']:.2f}, max {s['ms_max']:.2f}); target "
                           f"< {TARGETS['capture_ms']:g} ms", s["ms_median"] < TARGETS["capture_ms"]))
-        if m == "e2e":
-            lines.append((f"host path end to end (store -> ring -> reader -> SpecForge on tmpfs) [{v}]: "
+        if m.startswith("e2e"):
+            lines.append((f"host path end to end (store -> ring -> reader -> SpecForge on tmpfs)"
+                          f"{', steps back to back' if m.startswith('e2e_sustained') else ''}"
+                          f"{', files on a huge-page tmpfs' if m.endswith('_huge') else ''} [{v}]: "
                           f"{s['GBps_median']:.2f} GB/s; target >= {TARGETS['e2e_GBps']:g}",
                           s["GBps_median"] >= TARGETS["e2e_GBps"]))
         if m in ("gather", "ring"):
@@ -595,7 +642,7 @@ def plot(summary, path: str, title: str) -> None:
         return
     from matplotlib.patches import Patch
 
-    colors = {"ceiling": "#999", "path": "#2a7", "file": "#27a", "scheduler": "#c52"}
+    colors = {"ceiling": "#999", "baseline": "#db8", "path": "#2a7", "file": "#27a", "scheduler": "#c52"}
     # a zero-copy take() moves no bytes (it parses a header): no GB/s bar for it
     bw = [s for s in summary if s["kind"] != "scheduler" and not (s["measure"] == "reader" and s["variant"] == "view")]
     sched = [s for s in summary if s["kind"] == "scheduler"]
@@ -651,9 +698,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the summary")
     ap.add_argument("--variants", default="sync,async", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of each process")
+    ap.add_argument("--gather-threads", type=int, default=None,
+                    help="threads of the C++ gather into the ring (default: the server's, --hs-gather-threads)")
+    ap.add_argument("--sustained-steps", type=int, default=3,
+                    help="steps fed back to back in e2e_sustained (1: leave it out)")
     ap.add_argument("--sink-threads", type=int, default=0, help="file writer threads (default: the CLI's)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the store, the ring and the tmpfs files")
     ap.add_argument("--disk-dir", default=None, help="folder on disk for the disk files (default: --out)")
+    ap.add_argument("--huge-dir", default=None,
+                    help="a folder on a tmpfs mounted with huge=within_size (or always): the SpecForge sink, a plain "
+                         "write and e2e_sustained also write their files there (root makes one with: mount -t tmpfs "
+                         "-o huge=within_size,size=8G tmpfs DIR)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from sglang_hs.extract.cli import WRITERS
@@ -665,6 +720,11 @@ def main(argv=None) -> int:
     if not 0 < args.min_tokens <= args.max_tokens or args.step_tokens < args.min_tokens or args.steps < 1:
         ap.error("need 0 < --min-tokens <= --max-tokens, --step-tokens >= --min-tokens, --steps >= 1")
     args.sink_threads = args.sink_threads or WRITERS
+    from sglang_hs import envs
+
+    args.gather_threads = args.gather_threads or envs.DEFAULT_GATHER_THREADS
+    if args.gather_threads < 1 or args.sustained_steps < 1:
+        ap.error("--gather-threads and --sustained-steps must be >= 1")
     os.makedirs(args.out, exist_ok=True)
     args.disk_dir = os.path.abspath(args.disk_dir or args.out)
     ring_bytes = args.ring_mib << 20
@@ -676,13 +736,22 @@ def main(argv=None) -> int:
 
     old_term = signal.signal(signal.SIGTERM, _on_term)
     threads = torch.get_num_threads()
-    base = disk_out = consumer = None
+    base = disk_out = huge_out = consumer = None
     variants, rows = [], []
     where = f"disk: {fs_type(args.disk_dir)} {args.disk_dir}; tmpfs: {fs_type(args.shm_dir)} {args.shm_dir}"
+    if args.huge_dir:
+        typ, opts = fs_type(args.huge_dir, with_options=True)
+        huge = [o for o in opts.split(",") if o.startswith("huge=")]
+        if typ != "tmpfs" or not huge or huge[0] in ("huge=never", "huge=deny"):
+            ap.error(f"--huge-dir {args.huge_dir}: not on a tmpfs mounted with huge=within_size|always|advise "
+                     f"({typ}, {opts or 'no options'})")
+        where += f"; huge-page tmpfs ({huge[0]}): {args.huge_dir}"
     csv_path = os.path.join(args.out, "bench_host_path.csv")
     try:
         base = tempfile.mkdtemp(prefix="bench-host-path-", dir=args.shm_dir)
         disk_out = tempfile.mkdtemp(prefix=".bench-host-path-", dir=args.disk_dir)
+        if args.huge_dir:
+            huge_out = tempfile.mkdtemp(prefix="bench-host-path-", dir=args.huge_dir)
         from sglang_hs.capture_spec import CaptureSpec
         from sglang_hs.store.writer import CaptureWriter
 
@@ -695,6 +764,7 @@ def main(argv=None) -> int:
               f"{ring_bytes / 2**30:.2f} GiB in {base}; steps of {args.step_tokens} tokens "
               f"({step_bytes / 1e9:.2f} GB) in requests of {args.min_tokens}-{args.max_tokens}; {where}", flush=True)
         writer = CaptureWriter(dump, CaptureSpec.resolve(LAYERS, True, 61, H), args.slots, torch.bfloat16, ring_bytes)
+        writer.ring.gather_threads = args.gather_threads
         t0 = time.perf_counter()
         fill(writer.store, g)
         src = torch.empty(step_bytes, dtype=torch.uint8)
@@ -708,7 +778,8 @@ def main(argv=None) -> int:
             alloc.release(alloc.alloc(min(args.step_tokens, args.slots - 1)))
         for i in range(args.warmup + args.steps):
             warm = i < args.warmup
-            step_rows = one_step(i, warm, args, writer, variants, consumer, alloc, rng, (src, dst), base, disk_out)
+            step_rows = one_step(i, warm, args, writer, variants, consumer, alloc, rng, (src, dst), base, disk_out,
+                                 huge_out)
             rows += step_rows
             write_csv(csv_path, rows)
             by = {(r["measure"], r["variant"]): r for r in step_rows}
@@ -727,7 +798,7 @@ def main(argv=None) -> int:
             consumer.close()
         torch.set_num_threads(threads)
         signal.signal(signal.SIGTERM, old_term)
-        for folder in (base, disk_out):
+        for folder in (base, disk_out, huge_out):
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
     summary = summarise(rows)
@@ -746,7 +817,7 @@ def main(argv=None) -> int:
     plot(summary, os.path.join(args.out, "bench_host_path.png"),
          f"host path at DeepSeek-V3 row size (57,344 B/token), {args.step_tokens}-token steps of "
          f"{args.min_tokens}-{args.max_tokens}-token requests, store {args.slots} slots; {args.threads} torch "
-         f"thread(s)/process\n{machine()}; {where}")
+         f"thread(s)/process, {args.gather_threads} gather thread(s), {args.sink_threads} sink threads\n{machine()}; {where}")
     return 0
 
 

@@ -44,7 +44,7 @@ WHEN_BEHIND = ("hold", "skip")
 DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
-DEFAULT_GATHER_THREADS = 2
+DEFAULT_GATHER_THREADS = 1
 
 env_variables: Dict[str, Callable[[], Any]] = {
     # Capture is on when this is set: the folder of the manifest, the store and the output rings.
