@@ -72,14 +72,16 @@ def test_wheel_serves_from_a_fresh_venv(wheel, tmp_path):
     """A fresh venv that sees the cached pinned sglang (as `make setup` arranges), the wheel installed
     into it, the launcher run from an unrelated folder: nothing depends on the source tree."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # without a pip of its own (bootstrapping one costs ~5-15 s): this pip installs into it (pip --python)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = str(venv / "bin" / "python")
     vsite = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                            capture_output=True, text=True, check=True).stdout.strip()
     deps = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "sglang"))][0]
     with open(os.path.join(vsite, "_deps.pth"), "w") as f:
         f.write(f"import site; site.addsitedir({deps!r})\n")
-    r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", str(wheel)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     where = subprocess.run([py, "-c", "import sglang_hs; print(sglang_hs.__file__)"], capture_output=True,
                            text=True, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": ""}).stdout.strip()
