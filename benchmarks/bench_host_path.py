@@ -555,15 +555,19 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
         assert got == nbytes
         add("ring", t_end - t0, mode, write_seconds=round(t_write, 6))
 
-    for v, mode in [(v, mode) for v in variants for mode in READERS]:  # the whole path at once
-        named_reqs = named(reqs, f"s{step}-{v.name}-{mode}-e2e")
-        consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(tmp_out, "e2e"), mode, E2E_SINK[mode])
+    def e2e(v, named_reqs, out, mode):
+        """The whole path at once into `out`: (scheduler-thread seconds, seconds until the last file, file bytes)."""
+        consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(out, "e2e"), mode, E2E_SINK[mode])
         consumer.recv("armed")
         t0 = time.perf_counter()
         sched, _ = run_variant(v, named_reqs)
         t_end, got, fbytes = consumer.recv("e2e")
-        assert got == nbytes
-        add("e2e", t_end - t0, f"{v.name}/{mode}", file_bytes=fbytes)
+        assert got == sum(len(ids) for _, ids, _ in named_reqs) * ROW_BYTES
+        return sched, t_end - t0, fbytes
+
+    for v, mode in [(v, mode) for v in variants for mode in READERS]:  # the whole path at once
+        sched, dt, fbytes = e2e(v, named(reqs, f"s{step}-{v.name}-{mode}-e2e"), tmp_out, mode)
+        add("e2e", dt, f"{v.name}/{mode}", file_bytes=fbytes)
         add("capture_concurrent", sched, f"{v.name}/{mode}")
 
     if args.sustained_steps > 1 and "async" in [v.name for v in variants]:
@@ -575,14 +579,9 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
                 continue
             named_reqs = named([r for step_reqs in more for r in step_reqs], f"s{step}-{measure}")
             total = sum(len(ids) for _, ids, _ in named_reqs) * ROW_BYTES
-            consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(out, "e2e"), "view", E2E_SINK["view"])
-            consumer.recv("armed")
-            t0 = time.perf_counter()
-            run_variant(v, named_reqs)
-            t_end, got, fbytes = consumer.recv("e2e")
-            assert got == total
-            add(measure, t_end - t0, "async/view", file_bytes=fbytes)
-            rows[-1].update(tokens=total // ROW_BYTES, bytes=total, GBps=round(total / (t_end - t0) / 1e9, 3),
+            _, dt, fbytes = e2e(v, named_reqs, out, "view")
+            add(measure, dt, "async/view", file_bytes=fbytes)
+            rows[-1].update(tokens=total // ROW_BYTES, bytes=total, GBps=round(total / dt / 1e9, 3),
                             requests=len(named_reqs))
         for step_reqs in more[1:]:
             for _, slots in step_reqs:

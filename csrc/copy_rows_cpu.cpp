@@ -62,13 +62,8 @@ void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last,
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       char* row = dst + s[t] * P * part;
-      if (stream) {
-        stream_copy(row, a + t * a_row, K * part);  // the K aux parts are adjacent in aux and in the store
-        if (l) stream_copy(row + K * part, l + t * l_row, part);
-      } else {
-        std::memcpy(row, a + t * a_row, K * part);
-        if (l) std::memcpy(row + K * part, l + t * l_row, part);
-      }
+      copy_bytes(row, a + t * a_row, K * part, stream);  // the K aux parts are adjacent in aux and store
+      if (l) copy_bytes(row + K * part, l + t * l_row, part, stream);
     }
     if (stream) stream_fence();  // this thread's streamed stores, before parallel_for returns
   });

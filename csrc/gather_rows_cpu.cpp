@@ -4,9 +4,9 @@
 //       out[t] = src[idx[t]]        (idx None: out = src, S = T; the ring's prepared-rows copy)
 //
 // Contract: CPU tensors, same dtype (a copy, never a cast), both contiguous and not overlapping, rows
-// of equal size, every index in range (checked before anything is written). Runs of consecutive indices are copied as one
-// block. Large gathers use streaming stores (stream_copy.h) and up to num_threads threads, each with
-// at least kMinBytesPerThread; the caller has released the GIL (bindings.cpp), so the finish worker's
+// of equal size, every index in range (checked before anything is written). Runs of consecutive
+// indices are copied as one block. Large gathers use streaming stores (stream_copy.h) and up to
+// num_threads threads, each with at least kMinBytesPerThread; the caller has released the GIL (bindings.cpp), so the finish worker's
 // gather runs beside the scheduler's Python. Every byte is visible to other threads and processes
 // when the call returns (each thread fences its streamed stores before it ends).
 #include <torch/extension.h>
@@ -38,11 +38,7 @@ void copy_range(char* out, const char* src, const int64_t* idx, int64_t begin, i
     }
     const char* from = src + (idx != nullptr ? idx[t] : t) * row;
     char* to = out + t * row;
-    if (stream) {
-      stream_copy(to, from, static_cast<size_t>(run * row));
-    } else {
-      std::memcpy(to, from, static_cast<size_t>(run * row));
-    }
+    copy_bytes(to, from, static_cast<size_t>(run * row), stream);
     t += run;
   }
   if (stream) stream_fence();

@@ -54,6 +54,15 @@ inline void stream_copy(char* dst, const char* src, size_t n) {
 #endif
 }
 
+// A copy of n bytes, streamed or plain (memcpy): the callers decide once per call by its total size.
+inline void copy_bytes(char* dst, const char* src, size_t n, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
 inline void stream_fence() {
 #ifdef SGLANG_HS_STREAM_STORES
   _mm_sfence();

@@ -34,9 +34,10 @@ waiting; `reader.not_captured(rid)` asks without waiting. Iteration yields recor
 
 With `zero_copy=True` too (it needs ack=True), nothing is copied: a record's tensors are views of the
 server's output ring, valid until `reader.ack(record)` or `reader.close()`, after which the server overwrites
-those bytes (close() drops the records it holds and has not handed out). So finish with the tensors (write the file, copy what you keep) before acking; ack() drops the record's
-tensors (they become None) so the record itself is not handed on stale, but a view you took from it
-yourself (`aux = rec.aux_hidden_states`) is not protected: do not use it after the ack. A view's storage is
+those bytes (close() drops the records it holds and has not handed out). So finish with the tensors
+(write the file, copy what you keep) before acking; ack() drops the record's tensors (they become None)
+so the record itself is not handed on stale, but a view you took from it yourself
+(`aux = rec.aux_hidden_states`) is not protected: do not use it after the ack. A view's storage is
 exactly that record's bytes (torch.save of it saves the record, not the ring):
 
     with HiddenStateReader("/dev/shm/hs", ack=True, zero_copy=True) as reader:
