@@ -6,9 +6,10 @@
 // Contract: CPU tensors, same dtype (a copy, never a cast), both contiguous and not overlapping, rows
 // of equal size, every index in range (checked before anything is written). Runs of consecutive
 // indices are copied as one block. Large gathers use streaming stores (stream_copy.h) and up to
-// num_threads threads, each with at least kMinBytesPerThread; the caller has released the GIL (bindings.cpp), so the finish worker's
-// gather runs beside the scheduler's Python. Every byte is visible to other threads and processes
-// when the call returns (each thread fences its streamed stores before it ends).
+// num_threads threads, each with at least kMinBytesPerThread; the caller has released the GIL
+// (bindings.cpp), so the finish worker's gather runs beside the scheduler's Python. Every byte is
+// visible to other threads and processes when the call returns (each thread fences its streamed
+// stores before it ends).
 #include <torch/extension.h>
 
 #include <ATen/MemoryOverlap.h>
