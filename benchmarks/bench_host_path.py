@@ -49,6 +49,10 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        with huge=within_size, where a file's pages come 2 MB at a time (on /dev/shm's
                        4 KB pages the kernel's page allocation, not the copy, bounds a file write)
 
+The gather, sink, plain-write and e2e rows also have the CPU time meanwhile (cpu_s, user + system, of the
+process doing it; of both for e2e), cores_busy (cpu_s / seconds: at the machine's core count it is
+CPU-bound) and core_s_per_GB (the host cores a rate takes, also on a host with more of them).
+
 GB/s is the step's row bytes (tokens x 57,344) / seconds for every figure, so they compare directly.
 Each process runs `--threads` torch threads (1: writer and consumer on a core each). `--steps` measured
 steps after `--warmup`; medians with min and max. Variants of the scheduler side (`--variants`, both
@@ -70,6 +74,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import resource
 import shutil
 import signal
 import statistics
@@ -239,6 +244,17 @@ def fill(t: torch.Tensor, g: torch.Generator, block_rows: int = 256) -> None:
         t[i:i + n].copy_(block[:n])
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time so far, user + system, all its threads."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def cpu_fields(cpu: float, seconds: float, nbytes: int) -> dict:
+    """CSV columns of a measure's CPU time: cores_busy (at the core count: CPU-bound) and core_s_per_GB."""
+    return {"cpu_s": round(cpu, 3), "cores_busy": round(cpu / seconds, 2), "core_s_per_GB": round(cpu / (nbytes / 1e9), 3)}
+
+
 def row_digest(row: torch.Tensor) -> str:
     return hashlib.sha1(row.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -365,10 +381,11 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
                 out = []
                 for measure, variant, sink, folder in cmd[1]:
                     os.makedirs(folder, mode=0o700, exist_ok=True)
-                    t0 = time.perf_counter()
+                    cpu0, t0 = cpu_seconds(), time.perf_counter()
                     fbytes = write_sink(sink, folder, held, False, SINK_OPTS[variant]) if sink else \
                         write_plain(folder, held)
-                    out.append((measure, variant, time.perf_counter() - t0, nbytes(held), fbytes))
+                    out.append((measure, variant, time.perf_counter() - t0, nbytes(held), fbytes,
+                                cpu_seconds() - cpu0))
                     shutil.rmtree(folder)
                 release()
                 res_q.put(("sinks", out))
@@ -377,6 +394,7 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
                 use(mode)
                 if folder:
                     os.makedirs(folder, mode=0o700, exist_ok=True)
+                cpu0 = cpu_seconds()
                 res_q.put(("armed",))
                 if op == "drain":
                     recs, n = [], 0
@@ -399,9 +417,10 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
 
                     fbytes = write_sink("specforge", folder, records(), True, SINK_OPTS[cmd[4]], mode == "view")
                     t_end = time.perf_counter()  # CLOCK_MONOTONIC: the same clock as the writer process's
+                cpu = cpu_seconds() - cpu0
                 if folder:
                     shutil.rmtree(folder)
-                res_q.put((op, t_end, n, fbytes))
+                res_q.put((op, t_end, n, fbytes, cpu))
             else:
                 raise ValueError(f"unknown command {op!r}")
         except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
@@ -517,9 +536,11 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
     for v, mode in [(v, mode) for v in variants for mode in READERS]:  # capture + gather, then the reader alone
         consumer.release()  # the ring gets the last take's views back
         named_reqs = named(reqs, f"s{step}-{v.name}-{mode}")
+        cpu0 = cpu_seconds()
         sched, pub = run_variant(v, named_reqs)
+        cpu = cpu_seconds() - cpu0  # the scheduler side and the finish worker
         add("capture", sched, v.name)
-        add("gather", pub, v.name)
+        add("gather", pub, v.name, **cpu_fields(cpu, pub, nbytes))
         consumer.send("take", [r[0] for r in named_reqs], mode)
         dt, got, check = consumer.recv("take")
         assert got == nbytes, (got, nbytes)
@@ -535,9 +556,9 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
     consumer.send("sinks", [(m, v, sink, os.path.join(folders[where], f"{m}-{v}")) for m, v, sink, where in SINK_TARGETS
                             if folders[where]])
     (results,) = consumer.recv("sinks")
-    for measure, variant, dt, got, fbytes in results:
+    for measure, variant, dt, got, fbytes, cpu in results:
         assert got == nbytes
-        add(measure, dt, variant, file_bytes=fbytes)
+        add(measure, dt, variant, file_bytes=fbytes, **cpu_fields(cpu, dt, nbytes))
 
     # the ring alone: prepared rows published while the consumer takes them (copies them out, or acks views)
     prepared = src.view(torch.bfloat16).view(-1, P, H)
@@ -551,23 +572,25 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
             writer.ring.publish(rid, torch.as_tensor(ids, dtype=torch.int32), rows=prepared[o:o + T])
             o += T
         t_write = time.perf_counter() - t0
-        t_end, got, _ = consumer.recv("drain")
+        t_end, got, _, _ = consumer.recv("drain")
         assert got == nbytes
         add("ring", t_end - t0, mode, write_seconds=round(t_write, 6))
 
     def e2e(v, named_reqs, out, mode):
-        """The whole path at once into `out`: (scheduler-thread seconds, seconds until the last file, file bytes)."""
+        """The whole path at once into `out`: (scheduler-thread seconds, seconds until the last file, file bytes,
+        cpu_fields of both processes meanwhile)."""
         consumer.send("e2e", [r[0] for r in named_reqs], os.path.join(out, "e2e"), mode, E2E_SINK[mode])
         consumer.recv("armed")
-        t0 = time.perf_counter()
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         sched, _ = run_variant(v, named_reqs)
-        t_end, got, fbytes = consumer.recv("e2e")
+        t_end, got, fbytes, consumer_cpu = consumer.recv("e2e")
+        cpu = cpu_seconds() - cpu0 + consumer_cpu  # the writer process (scheduler side, finish worker) + consumer
         assert got == sum(len(ids) for _, ids, _ in named_reqs) * ROW_BYTES
-        return sched, t_end - t0, fbytes
+        return sched, t_end - t0, fbytes, cpu_fields(cpu, t_end - t0, got)
 
     for v, mode in [(v, mode) for v in variants for mode in READERS]:  # the whole path at once
-        sched, dt, fbytes = e2e(v, named(reqs, f"s{step}-{v.name}-{mode}-e2e"), tmp_out, mode)
-        add("e2e", dt, f"{v.name}/{mode}", file_bytes=fbytes)
+        sched, dt, fbytes, cpu = e2e(v, named(reqs, f"s{step}-{v.name}-{mode}-e2e"), tmp_out, mode)
+        add("e2e", dt, f"{v.name}/{mode}", file_bytes=fbytes, **cpu)
         add("capture_concurrent", sched, f"{v.name}/{mode}")
 
     if args.sustained_steps > 1 and "async" in [v.name for v in variants]:
@@ -579,8 +602,8 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
                 continue
             named_reqs = named([r for step_reqs in more for r in step_reqs], f"s{step}-{measure}")
             total = sum(len(ids) for _, ids, _ in named_reqs) * ROW_BYTES
-            _, dt, fbytes = e2e(v, named_reqs, out, "view")
-            add(measure, dt, "async/view", file_bytes=fbytes)
+            _, dt, fbytes, cpu = e2e(v, named_reqs, out, "view")
+            add(measure, dt, "async/view", file_bytes=fbytes, **cpu)
             rows[-1].update(tokens=total // ROW_BYTES, bytes=total, GBps=round(total / dt / 1e9, 3),
                             requests=len(named_reqs))
         for step_reqs in more[1:]:
@@ -609,6 +632,9 @@ def summarise(rows):
              "ms_min": min(ms), "ms_max": max(ms),
              "of_memcpy": round(statistics.median(g) / memcpy, 3),
              "of_torch_copy": round(statistics.median(g) / torch_copy, 3)}
+        if "core_s_per_GB" in rs[0]:  # gather, sinks, e2e: their CPU time, the host cores a rate takes
+            s["cores_busy_median"] = round(statistics.median(r["cores_busy"] for r in rs), 2)
+            s["core_s_per_GB_median"] = round(statistics.median(r["core_s_per_GB"] for r in rs), 3)
         out.append(s)
     return out
 
@@ -645,25 +671,26 @@ def plot(summary, path: str, title: str) -> None:
     # a zero-copy take() moves no bytes (it parses a header): no GB/s bar for it
     bw = [s for s in summary if s["kind"] != "scheduler" and not (s["measure"] == "reader" and s["variant"] == "view")]
     sched = [s for s in summary if s["kind"] == "scheduler"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5.5), gridspec_kw={"width_ratios": [3, 1.3]})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 6.5), gridspec_kw={"width_ratios": [3, 1.3]})
     labels = [s["what"] + (f" [{s['variant']}]" if s["variant"] != "-" else "") for s in bw]
     y = list(range(len(bw)))[::-1]
     med = [s["GBps_median"] for s in bw]
     err = [[m - s["GBps_min"] for m, s in zip(med, bw)], [s["GBps_max"] - m for m, s in zip(med, bw)]]
     ax.barh(y, med, xerr=err, color=[colors[s["kind"]] for s in bw], capsize=3)
     for yi, m, s in zip(y, med, bw):
-        ax.text(s["GBps_max"], yi, f"  {m:.2f} ({s['of_memcpy']:.2f})", va="center", fontsize=8)
+        cores = f", {s['core_s_per_GB_median']:.2f} core-s/GB" if "core_s_per_GB_median" in s else ""
+        ax.text(s["GBps_max"], yi, f"  {m:.2f} ({s['of_memcpy']:.2f}){cores}", va="center", fontsize=7)
     memcpy = next(s["GBps_median"] for s in bw if s["measure"] == "memcpy")
     ax.axvline(TARGETS["of_memcpy"] * memcpy, color="#2a7", ls=":", lw=1)
     ax.axvline(TARGETS["e2e_GBps"], color="k", ls="--", lw=1)
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel("GB/s of row bytes (median, whiskers min-max; in brackets: of memcpy)")
-    ax.set_xlim(0, max(max(s["GBps_max"] for s in bw), TARGETS["e2e_GBps"]) * 1.3)
+    ax.set_xlabel("GB/s of row bytes (median, whiskers min-max; in brackets: of memcpy; CPU seconds per GB)")
+    ax.set_xlim(0, max(max(s["GBps_max"] for s in bw), TARGETS["e2e_GBps"]) * 1.45)
     handles = [Patch(color=c, label=k) for k, c in colors.items() if k != "scheduler"]
     handles += [plt.Line2D([], [], color="#2a7", ls=":", label=f"{TARGETS['of_memcpy']:g} x memcpy (gather, ring target)"),
                 plt.Line2D([], [], color="k", ls="--", label=f"{TARGETS['e2e_GBps']:g} GB/s (end-to-end target)")]
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.1), ncol=4)
     x = list(range(len(sched)))
     ms = [s["ms_median"] for s in sched]
     ax2.bar(x, ms, yerr=[[m - s["ms_min"] for m, s in zip(ms, sched)], [s["ms_max"] - m for m, s in zip(ms, sched)]],
@@ -676,8 +703,8 @@ def plot(summary, path: str, title: str) -> None:
     ax2.set_ylim(min([s["ms_min"] for s in sched] + [TARGETS["capture_ms"]]) / 2,
                  max([s["ms_max"] for s in sched] + [TARGETS["capture_ms"]]) * 2)
     ax2.set_xticks(x)
-    ax2.set_xticklabels([f"{s['measure'].replace('_', chr(10))}\n[{s['variant']}]" for s in sched], fontsize=7,
-                        rotation=60, ha="right")
+    ax2.set_xticklabels([f"{s['measure'].replace('_', ' ')} [{s['variant']}]" for s in sched], fontsize=7,
+                        rotation=45, ha="right")
     ax2.set_ylabel(f"ms per {sched[0]['tokens_per_step'] if sched else ''}-token step, scheduler thread (log)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -808,8 +835,10 @@ def main(argv=None) -> int:
         if s["kind"] == "scheduler":
             print(f"  {s['measure'] + v:>24}: {s['ms_median']:8.2f} ms   ({s['ms_min']:.2f}-{s['ms_max']:.2f})")
         else:
+            cpu = f"; {s['cores_busy_median']:.2f} cores busy, {s['core_s_per_GB_median']:.3f} core-s/GB" \
+                if "cores_busy_median" in s else ""
             print(f"  {s['measure'] + v:>24}: {s['GBps_median']:8.2f} GB/s ({s['GBps_min']:.2f}-{s['GBps_max']:.2f}) "
-                  f"= {s['of_memcpy']:.2f} of memcpy")
+                  f"= {s['of_memcpy']:.2f} of memcpy{cpu}")
     print("targets (issue 16):")
     for line, met in targets(summary):
         print(f"  [{'met' if met else 'NOT met'}] {line}")
