@@ -7,6 +7,7 @@ clean shutdown of every server process, and escalates to SIGKILL only after `gra
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -20,9 +21,44 @@ READY = "[sglang-hs] server ready"
 SESSION = re.compile(r"\[sglang-hs\] server session (\d+)")
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+# free_port() draws from [PORTS_FROM, PORTS_TO), below the ephemeral range and below SGLang's own draw for
+# the ports its server processes bind later (sglang.srt.utils.network.get_free_port_below_ephemeral: 22000-29999)
+PORTS_FROM, PORTS_TO = 10000, 22000
+
+
+def _ephemeral_start(path: str = EPHEMERAL_RANGE) -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int, host: str) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", ephemeral_start: Optional[int] = None) -> int:
+    """A TCP port free on `host` now, for a server that binds it only once it has started (seconds to
+    minutes later). Drawn at random below the kernel's ephemeral range: the kernel also hands ports of
+    that range to outgoing connections (the server's own, a client's), and one of them took a port picked
+    there before the server bound it, which then failed with "address already in use". Outside it only
+    another explicit bind can take the port. Falls back to a port of the kernel's choosing where the range
+    leaves no room below it. (SGLang draws the ports of its own server processes the same way.)"""
+    top = min(PORTS_TO, _ephemeral_start() if ephemeral_start is None else ephemeral_start)
+    if top - PORTS_FROM >= 1000:
+        for port in random.sample(range(PORTS_FROM, top), 200):
+            if _bindable(port, host):
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -67,7 +103,7 @@ class ServerStartError(RuntimeError):
 
 class ServerProcess:
     def __init__(self, launcher_args: List[str], log_path: Optional[str] = None, host: str = "127.0.0.1") -> None:
-        self.port = free_port()
+        self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="sglang-hs-server-", suffix=".log")
