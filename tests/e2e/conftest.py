@@ -10,6 +10,11 @@ from sglang_hs.supervisor import mapped_shm
 CHUNK = 16
 POOL = 128  # KV slots of the float32 servers: freed slots are handed out again at once (test_exact_rows.py)
 FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: slots are held meanwhile
+# SGLang's admission reserves new_token_ratio x max_new_tokens of KV per request for its decode (0.7 at
+# start, decaying to 0.1). The float32 servers start at RETRACT_RATIO: next to nothing is reserved, so
+# concurrent decodes outgrow the POOL-token pool and SGLang retracts requests (frees their KV and
+# prefills them again later, prompt and generated tokens; test_exact_rows.py)
+RETRACT_RATIO = 0.02
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +33,9 @@ def capture_server(dump_dir):
 def exact_server(tmp_path_factory):
     """The exact oracle's servers compute in float32 (rows match HF float32 to ~1e-6, see
     test_exact_rows.py). This one: --hs-copy direct, overlap scheduler on, chunked prefill of 16 tokens,
-    radix cache, --hs-last. Both: a KV pool of POOL tokens, and a finish worker that waits FINISH_DELAY
-    before each gather (slots are freed and handed out again while gathers are pending)."""
+    radix cache, --hs-last. Both: a KV pool of POOL tokens, a finish worker that waits FINISH_DELAY
+    before each gather (slots are freed and handed out again while gathers are pending), and admission
+    that reserves next to nothing for decode (RETRACT_RATIO: decode retracts requests)."""
     yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-exact") / "dump",
                                    ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
                                     "--max-total-tokens", str(POOL)]))
@@ -91,12 +97,19 @@ def plain_sched_server(plain_dump_dir):
 
 
 def _slow_finish(server_gen):
-    """Start the server of `server_gen` with SGLANG_HS_TEST_FINISH_DELAY=FINISH_DELAY, then run its teardown."""
-    os.environ["SGLANG_HS_TEST_FINISH_DELAY"] = str(FINISH_DELAY)
+    """Start the server of `server_gen` with SGLANG_HS_TEST_FINISH_DELAY=FINISH_DELAY and
+    SGLANG_INIT_NEW_TOKEN_RATIO=RETRACT_RATIO, then run its teardown."""
+    env = {"SGLANG_HS_TEST_FINISH_DELAY": str(FINISH_DELAY), "SGLANG_INIT_NEW_TOKEN_RATIO": str(RETRACT_RATIO)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         server = next(server_gen)
     finally:
-        del os.environ["SGLANG_HS_TEST_FINISH_DELAY"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     yield server
     yield from server_gen
 

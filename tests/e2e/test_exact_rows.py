@@ -15,18 +15,20 @@ more away and the neighbouring layer's row far more. So each row is judged on it
 
 Two servers cover the scheduling and copy paths between them (tests/e2e/conftest.py): `--hs-copy
 direct` with the overlap scheduler, and `--hs-copy staging` with an 8-row stage and the overlap
-scheduler off; both chunk prefill at 16 tokens, keep the radix cache and capture the final state
-(`--hs-last`). Every test runs on both.
+scheduler off; both chunk prefill at 16 tokens, keep the radix cache, capture the final state
+(`--hs-last`), and reserve next to nothing for decode at admission, so concurrent decodes make SGLang
+retract requests. Every test runs on both.
 """
 import concurrent.futures as cf
 import glob
 import json
+import re
 import time
 
 import pytest
 
 import row_judge
-from conftest import CHUNK, POOL
+from conftest import CHUNK, POOL, RETRACT_RATIO
 from sglang_hs import HiddenStateReader
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
@@ -185,3 +187,39 @@ def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     # gathers were pending, as they must with 24 gathers of FINISH_DELAY each amid this traffic.
     assert after["frees_held"] > before["frees_held"], after
     print(f"{len(jobs)} records, worst row {worst:.2e}, frees held {after['frees_held'] - before['frees_held']}")
+
+
+def test_rows_exact_through_decode_retraction(served, hf):
+    """A request SGLang retracts under decode memory pressure (its KV freed at once, the request queued
+    again and later prefilled anew, prompt and generated tokens, at new slots and maybe a new
+    req_to_token row) is recorded once, when it finishes, with every row from its last computation.
+    The servers admit reserving RETRACT_RATIO x max_new_tokens for decode (conftest.py), so 8 requests
+    decoding 64 tokens each (a context of ~80: two already fill the POOL-token pool) outgrow it: SGLang
+    must retract (its log says so)."""
+    server, reader = served
+    before, retractions = _writer_status(server), len(_retracted(server))
+    jobs = []
+    for i in range(8):
+        ids = row_judge.prompt_ids(hf, f"Request {i} of the retraction test asks for a long answer")
+        jobs.append((f"x-retract-{i}", ids))
+    sp = {"max_new_tokens": 64, **GREEDY}  # not ignore_eos: SGLang reserves all of such a request's tokens
+    assert 2 * (len(jobs[0][1]) + sp["max_new_tokens"]) > POOL
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params=sp), jobs))
+    retracted = sum(_retracted(server)[retractions:])  # requests retracted meanwhile
+    assert retracted > 0, f"no retraction at SGLANG_INIT_NEW_TOKEN_RATIO={RETRACT_RATIO}:\n{server.tail()}"
+    worst = 0.0
+    for (rid, ids), out in zip(jobs, outs):
+        worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
+    deadline = time.monotonic() + 30
+    while ((after := _writer_status(server))["records"] < before["records"] + len(jobs)
+           or after["finish_pending"]) and time.monotonic() < deadline:
+        time.sleep(FLUSH_INTERVAL_S)
+    assert after["records"] == before["records"] + len(jobs), (before, after)  # once each, retracted or not
+    assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
+    print(f"{len(jobs)} records, worst row {worst:.2e}, {retracted} requests retracted")
+
+
+def _retracted(server):
+    """The number of requests of each retraction in the server's log so far, in order."""
+    return [int(n) for n in re.findall(r"Retract requests\. #retracted_reqs: (\d+)", server.output)]
