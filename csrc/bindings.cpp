@@ -1,6 +1,6 @@
 // Python bindings of sglang_hs._C. Importing sglang_hs never loads this module; sglang_hs/_ext.py does,
 // on first use, and says why when it cannot.
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11 and its at::Tensor casters, without the C++ frontend (torch/all.h)
 
 namespace sglang_hs {
 at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create,

@@ -9,7 +9,7 @@
 // copied in parallel with one copy per row part (streaming stores for a large step). Graph-style
 // padding rows all aim at the padding slot, which no request reads; which of them lands there last
 // is unspecified.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Optional.h>

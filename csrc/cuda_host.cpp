@@ -5,7 +5,7 @@
 //                         mapping directly (zero-copy), and cudaMemcpyAsync into it runs at full speed.
 //   host_unregister(buf)  the reverse; call before the mapping is unmapped.
 //   device_pointer(buf)   the device address of a registered mapping (cudaHostGetDevicePointer).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <cuda_runtime.h>
 
 namespace sglang_hs {

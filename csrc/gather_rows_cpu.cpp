@@ -10,7 +10,7 @@
 // (bindings.cpp), so the finish worker's gather runs beside the scheduler's Python. Every byte is
 // visible to other threads and processes when the call returns (each thread fences its streamed
 // stores before it ends).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>

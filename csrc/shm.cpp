@@ -14,7 +14,8 @@
 //       64-bit atomics on an 8-byte-aligned word inside such a mapping, with C++11 acquire / release /
 //       acq_rel ordering: a writer fills a record, then store_release()s the counter that publishes it;
 //       a reader that load_acquire()s the new counter value sees the whole record.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 
 #include <atomic>
 #include <cerrno>
@@ -90,8 +91,8 @@ at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nby
   void* p = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.fd, 0);
   if (p == MAP_FAILED) fail_errno("cannot mmap", path, errno);
   const size_t len = static_cast<size_t>(nbytes);
-  return torch::from_blob(p, {nbytes}, [len](void* q) { ::munmap(q, len); },
-                          torch::TensorOptions().dtype(torch::kUInt8));
+  return at::from_blob(p, {nbytes}, [len](void* q) { ::munmap(q, len); },
+                       at::TensorOptions().dtype(at::kByte));
 }
 
 int64_t load_acquire(const at::Tensor& buf, int64_t offset) {
