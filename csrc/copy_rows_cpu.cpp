@@ -6,7 +6,9 @@
 //
 // Same contract as the Triton launcher: same dtype everywhere (a copy, never a cast), unit stride
 // along H, a contiguous store, every slot in range (checked before anything is written). Rows are
-// copied in parallel with one copy per row part (streaming stores for a large step). Graph-style
+// copied one copy per row part (streaming stores for a large step) under at::parallel_for, which
+// runs on the calling thread: the extension is built without -fopenmp, so ATen's intra-op
+// parallelism is compiled out of it (the CPU engine's forward copy; the GPU uses Triton). Graph-style
 // padding rows all aim at the padding slot, which no request reads; which of them lands there last
 // is unspecified.
 #include <ATen/core/Tensor.h>

@@ -36,8 +36,16 @@ def _ephemeral_start(path: str = EPHEMERAL_RANGE) -> int:
         return 32768
 
 
-def _bindable(port: int, host: str) -> bool:
-    with socket.socket() as s:
+def _family(host: str) -> int:
+    """The address family `host` binds in (IPv6 for "::1", a name by its first address)."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except OSError:
+        return socket.AF_INET
+
+
+def _bindable(port: int, host: str, family: int) -> bool:
+    with socket.socket(family) as s:
         try:
             s.bind((host, port))
         except OSError:
@@ -53,11 +61,12 @@ def free_port(host: str = "127.0.0.1", ephemeral_start: Optional[int] = None) ->
     another explicit bind can take the port. Falls back to a port of the kernel's choosing where the range
     leaves no room below it. (SGLang draws the ports of its own server processes the same way.)"""
     top = min(PORTS_TO, _ephemeral_start() if ephemeral_start is None else ephemeral_start)
-    if top - PORTS_FROM >= 1000:
-        for port in random.sample(range(PORTS_FROM, top), 200):
-            if _bindable(port, host):
+    family = _family(host)
+    if top - PORTS_FROM >= 1000:  # SystemRandom: processes seeded alike (a test, a trainer) still differ
+        for port in random.SystemRandom().sample(range(PORTS_FROM, top), 200):
+            if _bindable(port, host, family):
                 return port
-    with socket.socket() as s:
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

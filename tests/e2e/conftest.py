@@ -10,10 +10,11 @@ from sglang_hs.supervisor import mapped_shm
 CHUNK = 16
 POOL = 128  # KV slots of the float32 servers: freed slots are handed out again at once (test_exact_rows.py)
 FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: slots are held meanwhile
-# SGLang's admission reserves new_token_ratio x max_new_tokens of KV per request for its decode (0.7 at
-# start, decaying to 0.1). The float32 servers start at RETRACT_RATIO: next to nothing is reserved, so
-# concurrent decodes outgrow the POOL-token pool and SGLang retracts requests (frees their KV and
-# prefills them again later, prompt and generated tokens; test_exact_rows.py)
+# SGLang's admission reserves new_token_ratio x the remaining max_new_tokens of KV for each running
+# request's decode (0.7 at start, decaying to 0.1; the request being admitted reserves all of its own).
+# The float32 servers start at RETRACT_RATIO, and go back to it when idle: next to nothing is reserved
+# for running requests, so concurrent decodes outgrow the POOL-token pool and SGLang retracts requests
+# (frees their KV and prefills them again later, prompt and generated tokens; test_exact_rows.py)
 RETRACT_RATIO = 0.02
 
 

@@ -197,6 +197,10 @@ def test_rows_exact_through_decode_retraction(served, hf):
     decoding 64 tokens each (a context of ~80: two already fill the POOL-token pool) outgrow it: SGLang
     must retract (its log says so)."""
     server, reader = served
+    deadline = time.monotonic() + 30  # the status file settled: earlier tests' records all counted
+    while _writer_status(server)["finish_pending"] and time.monotonic() < deadline:
+        time.sleep(FLUSH_INTERVAL_S)
+    time.sleep(2 * FLUSH_INTERVAL_S)
     before, retractions = _writer_status(server), len(_retracted(server))
     jobs = []
     for i in range(8):
