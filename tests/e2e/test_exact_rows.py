@@ -152,6 +152,15 @@ def _writer_status(server):
     return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
 
 
+def _status_after(server, records, timeout=30):
+    """The writer's status once it counts `records` records and no gather is pending (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while ((status := _writer_status(server))["records"] < records or status["finish_pending"]) \
+            and time.monotonic() < deadline:
+        time.sleep(FLUSH_INTERVAL_S)
+    return status
+
+
 def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     """Exactness under slot reuse (issue 16, item 3). Both servers run with a KV pool of POOL tokens
     (conftest.py), so every slot is freed and handed out again many times while this test runs, and the
@@ -177,10 +186,7 @@ def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     worst = 0.0
     for (rid, ids, _), out in zip(jobs, outs):
         worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
-    deadline = time.monotonic() + 30
-    while ((after := _writer_status(server))["records"] < before["records"] + len(jobs)
-           or after["finish_pending"]) and time.monotonic() < deadline:
-        time.sleep(FLUSH_INTERVAL_S)
+    after = _status_after(server, before["records"] + len(jobs))
     assert after["records"] >= before["records"] + len(jobs) and after["finish_pending"] == 0
     assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
     # The hold was exercised: frees came (a release at finish, evictions for the next requests) while
@@ -197,9 +203,7 @@ def test_rows_exact_through_decode_retraction(served, hf):
     decoding 64 tokens each (a context of ~80: two already fill the POOL-token pool) outgrow it: SGLang
     must retract (its log says so)."""
     server, reader = served
-    deadline = time.monotonic() + 30  # the status file settled: earlier tests' records all counted
-    while _writer_status(server)["finish_pending"] and time.monotonic() < deadline:
-        time.sleep(FLUSH_INTERVAL_S)
+    _status_after(server, 0)  # the status file settled: earlier tests' records all counted
     time.sleep(2 * FLUSH_INTERVAL_S)
     before, retractions = _writer_status(server), len(_retracted(server))
     jobs = []
@@ -215,10 +219,7 @@ def test_rows_exact_through_decode_retraction(served, hf):
     worst = 0.0
     for (rid, ids), out in zip(jobs, outs):
         worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
-    deadline = time.monotonic() + 30
-    while ((after := _writer_status(server))["records"] < before["records"] + len(jobs)
-           or after["finish_pending"]) and time.monotonic() < deadline:
-        time.sleep(FLUSH_INTERVAL_S)
+    after = _status_after(server, before["records"] + len(jobs))
     assert after["records"] == before["records"] + len(jobs), (before, after)  # once each, retracted or not
     assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
     print(f"{len(jobs)} records, worst row {worst:.2e}, {retracted} requests retracted")
