@@ -9,7 +9,7 @@ int64_t load_acquire(const at::Tensor& buf, int64_t offset);
 void store_release(const at::Tensor& buf, int64_t offset, int64_t value);
 int64_t fetch_add(const at::Tensor& buf, int64_t offset, int64_t delta);
 void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last, const at::Tensor& loc,
-                   at::Tensor& store);
+                   at::Tensor& store, int64_t num_threads);
 void gather_rows_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& idx, at::Tensor& out,
                      int64_t num_threads);
 #ifdef SGLANG_HS_WITH_CUDA
@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fetch_add", &fetch_add, py::arg("buf"), py::arg("offset"), py::arg("delta"));
   // Without the GIL: the staging strategy's scatter runs on its own thread beside the scheduler's.
   m.def("copy_rows_cpu", &copy_rows_cpu, "store[loc[t]] = aux[t] as K rows (+ last[t]); the CPU capture copy",
-        py::arg("aux"), py::arg("last"), py::arg("loc"), py::arg("store"),
+        py::arg("aux"), py::arg("last"), py::arg("loc"), py::arg("store"), py::arg("num_threads") = 1,
         py::call_guard<py::gil_scoped_release>());
   // Without the GIL: the finish worker's gather (store -> output ring) runs beside the scheduler's Python.
   m.def("gather_rows_cpu", &gather_rows_cpu, "out[t] = src[idx[t]] (idx None: out = src); streamed, threaded",

@@ -1,29 +1,27 @@
 // The CPU path of the capture copy (the CUDA path is the Triton kernel in sglang_hs/ops/copy_rows.py).
 //
-//   copy_rows_cpu(aux [T, K*H], last [T, H] | None, loc [T] int32/int64, store [S, P, H])
+//   copy_rows_cpu(aux [T, K*H], last [T, H] | None, loc [T] int32/int64, store [S, P, H], num_threads)
 //       store[loc[t], k, :] = aux[t, k*H:(k+1)*H]   for k < K
 //       store[loc[t], K, :] = last[t, :]            when last is given (P = K + 1; else P = K)
 //
 // Same contract as the Triton launcher: same dtype everywhere (a copy, never a cast), unit stride
 // along H, a contiguous store, every slot in range (checked before anything is written). Rows are
-// copied one copy per row part (streaming stores for a large step) under at::parallel_for, which
-// runs on the calling thread: the extension is built without -fopenmp, so ATen's intra-op
-// parallelism is compiled out of it (the CPU engine's forward copy; the GPU uses Triton). Graph-style
-// padding rows all aim at the padding slot, which no request reads; which of them lands there last
-// is unspecified.
+// copied one copy per row part (streaming stores for a large step), on up to num_threads threads
+// for a large step (row_threads.h): the staging scatter, which must keep up with the GPU's copy to
+// host; the CPU engine's forward copy passes 1 (its forward already uses every core). The caller has
+// released the GIL (bindings.cpp). Graph-style padding rows all aim at the padding slot, which no
+// request reads; which of them lands there last is unspecified (they may be on different threads).
 #include <ATen/core/Tensor.h>
 
-#include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 
-#include <cstring>
-
+#include "row_threads.h"
 #include "stream_copy.h"
 
 namespace sglang_hs {
 
 void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last, const at::Tensor& loc,
-                   at::Tensor& store) {
+                   at::Tensor& store, int64_t num_threads) {
   TORCH_CHECK(store.device().is_cpu() && aux.device().is_cpu() && loc.device().is_cpu(),
               "copy_rows_cpu: aux, loc and store must be CPU tensors");
   TORCH_CHECK(store.dim() == 3 && store.is_contiguous(), "copy_rows_cpu: store must be a contiguous [S, P, H]");
@@ -45,6 +43,7 @@ void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last,
   TORCH_CHECK(loc.dim() == 1 && loc.size(0) == T &&
                   (loc.scalar_type() == at::kInt || loc.scalar_type() == at::kLong),
               "copy_rows_cpu: loc must be [T=", T, "] int32/int64");
+  TORCH_CHECK(num_threads >= 1, "copy_rows_cpu: num_threads must be >= 1, got ", num_threads);
   if (T == 0) return;
   const at::Tensor slots = loc.to(at::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
@@ -57,17 +56,16 @@ void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last,
   const char* l = has_last ? static_cast<const char*>(last->data_ptr()) : nullptr;
   char* dst = static_cast<char*>(store.data_ptr());
   const int64_t a_row = aux.stride(0) * esz, l_row = has_last ? last->stride(0) * esz : 0;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, P * part));
   // A large step's rows (a long prefill, the staging scatter) are read only when their request
   // finishes: streamed past the cache (stream_copy.h); a decode step's few rows are copied plainly.
   const bool stream = T * P * part >= kStreamThresholdBytes;
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+  for_row_ranges(T, T * P * part, num_threads, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       char* row = dst + s[t] * P * part;
       copy_bytes(row, a + t * a_row, K * part, stream);  // the K aux parts are adjacent in aux and store
       if (l) copy_bytes(row + K * part, l + t * l_row, part, stream);
     }
-    if (stream) stream_fence();  // this thread's streamed stores, before parallel_for returns
+    if (stream) stream_fence();  // this thread's streamed stores, before the call returns
   });
 }
 

@@ -6,7 +6,7 @@
 // Contract: CPU tensors, same dtype (a copy, never a cast), both contiguous and not overlapping, rows
 // of equal size, every index in range (checked before anything is written). Runs of consecutive
 // indices are copied as one block. Large gathers use streaming stores (stream_copy.h) and up to
-// num_threads threads, each with at least kMinBytesPerThread; the caller has released the GIL
+// num_threads threads, each with at least kMinBytesPerThread (row_threads.h); the caller has released the GIL
 // (bindings.cpp), so the finish worker's gather runs beside the scheduler's Python. Every byte is
 // visible to other threads and processes when the call returns (each thread fences its streamed
 // stores before it ends).
@@ -15,17 +15,12 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
 
-#include <algorithm>
-#include <thread>
-#include <vector>
-
+#include "row_threads.h"
 #include "stream_copy.h"
 
 namespace sglang_hs {
 
 namespace {
-
-constexpr int64_t kMinBytesPerThread = 8 << 20;
 
 void copy_range(char* out, const char* src, const int64_t* idx, int64_t begin, int64_t end, int64_t row,
                 bool stream) {
@@ -82,24 +77,7 @@ void gather_rows_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& idx
   const bool stream = total >= kStreamThresholdBytes;
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(out.data_ptr());
-  const int64_t n = std::max<int64_t>(1, std::min<int64_t>({num_threads, total / kMinBytesPerThread, T}));
-  if (n == 1) {
-    copy_range(to, from, s, 0, T, row, stream);
-    return;
-  }
-  std::vector<std::thread> helpers;
-  helpers.reserve(n - 1);
-  const int64_t per = (T + n - 1) / n;
-  for (int64_t i = 1; i < n; ++i) {
-    const int64_t b = std::min(T, i * per), e = std::min(T, (i + 1) * per);
-    try {
-      helpers.emplace_back(copy_range, to, from, s, b, e, row, stream);
-    } catch (...) {  // no thread to be had (std::system_error, std::bad_alloc): this range here; the
-      copy_range(to, from, s, b, e, row, stream);  // threads already started are joined below
-    }
-  }
-  copy_range(to, from, s, 0, std::min(T, per), row, stream);
-  for (auto& h : helpers) h.join();
+  for_row_ranges(T, total, num_threads, [&](int64_t b, int64_t e) { copy_range(to, from, s, b, e, row, stream); });
 }
 
 }  // namespace sglang_hs

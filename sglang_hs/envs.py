@@ -45,6 +45,9 @@ DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 DEFAULT_GATHER_THREADS = 1
+# Provisional: one CPU thread streams ~5-10 GB/s into the store, a GPU's copy to host ~50; the GPU
+# benchmark (benchmarks/bench_gpu_copy.py, staging at 1-8 threads) is what should set it.
+DEFAULT_SCATTER_THREADS = 4
 
 env_variables: Dict[str, Callable[[], Any]] = {
     # Capture is on when this is set: the folder of the manifest, the store and the output rings.
@@ -74,6 +77,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),
     # Rows of the staging buffers (--hs-staging-rows); 0: max(chunked prefill size, max running requests).
     "SGLANG_HS_STAGING_ROWS": _int("SGLANG_HS_STAGING_ROWS", 0),
+    # Threads of the staging scatter of one step's rows into the store (--hs-scatter-threads); a step gets
+    # at most one thread per 8 MiB of rows (csrc/row_threads.h), so decode steps always take one.
+    "SGLANG_HS_SCATTER_THREADS": _int("SGLANG_HS_SCATTER_THREADS", DEFAULT_SCATTER_THREADS),
     # Publish finished records on the scheduler thread (the synchronous path, for debugging) instead of
     # handing them to the finish worker (sglang_hs/store/finisher.py).
     "SGLANG_HS_SYNC_FINISH": _bool("SGLANG_HS_SYNC_FINISH"),

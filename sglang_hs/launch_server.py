@@ -82,6 +82,10 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="rows of the --hs-copy staging buffers (2 on the device, 2 pinned on the host); larger "
                         "steps are shipped in chunks; CUDA graphs must fit (default: max(--chunked-prefill-size, "
                         "--max-running-requests))")
+    g.add_argument("--hs-scatter-threads", type=int, default=None, metavar="N",
+                   help="threads of --hs-copy staging's scatter from the pinned host buffer into the store, off "
+                        "the scheduler thread (one per 8 MiB of a step's rows at most; default "
+                        f"{envs.DEFAULT_SCATTER_THREADS})")
     g.add_argument("--hs-gather-threads", type=int, default=None, metavar="N",
                    help="threads that copy one finished record's rows from the store into the output ring, off the "
                         "scheduler thread (one per 8 MiB of rows at most; default "
@@ -336,7 +340,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
-                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE", "SGLANG_HS_CAPTURE_SAMPLE",
+                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE", "SGLANG_HS_CAPTURE_SAMPLE",
                 "SGLANG_HS_WHEN_BEHIND"):
         env.pop(key, None)
     dump_dir = None
@@ -368,24 +372,25 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             env["SGLANG_HS_LAST"] = "1"
         if ns.hs_copy:
             env["SGLANG_HS_COPY"] = ns.hs_copy
-        if ns.hs_staging_rows is not None:
-            if ns.hs_copy != "staging":
-                raise CaptureConfigError("--hs-staging-rows needs --hs-copy staging")
-            if ns.hs_staging_rows <= 0:
-                raise CaptureConfigError(f"--hs-staging-rows: must be > 0 rows, got {ns.hs_staging_rows}")
-            env["SGLANG_HS_STAGING_ROWS"] = str(ns.hs_staging_rows)
-        if ns.hs_gather_threads is not None:
-            if ns.hs_gather_threads <= 0:
-                raise CaptureConfigError(f"--hs-gather-threads: must be > 0 threads, got {ns.hs_gather_threads}")
-            env["SGLANG_HS_GATHER_THREADS"] = str(ns.hs_gather_threads)
+        for flag, key, unit, staging_only in (("--hs-staging-rows", "SGLANG_HS_STAGING_ROWS", "rows", True),
+                                              ("--hs-scatter-threads", "SGLANG_HS_SCATTER_THREADS", "threads", True),
+                                              ("--hs-gather-threads", "SGLANG_HS_GATHER_THREADS", "threads", False)):
+            value = getattr(ns, flag[2:].replace("-", "_"))
+            if value is None:
+                continue
+            if staging_only and ns.hs_copy != "staging":
+                raise CaptureConfigError(f"{flag} needs --hs-copy staging")
+            if value <= 0:
+                raise CaptureConfigError(f"{flag}: must be > 0 {unit}, got {value}")
+            env[key] = str(value)
         env.update(selection_env(ns))
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
-            or ns.hs_gather_threads is not None or ns.hs_capture is not None or ns.hs_capture_sample is not None \
-            or ns.hs_when_behind is not None:
-        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/"
-                                 "--hs-gather-threads/--hs-capture/--hs-capture-sample/--hs-when-behind need "
+            or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \
+            or ns.hs_capture_sample is not None or ns.hs_when_behind is not None:
+        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
+                                 "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample/--hs-when-behind need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 

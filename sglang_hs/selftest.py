@@ -268,8 +268,9 @@ def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
     out += ["--hs-last"] if ns.hs_last else []
     copy = copy or ns.hs_copy
     out += ["--hs-copy", copy] if copy else []
-    if copy == "staging" and ns.hs_staging_rows is not None:
-        out += ["--hs-staging-rows", str(ns.hs_staging_rows)]
+    if copy == "staging":
+        for flag, value in (("--hs-staging-rows", ns.hs_staging_rows), ("--hs-scatter-threads", ns.hs_scatter_threads)):
+            out += [flag, str(value)] if value is not None else []
     for flag, value in (("--hs-ring-size", ns.hs_ring_size), ("--hs-admission-timeout", ns.hs_admission_timeout),
                         ("--hs-startup-timeout", ns.hs_startup_timeout)):
         if value is not None:

@@ -7,7 +7,8 @@ thread puts them into the store by KV slot before any finish reads them.
                                          stage2 -> pinned host buffer, event `copied`;
                                          the compute stream waits on `freed` before it writes stage again
     scattered, in step order             the scatter thread waits for `copied`, then host buffer rows ->
-                                         store[loc] (C++ op, without the GIL), and frees the host buffer
+                                         store[loc] (C++ op, without the GIL, on up to `scatter_threads`
+                                         threads for a large step), and frees the host buffer
 
 Why two device buffers: the compute stream must not overwrite `stage` while it is read. Waiting for
 the device-to-device copy costs the next step about a tenth of a millisecond per thousand DeepSeek-V3
@@ -137,10 +138,12 @@ def device_bytes(rows: int, P: int, H: int, elem: int) -> int:
 
 
 class StagedCopy:
-    def __init__(self, store: torch.Tensor, rows: int, device) -> None:
+    def __init__(self, store: torch.Tensor, rows: int, device, scatter_threads: int = 1) -> None:
         assert store.dim() == 3 and store.is_contiguous() and store.device.type == "cpu"
         assert rows > 0, "staging rows must be > 0"
+        assert scatter_threads > 0, "scatter threads must be > 0"
         self.store, self.rows, self.device = store, rows, torch.device(device)
+        self.scatter_threads = scatter_threads
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:  # the scatter thread must name the device (no default there)
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -322,7 +325,7 @@ class StagedCopy:
                 self._await_copy(s)
                 t0 = time.perf_counter()
                 host, host_loc = self.host[s.buf]
-                op(host[: s.n].view(s.n, P * H), None, host_loc[: s.n], self.store)
+                op(host[: s.n].view(s.n, P * H), None, host_loc[: s.n], self.store, self.scatter_threads)
                 with self._cv:
                     self.stats["scatter_s"] += time.perf_counter() - t0
                     self.pending.popleft()

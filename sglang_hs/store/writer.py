@@ -75,10 +75,11 @@ class CaptureWriter:
         if copy not in envs.COPY_STRATEGIES:
             raise ValueError(f"sglang-hs: unknown copy strategy {copy!r} (direct or staging)")
         share_gid = envs.SGLANG_HS_SHARE_GID
-        gather_threads = envs.SGLANG_HS_GATHER_THREADS
-        if gather_threads <= 0:
-            raise ValueError(f"sglang-hs: SGLANG_HS_GATHER_THREADS (--hs-gather-threads) must be > 0, got "
-                             f"{gather_threads}")
+        gather_threads, scatter_threads = envs.SGLANG_HS_GATHER_THREADS, envs.SGLANG_HS_SCATTER_THREADS
+        for name, flag, value in (("SGLANG_HS_GATHER_THREADS", "--hs-gather-threads", gather_threads),
+                                  ("SGLANG_HS_SCATTER_THREADS", "--hs-scatter-threads", scatter_threads)):
+            if value <= 0:
+                raise ValueError(f"sglang-hs: {name} ({flag}) must be > 0, got {value}")
         from sglang_hs._ext import ext
 
         if not hasattr(ext(), "gather_rows_cpu"):
@@ -135,7 +136,7 @@ class CaptureWriter:
             from sglang_hs.store.staging import StagedCopy
 
             try:
-                self.staging = StagedCopy(self.store, staging_rows, device)
+                self.staging = StagedCopy(self.store, staging_rows, device, scatter_threads)
             except torch.OutOfMemoryError:
                 raise RuntimeError(
                     f"sglang-hs: no room for the {staging_rows}-row staging buffers on {device}; lower "
@@ -146,8 +147,8 @@ class CaptureWriter:
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
         if self.staging is not None:
-            logger.info("sglang-hs staging: %d rows, %.1f MB (device and pinned host)", staging_rows,
-                        self.staging.nbytes / 1e6)
+            logger.info("sglang-hs staging: %d rows, %.1f MB (device and pinned host), scatter on up to %d threads",
+                        staging_rows, self.staging.nbytes / 1e6, scatter_threads)
 
     def copy(self, aux: torch.Tensor, last: Optional[torch.Tensor], loc: torch.Tensor) -> None:
         T = aux.shape[0]

@@ -6,7 +6,8 @@ cache (stream_copy.h: plain copies for an unaligned head and a tail shorter than
 gather of more than 16 MiB over threads. Each of those paths is driven here: row sizes that are not a
 multiple of 16 or 64 bytes, destinations misaligned by 1..15 bytes, totals either side of the 2 MiB
 streaming threshold, index patterns with runs, repeats and reversals (hypothesis), DeepSeek-V3 rows
-(57,344 bytes) over two threads. The destination is poisoned first, so an unwritten byte shows.
+(57,344 bytes) over threads, for the gather and for the capture copy (the staging scatter). The
+destination is poisoned first, so an unwritten byte shows.
 """
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from reference import copy_rows_ref
 
 STREAM_BYTES = 2 << 20  # csrc/stream_copy.h kStreamThresholdBytes
-THREAD_BYTES = 8 << 20  # csrc/gather_rows_cpu.cpp kMinBytesPerThread
+THREAD_BYTES = 8 << 20  # csrc/row_threads.h kMinBytesPerThread
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,27 @@ def test_capture_copy_streams_a_large_step(ext, H, last):
     expect = copy_rows_ref(aux, fin, loc, store.clone())
     ext.copy_rows_cpu(aux, fin, loc, store)
     assert torch.equal(store.view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_capture_copy_of_deepseek_v3_rows_over_threads(ext, threads):
+    """copy_rows_cpu with num_threads (the staging scatter): 301 rows of [4, 7168] bf16, 17 MB, so up to two
+    8 MiB ranges, into a poisoned store at random int64 slots, against the plain-torch reference; more
+    threads asked for than the rows allow take what the rows allow."""
+    K, H, T, S = 3, 7168, 301, 1024
+    g = torch.Generator().manual_seed(4)
+    aux = torch.randn(T, K * H, generator=g).to(torch.bfloat16)
+    fin = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    loc = torch.randperm(S, generator=g)[:T]
+    assert T * (K + 1) * H * 2 >= 2 * THREAD_BYTES
+    store = torch.full((S, K + 1, H), float("nan"), dtype=torch.bfloat16)
+    expect = copy_rows_ref(aux, fin, loc, store.clone())
+    ext.copy_rows_cpu(aux, fin, loc, store, threads)
+    assert torch.equal(store.view(torch.int16), expect.view(torch.int16))
+
+
+def test_capture_copy_refuses_no_threads_before_writing(ext):
+    store = torch.full((4, 2, 8), float("nan"))
+    with pytest.raises(RuntimeError, match="num_threads must be >= 1, got 0"):
+        ext.copy_rows_cpu(torch.ones(1, 8), torch.ones(1, 8), torch.tensor([1]), store, 0)
+    assert store.isnan().all()

@@ -93,6 +93,9 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         (["--hs-copy", "staging", "--hs-staging-rows", "0"], "DeepseekV3ForCausalLM",
          "--hs-staging-rows: must be > 0 rows, got 0"),
         (["--hs-gather-threads", "0"], "DeepseekV3ForCausalLM", "--hs-gather-threads: must be > 0 threads, got 0"),
+        (["--hs-scatter-threads", "2"], "DeepseekV3ForCausalLM", "--hs-scatter-threads needs --hs-copy staging"),
+        (["--hs-copy", "staging", "--hs-scatter-threads", "0"], "DeepseekV3ForCausalLM",
+         "--hs-scatter-threads: must be > 0 threads, got 0"),
         (["--hs-capture", "some"], "DeepseekV3ForCausalLM", "--hs-capture: all or opt-in, got 'some'"),
         (["--hs-capture-sample", "0"], "DeepseekV3ForCausalLM", "--hs-capture-sample: a fraction 0 < P <= 1"),
         (["--hs-capture-sample", "1.5"], "DeepseekV3ForCausalLM", "--hs-capture-sample: .* got '1.5'"),
@@ -109,7 +112,8 @@ def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
 
 @pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"], ["--hs-copy", "staging"],
                                   ["--hs-staging-rows", "8"], ["--hs-capture", "opt-in"], ["--hs-capture-sample", "0.1"],
-                                  ["--hs-when-behind", "skip"], ["--hs-gather-threads", "4"]])
+                                  ["--hs-when-behind", "skip"], ["--hs-gather-threads", "4"],
+                                  ["--hs-scatter-threads", "2"]])
 def test_prepare_layers_without_dump_dir(tmp_path, clean_env, flag):
     with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
         launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", *flag])
@@ -131,6 +135,11 @@ def test_prepare_copy_strategy_reaches_the_server_env(tmp_path, clean_env):
     assert envs.SGLANG_HS_GATHER_THREADS == 3
     launch_server.prepare(base("e"))
     assert envs.SGLANG_HS_GATHER_THREADS == envs.DEFAULT_GATHER_THREADS
+    assert envs.SGLANG_HS_SCATTER_THREADS == envs.DEFAULT_SCATTER_THREADS
+    launch_server.prepare(base("f") + ["--hs-copy", "staging", "--hs-scatter-threads", "6"])
+    assert envs.SGLANG_HS_SCATTER_THREADS == 6
+    launch_server.prepare(base("g"))
+    assert envs.SGLANG_HS_SCATTER_THREADS == envs.DEFAULT_SCATTER_THREADS
 
 
 def test_prepare_capture_selection_reaches_the_server_env(tmp_path, clean_env):

@@ -302,3 +302,34 @@ def test_the_cuda_runtime_found_is_the_one_torch_loaded():
         loaded = {line.split()[-1] for line in f if "/libcudart.so" in line}
     assert lib is not None and lib.cudaThreadExchangeStreamCaptureMode.restype is not None
     assert not loaded or lib._name in loaded
+
+
+def test_a_large_step_is_scattered_on_the_threads_asked_for(monkeypatch):
+    """scatter_threads reaches the C++ scatter: a step of DeepSeek-V3 rows (57 KB each, 17 MB, room for two
+    8 MiB threads) is scattered by a call allowing that many threads, and lands exactly."""
+    from sglang_hs._ext import ext
+
+    C = ext()
+    real, threads = C.copy_rows_cpu, []
+
+    def spy(aux, last, loc, store, num_threads=1):
+        threads.append(num_threads)
+        return real(aux, last, loc, store, num_threads)
+
+    monkeypatch.setattr(C, "copy_rows_cpu", spy)
+    T, S_big, H_big = 300, 701, 7168
+    store = torch.full((S_big, P, H_big), float("nan"), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    aux, last = torch.randn(T, K * H_big, generator=g).bfloat16(), torch.randn(T, H_big, generator=g).bfloat16()
+    loc = torch.randperm(S_big - 1, generator=g)[:T] + 1
+    sc = StagedCopy(store, T, "cpu", scatter_threads=3)
+    try:
+        sc.before_step()
+        sc.write(aux, last, loc)
+        sc.after_step(T, graph_replayed=False)
+        sc.drain()
+    finally:
+        sc.close()
+    assert threads == [1, 3]  # the forward's copy into the stage, then the scatter from the host buffer
+    want = copy_rows_ref(aux, last, loc, torch.full_like(store, float("nan")))
+    assert torch.equal(store.view(torch.int16), want.view(torch.int16))
