@@ -333,3 +333,31 @@ def test_a_large_step_is_scattered_on_the_threads_asked_for(monkeypatch):
     assert threads == [1, 3]  # the forward's copy into the stage, then the scatter from the host buffer
     want = copy_rows_ref(aux, last, loc, torch.full_like(store, float("nan")))
     assert torch.equal(store.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("value, threads", [(None, "default"), ("5", 5), ("0", None)])
+def test_the_writer_gives_the_scatter_its_threads(tmp_path, monkeypatch, value, threads):
+    """SGLANG_HS_SCATTER_THREADS (--hs-scatter-threads) reaches the writer's StagedCopy; 0 is refused."""
+    from sglang_hs import envs
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.store.writer import CaptureWriter
+
+    if value is None:
+        monkeypatch.delenv("SGLANG_HS_SCATTER_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_HS_SCATTER_THREADS", value)
+    spec = CaptureSpec.resolve([1, 2, 3], True, 4, H)
+
+    def make():
+        return CaptureWriter(str(tmp_path), spec, num_slots=S, dtype=torch.bfloat16, ring_bytes=1 << 20,
+                             copy="staging", staging_rows=4)
+
+    if threads is None:
+        with pytest.raises(ValueError, match=r"SGLANG_HS_SCATTER_THREADS \(--hs-scatter-threads\) must be > 0, got 0"):
+            make()
+        return
+    w = make()
+    try:
+        assert w.staging.scatter_threads == (envs.DEFAULT_SCATTER_THREADS if threads == "default" else threads)
+    finally:
+        w.staging.close()
