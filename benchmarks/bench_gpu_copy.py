@@ -1,235 +1,472 @@
-"""How fast can a forward step's captured rows get to host memory, and what does it cost the step?
+"""How fast do a forward step's captured rows get to the host store, and what does it cost the step?
 
 DeepSeek-V3-sized capture: K = 3 aux layers + the final state, H = 7168, bf16 (57 KB per token), at
-512, 2048 and 8192 tokens. Strategies, each timed with CUDA events (median of repeats, after warm-up):
-  a_kernel_to_host     Triton copy kernel writing straight into registered (pinned, mapped) host memory
-                       at scattered KV slots (the zero-copy strategy; holds the compute stream throughout)
-  b_stage_plus_async   kernel into a device staging buffer [T, P, H], then cudaMemcpyAsync to pinned host
-                       on a separate copy stream (compute stream held only for the device-side kernel)
-  c_memcpy_d2h_pinned  cudaMemcpyAsync of the same bytes, device -> pinned host (the practical PCIe limit)
-  d_cpu_pageable       tensor.cpu() into pageable memory (what naive dumping does)
-  a_graph, b_graph     a and b captured in a CUDA graph and replayed
-  e_staging_writer     what `--hs-copy staging` runs (sglang_hs/store/staging.py, a T-row stage): kernel into
-                       the stage, device copy to its twin (the compute stream waits for it), copy to pinned
-                       host on the copy stream, scatter into the store by slot on the scatter thread; `ms` is
-                       the wall time per step until the rows are in the store, `host_ms` the scatter thread's
-                       time, `wait_ms` the time the caller (the scheduler) waited for it or for a host buffer
-Cost is reported against a representative per-GPU forward step at the same token count: the bf16
-matmuls of one DeepSeek-V3 layer at TP8 shapes (MLA projections, 8 routed + 1 shared expert with the
-expert width split 8 ways), times 61 layers; attention itself is left out, so the step is a lower bound
-and the fraction an upper bound.
+512, 2048 and 8192 tokens, into a store of realistic size (--store-gib, 16 by default: ~300k KV slots),
+each step at fresh random slots spread over the whole store, so page-table and TLB effects show.
 
-    python benchmarks/bench_gpu_copy.py --out DIR     # DIR/bench_gpu_copy.csv and .png, written as it goes
+The strategies of `--hs-copy`, as the server runs them (sglang_hs/ops/copy_rows.py, store/staging.py):
+  direct_eager    the Triton copy kernel writes straight into the registered (pinned, mapped) store;
+                  the compute stream is held for the whole copy
+  direct_graph    the same launch captured in a CUDA graph, replayed with new slots each step
+  staging_eager   kernel into a device stage, device copy to its twin (the compute stream waits for
+                  that), copy to pinned host on a copy stream, scatter into the store by slot on the
+                  scatter thread
+  staging_graph   the stage write captured in a CUDA graph; after each replay the step is shipped
+and two references: memcpy_d2h_pinned (cudaMemcpyAsync of the same bytes, device to pinned host: the
+practical PCIe limit) and cpu_pageable (tensor.cpu(), what naive dumping does).
+
+Per (tokens, strategy), median and min-max over --reps steps:
+  ms            one step on its own, until its rows are in the store (events for direct; host clock
+                through sync and drain for staging)
+  pipelined_ms  per step, --reps steps back to back then one wait (3 rounds): GBps and bw_of_memcpy
+                (memcpy_ms / pipelined_ms) come from it
+  hold_ms       what the step holds the compute stream for (events on it); hold_of_step against one
+                DeepSeek-V3 forward step at TP8 shapes: the bf16 matmuls of a layer (MLA projections,
+                8 routed + 1 shared expert, expert width split 8 ways) times 61, attention left out, so
+                the step is a lower bound and the fraction an upper bound
+  scatter_ms    the scatter thread's time per step; wait_ms what the caller (the scheduler) waited for
+                a host buffer or for the store (staging only)
+  device_MB, pinned_MB   what the strategy allocates on the device and in pinned host memory
+  rows_checked, rows_bad every step's rows read back from the store after the timing (each step wrote
+                its own slots, and each strategy its own fresh data); any bad row fails the targets
+From them, `bench_gpu_copy_verdict.txt`: the targets of the GPU issue at 8192 tokens (>= 80% of the
+pinned-copy bandwidth, compute-stream hold < 2% of the step, no row lost or misplaced) for each
+strategy, and the CUDA default for --hs-copy they point to.
+
+    python benchmarks/bench_gpu_copy.py --out DIR    # DIR/bench_gpu_copy.csv (row by row), .png, _verdict.txt
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
-from sglang_hs.store import pinned  # noqa: E402
-from sglang_hs.store.staging import StagedCopy  # noqa: E402
 
 K, H, P = 3, 7168, 4
 DT = torch.bfloat16
+ROW_BYTES = P * H * 2
 TOKENS = (512, 2048, 8192)
+PRODUCT = ("direct_eager", "direct_graph", "staging_eager", "staging_graph")
+TARGET_BW, TARGET_HOLD = 0.80, 0.02  # of the pinned-copy bandwidth; of the forward step
+ROUNDS = 3  # of back-to-back steps, for pipelined_ms
 # One DeepSeek-V3 layer at TP8, per token: (in, out) of each bf16 matmul.
 LAYER_MATMULS = [(7168, 1536), (1536, 16 * 192), (7168, 576), (512, 16 * 256), (16 * 128, 7168)] + \
     [(7168, 2 * 256), (256, 7168)] * 9
+FIELDS = ["gpu", "tokens", "strategy", "ms", "ms_min", "ms_max", "pipelined_ms", "pipelined_min",
+          "pipelined_max", "GBps", "bw_of_memcpy", "hold_ms", "hold_min", "hold_max", "hold_of_step",
+          "hold_of_memcpy", "ms_of_step", "scatter_ms", "wait_ms", "scatter_threads", "step_ms", "memcpy_ms", "device_MB",
+          "pinned_MB", "rows_checked", "rows_bad"]
 
 
-def timed(fn, reps, stream=None):
-    """Median milliseconds of fn over reps, with events on `stream`."""
-    stream = stream or torch.cuda.current_stream()
-    for _ in range(3):
-        fn()
+def spread(xs: Sequence[float]) -> Tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def event_ms(step: Callable[[int], None], reps: int, warmup: int = 3,
+             between: Optional[Callable[[], None]] = None) -> List[float]:
+    """Milliseconds of step(i), i = 0..reps-1, each between two events on the current stream, waited
+    for before the next (after `warmup` untimed calls); `between()` runs untimed before each step."""
+    stream = torch.cuda.current_stream()
+    for i in range(warmup):
+        step(i)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+    out = []
+    for i in range(reps):
+        if between is not None:
+            between()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(stream)
-        fn()
+        step(i)
         b.record(stream)
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+        out.append(a.elapsed_time(b))
+    return out
 
 
-def forward_step_ms(T):
+def host_ms(step: Callable[[int], None], finish: Callable[[], None], reps: int, per_call: bool) -> List[float]:
+    """Host-clock milliseconds until finish() returns: per step (each step then finish), or per round of
+    `reps` steps back to back then one finish, divided by reps (ROUNDS rounds)."""
+    out = []
+    if per_call:
+        for i in range(reps):
+            t0 = time.perf_counter()
+            step(i)
+            finish()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for i in range(reps):
+            step(i)
+        finish()
+        out.append((time.perf_counter() - t0) * 1e3 / reps)
+    return out
+
+
+def forward_step_ms(T: int) -> float:
     xs = {i: torch.randn(T, i, device="cuda", dtype=DT) for i, _ in LAYER_MATMULS}
     ws = [torch.randn(i, o, device="cuda", dtype=DT) / i**0.5 for i, o in LAYER_MATMULS]
 
-    def layer():
-        for (i, _), w in zip(LAYER_MATMULS, ws):
+    def layer(_):
+        for (i, _o), w in zip(LAYER_MATMULS, ws):
             xs[i] @ w
 
-    return 61 * timed(layer, 10)
+    return 61 * statistics.median(event_ms(layer, 10))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    csv_path = os.path.join(args.out, "bench_gpu_copy.csv")
-    gpu = torch.cuda.get_device_name()
-    fields = ["gpu", "tokens", "strategy", "ms", "GBps", "compute_stream_ms", "host_ms", "wait_ms", "step_ms", "fraction_of_step"]
-    f = open(csv_path, "w", newline="")
-    w = csv.DictWriter(f, fieldnames=fields)
-    w.writeheader()
-    rows = []
+def open_store(gib: float):
+    """A [S, P, H] store of `gib` GiB in /dev/shm (as the server maps it) when it fits there, else in
+    plain host memory; registered for the GPU. Returns (host view, device pointer, cleanup, where, register_s)."""
+    from sglang_hs.store import pinned
 
-    def emit(T, name, ms, hold_ms, step, host_ms="", wait_ms=""):
-        nbytes = T * P * H * 2
-        r = dict(gpu=gpu, tokens=T, strategy=name, ms=round(ms, 4), GBps=round(nbytes / ms / 1e6, 2),
-                 compute_stream_ms=round(hold_ms, 4), host_ms=host_ms and round(host_ms, 4),
-                 wait_ms=wait_ms and round(wait_ms, 4), step_ms=round(step, 3),
-                 fraction_of_step=round(hold_ms / step, 5))
-        w.writerow(r)
-        f.flush()
-        rows.append(r)
-        print(f"{T:6d} {name:22s} {ms:9.3f} ms {r['GBps']:8.1f} GB/s  holds compute {hold_ms:8.3f} ms "
-              f"= {100 * r['fraction_of_step']:.2f}% of a {step:.1f} ms step"
-              f"{f'; scatter thread {host_ms:.3f} ms, caller waited {wait_ms:.3f} ms' if host_ms != '' else ''}",
-              flush=True)
+    S = int(gib * 2**30) // ROW_BYTES
+    nbytes = S * ROW_BYTES
+    region, d = None, None
+    try:
+        from sglang_hs.store.shm import SharedRegion
 
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    for T in TOKENS:
-        S = 2 * T
-        step = forward_step_ms(T)
-        aux = torch.randn(T, K * H, device="cuda", dtype=DT)
-        last = torch.randn(T, H, device="cuda", dtype=DT)
-        slots = (torch.randperm(S - 1, device="cuda")[:T] + 1).contiguous()
-        ident = torch.arange(T, device="cuda")
-        try:
-            from sglang_hs.store.shm import SharedRegion
+        if shutil.disk_usage("/dev/shm").free < nbytes + (1 << 30):
+            raise RuntimeError(f"/dev/shm has {shutil.disk_usage('/dev/shm').free / 2**30:.1f} GiB free")
+        d = tempfile.mkdtemp(dir="/dev/shm")
+        region = SharedRegion.create(d, "store", nbytes)
+        buf, where = region.buf, "/dev/shm"
+    except Exception as e:  # noqa: BLE001 - no extension, or /dev/shm too small: the same bytes, unshared
+        print(f"(store in plain host memory: {e})", flush=True)
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
+        d, buf, where = None, torch.empty(nbytes, dtype=torch.uint8), "host memory"
+    t0 = time.perf_counter()
+    ptr = pinned.register(buf)
+    register_s = time.perf_counter() - t0
 
-            region = SharedRegion.create(tempfile.mkdtemp(dir=shm), "store", S * P * H * 2)
-            host_buf = region.buf
-        except Exception as e:  # no extension or a small /dev/shm: plain host memory, same registration
-            print(f"(store in plain host memory: {e})")
-            region, host_buf = None, torch.empty(S * P * H * 2, dtype=torch.uint8)
-        host = host_buf.view(DT).view(S, P, H)
-        host.zero_()  # touch every page before timing
-        store = HostStore(host, pinned.register(host_buf))
-        staging = torch.empty(T, P, H, device="cuda", dtype=DT)
-        pinned_stage = torch.empty(T, P, H, dtype=DT, pin_memory=True)
-        flat = torch.empty(T, P, H, device="cuda", dtype=DT)
-        copy_stream = torch.cuda.Stream()
+    def cleanup():
+        pinned.unregister(buf)
+        if region is not None:
+            region.unlink()
+            shutil.rmtree(d, ignore_errors=True)
 
-        # (a) kernel straight into registered host memory
-        a_ms = timed(lambda: copy_rows(aux, last, slots, store), args.reps)
-        emit(T, "a_kernel_to_host", a_ms, a_ms, step)
-        # check once: bit-exact rows at their slots
+    return buf.view(DT).view(S, P, H), ptr, cleanup, where, register_s
+
+
+class Case:
+    """One token count: the store, disjoint random slot sets (one per step), and fresh rows per strategy."""
+
+    def __init__(self, host: torch.Tensor, T: int, reps: int):
+        self.host, self.T = host, T
+        S = host.shape[0]
+        n = max(1, min(reps, (S - 1) // T))  # slot 0 is the padding slot: never handed out
+        perm = torch.randperm(S - 1, device="cuda")[: n * T] + 1
+        self.sets = perm.view(n, T)
+        self.slots = torch.empty(T, dtype=torch.int64, device="cuda")  # the graphs' static input
+        self.used: set = set()
+
+    def new_rows(self):
+        """Fresh aux/last (so that rows left by another strategy never pass the check), and the rows due."""
+        self.used = set()
+        aux = torch.randn(self.T, K * H, device="cuda", dtype=DT)
+        last = torch.randn(self.T, H, device="cuda", dtype=DT)
+        return aux, last, torch.cat([aux.view(self.T, K, H), last[:, None]], 1).cpu()
+
+    def set_slots(self, i: int) -> None:
+        j = i % self.sets.shape[0]
+        self.used.add(j)
+        self.slots.copy_(self.sets[j], non_blocking=True)
+
+    def check(self, want: torch.Tensor) -> Tuple[int, int]:
+        """(rows checked, rows not as written): every slot set a step wrote, read back from the store."""
         torch.cuda.synchronize()
-        want = torch.cat([aux.view(T, K, H), last[:, None]], 1)
-        assert torch.equal(host[slots.cpu()].cuda(), want), "kernel wrote wrong rows"
+        bad = 0
+        for j in sorted(self.used):
+            got = self.host[self.sets[j].cpu()]
+            if not torch.equal(got, want):
+                bad += int((got != want).flatten(1).any(1).sum())
+        return len(self.used) * self.T, bad
 
-        # (b) kernel into device staging, async copy on a copy stream
-        stage_ms = timed(lambda: copy_rows(aux, last, ident, staging), args.reps)
 
-        def b():
-            copy_rows(aux, last, ident, staging)
-            copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(copy_stream):
-                pinned_stage.copy_(staging, non_blocking=True)
-            torch.cuda.current_stream().wait_stream(copy_stream)
+def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """body captured in a CUDA graph, after a warm-up on a side stream (as SGLang's runner does)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
 
-        emit(T, "b_stage_plus_async", timed(b, args.reps), stage_ms, step)
-        # (c) the PCIe limit: one contiguous device -> pinned copy
-        c_ms = timed(lambda: pinned_stage.copy_(flat, non_blocking=True), args.reps)
-        emit(T, "c_memcpy_d2h_pinned", c_ms, c_ms, step)
-        # (d) naive .cpu() into pageable memory (host-synchronous)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            flat.cpu()
-        d_ms = (time.perf_counter() - t0) / 5 * 1e3
-        emit(T, "d_cpu_pageable", d_ms, d_ms, step)
 
-        # (a) and (b) inside a CUDA graph
-        for name, body, hold in (("a_graph", lambda: copy_rows(aux, last, slots, store), None),
-                                 ("b_graph", lambda: copy_rows(aux, last, ident, staging), stage_ms)):
+def run_direct(case: Case, store, graph: bool, reps: int) -> dict:
+    from sglang_hs.ops.copy_rows import copy_rows
+
+    aux, last, want = case.new_rows()
+    m0 = torch.cuda.memory_allocated()
+    if graph:
+        case.set_slots(0)
+        g = capture(lambda: copy_rows(aux, last, case.slots, store))
+
+        def step(i):
+            case.set_slots(i)
+            g.replay()
+    else:
+        def step(i):
+            case.set_slots(i)
+            copy_rows(aux, last, case.slots, store)
+    ms = event_ms(step, reps)
+    device_mb = (torch.cuda.memory_allocated() - m0) / 2**20
+    pipelined = host_ms(step, torch.cuda.synchronize, reps, per_call=False)
+    store.check()
+    checked, bad = case.check(want)
+    return dict(ms=ms, pipelined=pipelined, hold=ms, device_MB=device_mb, pinned_MB=0.0,
+                rows_checked=checked, rows_bad=bad)
+
+
+def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
+    from sglang_hs.store.staging import StagedCopy
+
+    aux, last, want = case.new_rows()
+    T = case.T
+    m0 = torch.cuda.memory_allocated()
+    sc = StagedCopy(case.host, T, "cuda", scatter_threads=threads)
+    device_mb = (torch.cuda.memory_allocated() - m0) / 2**20
+    pinned_mb = sum(h.nbytes + l.nbytes for h, l in sc.host) / 2**20
+    try:
+        if graph:
+            case.set_slots(0)
+
+            def warm():  # the capture's warm-up runs eagerly and ships; the captured call only stages
+                sc.before_step()
+                sc.write(aux, last, case.slots)
+                sc.after_step(T, graph_replayed=False)
+
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                body()
+                warm()
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                body()
-            if name == "a_graph":
-                ms = timed(g.replay, args.reps)
-                emit(T, name, ms, ms, step)
-            else:
-                def replay_and_copy():
-                    g.replay()
-                    copy_stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(copy_stream):
-                        pinned_stage.copy_(staging, non_blocking=True)
-                    torch.cuda.current_stream().wait_stream(copy_stream)
+                sc.write(aux, last, case.slots)
 
-                emit(T, name, timed(replay_and_copy, args.reps), timed(g.replay, args.reps), step)
-        # (e) the staging strategy as the server runs it
-        sc = StagedCopy(host, T, "cuda")
+            def step(i):
+                case.set_slots(i)
+                sc.before_step()
+                g.replay()
+                sc.after_step(T, graph_replayed=True)
+        else:
+            def step(i):
+                case.set_slots(i)
+                sc.before_step()
+                sc.write(aux, last, case.slots)
+                sc.after_step(T, graph_replayed=False)
 
-        def e():
-            sc.before_step()
-            sc.write(aux, last, slots)
-            sc.after_step(T, graph_replayed=False)
+        def into_store():
+            torch.cuda.current_stream().synchronize()  # the step computed: drain waits for its rows
+            sc.drain()
 
-        hold = timed(e, args.reps)  # compute stream: the kernel, the slot copy and the wait for the device copy
-        torch.cuda.synchronize()
-        sc.drain()
-        host.zero_()
-        scatter0, wait0, t0 = sc.stats["scatter_s"], sc.stats["stage_wait_s"], time.perf_counter()
-        for _ in range(args.reps):
-            e()
-        torch.cuda.synchronize()
-        sc.drain()
-        wall = (time.perf_counter() - t0) / args.reps * 1e3
-        assert torch.equal(host[slots.cpu()].cuda(), want), "staging wrote wrong rows"
-        emit(T, "e_staging_writer", wall, hold, step, host_ms=(sc.stats["scatter_s"] - scatter0) / args.reps * 1e3,
-             wait_ms=(sc.stats["stage_wait_s"] - wait0) / args.reps * 1e3)
+        # compute stream: kernel, slot copy, wait for the device copy (host buffers emptied before each)
+        hold = event_ms(step, reps, between=into_store)
+        into_store()
+        alone = host_ms(step, into_store, reps, per_call=True)
+        scatter0, wait0 = sc.stats["scatter_s"], sc.stats["stage_wait_s"]
+        pipelined = host_ms(step, into_store, reps, per_call=False)
+        steps = ROUNDS * reps
+        scatter_ms = (sc.stats["scatter_s"] - scatter0) / steps * 1e3
+        wait_ms = (sc.stats["stage_wait_s"] - wait0) / steps * 1e3
+        checked, bad = case.check(want)
+    finally:
         sc.close()
-        sc = None  # free its device and pinned buffers before the next size
-        pinned.unregister(host_buf)
-        if region is not None:
-            region.unlink()
-        del store, host, host_buf, staging, pinned_stage, flat
-        torch.cuda.empty_cache()
-    f.close()
+    return dict(ms=alone, pipelined=pipelined, hold=hold, scatter_ms=scatter_ms, wait_ms=wait_ms,
+                scatter_threads=threads, device_MB=device_mb, pinned_MB=pinned_mb, rows_checked=checked, rows_bad=bad)
+
+
+def row(gpu: str, T: int, name: str, r: dict, step_ms: float, memcpy_ms: Optional[float]) -> dict:
+    ms, ms_lo, ms_hi = spread(r["ms"])
+    pl, pl_lo, pl_hi = spread(r["pipelined"])
+    hold, hold_lo, hold_hi = spread(r["hold"])
+    memcpy_ms = memcpy_ms if memcpy_ms is not None else pl
+    out = dict(gpu=gpu, tokens=T, strategy=name, ms=ms, ms_min=ms_lo, ms_max=ms_hi, pipelined_ms=pl,
+               pipelined_min=pl_lo, pipelined_max=pl_hi, GBps=T * ROW_BYTES / pl / 1e6,
+               bw_of_memcpy=memcpy_ms / pl, hold_ms=hold, hold_min=hold_lo, hold_max=hold_hi,
+               hold_of_step=hold / step_ms, hold_of_memcpy=hold / memcpy_ms, ms_of_step=ms / step_ms,
+               scatter_ms=r.get("scatter_ms", ""), wait_ms=r.get("wait_ms", ""),
+               scatter_threads=r.get("scatter_threads", ""), step_ms=step_ms,
+               memcpy_ms=memcpy_ms, device_MB=r.get("device_MB", ""), pinned_MB=r.get("pinned_MB", ""),
+               rows_checked=r.get("rows_checked", ""), rows_bad=r.get("rows_bad", ""))
+    return {k: round(v, 5) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def verdict(rows: List[dict], tokens: int = 8192) -> Tuple[Optional[str], List[str]]:
+    """The targets at `tokens` per product strategy, and the CUDA default for --hs-copy they point to:
+    the strategy (direct or staging) whose eager AND graph variants meet every target, the lower
+    compute-stream hold first; None when neither does. Returns (default, lines to print)."""
+    at = {r["strategy"]: r for r in rows if int(r["tokens"]) == tokens}
+    lines = [f"targets at {tokens} tokens: >= {TARGET_BW:.0%} of the pinned-copy bandwidth, compute-stream hold "
+             f"< {TARGET_HOLD:.0%} of the forward step, no row lost or misplaced"]
+    ok: Dict[str, bool] = {}
+    for name in PRODUCT:
+        r = at.get(name)
+        if r is None:
+            lines.append(f"  {name:14s} not measured")
+            ok[name] = False
+            continue
+        bw, hold = float(r["bw_of_memcpy"]), float(r["hold_of_step"])
+        bad = r["rows_bad"] == "" or int(r["rows_bad"]) != 0 or int(r["rows_checked"] or 0) == 0
+        ok[name] = bw >= TARGET_BW and hold < TARGET_HOLD and not bad
+        lines.append(f"  {name:14s} {'MEETS' if ok[name] else 'misses':6s}  bandwidth {bw:6.1%} of memcpy "
+                     f"({float(r['GBps']):.1f} GB/s), hold {hold:6.2%} of a {float(r['step_ms']):.1f} ms step, "
+                     f"{r['rows_bad'] if r['rows_bad'] != '' else '?'} bad of {r['rows_checked'] or 0} rows")
+    passing = [c for c in ("direct", "staging") if ok[f"{c}_eager"] and ok[f"{c}_graph"]]
+    passing.sort(key=lambda c: max(float(at[f"{c}_{v}"]["hold_of_step"]) for v in ("eager", "graph")))
+    default = passing[0] if passing else None
+    lines.append(f"CUDA default for --hs-copy: {default}" if default else
+                 "CUDA default for --hs-copy: neither strategy meets every target; keep the current default "
+                 "and look at the misses above")
+    eager = sorted((int(r["scatter_threads"]), float(r["bw_of_memcpy"])) for n, r in at.items()
+                   if n.startswith("staging_eager") and r.get("scatter_threads", "") != "")
+    if eager:
+        enough = [n for n, bw in eager if bw >= TARGET_BW]
+        lines.append("staging scatter threads (bandwidth of memcpy): " + ", ".join(f"{n}: {bw:.0%}" for n, bw in eager)
+                     + (f"; {enough[0]} is the fewest reaching {TARGET_BW:.0%}" if enough
+                        else f"; none reaches {TARGET_BW:.0%}"))
+    return default, lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--reps", type=int, default=20, help="timed steps per strategy (default 20)")
+    ap.add_argument("--store-gib", type=float, default=16.0, help="size of the store (default 16 GiB)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per step, comma-separated")
+    ap.add_argument("--scatter-threads", default="1,2,8",
+                    help="staging_eager also at these scatter thread counts (staging_eager_tN; staging_eager and "
+                         "staging_graph run the default, SGLANG_HS_SCATTER_THREADS or 4)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu_copy.py: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    sweep = [int(n) for n in args.scatter_threads.split(",") if n]
+    from sglang_hs import envs
+
+    default_threads = envs.SGLANG_HS_SCATTER_THREADS
+    if min(sweep + [default_threads]) < 1:
+        sys.exit("bench_gpu_copy.py: --scatter-threads and SGLANG_HS_SCATTER_THREADS must be >= 1")
+    if args.reps < 1 or args.store_gib * 2**30 < (max(tokens) + 1) * ROW_BYTES:
+        sys.exit(f"bench_gpu_copy.py: --reps must be >= 1 and --store-gib must hold {max(tokens) + 1} rows "
+                 f"of {ROW_BYTES} bytes")
+    os.makedirs(args.out, exist_ok=True)
+    from sglang_hs.ops.copy_rows import HostStore
+
+    gpu = torch.cuda.get_device_name()
+    host, ptr, cleanup, where, register_s = open_store(args.store_gib)
+    store = HostStore(host, ptr)
+    setup = (f"{gpu}; store {host.shape[0]} slots x {ROW_BYTES} B = {host.numel() * 2 / 2**30:.1f} GiB in {where}, "
+             f"cudaHostRegister {register_s:.2f} s; {args.reps} steps per strategy, {ROUNDS} rounds back to back; "
+             f"scatter threads {default_threads} (staging_eager, staging_graph); {os.cpu_count()} CPUs")
+    print(setup, flush=True)
+    rows: List[dict] = []
+    csv_path = os.path.join(args.out, "bench_gpu_copy.csv")
+    f = open(csv_path, "w", newline="")
+    w = csv.DictWriter(f, fieldnames=FIELDS)
+    w.writeheader()
+
+    def emit(r: dict) -> None:
+        w.writerow(r)
+        f.flush()
+        rows.append(r)
+        extra = ""
+        if r["scatter_ms"] != "":
+            extra += f"; scatter {r['scatter_ms']:.3f} ms, caller waited {r['wait_ms']:.3f} ms"
+        if r["rows_bad"] != "":
+            extra += f"; {r['rows_bad']} bad rows of {r['rows_checked']}"
+        print(f"{r['tokens']:6d} {r['strategy']:18s} {r['ms']:9.3f} ms alone ({r['ms_min']:.3f}-{r['ms_max']:.3f}), "
+              f"{r['GBps']:6.1f} GB/s = {r['bw_of_memcpy']:6.1%} of memcpy back to back; holds compute "
+              f"{r['hold_ms']:8.3f} ms = {r['hold_of_step']:6.2%} of a {r['step_ms']:.1f} ms step{extra}",
+              flush=True)
+
+    def one_size(T: int) -> None:
+        step_ms = forward_step_ms(T)
+        case = Case(host, T, args.reps)
+        src = torch.randn(T, P, H, device="cuda", dtype=DT)
+        dst = torch.empty(T, P, H, dtype=DT, pin_memory=True)
+        memcpy = event_ms(lambda i: dst.copy_(src, non_blocking=True), args.reps)
+        r = dict(ms=memcpy, pipelined=host_ms(lambda i: dst.copy_(src, non_blocking=True),
+                                              torch.cuda.synchronize, args.reps, per_call=False), hold=memcpy)
+        emit(row(gpu, T, "memcpy_d2h_pinned", r, step_ms, statistics.median(memcpy)))
+        memcpy_ms = rows[-1]["memcpy_ms"]
+        runs = [("direct_eager", lambda: run_direct(case, store, False, args.reps)),
+                ("direct_graph", lambda: run_direct(case, store, True, args.reps)),
+                ("staging_eager", lambda: run_staging(case, False, args.reps, default_threads)),
+                ("staging_graph", lambda: run_staging(case, True, args.reps, default_threads))]
+        runs += [(f"staging_eager_t{n}", lambda n=n: run_staging(case, False, args.reps, n))
+                 for n in sweep if n != default_threads]
+        for name, fn in runs:
+            try:
+                emit(row(gpu, T, name, fn(), step_ms, memcpy_ms))
+            except Exception as e:  # noqa: BLE001 - one strategy failing must not lose the others
+                print(f"{T:6d} {name:18s} FAILED: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.empty_cache()
+        pageable = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            src.cpu()
+            pageable.append((time.perf_counter() - t0) * 1e3)
+        emit(row(gpu, T, "cpu_pageable", dict(ms=pageable, pipelined=pageable, hold=pageable), step_ms, memcpy_ms))
+
+    try:
+        for T in tokens:
+            one_size(T)  # its buffers are freed when it returns
+            torch.cuda.empty_cache()
+    finally:
+        f.close()
+        cleanup()
+    _, lines = verdict(rows, max(tokens))
+    with open(os.path.join(args.out, "bench_gpu_copy_verdict.txt"), "w") as v:
+        v.write("\n".join([setup] + lines) + "\n")
+    print("\n".join(lines), flush=True)
     plot(rows, os.path.join(args.out, "bench_gpu_copy.png"), gpu)
 
 
-def plot(rows, path, gpu):
-    try:
-        import matplotlib
+def plot(rows: List[dict], path: str, gpu: str) -> None:
+    from benchmarks.common import _pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = _pyplot()
+    if plt is None:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     for name in dict.fromkeys(r["strategy"] for r in rows):
         rs = [r for r in rows if r["strategy"] == name]
-        ax1.plot([r["tokens"] for r in rs], [r["GBps"] for r in rs], marker="o", label=name)
-        ax2.plot([r["tokens"] for r in rs], [100 * r["fraction_of_step"] for r in rs], marker="o", label=name)
-    ax1.set(xscale="log", xlabel="tokens per step", ylabel="GB/s to host", title=f"capture copy, {gpu}")
+        x = [r["tokens"] for r in rs]
+        gbps = [r["GBps"] for r in rs]
+        # back-to-back GB/s: the bar spans the rounds' fastest and slowest
+        lo = [g - r["tokens"] * ROW_BYTES / r["pipelined_max"] / 1e6 for g, r in zip(gbps, rs)]
+        hi = [r["tokens"] * ROW_BYTES / r["pipelined_min"] / 1e6 - g for g, r in zip(gbps, rs)]
+        ax1.errorbar(x, gbps, yerr=[lo, hi], marker="o", capsize=3, label=name)
+        hold = [100 * r["hold_of_step"] for r in rs]
+        ax2.errorbar(x, hold, yerr=[[h - 100 * r["hold_min"] / r["step_ms"] for h, r in zip(hold, rs)],
+                                    [100 * r["hold_max"] / r["step_ms"] - h for h, r in zip(hold, rs)]],
+                     marker="o", capsize=3, label=name)
+    mem = [r for r in rows if r["strategy"] == "memcpy_d2h_pinned"]
+    ax1.plot([r["tokens"] for r in mem], [TARGET_BW * r["GBps"] for r in mem], "k:", label=f"{TARGET_BW:.0%} of memcpy")
+    ax2.axhline(100 * TARGET_HOLD, color="k", ls=":", label=f"{TARGET_HOLD:.0%} target")
+    ax1.set(xscale="log", xlabel="tokens per step", ylabel="GB/s into the store, back to back",
+            title=f"capture copy, {gpu}")
     ax2.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="% of a forward step (compute stream held)")
-    ax1.legend(fontsize=8)
-    ax2.legend(fontsize=8)
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     print(f"plot: {path}")
 
 

@@ -1,0 +1,63 @@
+"""The GPU benchmark's conclusion (benchmarks/bench_gpu_copy.py `row` and `verdict`), on made-up timings:
+the CUDA default for --hs-copy is the strategy whose eager AND graph variants meet every target of the
+GPU issue at 8192 tokens (>= 80% of the pinned-copy bandwidth back to back, compute-stream hold < 2%
+of the forward step, every row read back as written), the lower hold first; none when neither does.
+The benchmark itself needs a GPU (scripts/gpu_check.sh); this is the arithmetic and the rule it ends with."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.bench_gpu_copy import ROW_BYTES, row, verdict  # noqa: E402
+
+T, STEP, MEMCPY = 8192, 126.0, 10.0
+
+
+def _row(name, pipelined, hold, bad=0, threads=""):
+    r = dict(ms=[pipelined] * 3, pipelined=[pipelined * 0.9, pipelined, pipelined * 1.2], hold=[hold] * 3,
+             rows_checked=20 * T, rows_bad=bad, device_MB=0.0, pinned_MB=0.0)
+    if threads != "":
+        r.update(scatter_ms=1.0, wait_ms=0.5, scatter_threads=threads)
+    return row("GPU", T, name, r, STEP, MEMCPY)
+
+
+def _rows(direct_hold=10.5, staging_bad=0, staging_graph=True, staging_pipelined=12.0):
+    rows = [_row("memcpy_d2h_pinned", MEMCPY, MEMCPY),
+            _row("direct_eager", 10.5, direct_hold), _row("direct_graph", 10.4, direct_hold),
+            _row("staging_eager", staging_pipelined, 0.3, staging_bad, threads=4),
+            _row("staging_eager_t1", 40.0, 0.3, threads=1), _row("staging_eager_t2", 20.0, 0.3, threads=2)]
+    if staging_graph:
+        rows.append(_row("staging_graph", staging_pipelined, 0.25, threads=4))
+    return rows
+
+
+def test_row_arithmetic():
+    r = _row("direct_eager", 12.5, 2.52)
+    assert r["GBps"] == pytest.approx(T * ROW_BYTES / 12.5 / 1e6, rel=1e-4)
+    assert r["bw_of_memcpy"] == pytest.approx(0.8) and r["hold_of_step"] == pytest.approx(0.02)
+    assert (r["pipelined_min"], r["pipelined_max"]) == pytest.approx((12.5 * 0.9, 12.5 * 1.2))
+    assert r["hold_of_memcpy"] == pytest.approx(0.252) and r["scatter_ms"] == ""
+
+
+def test_staging_when_direct_holds_the_compute_stream_too_long():
+    default, lines = verdict(_rows())
+    assert default == "staging", lines
+    assert any(l.strip().startswith("direct_eager") and "misses" in l for l in lines)
+    assert lines[-1] == "staging scatter threads (bandwidth of memcpy): 1: 25%, 2: 50%, 4: 83%; " \
+                        "4 is the fewest reaching 80%"
+
+
+def test_a_bad_row_or_a_missing_variant_rules_a_strategy_out():
+    assert verdict(_rows(staging_bad=1))[0] is None  # and direct misses the hold target
+    assert verdict(_rows(staging_graph=False))[0] is None
+    assert verdict(_rows(staging_bad=1, direct_hold=2.0))[0] == "direct"
+
+
+def test_both_meet_the_lower_hold_wins_and_the_boundaries():
+    assert verdict(_rows(direct_hold=0.1))[0] == "direct"
+    assert verdict(_rows(direct_hold=0.02 * STEP, staging_bad=1))[0] is None  # hold must stay UNDER 2%
+    assert verdict(_rows(direct_hold=0.0199 * STEP, staging_bad=1))[0] == "direct"
+    assert verdict(_rows(staging_pipelined=MEMCPY / 0.8))[0] == "staging"  # 80% of memcpy is enough
+    default, lines = verdict(_rows(staging_pipelined=MEMCPY / 0.79))
+    assert default is None and "neither strategy meets every target" in lines[-2]
