@@ -16,6 +16,10 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
   capture [variant]    scheduler-thread time for the step's finishing requests: what SGLang's scheduler
                        waits for (`sync`: CaptureWriter.finish of each request; `async`: the hand-over
                        to the finish worker and the held KV frees)
+  scatter [N threads]  the staging strategy's host side (`--hs-copy staging`): the step's rows from a host
+                       buffer into the store at their KV slots (csrc/copy_rows_cpu.cpp on N threads,
+                       `--scatter-threads`, as the scatter thread runs it; on a GPU it must keep up
+                       with the copy to host, ~50 GB/s)
   gather [variant]     store -> ring: until every record of the step is published (the C++ gather,
                        csrc/gather_rows_cpu.cpp: streaming stores, `--gather-threads` threads)
   reader [copy|view]   the consumer process's take() of the step's records, all published beforehand:
@@ -102,6 +106,7 @@ MEASURES = {
     "memcpy": ("ceiling", "libc memcpy of the step's bytes"),
     "torch_copy": ("ceiling", "torch copy_ of the same bytes"),
     "index_select": ("baseline", "index_select of the step's rows (the gather before the C++ op)"),
+    "scatter": ("path", "host buffer -> store by slot (staging scatter)"),
     "gather": ("path", "store -> ring (finish)"),
     "ring": ("path", "ring write+read (prepared rows)"),
     "reader": ("path", "reader take() in the consumer"),
@@ -533,6 +538,15 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
     torch.index_select(writer.store, 0, all_slots, out=out)
     add("index_select", time.perf_counter() - t0)
 
+    from sglang_hs._ext import ext
+
+    staged = src.view(torch.bfloat16).view(-1, P * H)[:tokens]  # the pinned host buffer of a staged step
+    for n in args.scatter_threads:
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        ext().copy_rows_cpu(staged, None, all_slots, writer.store, n)
+        dt = time.perf_counter() - t0
+        add("scatter", dt, f"{n} thread{'s' * (n != 1)}", **cpu_fields(cpu_seconds() - cpu0, dt, nbytes))
+
     for v, mode in [(v, mode) for v in variants for mode in READERS]:  # capture + gather, then the reader alone
         consumer.release()  # the ring gets the last take's views back
         named_reqs = named(reqs, f"s{step}-{v.name}-{mode}")
@@ -726,6 +740,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of each process")
     ap.add_argument("--gather-threads", type=int, default=None,
                     help="threads of the C++ gather into the ring (default: the server's, --hs-gather-threads)")
+    ap.add_argument("--scatter-threads", default="1,2",
+                    help="comma-separated thread counts of the staging scatter measure (default 1,2)")
     ap.add_argument("--sustained-steps", type=int, default=3,
                     help="steps fed back to back in e2e_sustained (1: leave it out)")
     ap.add_argument("--sink-threads", type=int, default=0, help="file writer threads (default: the CLI's)")
@@ -749,6 +765,12 @@ def main(argv=None) -> int:
     from sglang_hs import envs
 
     args.gather_threads = args.gather_threads or envs.DEFAULT_GATHER_THREADS
+    try:
+        args.scatter_threads = [int(n) for n in args.scatter_threads.split(",") if n.strip()]
+    except ValueError:
+        ap.error(f"--scatter-threads: comma-separated thread counts, got {args.scatter_threads!r}")
+    if min(args.scatter_threads, default=0) < 1:
+        ap.error(f"--scatter-threads: thread counts >= 1, got {args.scatter_threads}")
     if args.gather_threads < 1 or args.sustained_steps < 1:
         ap.error("--gather-threads and --sustained-steps must be >= 1")
     os.makedirs(args.out, exist_ok=True)
