@@ -25,6 +25,23 @@ def _cpu_engine_imports():
 
 
 @pytest.fixture(scope="session")
+def sglang_mode_settled():
+    """SGLang decides once per process whether it is the CPU engine: is_cpu() is lru_cached and modules
+    keep `_is_cpu = is_cpu()` from their import, so SGLANG_USE_CPU_ENGINE counts only at the first call.
+    A test that sets the variable for a moment (launch_server.prepare() writes it for the server's
+    processes) and imports SGLang meanwhile, with no sgl_kernel stand-in on the path, would leave this
+    process in CPU mode for every later test: SGLang then imports sgl_kernel's CPU ops, gets the real
+    sgl_kernel, and that import fails without libcuda.so.1 (test_finisher after the launcher's Mistral
+    test). Settle it first, from the environment the tests were started in, as collecting the whole of
+    tests/unit does (its module-level SGLang imports)."""
+    try:
+        from sglang.srt.utils import is_cpu
+    except ImportError:  # no SGLang here: nothing to settle
+        return
+    is_cpu()
+
+
+@pytest.fixture(scope="session")
 def cpu_engine_imports():
     return _cpu_engine_imports
 
