@@ -167,6 +167,9 @@ class StagedCopy:
         self._shipped = self._scattered = 0  # seq of the last chunk shipped / in the store
         self._error: Optional[BaseException] = None
         self._closed = False
+        from sglang_hs._ext import ext
+
+        self._scatter_op = ext().copy_rows_cpu  # here, so that a missing extension stops start-up, not the thread
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._scatter_loop, name="sglang-hs-scatter", daemon=True)
         self._thread.start()
@@ -285,6 +288,9 @@ class StagedCopy:
         while not done():
             if self._error is not None:
                 self._raise()
+            if not self._thread.is_alive():  # gone without a word (it reports every error): never wait on it
+                raise RuntimeError("sglang-hs: the staging scatter thread has stopped; rows shipped to it will "
+                                   "not reach the store")
             self._cv.wait(timeout=1.0)
 
     def _raise(self):
@@ -310,9 +316,7 @@ class StagedCopy:
             return
         finally:
             self._started.set()
-        from sglang_hs._ext import ext
-
-        op = ext().copy_rows_cpu
+        op = self._scatter_op
         P, H = self.store.shape[1:]
         try:
             while True:

@@ -361,3 +361,38 @@ def test_the_writer_gives_the_scatter_its_threads(tmp_path, monkeypatch, value, 
         assert w.staging.scatter_threads == (envs.DEFAULT_SCATTER_THREADS if threads == "default" else threads)
     finally:
         w.staging.close()
+
+
+def test_without_the_extension_the_stage_is_refused_at_start_up(monkeypatch):
+    """The scatter op is looked up by the constructor: a missing or broken extension stops start-up with
+    its own error, instead of a scatter thread that dies and leaves every drain waiting."""
+    import sglang_hs._ext as ext_module
+
+    def broken():
+        raise ext_module.ExtensionNotBuilt("sglang_hs._C is not built")
+
+    monkeypatch.setattr(ext_module, "ext", broken)
+    with pytest.raises(ext_module.ExtensionNotBuilt, match="not built"):
+        StagedCopy(_store(), 4, "cpu")
+
+
+def test_a_scatter_thread_gone_silently_is_an_error_not_a_hang(made):
+    sc = made(_store(), 4)
+    with sc._cv:
+        sc._closed = True  # the thread ends as if it had died: nothing reported
+        sc._cv.notify_all()
+    sc._thread.join(10)
+    sc._closed = False
+    a, la = _rows(2, 7)
+    done = []
+
+    def drain():
+        try:
+            sc.write(a, la, torch.tensor([3, 4]))
+            sc.drain()
+        except RuntimeError as e:
+            done.append(str(e))
+
+    t = _in_thread(drain)
+    t.join(30)
+    assert not t.is_alive() and done and "scatter thread has stopped" in done[0]
