@@ -18,6 +18,9 @@ After start-up it relays output until the server exits; SIGINT/SIGTERM stop the 
 On the way out it kills what is left of the group and removes the files the server left in the dump dir,
 and the `/dev/shm/sglang_loads_*.shm` segments SGLang 0.5.23 creates at start-up and never unlinks
 (16 KB each; upstream sweeps them only in its own CI), when no live process maps them any more.
+So do the named semaphores of Python's multiprocessing (`/dev/shm/sem.mp-*`, spawn context) that the server's
+processes mapped when they were stopped, once no live process maps them: their creator's finalizer or the
+resource tracker (a process of the server session) would unlink them, and neither runs when it is killed.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ EXIT_FATAL = 5
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
 REPORT_EVERY_MAX_S = 60.0  # a quiet start-up logs CPU use every min(this, startup_timeout / 4) seconds
 BUSY_CPU_PCT = 10.0  # a process using at least this share of one core over the interval "uses CPU"
+SEM_GLOB = "/dev/shm/sem.mp-*"  # Python multiprocessing's named semaphores (sem_open("/mp-..."))
 
 
 def log(msg: str) -> None:
@@ -154,6 +158,8 @@ class Supervisor:
         self.started_at = time.time()
         self.proc: Optional[subprocess.Popen] = None
         self._pgid: Optional[int] = None
+        self._sems_before: set = set()  # ((dev, ino), path) of the semaphores present before the server started
+        self._server_sems: Dict[Tuple[int, int], str] = {}  # those the server's processes mapped when signalled
 
     # -- output relay and phase tracking (reader thread) --
     def _relay(self) -> None:
@@ -199,12 +205,14 @@ class Supervisor:
 
     def _terminate_server(self) -> None:
         # The server's main process first: SGLang then stops its own children in order.
+        self._note_semaphores()
         try:
             self.proc.send_signal(signal.SIGTERM)
         except (ProcessLookupError, AttributeError):
             pass
 
     def _signal_group(self, sig: int) -> None:
+        self._note_semaphores()
         try:
             os.killpg(self._pgid, sig)
         except (ProcessLookupError, PermissionError, TypeError):
@@ -219,6 +227,14 @@ class Supervisor:
             except (OSError, ValueError):
                 pass
         return sorted(pids)
+
+    def _note_semaphores(self) -> None:
+        """Before a signal: the multiprocessing semaphores the server's processes map now are theirs."""
+        if self._pgid is None:
+            return
+        mapped = mapped_sem_inodes(self._group_pids())
+        if mapped:
+            self._server_sems.update((key, path) for key, path in semaphores().items() if key in mapped)
 
     def _sample(self) -> Snapshot:
         snap = sample_processes(self._group_pids())
@@ -305,7 +321,24 @@ class Supervisor:
                 except OSError:
                     pass
 
+    def _cleanup_semaphores(self) -> None:
+        """The server's semaphores (mapped by its processes when they were signalled, made after it started,
+        the same file still) that no live process maps any more: nothing can unlink them after a kill."""
+        now = semaphores()
+        left = [(key, path) for key, path in self._server_sems.items()
+                if now.get(key) == path and (key, path) not in self._sems_before]
+        if not left:
+            return
+        mapped = mapped_sem_inodes(int(d[6:]) for d in glob.glob("/proc/[0-9]*"))
+        for key, path in left:
+            if key not in mapped:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
     def run(self) -> int:
+        self._sems_before = set(semaphores().items())
         self.proc = subprocess.Popen(
             self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -356,6 +389,7 @@ class Supervisor:
             relay.join(timeout=5)
             self._cleanup_dump_dir()
             self._cleanup_sglang_shm()
+            self._cleanup_semaphores()
         if code:
             return code
         if self.stop_signal is not None:
@@ -387,3 +421,33 @@ def mapped_shm(prefixes) -> set:
         except OSError:
             pass
     return mapped
+
+
+def semaphores() -> Dict[Tuple[int, int], str]:
+    """The multiprocessing semaphores in /dev/shm by (device, inode)."""
+    found = {}
+    for path in glob.glob(SEM_GLOB):
+        try:
+            st = os.stat(path)
+        except OSError:  # unlinked meanwhile
+            continue
+        found[(st.st_dev, st.st_ino)] = path
+    return found
+
+
+def mapped_sem_inodes(pids) -> set:
+    """(device, inode) of the /dev/shm semaphores the processes `pids` map. By inode, not by name: glibc's
+    sem_open makes a semaphore under a temporary name, maps it, links it to its name and deletes the
+    temporary one, so its creator's maps name a deleted file (`/dev/shm/sem.XXXXXX (deleted)`)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/sem." in line:
+                        dev, ino = line.split(None, 5)[3:5]
+                        major, minor = dev.split(":")
+                        found.add((os.makedev(int(major, 16), int(minor, 16)), int(ino)))
+        except (OSError, ValueError):  # gone meanwhile
+            pass
+    return found

@@ -1,11 +1,15 @@
 """The supervisor stops a server that does not stop: SIGTERM waits `stop_grace` seconds for SGLang's
 own shutdown, then kills every process of the server session; a second signal kills at once.
-A start-up that stalls is reported with each process's CPU use and state, and whether it looks busy or blocked."""
+A start-up that stalls is reported with each process's CPU use and state, and whether it looks busy or blocked.
+On the way out the multiprocessing semaphores the killed server's processes held are removed, no other one."""
+import _multiprocessing
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -114,3 +118,78 @@ def test_stall_report_says_busy_or_blocked(server, verdict):
                      report), report
     assert f"\n[sglang-hs] looks {verdict} ({STALL_WHY[verdict]})\n" in report, report
     assert not _alive(child)
+
+
+# -- Python multiprocessing's named semaphores (/dev/shm/sem.mp-*) that a killed server leaves --
+# In the spawn context (SGLang's) their creator's finalizer or the resource tracker (a process of the same
+# session) unlinks them, and neither runs when the session is killed.
+
+def _sem_path(name):
+    return "/dev/shm/sem." + name.lstrip("/")
+
+
+def _sem_unlink(*names):
+    for name in names:
+        try:
+            _multiprocessing.sem_unlink(name)
+        except OSError:
+            pass
+
+
+# A stalled "server" holding a named semaphore that nothing unlinks once it is killed (no finalizer runs on
+# SIGTERM's default action, and no resource tracker knows it).
+STALL_HOLDING_SEMAPHORE = ("import _multiprocessing, os, time; s = _multiprocessing.SemLock(1, 1, 1, {name!r}, False); "
+                           "print(os.getpid(), flush=True); time.sleep(600)")
+
+
+def test_a_stalled_servers_semaphore_is_removed_and_no_other():
+    """Only the server's own semaphore goes: one its processes mapped when they were stopped and no live
+    process maps now. Two made by another process while the server ran stay: one nobody maps (not the
+    server's to remove) and one a live process holds. glibc's sem_open maps a new semaphore under a temporary
+    name it then deletes, so its creator's /proc/PID/maps does not name it: a check by name would find
+    neither mapped."""
+    ours, closed, held_name = (f"/mp-hstest{uuid.uuid4().hex[:8]}" for _ in range(3))
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_STARTUP, STALL_HOLDING_SEMAPHORE.format(name=ours)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        child = int(sup.stdout.readline())  # the server's semaphore exists from here on
+        _multiprocessing.SemLock(1, 1, 1, closed, False)  # closed again at once: mapped by no process
+        held = _multiprocessing.SemLock(1, 1, 1, held_name, False)
+        assert os.path.exists(_sem_path(ours)) and os.path.exists(_sem_path(closed))
+        _, err = sup.communicate(timeout=120)
+        assert sup.returncode == EXIT_STALL, err
+        assert not _alive(child)
+        assert not os.path.exists(_sem_path(ours)), "the killed server's semaphore was left in /dev/shm"
+        assert os.path.exists(_sem_path(closed)), "a semaphore of another process (mapped by none) was removed"
+        assert os.path.exists(_sem_path(held_name)), "a semaphore another live process maps was removed"
+        del held
+    finally:
+        sup.kill()
+        _sem_unlink(ours, closed, held_name)
+
+
+# A server that ignores SIGTERM and holds a lock of multiprocessing's spawn context (SGLang's start method):
+# the resource tracker it starts (same session) would unlink the lock's semaphore, but is killed with it.
+STUCK_WITH_SPAWN_LOCK = ("import multiprocessing as mp, os, signal, time; "
+                         "signal.signal(signal.SIGTERM, signal.SIG_IGN); lock = mp.get_context('spawn').Lock(); "
+                         "print(os.getpid(), lock._semlock.name, flush=True); time.sleep(600)")
+
+
+def test_a_killed_servers_multiprocessing_lock_leaves_no_semaphore():
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE, STUCK_WITH_SPAWN_LOCK, "300"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    name = None
+    try:
+        pid, name = sup.stdout.readline().split()
+        assert os.path.exists(_sem_path(name))
+        for _ in range(2):  # the second SIGTERM kills the session at once, the resource tracker with it
+            sup.send_signal(signal.SIGTERM)
+            time.sleep(1)
+        _, err = sup.communicate(timeout=120)
+        assert "SIGTERM again: killing the server's processes now" in err, err
+        assert not _alive(int(pid))
+        assert not os.path.exists(_sem_path(name)), "the killed server's semaphore was left in /dev/shm"
+    finally:
+        sup.kill()
+        if name:
+            _sem_unlink(name)
