@@ -20,15 +20,20 @@ Per (tokens, strategy), median and min-max over --reps steps:
                 through sync and drain for staging)
   pipelined_ms  per step, --reps steps back to back then one wait (3 rounds): GBps and bw_of_memcpy
                 (memcpy_ms / pipelined_ms) come from it
-  hold_ms       what the step holds the compute stream for (events on it); hold_of_step against one
+  hold_ms       what the step holds the compute stream for (events on it, with the GPU kept busy while
+                the host enqueues the step, so host launch time is not counted; for staging the copy
+                stream is idle at the step's start, so a wait behind the previous step's copy to host,
+                which a forward step longer than that copy never sees, is not counted); hold_of_step against one
                 DeepSeek-V3 forward step at TP8 shapes: the bf16 matmuls of a layer (MLA projections,
                 8 routed + 1 shared expert, expert width split 8 ways) times 61, attention left out, so
                 the step is a lower bound and the fraction an upper bound
   scatter_ms    the scatter thread's time per step; wait_ms what the caller (the scheduler) waited for
                 a host buffer or for the store (staging only)
   device_MB, pinned_MB   what the strategy allocates on the device and in pinned host memory
-  rows_checked, rows_bad every step's rows read back from the store after the timing (each step wrote
-                its own slots, and each strategy its own fresh data); any bad row fails the targets
+  rows_checked, rows_bad after the timing, one more round of steps back to back, each at its own slots
+                with its own rows (a tag in every row part: the step's number), read back from the
+                store: a step's rows at another step's slots, a stage overwritten before its copy, a
+                replay with stale slots or a lost step each leaves bad rows, and any fails the targets
 From them, `bench_gpu_copy_verdict.txt`: the targets of the GPU issue at 8192 tokens (>= 80% of the
 pinned-copy bandwidth, compute-stream hold < 2% of the step, no row lost or misplaced) for each
 strategy, and the CUDA default for --hs-copy they point to.
@@ -41,6 +46,7 @@ import argparse
 import csv
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -58,6 +64,7 @@ TOKENS = (512, 2048, 8192)
 PRODUCT = ("direct_eager", "direct_graph", "staging_eager", "staging_graph")
 TARGET_BW, TARGET_HOLD = 0.80, 0.02  # of the pinned-copy bandwidth; of the forward step
 ROUNDS = 3  # of back-to-back steps, for pipelined_ms
+SPIN_CYCLES = 5_000_000  # ~2.5 ms of GPU clock: the host enqueues a timed step meanwhile
 # One DeepSeek-V3 layer at TP8, per token: (in, out) of each bf16 matmul.
 LAYER_MATMULS = [(7168, 1536), (1536, 16 * 192), (7168, 576), (512, 16 * 256), (16 * 128, 7168)] + \
     [(7168, 2 * 256), (256, 7168)] * 9
@@ -85,6 +92,8 @@ def event_ms(step: Callable[[int], None], reps: int, warmup: int = 3,
         if between is not None:
             between()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(SPIN_CYCLES)  # the GPU is busy while the host enqueues: `a` to `b` is GPU time
         a.record(stream)
         step(i)
         b.record(stream)
@@ -137,7 +146,7 @@ def open_store(gib: float):
 
         if shutil.disk_usage("/dev/shm").free < nbytes + (1 << 30):
             raise RuntimeError(f"/dev/shm has {shutil.disk_usage('/dev/shm').free / 2**30:.1f} GiB free")
-        d = tempfile.mkdtemp(dir="/dev/shm")
+        d = tempfile.mkdtemp(prefix="bench_gpu_copy-", dir="/dev/shm")  # gpu_check.sh removes leftovers
         region = SharedRegion.create(d, "store", nbytes)
         buf, where = region.buf, "/dev/shm"
     except Exception as e:  # noqa: BLE001 - no extension, or /dev/shm too small: the same bytes, unshared
@@ -161,36 +170,42 @@ def open_store(gib: float):
 class Case:
     """One token count: the store, disjoint random slot sets (one per step), and fresh rows per strategy."""
 
-    def __init__(self, host: torch.Tensor, T: int, reps: int):
-        self.host, self.T = host, T
+    def __init__(self, host: torch.Tensor, T: int, reps: int, device: str = "cuda"):
+        self.host, self.T, self.device = host, T, device
         S = host.shape[0]
         n = max(1, min(reps, (S - 1) // T))  # slot 0 is the padding slot: never handed out
-        perm = torch.randperm(S - 1, device="cuda")[: n * T] + 1
+        perm = torch.randperm(S - 1, device=device)[: n * T] + 1
         self.sets = perm.view(n, T)
-        self.slots = torch.empty(T, dtype=torch.int64, device="cuda")  # the graphs' static input
-        self.used: set = set()
+        self.slots = torch.empty(T, dtype=torch.int64, device=device)  # the graphs' static input
 
     def new_rows(self):
         """Fresh aux/last (so that rows left by another strategy never pass the check), and the rows due."""
-        self.used = set()
-        aux = torch.randn(self.T, K * H, device="cuda", dtype=DT)
-        last = torch.randn(self.T, H, device="cuda", dtype=DT)
+        aux = torch.randn(self.T, K * H, device=self.device, dtype=DT)
+        last = torch.randn(self.T, H, device=self.device, dtype=DT)
         return aux, last, torch.cat([aux.view(self.T, K, H), last[:, None]], 1).cpu()
 
     def set_slots(self, i: int) -> None:
-        j = i % self.sets.shape[0]
-        self.used.add(j)
-        self.slots.copy_(self.sets[j], non_blocking=True)
+        self.slots.copy_(self.sets[i % self.sets.shape[0]], non_blocking=True)
 
-    def check(self, want: torch.Tensor) -> Tuple[int, int]:
-        """(rows checked, rows not as written): every slot set a step wrote, read back from the store."""
-        torch.cuda.synchronize()
-        bad = 0
-        for j in sorted(self.used):
-            got = self.host[self.sets[j].cpu()]
-            if not torch.equal(got, want):
-                bad += int((got != want).flatten(1).any(1).sum())
-        return len(self.used) * self.T, bad
+    def tagged_round(self, aux, last, want, step: Callable[[int], None], finish: Callable[[], None]) -> Tuple[int, int]:
+        """(rows checked, rows not as written): one step per slot set, back to back, step j's rows tagged j
+        (the first element of every row part, written into the static aux/last on the compute stream
+        before the step), then every set read back: set j must hold step j's rows, bit for bit."""
+        n = self.sets.shape[0]
+        for j in range(n):
+            aux.view(torch.int16).view(self.T, K, H)[:, :, 0].fill_(j + 1)
+            last.view(torch.int16)[:, 0].fill_(j + 1)
+            step(j)
+        finish()
+        if self.sets.is_cuda:
+            torch.cuda.synchronize()
+        bad, exp = 0, want.clone()
+        for j in range(n):
+            exp.view(torch.int16)[:, :, 0] = j + 1
+            got = self.host[self.sets[j].cpu()].view(torch.int16)
+            if not torch.equal(got, exp.view(torch.int16)):
+                bad += int((got != exp.view(torch.int16)).flatten(1).any(1).sum())
+        return n * self.T, bad
 
 
 def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -225,8 +240,8 @@ def run_direct(case: Case, store, graph: bool, reps: int) -> dict:
     ms = event_ms(step, reps)
     device_mb = (torch.cuda.memory_allocated() - m0) / 2**20
     pipelined = host_ms(step, torch.cuda.synchronize, reps, per_call=False)
+    checked, bad = case.tagged_round(aux, last, want, step, torch.cuda.synchronize)
     store.check()
-    checked, bad = case.check(want)
     return dict(ms=ms, pipelined=pipelined, hold=ms, device_MB=device_mb, pinned_MB=0.0,
                 rows_checked=checked, rows_bad=bad)
 
@@ -283,7 +298,7 @@ def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
         steps = ROUNDS * reps
         scatter_ms = (sc.stats["scatter_s"] - scatter0) / steps * 1e3
         wait_ms = (sc.stats["stage_wait_s"] - wait0) / steps * 1e3
-        checked, bad = case.check(want)
+        checked, bad = case.tagged_round(aux, last, want, step, into_store)
     finally:
         sc.close()
     return dict(ms=alone, pipelined=pipelined, hold=hold, scatter_ms=scatter_ms, wait_ms=wait_ms,
@@ -365,6 +380,7 @@ def main():
         sys.exit(f"bench_gpu_copy.py: --reps must be >= 1 and --store-gib must hold {max(tokens) + 1} rows "
                  f"of {ROW_BYTES} bytes")
     os.makedirs(args.out, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM still unmaps the store (finally)
     from sglang_hs.ops.copy_rows import HostStore
 
     gpu = torch.cuda.get_device_name()
@@ -449,12 +465,12 @@ def plot(rows: List[dict], path: str, gpu: str) -> None:
         x = [r["tokens"] for r in rs]
         gbps = [r["GBps"] for r in rs]
         # back-to-back GB/s: the bar spans the rounds' fastest and slowest
-        lo = [g - r["tokens"] * ROW_BYTES / r["pipelined_max"] / 1e6 for g, r in zip(gbps, rs)]
-        hi = [r["tokens"] * ROW_BYTES / r["pipelined_min"] / 1e6 - g for g, r in zip(gbps, rs)]
+        lo = [max(0.0, g - r["tokens"] * ROW_BYTES / r["pipelined_max"] / 1e6) for g, r in zip(gbps, rs)]
+        hi = [max(0.0, r["tokens"] * ROW_BYTES / r["pipelined_min"] / 1e6 - g) for g, r in zip(gbps, rs)]
         ax1.errorbar(x, gbps, yerr=[lo, hi], marker="o", capsize=3, label=name)
         hold = [100 * r["hold_of_step"] for r in rs]
-        ax2.errorbar(x, hold, yerr=[[h - 100 * r["hold_min"] / r["step_ms"] for h, r in zip(hold, rs)],
-                                    [100 * r["hold_max"] / r["step_ms"] - h for h, r in zip(hold, rs)]],
+        ax2.errorbar(x, hold, yerr=[[max(0.0, h - 100 * r["hold_min"] / r["step_ms"]) for h, r in zip(hold, rs)],
+                                    [max(0.0, 100 * r["hold_max"] / r["step_ms"] - h) for h, r in zip(hold, rs)]],
                      marker="o", capsize=3, label=name)
     mem = [r for r in rows if r["strategy"] == "memcpy_d2h_pinned"]
     ax1.plot([r["tokens"] for r in mem], [TARGET_BW * r["GBps"] for r in mem], "k:", label=f"{TARGET_BW:.0%} of memcpy")

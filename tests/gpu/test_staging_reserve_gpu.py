@@ -22,6 +22,9 @@ def test_the_stage_is_carved_from_the_memory_held():
         taken = free_while_held - torch.cuda.mem_get_info()[0]
         print(f"held {device_bytes(ROWS, P, H, 2) / 1e9:.3f} GB; building the stage then reserved "
               f"{grown / 1e6:.1f} MB more and took {taken / 1e6:.1f} MB more from the device")
-        assert grown <= 4 << 20 and taken <= 4 << 20  # at most a small-pool segment for the slot ids
+        # The allocator reserved at most a small-pool segment for the slot ids. mem_get_info also sees
+        # device memory outside the allocator (a first stream pool, mappings of the pinned host buffers),
+        # hence the looser bound there: still a small fraction of the 0.94 GB a new stage would take.
+        assert grown <= 4 << 20 and taken <= 64 << 20
     finally:
         stage.close()

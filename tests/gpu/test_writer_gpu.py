@@ -179,6 +179,28 @@ def test_a_graph_larger_than_the_stage_is_refused_when_captured():
     shutil.rmtree(d)
 
 
+def test_staging_refuses_a_slot_outside_the_store_at_the_next_drain():
+    """--hs-copy staging on a GPU: a row whose slot lies outside the store reaches the host scatter, whose
+    C++ op refuses the whole step before writing; the scheduler hears of it at its next drain (and every
+    ship after), and nothing of the step is in the store. (--hs-copy direct: test_copy_gpu.py.)"""
+    store = torch.zeros(64, K + 1, H, dtype=torch.bfloat16)
+    sc = StagedCopy(store, 16, "cuda")
+    try:
+        aux = torch.randn(4, K * H, device="cuda", dtype=torch.bfloat16)
+        last = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+        sc.before_step()
+        sc.write(aux, last, torch.tensor([1, 2, 64, 3], device="cuda"))
+        sc.after_step(4, graph_replayed=False)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=r"staging scatter thread failed: .*slot 64 of row 2 outside \[0, 64\)"):
+            sc.drain()
+        with pytest.raises(RuntimeError, match="staging scatter thread failed"):
+            sc.write(aux, last, torch.tensor([1, 2, 3, 4], device="cuda"))
+        assert not store.any(), "rows of the refused step reached the store"
+    finally:
+        sc.close()
+
+
 def test_staging_scatter_thread_syncing_during_a_global_capture_does_not_break_it():
     """Issue 15 item 1: SGLang's capture warm-up runs the overlay eagerly, which ships a chunk and wakes
     the scatter thread; its event sync then lands while the scheduler thread captures in global mode.

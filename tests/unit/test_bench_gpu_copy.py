@@ -1,15 +1,21 @@
-"""The GPU benchmark's conclusion (benchmarks/bench_gpu_copy.py `row` and `verdict`), on made-up timings:
-the CUDA default for --hs-copy is the strategy whose eager AND graph variants meet every target of the
-GPU issue at 8192 tokens (>= 80% of the pinned-copy bandwidth back to back, compute-stream hold < 2%
-of the forward step, every row read back as written), the lower hold first; none when neither does.
-The benchmark itself needs a GPU (scripts/gpu_check.sh); this is the arithmetic and the rule it ends with."""
+"""What the GPU benchmark (benchmarks/bench_gpu_copy.py) concludes from, checked without a GPU.
+
+`row` and `verdict`, on made-up timings: the CUDA default for --hs-copy is the strategy whose eager AND
+graph variants meet every target of the GPU issue at 8192 tokens (>= 80% of the pinned-copy bandwidth
+back to back, compute-stream hold < 2% of the forward step, every row read back as written), the lower
+hold first; none when neither does. `Case.tagged_round`, the row check, on the CPU with stand-in
+strategies: a correct one passes, and each way of getting rows wrong that the benchmark claims to catch
+(another step's slots, a stage overwritten before its copy, a stale replay, a lost step) is caught.
+The benchmark itself needs a GPU (scripts/gpu_check.sh)."""
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.bench_gpu_copy import ROW_BYTES, row, verdict  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.bench_gpu_copy import DT, H, K, P, ROW_BYTES, Case, row, verdict  # noqa: E402
 
 T, STEP, MEMCPY = 8192, 126.0, 10.0
 
@@ -61,3 +67,37 @@ def test_both_meet_the_lower_hold_wins_and_the_boundaries():
     assert verdict(_rows(staging_pipelined=MEMCPY / 0.8))[0] == "staging"  # 80% of memcpy is enough
     default, lines = verdict(_rows(staging_pipelined=MEMCPY / 0.79))
     assert default is None and "neither strategy meets every target" in lines[-2]
+
+
+def _tagged(fault):
+    """rows_bad of a tagged round of 6 steps of 5 rows through a stand-in strategy with `fault`."""
+    torch.manual_seed(0)
+    store = torch.zeros(64, P, H, dtype=DT)
+    case = Case(store, 5, 6, device="cpu")
+    aux, last, want = case.new_rows()
+    pending = []  # a staging-like strategy: the step's rows are copied out of the stage one step later
+
+    def step(j):
+        if fault == "lost" and j == 3:
+            return
+        case.set_slots(j - 1 if fault == "stale_slots" and j else j)
+        rows = torch.cat([aux.view(5, K, H), last[:, None]], 1)
+        if fault == "overwritten_stage":
+            pending.append(case.slots.clone())
+            if len(pending) > 1:  # the previous step's slots get this step's rows: its stage was overwritten
+                store[pending.pop(0)] = rows
+            return
+        store[case.slots] = rows
+
+    def finish():
+        if pending:
+            store[pending.pop(0)] = torch.cat([aux.view(5, K, H), last[:, None]], 1)
+
+    checked, bad = case.tagged_round(aux, last, want, step, finish)
+    assert checked == 6 * 5
+    return bad
+
+
+@pytest.mark.parametrize("fault, bad", [(None, 0), ("stale_slots", 30), ("overwritten_stage", 25), ("lost", 5)])
+def test_the_tagged_round_catches_rows_in_the_wrong_place(fault, bad):
+    assert _tagged(fault) == bad
