@@ -12,6 +12,8 @@ The strategies of `--hs-copy`, as the server runs them (sglang_hs/ops/copy_rows.
                   that), copy to pinned host on a copy stream, scatter into the store by slot on the
                   scatter thread
   staging_graph   the stage write captured in a CUDA graph; after each replay the step is shipped
+                  (both with the default scatter threads, SGLANG_HS_SCATTER_THREADS or 4)
+  staging_eager_tN  staging_eager with N scatter threads (--scatter-threads, 1,2,8 by default)
 and two references: memcpy_d2h_pinned (cudaMemcpyAsync of the same bytes, device to pinned host: the
 practical PCIe limit) and cpu_pageable (tensor.cpu(), what naive dumping does).
 
@@ -20,13 +22,13 @@ Per (tokens, strategy), median and min-max over --reps steps:
                 through sync and drain for staging)
   pipelined_ms  per step, --reps steps back to back then one wait (3 rounds): GBps and bw_of_memcpy
                 (memcpy_ms / pipelined_ms) come from it
-  hold_ms       what the step holds the compute stream for (events on it, with the GPU kept busy while
-                the host enqueues the step, so host launch time is not counted; for staging the copy
-                stream is idle at the step's start, so a wait behind the previous step's copy to host,
-                which a forward step longer than that copy never sees, is not counted); hold_of_step against one
-                DeepSeek-V3 forward step at TP8 shapes: the bf16 matmuls of a layer (MLA projections,
-                8 routed + 1 shared expert, expert width split 8 ways) times 61, attention left out, so
-                the step is a lower bound and the fraction an upper bound
+  hold_ms       what the step holds the compute stream for: events on it, the GPU kept busy while the
+                host enqueues the step (host launch time is not counted). For staging the copy stream
+                is idle when the step starts, so a wait behind the previous step's copy to host (which
+                a forward step longer than that copy never sees) is not counted either.
+                hold_of_step: against one DeepSeek-V3 forward step at TP8 shapes, the bf16 matmuls of a
+                layer (MLA projections, 8 routed + 1 shared expert, expert width split 8 ways) times
+                61, attention left out, so the step is a lower bound and the fraction an upper bound
   scatter_ms    the scatter thread's time per step; wait_ms what the caller (the scheduler) waited for
                 a host buffer or for the store (staging only)
   device_MB, pinned_MB   what the strategy allocates on the device and in pinned host memory
