@@ -1,6 +1,7 @@
 """A reader in another process consuming while CUDA-graph replays keep writing, with admission control
 engaging: requests arrive faster than a slow reader frees a small output ring, so admission holds them
-(never the replay); every record arrives exact, nothing is dropped. The scheduler around it is a stand-in
+(never the replay); every record arrives exact, nothing is dropped; with --hs-copy direct and staging
+(each replay shipped after the step). The scheduler around it is a stand-in
 (the GPU machine has no SGLang): AdmissionControl gets SGLang's two message types from a stand-in module."""
 import multiprocessing as mp
 import os
@@ -49,7 +50,8 @@ def _slow_reader(dump_dir, rids, out_path):
     torch.save(got, out_path)
 
 
-def test_reader_concurrent_with_replays_and_admission(monkeypatch):
+@pytest.mark.parametrize("copy", ["direct", "staging"])
+def test_reader_concurrent_with_replays_and_admission(monkeypatch, copy):
     io = types.ModuleType("sglang.srt.managers.io_struct")
     io.TokenizedGenerateReqInput, io.AbortReq = TokenizedGenerateReqInput, AbortReq
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
@@ -58,7 +60,7 @@ def test_reader_concurrent_with_replays_and_admission(monkeypatch):
 
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
-    w = CaptureWriter(d, spec, SLOTS, torch.bfloat16, 4 << 20, device="cuda")
+    w = CaptureWriter(d, spec, SLOTS, torch.bfloat16, 4 << 20, device="cuda", copy=copy, staging_rows=BUCKET)
     adm = AdmissionControl(w.ring, w.P, H, 2, context_len=4096)
     wt = torch.randn(H, K * H, device="cuda", dtype=torch.bfloat16) / H**0.5
     x = torch.zeros(BUCKET, H, device="cuda", dtype=torch.bfloat16)
@@ -94,7 +96,9 @@ def test_reader_concurrent_with_replays_and_admission(monkeypatch):
             slots = [free.pop() for _ in range(T)]
             x.copy_(torch.randn(BUCKET, H, device="cuda", dtype=torch.bfloat16))
             loc.copy_(torch.tensor(slots + [PAD] * (BUCKET - T), device="cuda"))
+            w.before_step()
             g.replay()  # never waits: admission already reserved the record's room
+            w.after_step(T, graph_replayed=True)  # staging: ships the replay's real rows
             expected[req.rid] = torch.cat([aux_out[:T].view(T, K, H), last_out[:T, None]], 1).cpu()
             w.finish(req.rid, req.input_ids, torch.tensor(slots, device="cuda"))
             adm.release(req.rid)
@@ -109,5 +113,9 @@ def test_reader_concurrent_with_replays_and_admission(monkeypatch):
         ids, aux_rows, last_rows = got[rid]
         assert torch.equal(aux_rows, expected[rid][:, :K]) and torch.equal(last_rows, expected[rid][:, K]), rid
     assert adm.stats["admission_waits"] > 0 and w.stats.get("dropped", 0) == 0
-    pinned.unregister(w.region.buf)
+    if copy == "direct":
+        pinned.unregister(w.region.buf)
+    else:
+        assert w.stats["staged_rows"] == BUCKET + sum(lengths)  # the capture's eager warm-up, then each replay's real rows
+        w.staging.close()
     shutil.rmtree(d)
