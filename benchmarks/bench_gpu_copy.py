@@ -72,8 +72,8 @@ LAYER_MATMULS = [(7168, 1536), (1536, 16 * 192), (7168, 576), (512, 16 * 256), (
     [(7168, 2 * 256), (256, 7168)] * 9
 FIELDS = ["gpu", "tokens", "strategy", "ms", "ms_min", "ms_max", "pipelined_ms", "pipelined_min",
           "pipelined_max", "GBps", "bw_of_memcpy", "hold_ms", "hold_min", "hold_max", "hold_of_step",
-          "hold_of_memcpy", "ms_of_step", "scatter_ms", "wait_ms", "scatter_threads", "step_ms", "memcpy_ms", "device_MB",
-          "pinned_MB", "rows_checked", "rows_bad"]
+          "hold_of_memcpy", "ms_of_step", "scatter_ms", "wait_ms", "scatter_threads", "step_ms", "memcpy_ms",
+          "device_MB", "pinned_MB", "rows_checked", "rows_bad"]
 
 
 def spread(xs: Sequence[float]) -> Tuple[float, float, float]:

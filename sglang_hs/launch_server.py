@@ -340,8 +340,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
-                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE", "SGLANG_HS_CAPTURE_SAMPLE",
-                "SGLANG_HS_WHEN_BEHIND"):
+                "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
+                "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
