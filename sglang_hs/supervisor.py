@@ -19,8 +19,9 @@ On the way out it kills what is left of the group and removes the files the serv
 and the `/dev/shm/sglang_loads_*.shm` segments SGLang 0.5.23 creates at start-up and never unlinks
 (16 KB each; upstream sweeps them only in its own CI), when no live process maps them any more.
 So do the named semaphores of Python's multiprocessing (`/dev/shm/sem.mp-*`, spawn context) that the server's
-processes mapped when they were stopped, once no live process maps them: their creator's finalizer or the
-resource tracker (a process of the server session) would unlink them, and neither runs when it is killed.
+processes were seen to map (noted every second and before each signal, on another thread), once no live
+process maps them: their creator's finalizer or the resource tracker (a process of the server session)
+would unlink them, and neither runs when it is killed.
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ EXIT_FATAL = 5
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
 REPORT_EVERY_MAX_S = 60.0  # a quiet start-up logs CPU use every min(this, startup_timeout / 4) seconds
 BUSY_CPU_PCT = 10.0  # a process using at least this share of one core over the interval "uses CPU"
+NOTE_EVERY_S = 1.0  # how often the server's semaphores are noted (off the main thread: see _noter)
+NOTE_WAIT_S = 1.0  # how long a signal waits for one more note before it is sent anyway
 SEM_GLOB = "/dev/shm/sem.mp-*"  # Python multiprocessing's named semaphores (sem_open("/mp-..."))
 
 
@@ -159,7 +162,10 @@ class Supervisor:
         self.proc: Optional[subprocess.Popen] = None
         self._pgid: Optional[int] = None
         self._sems_before: set = set()  # ((dev, ino), path) of the semaphores present before the server started
-        self._server_sems: Dict[Tuple[int, int], str] = {}  # those the server's processes mapped when signalled
+        self._server_sems: Dict[Tuple[int, int], str] = {}  # those the server's processes were seen to map
+        self._sems_lock = threading.Lock()  # _server_sems: noted by the noter and at signals, read by cleanup
+        self._stop_noting = threading.Event()
+        self._server_started_ticks: Optional[int] = None
 
     # -- output relay and phase tracking (reader thread) --
     def _relay(self) -> None:
@@ -205,14 +211,14 @@ class Supervisor:
 
     def _terminate_server(self) -> None:
         # The server's main process first: SGLang then stops its own children in order.
-        self._note_semaphores()
+        self._note_semaphores_soon()
         try:
             self.proc.send_signal(signal.SIGTERM)
         except (ProcessLookupError, AttributeError):
             pass
 
     def _signal_group(self, sig: int) -> None:
-        self._note_semaphores()
+        self._note_semaphores_soon()
         try:
             os.killpg(self._pgid, sig)
         except (ProcessLookupError, PermissionError, TypeError):
@@ -229,12 +235,26 @@ class Supervisor:
         return sorted(pids)
 
     def _note_semaphores(self) -> None:
-        """Before a signal: the multiprocessing semaphores the server's processes map now are theirs."""
+        """The multiprocessing semaphores the server's processes map now are theirs (to remove once it is
+        killed). Reads their /proc/PID/maps, which waits for each one's mmap lock: a hung process may hold
+        it, so this never runs on the main thread (_noter, _note_semaphores_soon)."""
         if self._pgid is None:
             return
         mapped = mapped_sem_inodes(self._group_pids())
         if mapped:
-            self._server_sems.update((key, path) for key, path in semaphores().items() if key in mapped)
+            found = {key: path for key, path in semaphores().items() if key in mapped}
+            with self._sems_lock:
+                self._server_sems.update(found)
+
+    def _noter(self) -> None:
+        while not self._stop_noting.wait(NOTE_EVERY_S):
+            self._note_semaphores()
+
+    def _note_semaphores_soon(self) -> None:
+        """Before a signal: one more note, waited for at most NOTE_WAIT_S; the signal goes out regardless."""
+        t = threading.Thread(target=self._note_semaphores, name="note-semaphores", daemon=True)
+        t.start()
+        t.join(NOTE_WAIT_S)
 
     def _sample(self) -> Snapshot:
         snap = sample_processes(self._group_pids())
@@ -310,7 +330,7 @@ class Supervisor:
     def _cleanup_sglang_shm(self) -> None:
         # sgl_shm_mq_*: the request broadcast queue of a server with more than one rank (SGLang leaves it)
         candidates = [p for pat in ("/dev/shm/sglang_loads_*.shm", "/dev/shm/sgl_shm_mq_*") for p in glob.glob(pat)
-                      if os.stat(p).st_mtime >= self.started_at - 1]
+                      if _mtime(p) >= self.started_at - 1]
         if not candidates:
             return
         mapped = mapped_shm(("/dev/shm/sglang_loads_", "/dev/shm/sgl_shm_mq_"))
@@ -325,11 +345,15 @@ class Supervisor:
         """The server's semaphores (mapped by its processes when they were signalled, made after it started,
         the same file still) that no live process maps any more: nothing can unlink them after a kill."""
         now = semaphores()
-        left = [(key, path) for key, path in self._server_sems.items()
-                if now.get(key) == path and (key, path) not in self._sems_before]
+        with self._sems_lock:
+            noted = list(self._server_sems.items())
+        left = [(key, path) for key, path in noted if now.get(key) == path and (key, path) not in self._sems_before]
         if not left:
             return
-        mapped = mapped_sem_inodes(int(d[6:]) for d in glob.glob("/proc/[0-9]*"))
+        mapped = mapped_sem_inodes((int(d[6:]) for d in glob.glob("/proc/[0-9]*")),
+                                   unknown_if_started_after=self._server_started_ticks or 0)
+        if mapped is None:  # a process started since the server, whose maps could not be read, might hold one
+            return
         for key, path in left:
             if key not in mapped:
                 try:
@@ -343,7 +367,9 @@ class Supervisor:
             self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         self._pgid = self.proc.pid
+        self._server_started_ticks = _start_ticks(self._pgid)
         log(f"server session {self._pgid}: every server process runs in it")
+        threading.Thread(target=self._noter, name="note-semaphores", daemon=True).start()
         self._sample()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -386,10 +412,13 @@ class Supervisor:
                     self.phase = "serving"
         finally:
             self._shutdown_group()
+            self._stop_noting.set()
             relay.join(timeout=5)
-            self._cleanup_dump_dir()
-            self._cleanup_sglang_shm()
-            self._cleanup_semaphores()
+            for cleanup in (self._cleanup_dump_dir, self._cleanup_sglang_shm, self._cleanup_semaphores):
+                try:  # each on its own: a failure here must not hide the server's own outcome
+                    cleanup()
+                except Exception as e:  # noqa: BLE001 - logged; the exit status below is the server's
+                    log(f"warning: {cleanup.__name__.lstrip('_')} failed: {e!r}")
         if code:
             return code
         if self.stop_signal is not None:
@@ -423,6 +452,13 @@ def mapped_shm(prefixes) -> set:
     return mapped
 
 
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
+
+
 def semaphores() -> Dict[Tuple[int, int], str]:
     """The multiprocessing semaphores in /dev/shm by (device, inode)."""
     found = {}
@@ -435,19 +471,42 @@ def semaphores() -> Dict[Tuple[int, int], str]:
     return found
 
 
-def mapped_sem_inodes(pids) -> set:
-    """(device, inode) of the /dev/shm semaphores the processes `pids` map. By inode, not by name: glibc's
-    sem_open makes a semaphore under a temporary name, maps it, links it to its name and deletes the
-    temporary one, so its creator's maps name a deleted file (`/dev/shm/sem.XXXXXX (deleted)`)."""
+def _start_ticks(pid: int) -> Optional[int]:
+    """When the process started, in clock ticks since boot (/proc/PID/stat field 22, readable for any
+    process); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def mapped_sem_inodes(pids, unknown_if_started_after: Optional[int] = None) -> Optional[set]:
+    """(device, inode) of the POSIX semaphores (`.../sem.*` files) the processes `pids` map. By inode, not
+    by name: glibc's sem_open makes a semaphore under a temporary name, maps it, links it to its name and
+    deletes the temporary one, so its creator's maps name a deleted file (`/dev/shm/sem.XXXXXX (deleted)`);
+    and by `/sem.` in any folder, as a process in another mount namespace may see /dev/shm elsewhere.
+    With `unknown_if_started_after` (clock ticks since boot), None when the maps of a live process that
+    started since then could not be read: it may map any of them. (A process that cannot be read started
+    before: init and other non-dumpable daemons, whose maps even root may not read without CAP_SYS_PTRACE;
+    none of them opens a semaphore made later by a server's multiprocessing.)"""
     found = set()
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/maps") as f:
+            with open(f"/proc/{pid}/maps", "rb") as f:
                 for line in f:
-                    if "/dev/shm/sem." in line:
+                    if b"/sem." not in line:
+                        continue
+                    try:
                         dev, ino = line.split(None, 5)[3:5]
-                        major, minor = dev.split(":")
+                        major, minor = dev.split(b":")
                         found.add((os.makedev(int(major, 16), int(minor, 16)), int(ino)))
-        except (OSError, ValueError):  # gone meanwhile
+                    except ValueError:
+                        continue
+        except PermissionError:
+            started = _start_ticks(pid)
+            if unknown_if_started_after is not None and started is not None and started >= unknown_if_started_after:
+                return None
+        except OSError:  # gone meanwhile
             pass
     return found

@@ -24,7 +24,7 @@ def _cpu_engine_imports():
             os.environ["SGLANG_USE_CPU_ENGINE"] = saved
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def sglang_mode_settled():
     """SGLang decides once per process whether it is the CPU engine: is_cpu() is lru_cached and modules
     keep `_is_cpu = is_cpu()` from their import, so SGLANG_USE_CPU_ENGINE counts only at the first call.
@@ -32,8 +32,10 @@ def sglang_mode_settled():
     processes) and imports SGLang meanwhile, with no sgl_kernel stand-in on the path, would leave this
     process in CPU mode for every later test: SGLang then imports sgl_kernel's CPU ops, gets the real
     sgl_kernel, and that import fails without libcuda.so.1 (test_finisher after the launcher's Mistral
-    test). Settle it first, from the environment the tests were started in, as collecting the whole of
-    tests/unit does (its module-level SGLang imports)."""
+    test). Settle it first, for every selection of tests (autouse), from the environment the tests were
+    started in, as collecting the whole of tests/unit does (its module-level SGLang imports); tests of the
+    CPU engine's code paths then import it under SGLANG_USE_CPU_ENGINE (cpu_engine_imports) with is_cpu()
+    already False, as in the whole suite."""
     try:
         from sglang.srt.utils import is_cpu
     except ImportError:  # no SGLang here: nothing to settle

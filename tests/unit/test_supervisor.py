@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -171,8 +172,9 @@ def test_a_stalled_servers_semaphore_is_removed_and_no_other():
 # A server that ignores SIGTERM and holds a lock of multiprocessing's spawn context (SGLang's start method):
 # the resource tracker it starts (same session) would unlink the lock's semaphore, but is killed with it.
 STUCK_WITH_SPAWN_LOCK = ("import multiprocessing as mp, os, signal, time; "
-                         "signal.signal(signal.SIGTERM, signal.SIG_IGN); lock = mp.get_context('spawn').Lock(); "
-                         "print(os.getpid(), lock._semlock.name, flush=True); time.sleep(600)")
+                         "signal.signal(signal.SIGTERM, lambda *a: print('TERM', flush=True)); "
+                         "lock = mp.get_context('spawn').Lock(); "
+                         "print(os.getpid(), lock._semlock.name, flush=True)\nwhile True: time.sleep(600)")
 
 
 def test_a_killed_servers_multiprocessing_lock_leaves_no_semaphore():
@@ -182,9 +184,9 @@ def test_a_killed_servers_multiprocessing_lock_leaves_no_semaphore():
     try:
         pid, name = sup.stdout.readline().split()
         assert os.path.exists(_sem_path(name))
-        for _ in range(2):  # the second SIGTERM kills the session at once, the resource tracker with it
-            sup.send_signal(signal.SIGTERM)
-            time.sleep(1)
+        sup.send_signal(signal.SIGTERM)  # relayed to the server, which says so and carries on
+        assert sup.stdout.readline().strip() == "TERM"
+        sup.send_signal(signal.SIGTERM)  # the second kills the session at once, the resource tracker with it
         _, err = sup.communicate(timeout=120)
         assert "SIGTERM again: killing the server's processes now" in err, err
         assert not _alive(int(pid))
@@ -193,3 +195,65 @@ def test_a_killed_servers_multiprocessing_lock_leaves_no_semaphore():
         sup.kill()
         if name:
             _sem_unlink(name)
+
+
+def test_an_unreadable_process_started_since_the_server_keeps_every_semaphore(monkeypatch):
+    """A process whose maps cannot be read (non-dumpable: even root may not read them) might map a server
+    semaphore when it started after the server: then none is removed. One that started before (init and
+    daemons) cannot have opened a semaphore made later, and does not stop the cleanup."""
+    from sglang_hs import supervisor as sv
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/999999/maps":
+            raise PermissionError(path)
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(sv, "open", fake_open, raising=False)  # the module's global shadows the builtin
+    monkeypatch.setattr(sv, "_start_ticks", lambda pid: 500 if pid == 999999 else None)
+    assert sv.mapped_sem_inodes([999999], unknown_if_started_after=400) is None
+    assert sv.mapped_sem_inodes([999999], unknown_if_started_after=600) == set()
+    assert sv.mapped_sem_inodes([999999]) == set()
+
+
+def test_a_signal_never_waits_for_a_hung_maps_read(monkeypatch):
+    """Reading a process's /proc/PID/maps waits for its mmap lock, which a hung server may hold: the note
+    taken before a signal runs on another thread, and the signal goes out while it still hangs."""
+    from sglang_hs import supervisor as sv
+
+    release, caller, noted_on = threading.Event(), threading.current_thread(), []
+    sup = sv.Supervisor(["true"], 300, None)
+    sup._pgid = 999999
+
+    def hung_note():
+        noted_on.append(threading.current_thread())
+        if threading.current_thread() is not caller:  # (on the caller it would hang the test itself)
+            release.wait(120)
+
+    monkeypatch.setattr(sup, "_note_semaphores", hung_note)
+    monkeypatch.setattr(sv, "NOTE_WAIT_S", 0.01)
+    sent = []
+    monkeypatch.setattr(sv.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    try:
+        sup._signal_group(signal.SIGKILL)
+        assert sent == [(999999, signal.SIGKILL)] and not release.is_set()
+        assert noted_on and noted_on[0] is not caller, "the note ran on the thread that sends the signal"
+    finally:
+        release.set()
+
+
+def test_a_failed_cleanup_step_leaves_the_servers_exit_status(monkeypatch, capsys):
+    from sglang_hs import supervisor as sv
+
+    sup = sv.Supervisor([sys.executable, "-c", "import sys; sys.exit(3)"], 300, None)
+
+    def _cleanup_sglang_shm():  # a segment gone between its glob and its stat, as it could before
+        raise FileNotFoundError("/dev/shm/sglang_loads_x.shm")
+
+    monkeypatch.setattr(sup, "_cleanup_sglang_shm", _cleanup_sglang_shm)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # run() sets its own
+    try:
+        assert sup.run() == 3
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    assert "warning: cleanup_sglang_shm failed: FileNotFoundError" in capsys.readouterr().err
