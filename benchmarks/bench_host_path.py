@@ -540,7 +540,9 @@ def one_step(step, warm, args, writer, variants, consumer, alloc, rng, bufs, tmp
 
     from sglang_hs._ext import ext
 
-    staged = src.view(torch.bfloat16).view(-1, P * H)[:tokens]  # the pinned host buffer of a staged step
+    # the host buffer of a staged step: the step's own rows (index_select just gathered them into `out`), so
+    # the scatter rewrites the store with what it holds and the later measures' row checks keep their teeth
+    staged = out.view(tokens, P * H)
     for n in args.scatter_threads:
         cpu0, t0 = cpu_seconds(), time.perf_counter()
         ext().copy_rows_cpu(staged, None, all_slots, writer.store, n)

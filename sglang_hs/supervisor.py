@@ -63,8 +63,10 @@ EXIT_FATAL = 5
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
 REPORT_EVERY_MAX_S = 60.0  # a quiet start-up logs CPU use every min(this, startup_timeout / 4) seconds
 BUSY_CPU_PCT = 10.0  # a process using at least this share of one core over the interval "uses CPU"
-NOTE_EVERY_S = 1.0  # how often the server's semaphores are noted (off the main thread: see _noter)
+NOTE_EVERY_S = 1.0  # how often the server's semaphores are noted during start-up (off the main thread: _noter)
+NOTE_EVERY_SERVING_S = 15.0  # and once it serves (each note takes every server process's mmap lock a moment)
 NOTE_WAIT_S = 1.0  # how long a signal waits for one more note before it is sent anyway
+SCAN_WAIT_S = 10.0  # how long the exit waits for the scan of every process's maps before keeping the semaphores
 SEM_GLOB = "/dev/shm/sem.mp-*"  # Python multiprocessing's named semaphores (sem_open("/mp-..."))
 
 
@@ -247,14 +249,18 @@ class Supervisor:
                 self._server_sems.update(found)
 
     def _noter(self) -> None:
-        while not self._stop_noting.wait(NOTE_EVERY_S):
+        while not self._stop_noting.wait(NOTE_EVERY_SERVING_S if self.ready else NOTE_EVERY_S):
             self._note_semaphores()
 
     def _note_semaphores_soon(self) -> None:
-        """Before a signal: one more note, waited for at most NOTE_WAIT_S; the signal goes out regardless."""
-        t = threading.Thread(target=self._note_semaphores, name="note-semaphores", daemon=True)
-        t.start()
-        t.join(NOTE_WAIT_S)
+        """Before a signal: one more note, waited for at most NOTE_WAIT_S; the signal goes out regardless,
+        also when no thread can be started (a server stalled at the process's thread limit)."""
+        try:
+            t = threading.Thread(target=self._note_semaphores, name="note-semaphores", daemon=True)
+            t.start()
+            t.join(NOTE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - noting is housekeeping; stopping the server is not
+            log(f"warning: could not note the server's semaphores before signalling it: {e!r}")
 
     def _sample(self) -> Snapshot:
         snap = sample_processes(self._group_pids())
@@ -342,17 +348,27 @@ class Supervisor:
                     pass
 
     def _cleanup_semaphores(self) -> None:
-        """The server's semaphores (mapped by its processes when they were signalled, made after it started,
-        the same file still) that no live process maps any more: nothing can unlink them after a kill."""
+        """The server's semaphores (its processes were seen to map them, they were made after it started, the
+        same file still) that no live process maps any more: nothing can unlink them after a kill."""
         now = semaphores()
         with self._sems_lock:
             noted = list(self._server_sems.items())
         left = [(key, path) for key, path in noted if now.get(key) == path and (key, path) not in self._sems_before]
-        if not left:
+        if not left or self._group_pids():  # a server process that outlived SIGKILL (D state) still maps them
             return
-        mapped = mapped_sem_inodes((int(d[6:]) for d in glob.glob("/proc/[0-9]*")),
-                                   unknown_if_started_after=self._server_started_ticks or 0)
-        if mapped is None:  # a process started since the server, whose maps could not be read, might hold one
+        # Every process's maps, read on a thread waited for at most SCAN_WAIT_S: a process hung with its
+        # mmap lock held must not keep the launcher from exiting (an unfinished scan removes nothing).
+        result: List[Optional[set]] = []
+
+        def scan() -> None:
+            pids = (int(d[6:]) for d in glob.glob("/proc/[0-9]*"))
+            result.append(mapped_sem_inodes(pids, unknown_if_started_after=self._server_started_ticks or 0))
+
+        scanner = threading.Thread(target=scan, name="scan-semaphores", daemon=True)
+        scanner.start()
+        scanner.join(SCAN_WAIT_S)
+        mapped = result[0] if result else None
+        if mapped is None:  # unfinished, or a process started since the server could not be read: it may hold one
             return
         for key, path in left:
             if key not in mapped:
@@ -369,7 +385,10 @@ class Supervisor:
         self._pgid = self.proc.pid
         self._server_started_ticks = _start_ticks(self._pgid)
         log(f"server session {self._pgid}: every server process runs in it")
-        threading.Thread(target=self._noter, name="note-semaphores", daemon=True).start()
+        try:
+            threading.Thread(target=self._noter, name="note-semaphores", daemon=True).start()
+        except Exception as e:  # noqa: BLE001 - no thread to be had: the server runs, its semaphores may stay
+            log(f"warning: not noting the server's semaphores: {e!r}")
         self._sample()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)

@@ -82,9 +82,11 @@ class CaptureWriter:
                 raise ValueError(f"sglang-hs: {name} ({flag}) must be > 0, got {value}")
         from sglang_hs._ext import ext
 
-        if not hasattr(ext(), "gather_rows_cpu"):
+        C = ext()
+        if not hasattr(C, "gather_rows_cpu") or "num_threads" not in (C.copy_rows_cpu.__doc__ or ""):
             raise RuntimeError("sglang-hs: the compiled extension sglang_hs._C predates this sglang-hs (it has no "
-                               "gather_rows_cpu); rebuild it: pip install --no-build-isolation -e .")
+                               "gather_rows_cpu, or copy_rows_cpu has no num_threads); rebuild it: "
+                               "pip install --no-build-isolation -e .")
         self.spec = spec
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size

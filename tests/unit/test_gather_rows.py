@@ -138,12 +138,13 @@ def test_capture_copy_streams_a_large_step(ext, H, last):
     assert torch.equal(store.view(torch.int16), expect.view(torch.int16))
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_capture_copy_of_deepseek_v3_rows_over_threads(ext, threads):
-    """copy_rows_cpu with num_threads (the staging scatter): 301 rows of [4, 7168] bf16, 17 MB, so up to two
-    8 MiB ranges, into a poisoned store at random int64 slots, against the plain-torch reference; more
-    threads asked for than the rows allow take what the rows allow."""
-    K, H, T, S = 3, 7168, 301, 1024
+@pytest.mark.parametrize("T, threads", [(301, 1), (301, 2), (301, 3), (301, 8), (601, 4), (601, 8)])
+def test_capture_copy_of_deepseek_v3_rows_over_threads(ext, T, threads):
+    """copy_rows_cpu with num_threads (the staging scatter): 301 rows of [4, 7168] bf16, 17 MB, room for two
+    8 MiB ranges, or 601 (34 MB, four uneven ranges: 151, 151, 151, 148 rows), into a poisoned store at
+    random int64 slots, against the plain-torch reference; more threads asked for than the rows allow take
+    what the rows allow."""
+    K, H, S = 3, 7168, 1024
     g = torch.Generator().manual_seed(4)
     aux = torch.randn(T, K * H, generator=g).to(torch.bfloat16)
     fin = torch.randn(T, H, generator=g).to(torch.bfloat16)

@@ -396,3 +396,25 @@ def test_a_scatter_thread_gone_silently_is_an_error_not_a_hang(made):
     t = _in_thread(drain)
     t.join(30)
     assert not t.is_alive() and done and "scatter thread has stopped" in done[0]
+
+
+def test_a_stale_extension_is_refused_at_start_up(tmp_path, monkeypatch):
+    """A build of sglang_hs._C from before the scatter threads (copy_rows_cpu without num_threads) would
+    fail at the first staged step: the writer refuses it first, saying to rebuild."""
+    import types
+
+    import sglang_hs._ext as ext_module
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.store.writer import CaptureWriter
+
+    real = ext_module.ext()
+
+    def old_copy_rows_cpu(aux, last, loc, store):
+        """copy_rows_cpu(aux: torch.Tensor, last: torch.Tensor | None, loc: torch.Tensor, store: torch.Tensor)"""
+
+    stale = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+    stale.copy_rows_cpu = old_copy_rows_cpu
+    monkeypatch.setattr(ext_module, "ext", lambda: stale)
+    with pytest.raises(RuntimeError, match=r"predates this sglang-hs .*copy_rows_cpu has no num_threads.*rebuild"):
+        CaptureWriter(str(tmp_path), CaptureSpec.resolve([1, 2, 3], True, 4, H), num_slots=S, dtype=torch.bfloat16,
+                      ring_bytes=1 << 20, copy="staging", staging_rows=4)

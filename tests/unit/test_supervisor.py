@@ -143,12 +143,13 @@ STALL_HOLDING_SEMAPHORE = ("import _multiprocessing, os, time; s = _multiprocess
                            "print(os.getpid(), flush=True); time.sleep(600)")
 
 
-def test_a_stalled_servers_semaphore_is_removed_and_no_other():
-    """Only the server's own semaphore goes: one its processes mapped when they were stopped and no live
-    process maps now. Two made by another process while the server ran stay: one nobody maps (not the
-    server's to remove) and one a live process holds. glibc's sem_open maps a new semaphore under a temporary
-    name it then deletes, so its creator's /proc/PID/maps does not name it: a check by name would find
-    neither mapped."""
+@pytest.mark.parametrize("also_held", [False, True], ids=["server-only", "also-held-by-another"])
+def test_a_stalled_servers_semaphore_is_removed_and_no_other(also_held):
+    """Only the server's own semaphore goes: one its processes mapped and no live process maps now (with
+    `also_held`, this test's process opens it by name too, and it stays). Two made by another process
+    while the server ran stay: one nobody maps (not the server's to remove) and one a live process holds.
+    glibc's sem_open maps a new semaphore under a temporary name it then deletes, so its creator's
+    /proc/PID/maps does not name it: a check by name would find neither mapped."""
     ours, closed, held_name = (f"/mp-hstest{uuid.uuid4().hex[:8]}" for _ in range(3))
     sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_STARTUP, STALL_HOLDING_SEMAPHORE.format(name=ours)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -157,10 +158,15 @@ def test_a_stalled_servers_semaphore_is_removed_and_no_other():
         _multiprocessing.SemLock(1, 1, 1, closed, False)  # closed again at once: mapped by no process
         held = _multiprocessing.SemLock(1, 1, 1, held_name, False)
         assert os.path.exists(_sem_path(ours)) and os.path.exists(_sem_path(closed))
+        opened = _multiprocessing.SemLock._rebuild(0, 1, 1, ours) if also_held else None  # sem_open by name
         _, err = sup.communicate(timeout=120)
         assert sup.returncode == EXIT_STALL, err
         assert not _alive(child)
-        assert not os.path.exists(_sem_path(ours)), "the killed server's semaphore was left in /dev/shm"
+        if also_held:
+            assert os.path.exists(_sem_path(ours)), "the server's semaphore was removed while another process maps it"
+            del opened
+        else:
+            assert not os.path.exists(_sem_path(ours)), "the killed server's semaphore was left in /dev/shm"
         assert os.path.exists(_sem_path(closed)), "a semaphore of another process (mapped by none) was removed"
         assert os.path.exists(_sem_path(held_name)), "a semaphore another live process maps was removed"
         del held
@@ -220,12 +226,13 @@ def test_a_signal_never_waits_for_a_hung_maps_read(monkeypatch):
     taken before a signal runs on another thread, and the signal goes out while it still hangs."""
     from sglang_hs import supervisor as sv
 
-    release, caller, noted_on = threading.Event(), threading.current_thread(), []
+    release, started, caller, noted_on = threading.Event(), threading.Event(), threading.current_thread(), []
     sup = sv.Supervisor(["true"], 300, None)
     sup._pgid = 999999
 
     def hung_note():
         noted_on.append(threading.current_thread())
+        started.set()
         if threading.current_thread() is not caller:  # (on the caller it would hang the test itself)
             release.wait(120)
 
@@ -236,7 +243,7 @@ def test_a_signal_never_waits_for_a_hung_maps_read(monkeypatch):
     try:
         sup._signal_group(signal.SIGKILL)
         assert sent == [(999999, signal.SIGKILL)] and not release.is_set()
-        assert noted_on and noted_on[0] is not caller, "the note ran on the thread that sends the signal"
+        assert started.wait(60) and noted_on[0] is not caller, "the note ran on the thread that sends the signal"
     finally:
         release.set()
 
