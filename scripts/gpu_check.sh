@@ -3,8 +3,11 @@
 # the extension build, every test in tests/gpu (one pytest per file, so a hang loses one file, with
 # every thread's stack dumped after 90 s), then benchmarks/bench_gpu_copy.py at DeepSeek-V3 sizes into
 # a 16 GiB store. Needs only PyTorch, Triton, pytest and this repo (no sglang). Results go to $OUT
-# (default benchmarks/results), each as soon as it is measured; summary.txt says what passed and what
-# the benchmark concluded (bench_gpu_copy_verdict.txt), timeline.txt where the minutes went.
+# (default benchmarks/results), each as soon as it is measured, in six files at most (the device tool
+# brings back eight): summary.txt (what passed, the GPU, what the benchmark concluded), timeline.txt
+# (where the minutes went), bench_gpu_copy.csv (row by row), .png and _verdict.txt, and logs.tar.gz
+# (the build, each test file's and the benchmark's log; refreshed after every step, so a run stopped
+# at its limit still brings back what it did).
 #
 #   OUT=/some/dir scripts/gpu_check.sh            # everything
 #   GPU_CHECK_SKIP_TESTS=1 scripts/gpu_check.sh   # only the build and the benchmark (a rerun)
@@ -14,31 +17,35 @@
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 DEADLINE=${GPU_CHECK_DEADLINE:-560}
 BENCH_RESERVE=200
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-mark() { echo "$(( $(date +%s) - START )) s  $*" | tee -a "$OUT/timeline.txt"; }
+mark() {
+    echo "$(( $(date +%s) - START )) s  $*" | tee -a "$OUT/timeline.txt"
+    tar -czf "$OUT/logs.tar.gz.tmp" -C "$LOGS" . && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
+}
 : > "$OUT/timeline.txt"
 : > "$OUT/summary.txt"
 
 mark "start"
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
-    --format=csv | tee "$OUT/gpu.txt"
+    --format=csv | tee -a "$OUT/summary.txt"
 python3 -c "import sys, torch, triton, pytest; print('python', sys.version.split()[0], 'torch', torch.__version__, \
-'cuda', torch.version.cuda, 'triton', triton.__version__, 'pytest', pytest.__version__)" | tee -a "$OUT/gpu.txt"
-nproc | sed 's/^/cpus /' | tee -a "$OUT/gpu.txt"
-df -h /dev/shm | tee -a "$OUT/gpu.txt"
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'pytest', pytest.__version__)" | tee -a "$OUT/summary.txt"
+nproc | sed 's/^/cpus /' | tee -a "$OUT/summary.txt"
+df -h /dev/shm | tee -a "$OUT/summary.txt"
 
 # The extension (shm mapping, cudaHostRegister, the scatter op); tests fall back to torch's cudart for
 # registration, but the staging scatter needs it.
-if ( time MAX_JOBS=8 timeout -k 10 180 python3 setup.py -q build_ext --inplace ) > "$OUT/build.log" 2>&1; then
+if ( time MAX_JOBS=8 timeout -k 10 180 python3 setup.py -q build_ext --inplace ) > "$LOGS/build.log" 2>&1; then
     python3 -c "from sglang_hs._ext import ext; print('extension: built, with CUDA:', ext().with_cuda)" 2>&1 \
         | tail -1 | tee -a "$OUT/summary.txt"
 else
-    echo "extension: build FAILED (build.log)" | tee -a "$OUT/summary.txt"
-    tail -5 "$OUT/build.log"
+    echo "extension: build FAILED (build.log in logs.tar.gz)" | tee -a "$OUT/summary.txt"
+    tail -5 "$LOGS/build.log" | tee -a "$OUT/summary.txt"
 fi
 mark "extension"
 
@@ -52,22 +59,23 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
             continue
         fi
         timeout -k 10 $budget python3 -m pytest -q -rA -p no:cacheprovider -o faulthandler_timeout=90 "$f" \
-            > "$OUT/$name.log" 2>&1
+            > "$LOGS/$name.log" 2>&1
         rc=$?
-        counts=$(grep -E "^[=]* ?[0-9]+ (passed|failed|error|skipped)" "$OUT/$name.log" | tail -1)
+        counts=$(grep -E "^[=]* ?[0-9]+ (passed|failed|error|skipped)" "$LOGS/$name.log" | tail -1)
         [ $rc -eq 124 ] || [ $rc -eq 137 ] && counts="TIMED OUT after $budget s (stacks in the log)"
         echo "tests $name: rc $rc ${counts:-no summary line}" | tee -a "$OUT/summary.txt"
-        grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | head -10 | tee -a "$OUT/summary.txt"
+        grep -E "^(FAILED|ERROR) " "$LOGS/$name.log" | head -10 | tee -a "$OUT/summary.txt"
         mark "$name"
     done
 fi
 
 budget=$(( $(left) - 10 ))
 [ $budget -lt 60 ] && budget=60
-timeout -k 15 $budget python3 benchmarks/bench_gpu_copy.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout -k 15 $budget python3 benchmarks/bench_gpu_copy.py --out "$OUT" 2>&1 | tee "$LOGS/bench.log"
 echo "benchmark: rc ${PIPESTATUS[0]} (limit $budget s)" | tee -a "$OUT/summary.txt"
 rm -rf /dev/shm/bench_gpu_copy-*  # a store left by a benchmark killed before its cleanup
 [ -f "$OUT/bench_gpu_copy_verdict.txt" ] && cat "$OUT/bench_gpu_copy_verdict.txt" >> "$OUT/summary.txt"
 mark "benchmark"
+rm -rf "$LOGS"
 echo "----- summary"
 cat "$OUT/summary.txt"
