@@ -11,6 +11,7 @@
 #
 #   OUT=/some/dir scripts/gpu_check.sh            # everything
 #   GPU_CHECK_SKIP_TESTS=1 scripts/gpu_check.sh   # only the build and the benchmark (a rerun)
+#   GPU_CHECK_BENCH_ARGS="--store-gib 4 --reps 10" scripts/gpu_check.sh   # the benchmark's own flags
 #
 # The whole run ends within GPU_CHECK_DEADLINE seconds (default 560: the device tool allows 600 per
 # command): test files not started by then minus BENCH_RESERVE (200 s) are skipped and say so.
@@ -71,7 +72,7 @@ fi
 
 budget=$(( $(left) - 10 ))
 [ $budget -lt 60 ] && budget=60
-timeout -k 15 $budget python3 benchmarks/bench_gpu_copy.py --out "$OUT" 2>&1 | tee "$LOGS/bench.log"
+timeout -k 15 $budget python3 benchmarks/bench_gpu_copy.py --out "$OUT" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$LOGS/bench.log"
 echo "benchmark: rc ${PIPESTATUS[0]} (limit $budget s)" | tee -a "$OUT/summary.txt"
 rm -rf /dev/shm/bench_gpu_copy-*  # a store left by a benchmark killed before its cleanup
 [ -f "$OUT/bench_gpu_copy_verdict.txt" ] && cat "$OUT/bench_gpu_copy_verdict.txt" >> "$OUT/summary.txt"
