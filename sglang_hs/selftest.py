@@ -272,7 +272,7 @@ def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
         for flag, value in (("--hs-staging-rows", ns.hs_staging_rows), ("--hs-scatter-threads", ns.hs_scatter_threads)):
             out += [flag, str(value)] if value is not None else []
     for flag, value in (("--hs-ring-size", ns.hs_ring_size), ("--hs-admission-timeout", ns.hs_admission_timeout),
-                        ("--hs-startup-timeout", ns.hs_startup_timeout)):
+                        ("--hs-startup-timeout", ns.hs_startup_timeout), ("--hs-gather-threads", ns.hs_gather_threads)):
         if value is not None:
             out += [flag, str(value)]
     return out

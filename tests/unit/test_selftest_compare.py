@@ -143,3 +143,17 @@ def test_prompts_cover_shared_prefixes_and_a_repeat_within_the_vocabulary():
     p = make_prompts(1000)
     assert p[4][:30] == p[3][:30] == p[5][:30] and p[6] == p[2]
     assert all(5 <= t < 1000 for q in p for t in q)
+
+
+def test_the_users_hs_flags_reach_every_run_and_the_staging_ones_only_staging_runs():
+    """selftest passes the user's --hs-* flags (but the dump dir) to every server it starts; those of
+    --hs-copy staging only to the runs with staging, which the launcher would refuse otherwise."""
+    from sglang_hs.launch_server import split_argv
+    from sglang_hs.selftest import _hs_flags
+
+    ns, _ = split_argv(["--model-path", "m", "--hs-last", "--hs-gather-threads", "3", "--hs-ring-size", "1GiB",
+                        "--hs-copy", "staging", "--hs-staging-rows", "64", "--hs-scatter-threads", "2"])
+    assert _hs_flags(ns) == ["--hs-last", "--hs-copy", "staging", "--hs-staging-rows", "64", "--hs-scatter-threads",
+                             "2", "--hs-ring-size", "1GiB", "--hs-gather-threads", "3"]
+    assert _hs_flags(ns, copy="direct") == ["--hs-last", "--hs-copy", "direct", "--hs-ring-size", "1GiB",
+                                            "--hs-gather-threads", "3"]
