@@ -316,7 +316,9 @@ class Supervisor:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while self._group_pids() and time.monotonic() < deadline:
+        while self.proc.poll() is None or [p for p in self._group_pids() if not _zombie(p)]:
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
 
     def _cleanup_dump_dir(self) -> None:
@@ -354,7 +356,7 @@ class Supervisor:
         with self._sems_lock:
             noted = list(self._server_sems.items())
         left = [(key, path) for key, path in noted if now.get(key) == path and (key, path) not in self._sems_before]
-        if not left or self._group_pids():  # a server process that outlived SIGKILL (D state) still maps them
+        if not left or [p for p in self._group_pids() if not _zombie(p)]:  # one outlived SIGKILL (D state)
             return
         # Every process's maps, read on a thread waited for at most SCAN_WAIT_S: a process hung with its
         # mmap lock held must not keep the launcher from exiting (an unfinished scan removes nothing).
@@ -488,6 +490,15 @@ def semaphores() -> Dict[Tuple[int, int], str]:
             continue
         found[(st.st_dev, st.st_ino)] = path
     return found
+
+
+def _zombie(pid: int) -> bool:
+    """Dead, not yet reaped by its parent (/proc/PID/stat state Z): it maps nothing any more."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _start_ticks(pid: int) -> Optional[int]:

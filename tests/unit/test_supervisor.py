@@ -143,15 +143,21 @@ STALL_HOLDING_SEMAPHORE = ("import _multiprocessing, os, time; s = _multiprocess
                            "print(os.getpid(), flush=True); time.sleep(600)")
 
 
-@pytest.mark.parametrize("also_held", [False, True], ids=["server-only", "also-held-by-another"])
-def test_a_stalled_servers_semaphore_is_removed_and_no_other(also_held):
+@pytest.mark.parametrize("also_held, deaf", [(False, False), (True, False), (False, True)],
+                         ids=["server-only", "also-held-by-another", "server-ignores-sigterm"])
+def test_a_stalled_servers_semaphore_is_removed_and_no_other(also_held, deaf):
     """Only the server's own semaphore goes: one its processes mapped and no live process maps now (with
-    `also_held`, this test's process opens it by name too, and it stays). Two made by another process
+    `also_held`, this test's process opens it by name too, and it stays). A `deaf` server ignores SIGTERM,
+    so only SIGKILL stops it and its main process is left unreaped (a zombie, which maps nothing) until
+    the supervisor reaps it. Two made by another process
     while the server ran stay: one nobody maps (not the server's to remove) and one a live process holds.
     glibc's sem_open maps a new semaphore under a temporary name it then deletes, so its creator's
     /proc/PID/maps does not name it: a check by name would find neither mapped."""
     ours, closed, held_name = (f"/mp-hstest{uuid.uuid4().hex[:8]}" for _ in range(3))
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_STARTUP, STALL_HOLDING_SEMAPHORE.format(name=ours)],
+    server = STALL_HOLDING_SEMAPHORE.format(name=ours)
+    if deaf:
+        server = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + server
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_STARTUP, server],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         child = int(sup.stdout.readline())  # the server's semaphore exists from here on
