@@ -114,14 +114,21 @@ def sample_processes(pids: List[int]) -> Snapshot:
     return time.monotonic(), samples
 
 
+def _stat_fields(path: str) -> Optional[List[bytes]]:
+    """The fields of a /proc/.../stat file after the command name (fields 3 on: state first), or None
+    when the process or thread is gone."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _running_threads(pid: int) -> int:
     n = 0
     for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
-        try:
-            with open(stat) as f:
-                n += f.read().rsplit(")", 1)[1].split()[0] == "R"
-        except (OSError, IndexError):
-            pass
+        fields = _stat_fields(stat)
+        n += bool(fields) and fields[0] == b"R"
     return n
 
 
@@ -236,6 +243,10 @@ class Supervisor:
                 pass
         return sorted(pids)
 
+    def _live_group_pids(self) -> List[int]:
+        """The server's processes but the dead ones not yet reaped (zombies map nothing)."""
+        return [p for p in self._group_pids() if not _zombie(p)]
+
     def _note_semaphores(self) -> None:
         """The multiprocessing semaphores the server's processes map now are theirs (to remove once it is
         killed). Reads their /proc/PID/maps, which waits for each one's mmap lock: a hung process may hold
@@ -316,7 +327,7 @@ class Supervisor:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while self.proc.poll() is None or [p for p in self._group_pids() if not _zombie(p)]:
+        while self.proc.poll() is None or self._live_group_pids():
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
@@ -356,7 +367,7 @@ class Supervisor:
         with self._sems_lock:
             noted = list(self._server_sems.items())
         left = [(key, path) for key, path in noted if now.get(key) == path and (key, path) not in self._sems_before]
-        if not left or [p for p in self._group_pids() if not _zombie(p)]:  # one outlived SIGKILL (D state)
+        if not left or self._live_group_pids():  # a server process outlived SIGKILL (D state): still maps them
             return
         # Every process's maps, read on a thread waited for at most SCAN_WAIT_S: a process hung with its
         # mmap lock held must not keep the launcher from exiting (an unfinished scan removes nothing).
@@ -494,20 +505,17 @@ def semaphores() -> Dict[Tuple[int, int], str]:
 
 def _zombie(pid: int) -> bool:
     """Dead, not yet reaped by its parent (/proc/PID/stat state Z): it maps nothing any more."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return bool(fields) and fields[0] == b"Z"
 
 
 def _start_ticks(pid: int) -> Optional[int]:
     """When the process started, in clock ticks since boot (/proc/PID/stat field 22, readable for any
     process); None when it is gone."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
         return None
 
 
