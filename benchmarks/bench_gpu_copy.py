@@ -210,12 +210,13 @@ class Case:
         return n * self.T, bad
 
 
-def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """body captured in a CUDA graph, after a warm-up on a side stream (as SGLang's runner does)."""
+def capture(body: Callable[[], None], warm: Optional[Callable[[], None]] = None) -> torch.cuda.CUDAGraph:
+    """body captured in a CUDA graph, after a warm-up (`warm`, else body) on a side stream, as SGLang's
+    runner does."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        body()
+        (warm or body)()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -258,22 +259,15 @@ def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
     device_mb = (torch.cuda.memory_allocated() - m0) / 2**20
     pinned_mb = sum(h.nbytes + l.nbytes for h, l in sc.host) / 2**20
     try:
+        def eager():  # a step as an eager forward runs it: the write ships its own rows
+            sc.before_step()
+            sc.write(aux, last, case.slots)
+            sc.after_step(T, graph_replayed=False)
+
         if graph:
             case.set_slots(0)
-
-            def warm():  # the capture's warm-up runs eagerly and ships; the captured call only stages
-                sc.before_step()
-                sc.write(aux, last, case.slots)
-                sc.after_step(T, graph_replayed=False)
-
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                warm()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                sc.write(aux, last, case.slots)
+            # the capture's warm-up runs eagerly and ships; the captured call only stages
+            g = capture(lambda: sc.write(aux, last, case.slots), warm=eager)
 
             def step(i):
                 case.set_slots(i)
@@ -283,9 +277,7 @@ def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
         else:
             def step(i):
                 case.set_slots(i)
-                sc.before_step()
-                sc.write(aux, last, case.slots)
-                sc.after_step(T, graph_replayed=False)
+                eager()
 
         def into_store():
             torch.cuda.current_stream().synchronize()  # the step computed: drain waits for its rows
