@@ -61,6 +61,9 @@ EXIT_STALL = 3
 EXIT_NO_OVERLAY = 4
 EXIT_FATAL = 5
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
+SHUTDOWN_GRACE_S = 15.0  # then: SIGTERM to the main process, then the group, each half of this, then SIGKILL
+KILL_WAIT_S = 10.0  # how long the exit waits for the SIGKILLed group to be gone
+RELAY_JOIN_S = 5.0  # and for the output relay to read what is left
 REPORT_EVERY_MAX_S = 60.0  # a quiet start-up logs CPU use every min(this, startup_timeout / 4) seconds
 BUSY_CPU_PCT = 10.0  # a process using at least this share of one core over the interval "uses CPU"
 NOTE_EVERY_S = 1.0  # how often the server's semaphores are noted during start-up (off the main thread: _noter)
@@ -68,6 +71,11 @@ NOTE_EVERY_SERVING_S = 15.0  # and once it serves (each note takes every server 
 NOTE_WAIT_S = 1.0  # how long a signal waits for one more note before it is sent anyway
 SCAN_WAIT_S = 10.0  # how long the exit waits for the scan of every process's maps before keeping the semaphores
 SEM_GLOB = "/dev/shm/sem.mp-*"  # Python multiprocessing's named semaphores (sem_open("/mp-..."))
+# The longest the launcher takes from a stop signal to its exit: SGLang's grace, the escalation (a note of
+# the semaphores before each of its four signals), the relay, the semaphore scan. A parent that stops the
+# launcher (server_process.ServerProcess.stop) waits longer than this before it kills anything itself.
+LAUNCHER_EXIT_AFTER_STOP_S = (STOP_GRACE_S + SHUTDOWN_GRACE_S + 4 * NOTE_WAIT_S + KILL_WAIT_S + RELAY_JOIN_S
+                              + SCAN_WAIT_S)
 
 
 def log(msg: str) -> None:
@@ -314,7 +322,7 @@ class Supervisor:
                     pass
         time.sleep(1.0)  # let the relay thread print what faulthandler wrote
 
-    def _shutdown_group(self, grace: float = 15.0) -> None:
+    def _shutdown_group(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         if self._pgid is None:
             return
         self._terminate_server()
@@ -326,7 +334,7 @@ class Supervisor:
         while self._group_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + KILL_WAIT_S
         while self.proc.poll() is None or self._live_group_pids():
             if time.monotonic() >= deadline:
                 break
@@ -445,7 +453,7 @@ class Supervisor:
         finally:
             self._shutdown_group()
             self._stop_noting.set()
-            relay.join(timeout=5)
+            relay.join(timeout=RELAY_JOIN_S)
             for cleanup in (self._cleanup_dump_dir, self._cleanup_sglang_shm, self._cleanup_semaphores):
                 try:  # each on its own: a failure here must not hide the server's own outcome
                     cleanup()
