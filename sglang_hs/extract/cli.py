@@ -387,6 +387,8 @@ class Extraction:
     def _collect_writes(self, bar) -> int:
         """Count the files written so far; a write that failed (disk full) raises OSError naming the
         file. Returns how many completed."""
+        from sglang_hs.extract.fp8 import NonFiniteRows
+
         failed, collected = None, 0
         for w in [w for w in self.writes if w[2].done()]:
             index, T, fut, rec = w
@@ -400,6 +402,12 @@ class Extraction:
                 self.stats.bytes += fut.result()
                 self.stats.done += 1
                 self.stats.tokens += T
+                bar.update(1)
+            elif isinstance(err, NonFiniteRows):  # no FP8 scale stores them: skipped, as the harvester does
+                line = self.stats.skip("non_finite_rows", f"its hidden states hold inf or NaN, which --save-dtype "
+                                       f"{self.sink.save_dtype} cannot store", f"sample {index}", sample=index)
+                if line:
+                    bar.write(line)
                 bar.update(1)
             elif isinstance(err, OSError):
                 failed = failed or OSError(f"cannot write {self.sink.path(index)}: {err.strerror or err}")
