@@ -2,7 +2,8 @@
 a byte that is not UTF-8 in the middle of a JSON Lines file (the valid lines of the same read-ahead chunk
 around it still read, at their own indices), JSON nested 100,000 deep, a chat template that raises for a
 record, a lone surrogate a JSON escape spells; `--finalize` over a folder with a sample file cut short
-names that file in one line and leaves every file and the dataset already there as they were."""
+names that file in one line and leaves every file and the dataset already there as they were; a sample
+whose rows FP8 cannot store (inf, NaN) is skipped, not failed."""
 import json
 import os
 
@@ -135,3 +136,39 @@ def test_skips_are_reported_with_their_place_counted_all_and_listed_first():
     assert s["skipped"] == {"invalid-utf8": cli.SKIPS_PRINTED + 5}
     assert s["skipped_records"][7] == {"sample": 7, "line": 8, "reason": "invalid-utf8",
                                        "detail": "byte 0xe9 at character 46 is not UTF-8"}
+
+
+def test_an_extracted_sample_with_inf_or_nan_rows_is_skipped_not_failed(tmp_path):
+    """--data with --save-dtype fp8: the sample no FP8 scale stores is skipped (it failed the run, exit 1,
+    and failed again at every --resume); its record is acknowledged, the other samples are written."""
+    from types import SimpleNamespace
+
+    class Reader:
+        acked = []
+
+        def ack(self, rec):
+            self.acked.append(rec)
+
+    class Bar:
+        lines = []
+
+        def write(self, line):
+            self.lines.append(line)
+
+        def update(self, n):
+            pass
+
+    ns = SimpleNamespace(data=str(tmp_path / "d.jsonl"))
+    ext = cli.Extraction(ns, "http://unused", Reader(), SafetensorsSink(str(tmp_path / "out"), "fp8"), None, None)
+    rows = torch.randn(2, 6, 4, 16).bfloat16()
+    rows[1, 3, 2, 5] = float("nan")
+    for index in (0, 1):
+        fut = ext.write_pool.submit(ext._write, index, torch.arange(6), torch.ones(6), rows[index, :, :3],
+                                    rows[index, :, 3], False)
+        ext.writes.append((index, 6, fut, f"record {index}"))
+    ext.write_pool.shutdown(wait=True)
+    assert ext._collect_writes(Bar()) == 2
+    assert (ext.stats.done, dict(ext.stats.skipped), ext.stats.failed) == (1, {"non_finite_rows": 1}, [])
+    assert Reader.acked == ["record 0", "record 1"] and ext.sink.done(0) and not ext.sink.done(1)
+    assert Bar.lines == ["[extract] skipped sample 1: non_finite_rows: its hidden states hold inf or NaN, which "
+                         "--save-dtype fp8 cannot store"]
