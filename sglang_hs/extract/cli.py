@@ -407,7 +407,7 @@ class Extraction:
                 line = self.stats.skip("non_finite_rows", f"its hidden states hold inf or NaN, which --save-dtype "
                                        f"{self.sink.save_dtype} cannot store", f"sample {index}", sample=index)
                 if line:
-                    bar.write(line)
+                    bar.write(line, file=sys.stderr)
                 bar.update(1)
             elif isinstance(err, OSError):
                 failed = failed or OSError(f"cannot write {self.sink.path(index)}: {err.strerror or err}")
@@ -556,7 +556,7 @@ class Extraction:
         where = {"sample": index, **({"line": index + 1} if os.path.isfile(self.ns.data) else {})}
         line = self.stats.skip(e.reason, e.detail, f"sample {index} ({record_place(self.ns.data, index)})", **where)
         if line:
-            bar.write(line)
+            bar.write(line, file=sys.stderr)
         bar.update(1)
 
     def _fail(self, index: int, err, bar) -> None:

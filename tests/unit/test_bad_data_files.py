@@ -152,7 +152,7 @@ def test_an_extracted_sample_with_inf_or_nan_rows_is_skipped_not_failed(tmp_path
     class Bar:
         lines = []
 
-        def write(self, line):
+        def write(self, line, file=None):
             self.lines.append(line)
 
         def update(self, n):
