@@ -256,8 +256,9 @@ class SafetensorsSink(Sink):
                                 "layer ids, FP8 scale): files of different captures cannot form one dataset")
 
         if unreadable:  # a copy cut short (a --shard output copied in): nothing is removed, the old dataset stays
-            (p, why), more = unreadable[0], len(unreadable) - 1
-            raise SinkError(f"{p} is not a whole sample file ({why})" + (f", nor are {more} more" if more else "")
+            (p, why), others = unreadable[0], [os.path.basename(q) for q, _ in unreadable[1:]]
+            nor = f", nor are {len(others)} more ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+            raise SinkError(f"{p} is not a whole sample file ({why})" + (nor if others else "")
                             + ": cut short (a copy that did not finish, a full disk?); copy it again, or delete it "
                             "and rerun the extraction with --resume to remake it; no speculators dataset written")
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
