@@ -2,7 +2,12 @@
 
 Used by the demo, the self-test and the extraction CLI. The launcher's output goes to a log file (its
 last lines are shown when start-up fails); `stop()` sends SIGTERM, which the launcher turns into a
-clean shutdown of every server process, and escalates to SIGKILL only after `grace` seconds.
+clean shutdown of every server process. Its default `grace` outlasts the launcher's own: SGLang's
+stop_grace, then the launcher killing the server's session and cleaning up (supervisor.py,
+LAUNCHER_EXIT_AFTER_STOP_S). Past `grace` it kills the server's session itself (every process SGLang
+started is in it), gives the launcher a moment to clean the dump dir up, then kills the launcher; and
+whatever way the launcher ended (killed from outside too), no process of the server's session outlives
+stop(): one would hold the GPU's memory, the port and the dump dir, whose lock died with the launcher.
 """
 from __future__ import annotations
 
@@ -17,8 +22,14 @@ import tempfile
 import time
 from typing import List, Optional
 
+from sglang_hs.supervisor import LAUNCHER_EXIT_AFTER_STOP_S
+
 READY = "[sglang-hs] server ready"
 SESSION = re.compile(r"\[sglang-hs\] server session (\d+)")
+STOP_GRACE_S = LAUNCHER_EXIT_AFTER_STOP_S + 30.0  # stop()'s default wait for the launcher (+ a loaded machine)
+CLEANUP_WAIT_S = 30.0  # after stop() killed the server's session: the launcher's clean-up of the dump dir
+KILL_WAIT_S = 10.0  # how long stop() waits for SIGKILLed server processes to be gone
+SESSION_LOG_HEAD = 1 << 20  # the launcher names the server's session among the first lines of its log
 
 
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -111,14 +122,17 @@ class ServerStartError(RuntimeError):
 
 
 class ServerProcess:
-    def __init__(self, launcher_args: List[str], log_path: Optional[str] = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, launcher_args: List[str], log_path: Optional[str] = None, host: str = "127.0.0.1",
+                 launcher: Optional[List[str]] = None) -> None:
+        """`launcher`: the command that runs the launcher (default: this Python's -m sglang_hs.launch_server)."""
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="sglang-hs-server-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "sglang_hs.launch_server", *launcher_args,
+        self._sid: Optional[int] = None
+        self.cmd = [*(launcher or [sys.executable, "-m", "sglang_hs.launch_server"]), *launcher_args,
                     "--host", host, "--port", str(self.port)]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -145,22 +159,58 @@ class ServerProcess:
                 raise ServerStartError(f"the server was not ready after {timeout:.0f}s (log {self.log_path})")
             time.sleep(0.3)
 
+    def session(self) -> Optional[int]:
+        """The server's session id, as the launcher reported it at the head of its log (None before)."""
+        if self._sid is None:
+            try:
+                with open(self.log_path, "rb") as f:
+                    self._sid = server_session(f.read(SESSION_LOG_HEAD).decode(errors="replace"))
+            except OSError:
+                pass
+        return self._sid
+
     def pids(self) -> List[int]:
         """The launcher and every process of the server session it reported."""
-        sid = server_session(self.log_tail(10**6))
+        sid = self.session()
         return [self.proc.pid] + (processes_in_session(sid) if sid else [])
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, grace: float = 60) -> int:
+    def _kill_session(self) -> List[int]:
+        """SIGKILL every live process of the server's session and wait (at most KILL_WAIT_S) until none is
+        left; returns the pids killed. (A session id is not reused while a process of that session lives,
+        so these are the server's.)"""
+        sid = self.session()
+        pids = processes_in_session(sid) if sid else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + KILL_WAIT_S
+        while pids and processes_in_session(sid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # SIGKILLed: gone at their next scheduling (one in disk sleep, later)
+        return pids
+
+    def stop(self, grace: float = STOP_GRACE_S) -> int:
+        """SIGTERM the launcher and wait `grace` s for it; then kill the server's session, wait for the
+        launcher's clean-up, kill the launcher. Either way, no process of the server's session survives."""
+        self.session()  # read now: the log may be gone once the launcher is
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                killed = self._kill_session()  # the launcher sees its server gone and cleans up
+                try:
+                    self.proc.wait(CLEANUP_WAIT_S if killed else 0)
+                except subprocess.TimeoutExpired:
+                    pass
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                    self.proc.wait(10)
+        self._kill_session()  # what a launcher killed (here, or from outside) left running
         return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":

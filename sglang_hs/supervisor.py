@@ -61,17 +61,49 @@ EXIT_STALL = 3
 EXIT_NO_OVERLAY = 4
 EXIT_FATAL = 5
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
+SHUTDOWN_GRACE_S = 15.0  # then: SIGTERM to the main process, then the group, each half of this, then SIGKILL
+KILL_WAIT_S = 10.0  # how long the exit waits for the SIGKILLed group to be gone
+RELAY_JOIN_S = 5.0  # and for the output relay to read what is left
 REPORT_EVERY_MAX_S = 60.0  # a quiet start-up logs CPU use every min(this, startup_timeout / 4) seconds
 BUSY_CPU_PCT = 10.0  # a process using at least this share of one core over the interval "uses CPU"
 NOTE_EVERY_S = 1.0  # how often the server's semaphores are noted during start-up (off the main thread: _noter)
 NOTE_EVERY_SERVING_S = 15.0  # and once it serves (each note takes every server process's mmap lock a moment)
 NOTE_WAIT_S = 1.0  # how long a signal waits for one more note before it is sent anyway
+PY_SPY_TIMEOUT_S = 30.0  # the stall report's wait for py-spy's dump of one process's stacks
 SCAN_WAIT_S = 10.0  # how long the exit waits for the scan of every process's maps before keeping the semaphores
 SEM_GLOB = "/dev/shm/sem.mp-*"  # Python multiprocessing's named semaphores (sem_open("/mp-..."))
+# The longest the launcher takes from a stop signal to its exit: SGLang's grace, the escalation (a note of
+# the semaphores before each of its four signals), the relay, the semaphore scan. A parent that stops the
+# launcher (server_process.ServerProcess.stop) waits longer than this before it kills anything itself.
+LAUNCHER_EXIT_AFTER_STOP_S = (STOP_GRACE_S + SHUTDOWN_GRACE_S + 4 * NOTE_WAIT_S + KILL_WAIT_S + RELAY_JOIN_S
+                              + SCAN_WAIT_S)
 
 
 def log(msg: str) -> None:
-    print(f"[sglang-hs] {msg}", file=sys.stderr, flush=True)
+    try:
+        print(f"[sglang-hs] {msg}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed by the parent: the launcher carries on without it
+        _to_nowhere(sys.stderr)
+
+
+def log_raw(text: str) -> None:
+    """`text` as it is on stderr (a stack dump)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        _to_nowhere(sys.stderr)
+
+
+def _to_nowhere(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null (its reader is gone): what it still holds and whatever
+    is written to it later, also Python's flush at exit, goes nowhere instead of failing."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _py_spy() -> Optional[str]:
@@ -85,6 +117,31 @@ def _py_spy() -> Optional[str]:
         if os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def _py_spy_dump(spy: str, pid: int) -> Tuple[Optional[str], bool]:
+    """(py-spy's dump of `pid`'s Python stacks, or None when it failed; whether it hung). A py-spy still
+    running after PY_SPY_TIMEOUT_S (a process it cannot stop, a ptrace that blocks) is killed with
+    anything it started: it runs in its own session, killed as a group."""
+    try:
+        p = subprocess.Popen([spy, "dump", "--pid", str(pid)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        log(f"py-spy could not run ({e}); the stacks come from faulthandler instead")
+        return None, False
+    try:
+        out, _ = p.communicate(timeout=PY_SPY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.communicate(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:  # unkillable for now (disk sleep): not waited for
+            pass
+        return None, True
+    return (out if p.returncode == 0 else None), False
 
 
 class ProcSample(NamedTuple):
@@ -178,14 +235,23 @@ class Supervisor:
 
     # -- output relay and phase tracking (reader thread) --
     def _relay(self) -> None:
+        """Copy the server's output to ours and read phases from it. Ours may close under it (a parent
+        that stopped reading): it then goes on reading, else the server would block writing its log."""
         out = sys.stdout.buffer
         pending = b""
         while True:
             chunk = os.read(self.proc.stdout.fileno(), 65536)
             if not chunk:
                 break
-            out.write(chunk)
-            out.flush()
+            if out is not None:
+                try:
+                    out.write(chunk)
+                    out.flush()
+                except (OSError, ValueError) as e:  # BrokenPipeError: nobody reads our output any more
+                    out = None
+                    _to_nowhere(sys.stdout)
+                    log(f"warning: the server's output cannot be relayed any more ({type(e).__name__}: the "
+                        "launcher's stdout was closed); it is read on and dropped")
             self.last_progress = time.monotonic()
             pending = (pending + chunk)[-4096:]
             for pattern, message in FATAL:
@@ -302,19 +368,21 @@ class Supervisor:
             except OSError:
                 continue
             log(f"Python stacks of pid {pid} ({cmdline.strip()}):")
-            ok = False
-            if spy:
-                r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-                ok = r.returncode == 0
-                print(r.stdout if ok else "", file=sys.stderr, flush=True)
-            if not ok:  # faulthandler (registered by sglang_hs.serve in every process) writes to our pipe
+            stacks, hung = _py_spy_dump(spy, pid) if spy else (None, False)
+            if hung:  # (one that hangs on this process would likely hang on the next: faulthandler for them)
+                log(f"py-spy did not answer within {PY_SPY_TIMEOUT_S:.0f}s for pid {pid}: killed it; the stacks "
+                    "come from faulthandler instead")
+                spy = None
+            if stacks is not None:
+                log_raw(stacks)
+            else:  # faulthandler (registered by sglang_hs.serve in every process) writes to our pipe
                 try:
                     os.kill(pid, signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
         time.sleep(1.0)  # let the relay thread print what faulthandler wrote
 
-    def _shutdown_group(self, grace: float = 15.0) -> None:
+    def _shutdown_group(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         if self._pgid is None:
             return
         self._terminate_server()
@@ -326,7 +394,7 @@ class Supervisor:
         while self._group_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + KILL_WAIT_S
         while self.proc.poll() is None or self._live_group_pids():
             if time.monotonic() >= deadline:
                 break
@@ -445,7 +513,7 @@ class Supervisor:
         finally:
             self._shutdown_group()
             self._stop_noting.set()
-            relay.join(timeout=5)
+            relay.join(timeout=RELAY_JOIN_S)
             for cleanup in (self._cleanup_dump_dir, self._cleanup_sglang_shm, self._cleanup_semaphores):
                 try:  # each on its own: a failure here must not hide the server's own outcome
                     cleanup()

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Tuple
 
 PROG = "python -m sglang_hs.extract"
 RECORD_GRACE_S = 120.0  # after a reply, how long its record may take to reach the reader
+SKIPS_LISTED = 1000  # the first skipped records the manifest lists (with where they are and why); all are counted
+SKIPS_PRINTED = 20  # the first skipped records the run reports as they come
 WRITERS = 4  # threads writing and fsyncing files: fsync waits on the disk, not the CPU, so it overlaps serving
 
 
@@ -176,15 +178,30 @@ class Stats:
         self.done = self.tokens = self.bytes = self.resumed = self.verified = 0
         self.verify_max_diff = 0.0
         self.skipped: "collections.Counter[str]" = collections.Counter()
+        self.skipped_records: List[dict] = []  # the first SKIPS_LISTED: where each is (line, rid...) and why
         self.failed: List[Tuple[int, str]] = []
         self.foreign = 0
         self.t0 = time.monotonic()
         self.t1 = None  # when the run loop ended (the summary excludes server start and stop)
         self.cpu0, self.cpu1 = time.process_time(), None  # this process's CPU seconds over the same span
 
+    def skip(self, reason: str, detail: str, place: str, **where) -> Optional[str]:
+        """Count a skipped record (`place`: where it is, in words; `where`: the same for the manifest, e.g. its
+        sample index and line, or its rid); the line to report it with, for the first SKIPS_PRINTED."""
+        self.skipped[reason] += 1
+        n = sum(self.skipped.values())
+        if n <= SKIPS_LISTED:
+            self.skipped_records.append({**where, "reason": reason, "detail": detail})
+        if n > SKIPS_PRINTED:
+            return None
+        more = (f" (the next skips are only counted; manifest.json lists the first {SKIPS_LISTED})"
+                if n == SKIPS_PRINTED else "")
+        return f"[extract] skipped {place}: {reason}" + (f": {detail}" if detail else "") + more
+
     def summary(self) -> dict:
         wall = (self.t1 or time.monotonic()) - self.t0
         return {"samples_written": self.done, "samples_already_done": self.resumed, "skipped": dict(self.skipped),
+                "skipped_records": self.skipped_records,
                 "failed": [{"index": i, "error": e} for i, e in self.failed], "tokens": self.tokens,
                 "bytes": self.bytes, "verified": self.verified, "verify_max_logprob_diff": round(self.verify_max_diff, 5),
                 "wall_s": round(wall, 2),
@@ -370,6 +387,8 @@ class Extraction:
     def _collect_writes(self, bar) -> int:
         """Count the files written so far; a write that failed (disk full) raises OSError naming the
         file. Returns how many completed."""
+        from sglang_hs.extract.fp8 import NonFiniteRows
+
         failed, collected = None, 0
         for w in [w for w in self.writes if w[2].done()]:
             index, T, fut, rec = w
@@ -383,6 +402,12 @@ class Extraction:
                 self.stats.bytes += fut.result()
                 self.stats.done += 1
                 self.stats.tokens += T
+                bar.update(1)
+            elif isinstance(err, NonFiniteRows):  # no FP8 scale stores them: skipped, as the harvester does
+                line = self.stats.skip("non_finite_rows", f"its hidden states hold inf or NaN, which --save-dtype "
+                                       f"{self.sink.save_dtype} cannot store", f"sample {index}", sample=index)
+                if line:
+                    bar.write(line, file=sys.stderr)
                 bar.update(1)
             elif isinstance(err, OSError):
                 failed = failed or OSError(f"cannot write {self.sink.path(index)}: {err.strerror or err}")
@@ -423,8 +448,7 @@ class Extraction:
                     try:
                         sample = self.prep(index, record)
                     except SkipSample as e:
-                        self.stats.skipped[e.reason] += 1
-                        bar.update(1)
+                        self._skip(index, e, bar)
                         continue
                     verify = _selected_for_verify(index, ns.verify)
                     self.pending[self._rid(index)] = (sample, pool.submit(self._send, sample, verify), verify, None)
@@ -525,6 +549,15 @@ class Extraction:
                 requests.post(f"{self.url}/abort_request", json={"rid": rid}, timeout=5)
             except requests.RequestException:
                 pass
+
+    def _skip(self, index: int, e, bar) -> None:
+        from sglang_hs.extract.dataset import record_place
+
+        where = {"sample": index, **({"line": index + 1} if os.path.isfile(self.ns.data) else {})}
+        line = self.stats.skip(e.reason, e.detail, f"sample {index} ({record_place(self.ns.data, index)})", **where)
+        if line:
+            bar.write(line, file=sys.stderr)
+        bar.update(1)
 
     def _fail(self, index: int, err, bar) -> None:
         self.stats.failed.append((index, str(err)))

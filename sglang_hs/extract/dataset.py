@@ -12,12 +12,19 @@ Records (JSON Lines, or a Hugging Face `datasets` name/path when that library is
   * pre-tokenized: `input_ids` (list of ints) and optional `loss_mask` (same length, 0/1; default 1).
 
 A record that is malformed, empty, or too long for the server's context is skipped with a reason
-(`SkipSample.reason`), counted by the caller; nothing here raises for bad data.
+(`SkipSample.reason`), counted by the caller; nothing here raises for bad data. A JSON Lines file is read
+line by line, each decoded on its own: a line that is not UTF-8 (invalid-utf8), not JSON (invalid-json) or
+nested deeper than Python's JSON decoder recurses (too-deep) is that one record skipped, the lines around it
+read as usual (record i is line i + 1, whatever the lines before hold, so --resume finds the same indices).
+A chat template that raises for a record (a `raise_exception` of the template, say, for roles that do not
+alternate) skips that record (chat-template-error); one that cannot compile is an error of the model, raised
+once (ValueError).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
@@ -28,7 +35,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 class SkipSample(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -39,18 +46,21 @@ class Sample:
     prompt_len: Optional[int] = None  # --regenerate: tokens sent; the target writes the rest
 
 
+# A byte that is not UTF-8, as errors="surrogateescape" decodes it; a lone surrogate a JSON string spells
+# with \u escapes cannot be encoded either (the tokenizer's Rust side would raise on it)
+_UNDECODED = re.compile("[\udc80-\udcff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def read_records(path: str) -> Iterator[Tuple[int, object]]:
-    """(index, record) for each record; a line that is not valid JSON yields a SkipSample as its record."""
+    """(index, record) for each record; a line that is not valid UTF-8 or JSON yields a SkipSample as its
+    record (record_place() names its line)."""
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
+        # Lines split as before (universal newlines); each line's bytes checked on their own: a strict decode
+        # fails for the whole read-ahead chunk, and every later read of the file at the same place.
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for i, line in enumerate(f):
-                if not line.strip():
-                    yield i, SkipSample("empty-line")
-                    continue
-                try:
-                    yield i, json.loads(line)
-                except ValueError as e:
-                    yield i, SkipSample("invalid-json", str(e))
+                yield i, _parse_line(line)
         return
     try:
         import datasets
@@ -60,6 +70,27 @@ def read_records(path: str) -> Iterator[Tuple[int, object]]:
     ds = datasets.load_dataset(path, split="train") if not os.path.isdir(path) else datasets.load_from_disk(path)
     for i, rec in enumerate(ds):
         yield i, rec
+
+
+def record_place(path: str, index: int) -> str:
+    """Where record `index` of `path` is, for a message: its line in a JSON Lines file, else its row."""
+    return f"line {index + 1} of {path}" if os.path.isfile(path) else f"row {index} of {path}"
+
+
+def _parse_line(line: str) -> object:
+    """The record a line holds, or the SkipSample that says why it holds none."""
+    if not line.strip():
+        return SkipSample("empty-line")
+    bad = _UNDECODED.search(line)
+    if bad:
+        byte = ord(bad.group()) - 0xDC00
+        return SkipSample("invalid-utf8", f"byte 0x{byte:02x} at character {bad.start() + 1} is not UTF-8")
+    try:
+        return json.loads(line)
+    except RecursionError:
+        return SkipSample("too-deep", "nested deeper than the JSON decoder goes")
+    except ValueError as e:
+        return SkipSample("invalid-json", str(e))
 
 
 def normalise_messages(record: dict) -> List[dict]:
@@ -76,6 +107,8 @@ def normalise_messages(record: dict) -> List[dict]:
             raise SkipSample("unknown-role", repr(role))
         if not isinstance(content, str):
             raise SkipSample("wrong-type", "message content must be a string")
+        if _SURROGATE.search(content):
+            raise SkipSample("invalid-unicode", "message content holds a lone surrogate (a \\ud800-\\udfff escape)")
         out.append({"role": ROLES[role.lower()], "content": content})
     if not any(m["role"] == "assistant" and m["content"] for m in out):
         raise SkipSample("empty-conversation", "no assistant reply")
@@ -144,16 +177,31 @@ class Preparer:
             raise SkipSample("no-conversation", "--regenerate needs conversations, not input_ids")
         return Sample(index, list(ids), [int(m) for m in mask])
 
+    def _render(self, messages: List[dict], **kwargs) -> str:
+        """The conversation as the model's chat template writes it. The template is code that runs on the
+        record: what it raises for one record (a `raise_exception("roles must alternate")`, a TypeError on
+        an odd message) skips that record; a template that cannot compile, or none, is the model's fault."""
+        from jinja2 import TemplateSyntaxError
+
+        if getattr(self.tok, "chat_template", None) is None:
+            raise ValueError("the model's tokenizer has no chat template: give records as input_ids (+ loss_mask)")
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, **kwargs)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"the model's chat template does not compile: {e}") from None
+        except Exception as e:  # noqa: BLE001 - anything the template raises for this record's messages
+            raise SkipSample("chat-template-error", f"{type(e).__name__}: {e}") from None
+
     def _conversation(self, index: int, messages: List[dict]) -> Sample:
         if self.regenerate:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             prompt = messages[:last]
             if not prompt:
                 raise SkipSample("empty-conversation", "no prompt before the assistant reply")
-            text = self.tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = self._render(prompt, add_generation_prompt=True)
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
             return Sample(index, ids, [0] * len(ids), prompt_len=len(ids))
-        text = self.tok.apply_chat_template(messages, tokenize=False)
+        text = self._render(messages)
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         spans = _reply_spans(text, messages)

@@ -33,6 +33,10 @@ ABS_STEP = 2.0 ** -10  # half the subnormal spacing (2^-9), in units of the scal
 SAVE_DTYPES = ("bf16", "fp8", "fp8-per-layer")
 
 
+class NonFiniteRows(ValueError):
+    """Hidden states holding inf or NaN: no FP8 scale stores them (e4m3fn has no infinity)."""
+
+
 def _ceil_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """The least bf16 value >= x, for finite positive float32 x, as float32."""
     bits = x.contiguous().view(torch.int32)
@@ -44,7 +48,7 @@ def scales_of(states: torch.Tensor, per_layer: bool = False) -> torch.Tensor:
     dims = (2,) if per_layer else (1, 2)
     amax = states.float().abs().amax(dim=dims, keepdim=True)
     if not torch.isfinite(amax).all():
-        raise ValueError("hidden states hold inf or NaN: they have no FP8 scale")
+        raise NonFiniteRows("hidden states hold inf or NaN: they have no FP8 scale")
     scale = _ceil_to_bf16(amax / FP8_MAX)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 

@@ -22,7 +22,11 @@ input_ids[prompt_len:] + [next_token] is what the server sent back).
 
 Skipped and counted: marker records (requests served without capture) and records with no generated row
 (prompt_len >= T: a request that generated at most one token; its loss mask would be all zero, and a
-file that trains nothing only costs disk). Runs until SIGINT or SIGTERM (the file in hand is finished),
+file that trains nothing only costs disk). A record whose rows hold inf or NaN under an FP8 --save-dtype
+(no FP8 scale stores them) is skipped, counted (non_finite_rows), reported with its rid and acknowledged,
+so the queue moves on: acknowledged never, it would stop every restart at the same record. Not kept in
+bf16 instead: a NaN row makes NaN loss and gradients in training (neither trainer masks it out), and a
+bf16 file among FP8 ones is refused by the finalize step (files of one dtype) and by FP8 training. Runs until SIGINT or SIGTERM (the file in hand is finished),
 --max-samples files written, or --idle-timeout seconds without a record; then writes the manifest and,
 with --format safetensors and the final state, speculators' dataset over every hs_*.safetensors in
 --output, as a completed extraction run does (so `--finalize` applies as well).
@@ -38,6 +42,8 @@ import time
 from typing import Optional
 
 import torch
+
+from sglang_hs.extract.fp8 import NonFiniteRows
 
 JOURNAL = "harvest.jsonl"
 RING_SHIFT = 32  # file index = ring number << RING_SHIFT | sequence number
@@ -162,12 +168,25 @@ class Harvester:
             if self.sink.done(index):  # renamed into place, killed before its journal line
                 self.stats.resumed += 1
             else:
-                self.stats.bytes += self.sink.write(index, rec.input_ids, loss_mask(rec), rec.aux_hidden_states,
-                                                    rec.last_hidden_state)
+                try:
+                    self.stats.bytes += self.sink.write(index, rec.input_ids, loss_mask(rec), rec.aux_hidden_states,
+                                                        rec.last_hidden_state)
+                except NonFiniteRows:  # never stored: skipped, counted and acknowledged (module docstring)
+                    self._skip(rec, ring_id, "non_finite_rows", f"its hidden states hold inf or NaN, which "
+                               f"--save-dtype {self.sink.save_dtype} cannot store")
+                    return
                 self.stats.done += 1
                 self.stats.tokens += T
             self.journal.add_file({"index": index, "rid": rec.rid, "ring": ring_id, "seq": rec.seq, "tokens": T,
                                    "prompt_len": rec.prompt_len, "next_token": rec.next_token})
+        self.reader.ack(rec)
+
+
+    def _skip(self, rec, ring_id: str, reason: str, detail: str) -> None:
+        line = self.stats.skip(reason, detail, f"record {rec.rid} (ring {ring_id}, sequence number {rec.seq})",
+                               rid=rec.rid, ring=ring_id, seq=rec.seq)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         self.reader.ack(rec)
 
 

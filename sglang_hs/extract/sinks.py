@@ -234,13 +234,18 @@ class SafetensorsSink(Sink):
         files = self.samples()
         if not files:
             return {"rows": 0}
-        ref = None
+        ref, unreadable = None, []
         for index, p in files:  # every file must hold the same kind of rows, the final state last
-            with safe_open(p, "pt") as f:
-                meta = f.metadata() or {}
-                hs = f.get_slice("hidden_states")
-                sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"), meta.get("layer_ids"),
-                       meta.get("fp8_scale", "none"))
+            try:
+                with safe_open(p, "pt") as f:
+                    meta = f.metadata() or {}
+                    hs = f.get_slice("hidden_states")
+                    sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"),
+                           meta.get("layer_ids"), meta.get("fp8_scale", "none"))
+                    f.get_slice("token_ids"), f.get_slice("loss_mask")
+            except Exception as e:  # noqa: BLE001 - SafetensorError (cut short, not safetensors), a tensor missing
+                unreadable.append((p, f"{type(e).__name__}: {e}"))
+                continue
             if meta.get("final_state") != "true":
                 raise SinkError(f"{p} holds no final hidden state (its server ran without --hs-last), which "
                                 "speculators trains on: no speculators dataset written")
@@ -250,6 +255,12 @@ class SafetensorsSink(Sink):
                 raise SinkError(f"{p} holds rows {sig} but {ref[1]} holds {ref[0]} (shape, dtype, aux layers, "
                                 "layer ids, FP8 scale): files of different captures cannot form one dataset")
 
+        if unreadable:  # a copy cut short (a --shard output copied in): nothing is removed, the old dataset stays
+            (p, why), others = unreadable[0], [os.path.basename(q) for q, _ in unreadable[1:]]
+            nor = f", nor are {len(others)} more ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+            raise SinkError(f"{p} is not a whole sample file ({why})" + (nor if others else "")
+                            + ": cut short (a copy that did not finish, a full disk?); copy it again, or delete it "
+                            "and rerun the extraction with --resume to remake it; no speculators dataset written")
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})

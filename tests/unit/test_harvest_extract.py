@@ -268,3 +268,36 @@ def test_a_torn_record_stops_the_harvester_in_one_line_and_keeps_the_files_writt
     m = json.load(open(out / "manifest.json"))
     assert m["status"] == "stopped by a torn record" and m["speculators_dataset_rows"] == 4, m
     _check_files(w, out, sent, "safetensors")  # the files before it: whole, journaled, and the training set
+
+
+def test_a_record_with_inf_or_nan_rows_is_skipped_by_rid_and_the_queue_moves_on(tmp_path, capsys):
+    """FP8 has no scale for inf or NaN: such a record is skipped, counted and reported with its rid, and
+    acknowledged, so the records behind it are harvested and a restarted harvester does not stop at it."""
+    w = _dump(tmp_path / "dump")
+    w.store[12, 1, 3] = float("inf")  # a row of request c (slots 11-18)
+    w.store[27, 0, 0] = float("nan")  # and of request e (slots 26-30)
+    sent = _publish(w)
+    out = tmp_path / "out"
+    assert _run(tmp_path / "dump", out, "--format", "safetensors", "--save-dtype", "fp8") == 0
+    err = capsys.readouterr().err
+    files, _ = _journal(out)
+    assert sorted(files) == ["a", "d"], files  # the records behind c's and e's too
+    assert w.ring.free_bytes() == w.ring.capacity  # every record acknowledged, the skipped ones with them
+    m = json.load(open(out / "manifest.json"))
+    assert m["status"] == "complete" and m["samples_written"] == 2, m
+    assert m["skipped"] == {"no_generated_rows": 1, "non_finite_rows": 2, "served_without_capture": 5}, m["skipped"]
+    ring = files["a"]["ring"]
+    skipped = [(r["rid"], r["ring"], r["seq"]) for r in m["skipped_records"] if r["reason"] == "non_finite_rows"]
+    assert skipped == [("c", ring, files["a"]["seq"] + 4), ("e", ring, files["a"]["seq"] + 8)], m["skipped_records"]
+    for rid, _, seq in skipped:
+        assert (f"[extract] skipped record {rid} (ring {ring}, sequence number {seq}): non_finite_rows: its hidden "
+                "states hold inf or NaN, which --save-dtype fp8 cannot store") in err, err
+    from safetensors.torch import load_file
+
+    for rid in ("a", "d"):  # the others' files are whole FP8 files of their rows
+        ids, slots, _, _ = sent[rid]
+        d = load_file(os.path.join(out, f"hs_{files[rid]['index']}.safetensors"))
+        assert d["hidden_states"].dtype == torch.float8_e4m3fn and d["token_ids"].tolist() == ids
+    more = _publish(w, [("f", 3, 3)], first_slot=40)  # a restart goes on behind them
+    assert _run(tmp_path / "dump", out, "--format", "safetensors", "--save-dtype", "fp8") == 0
+    assert sorted(_journal(out)[0]) == ["a", "d", "f"] and more

@@ -48,6 +48,60 @@ def test_a_server_ignoring_sigterm_is_killed(grace, signals):
         assert "SIGTERM again: killing the server's processes now" in err
 
 
+# A server whose output is more than a pipe holds (4 MB): it blocks writing once nobody reads its pipe.
+CHATTY = ("import os, sys; print(os.getpid(), flush=True)\n"
+          "for _ in range(4096): sys.stdout.write('x' * 1023 + '\\n')\nsys.stdout.flush()")
+
+
+def test_the_relay_outlives_a_closed_stdout(tmp_path):
+    """The parent stops reading the launcher's output (closes its pipe): the relay reads the server's on and
+    drops it, so the server never blocks writing its log; the launcher ends with the server's own status."""
+    with open(tmp_path / "err", "w+") as err:
+        sup = subprocess.Popen([sys.executable, "-c", SUPERVISE, CHATTY, "300"], stdout=subprocess.PIPE,
+                               stderr=err, text=True)
+        try:
+            child = int(sup.stdout.readline())
+            sup.stdout.close()  # EPIPE from the launcher's next write on
+            rc = sup.wait(timeout=120)  # (a hang guard: with a dead relay the server blocks for good)
+        finally:
+            sup.kill()
+        err.seek(0)
+        log = err.read()
+    assert rc == 0, log
+    assert "warning: the server's output cannot be relayed any more (BrokenPipeError" in log, log
+    assert "Traceback" not in log, log
+    assert not _alive(child)
+
+
+# A py-spy that never answers (stuck in ptrace on a process in disk sleep), with a child of its own; it
+# writes both pids to a file.
+HUNG_PY_SPY = "#!/bin/sh\nsleep 600 &\necho $$ $! > {pids}\nwait\n"
+SUPERVISE_STALL_SPY = ("import sys; from sglang_hs import supervisor as s; s.PY_SPY_TIMEOUT_S = 5; "
+                       "sys.exit(s.Supervisor([sys.executable, '-c', sys.argv[1]], 3, None).run())")
+
+
+def test_a_hung_py_spy_is_killed_and_the_stall_still_reported(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    spy = bin_dir / "py-spy"
+    spy.write_text(HUNG_PY_SPY.format(pids=tmp_path / "spy.pids"))
+    spy.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_STALL_SPY, SLEEP], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        child = int(sup.stdout.readline())
+        _, err = sup.communicate(timeout=120)
+    finally:
+        sup.kill()
+    assert sup.returncode == EXIT_STALL, err
+    assert f"py-spy did not answer within 5s for pid {child}: killed it" in err, err
+    assert "Traceback" not in err and "looks blocked" in err, err
+    spy_pids = [int(p) for p in (tmp_path / "spy.pids").read_text().split()]
+    assert len(spy_pids) == 2 and not any(_alive(p) for p in spy_pids), "py-spy (or its child) outlived the report"
+    assert not _alive(child)
+
+
 # -- busy or blocked: each process's CPU use in the stall report and the quiet start-up log --
 
 BEFORE = (100.0, {10: ProcSample("sglang::scheduler_TP0", 5.0, "running", 20, 1),
