@@ -33,6 +33,10 @@ Ledger (what / why / upstream status / removal plan):
 | pad               | len fill value only the AMX backend defines  |                  |
 | moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
 |                   | other ranks' experts (id -1) are skipped     |                  |
+| dsa_torch_native  | replaces dsa_indexer.Indexer.forward_native  | CPU mode only    |
+|                   | (a plain-torch DSA indexer); wraps           |                  |
+|                   | TorchNativeAttnBackend.forward_extend/decode |                  |
+|                   | to attend over the indexer's top-k keys      |                  |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -114,6 +118,23 @@ moe_native_ep
   removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's DP-attention
             + EP server fails at its warm-up without it.
 
+dsa_torch_native
+  why:      DeepSeek-V3.2 (and any DeepSeek-family config carrying `index_topk`, which SGLang serves with DSA)
+            cannot run on the CPU engine: `Indexer.forward_native` raises "Indexer has no native (pure-torch)
+            path" and `forward_cpu` falls back to it; and the torch_native backend takes no `topk_indices`
+            (TypeError), so even a working indexer would meet dense attention. The patch computes the
+            indexer as HF transformers' DeepseekV32Indexer does (index keys kept per layer at their KV
+            slots, so prefix-cache hits, later chunks and decode see them), and the MLA attention masks
+            every key the indexer did not select, as HF's DeepseekV32Attention does. Without a
+            `topk_indices` the backend runs unchanged. Only the CPU engine's float32 path: the Hadamard
+            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too).
+  upstream: present in sglang 0.5.23 (srt/layers/attention/dsa/dsa_indexer.py forward_native;
+            torch_native_backend.py forward_extend/forward_decode have no **kwargs); not reported upstream.
+  removal:  when SGLang gives the indexer a native path and the torch_native backend a sparse one;
+            tests/e2e/test_model_family.py serves the tiny V3.2 ("v32", index_topk 11 below its prompts'
+            lengths) and judges every row against HF float32, which fails without it (the server does
+            not start) and with a planted top-k or dense-attention bug.
+
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
             `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
@@ -163,6 +184,11 @@ def apply() -> dict:
             from sglang_hs.patches import moe_native_ep
 
             _applied["moe_native_ep"] = moe_native_ep.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "dsa_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "dsa_torch_native" not in _applied:
+            from sglang_hs.patches import dsa_torch_native
+
+            _applied["dsa_torch_native"] = dsa_torch_native.apply()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.patches import capture_hooks
 
