@@ -14,19 +14,12 @@ from typing import List, Optional, Sequence
 # Architectures whose SGLang class is DeepseekV2ForCausalLM or a subclass the overlay covers
 # (DeepSeek-V2/V2.5/V3/R1, Kimi-K2 and other checkpoints declaring these names; Mistral Large 3, text;
 # Kimi-K2.5, text only, whose DeepseekV3 language model sits inside a vision-language wrapper).
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MistralLarge3ForCausalLM",
-                           "KimiK25ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                           "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration")
 # Wrappers whose config keeps the language model's sizes in `text_config`.
 TEXT_CONFIG_WRAPPERS = ("KimiK25ForConditionalGeneration",)
 # DeepSeek-V3-family classes of SGLang 0.5.23 that are refused, and why (one line each).
 REFUSED_ARCHITECTURES = {
-    # srt/layers/attention/dsa/dsa_indexer.py:1888-1891: Indexer.forward_native raises
-    # NotImplementedError("Indexer has no native (pure-torch) path") and forward_cpu falls back to it
-    # (srt/layers/utils/multi_platform.py:62); srt/arg_groups/model_overrides/deepseek_v2.py:100-103
-    # selects the CUDA-only "dsa" attention backend. Capture itself would be the V3 overlay's, but a
-    # capture path that no test can run is not shipped.
-    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (DSA indexer) has no CPU path in SGLang "
-                              "0.5.23, so sglang-hs cannot test its capture end to end yet",
     "PixtralForConditionalGeneration": "Mistral Large 3 with its vision encoder builds its language model "
                                        "inside the Pixtral wrapper, which sglang-hs does not cover; serve "
                                        "a text-only params.json (MistralLarge3ForCausalLM)",

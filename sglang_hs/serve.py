@@ -96,6 +96,10 @@ def main(argv) -> int:
     from sglang_hs.patches import warmup_rid
 
     load_plugins()
+    if envs.SGLANG_HS_CPU_MODE and "dsa_cpu_server_args" not in envs.SGLANG_HS_DISABLE_PATCHES:
+        from sglang_hs.patches import dsa_cpu_server_args
+
+        dsa_cpu_server_args.apply()  # before resolution: DSA configs on the CPU engine
     if envs.SGLANG_HS_DUMP_DIR:
         warmup_rid.apply()  # this process serves HTTP: SGLang's warm-up request gets a recognisable rid
     server_args = prepare_server_args(argv)

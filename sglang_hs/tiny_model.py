@@ -35,6 +35,11 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   no remote code): text_config is the "kimi-k2" shape, the weights are its text model's under
   "language_model." (as in Kimi-K2.5's checkpoint), and vision_config is the smallest MoonViT SGLang
   builds (_KIMI_K25_VISION); no vision weights (served text only, the tower is never loaded or run).
+- "v32": DeepseekV32ForCausalLM (model_type "deepseek_v32"): the V3 shape (two expert groups, YaRN) plus
+  the DSA indexer on every layer, with 7 indexer heads of 128 dims (16 rotary; SGLang's DSA KV pool asserts 128) and
+  index_topk 11, below every test prompt's length, so the sparse selection really drops keys from the
+  second chunk of a prompt on (with index_topk >= the length every key is kept and a wrong indexer is
+  invisible). HF transformers' DeepseekV32ForCausalLM is the reference.
 """
 from __future__ import annotations
 
@@ -138,7 +143,16 @@ def _kimi_k25(cfg: dict) -> dict:
             "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]}
 
 
-VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25}
+# DeepSeek-V3.2's DSA indexer, tiny: top-k below the test prompts' lengths (see the module docstring).
+V32_INDEX = {"index_topk": 11, "index_n_heads": 7, "index_head_dim": 128}
+
+
+def _v32(cfg: dict) -> dict:
+    return dict(cfg, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", **V32_INDEX)
+
+
+VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
+            "v32": _v32}
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}

@@ -163,4 +163,8 @@ class DeepseekV3ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV3ForCausalLM):
     pass
 
 
-EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]
+class DeepseekV32ForCausalLM(_HiddenStateOverlay, upstream.DeepseekV32ForCausalLM):
+    """DeepSeek-V3.2: V3 plus the DSA indexer; capture is V3's (the indexer only picks attention's keys)."""
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM]

@@ -33,6 +33,13 @@ Ledger (what / why / upstream status / removal plan):
 | pad               | len fill value only the AMX backend defines  |                  |
 | moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
 |                   | other ranks' experts (id -1) are skipped     |                  |
+| dsa_torch_native  | replaces dsa_indexer.Indexer.forward_native  | CPU mode only    |
+|                   | (a plain-torch DSA indexer); wraps           |                  |
+|                   | TorchNativeAttnBackend.forward_extend/decode |                  |
+|                   | to attend over the indexer's top-k keys      |                  |
+| dsa_cpu_server_   | DSA configs' server-argument resolution on   | CPU mode, HTTP   |
+| args              | CPU: no GPU capability query or FP8/DSA      | server process   |
+|                   | kernel defaults; torch_native, page size 1   | (serve.py)       |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -114,6 +121,35 @@ moe_native_ep
   removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's DP-attention
             + EP server fails at its warm-up without it.
 
+dsa_torch_native
+  why:      DeepSeek-V3.2 (and any DeepSeek-family config carrying `index_topk`, which SGLang serves with DSA)
+            cannot run on the CPU engine: `Indexer.forward_native` raises "Indexer has no native (pure-torch)
+            path" and `forward_cpu` falls back to it; and the torch_native backend takes no `topk_indices`
+            (TypeError), so even a working indexer would meet dense attention. The patch computes the
+            indexer as HF transformers' DeepseekV32Indexer does (index keys kept per layer at their KV
+            slots, so prefix-cache hits, later chunks and decode see them), and the MLA attention masks
+            every key the indexer did not select, as HF's DeepseekV32Attention does. Without a
+            `topk_indices` the backend runs unchanged. Only the CPU engine's float32 path: the Hadamard
+            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too).
+  upstream: present in sglang 0.5.23 (srt/layers/attention/dsa/dsa_indexer.py forward_native;
+            torch_native_backend.py forward_extend/forward_decode have no **kwargs); not reported upstream.
+  removal:  when SGLang gives the indexer a native path and the torch_native backend a sparse one;
+            tests/e2e/test_model_family.py serves the tiny V3.2 ("v32", index_topk 11 below its prompts'
+            lengths) and judges every row against HF float32, which fails without it (the server does
+            not start) and with a planted top-k or dense-attention bug.
+
+dsa_cpu_server_args
+  why:      SGLang 0.5.23 resolves a DSA config (srt/arg_groups/model_hook.py, handle_model_specific_adjustments;
+            overrides.py _dsa_kv_cache_dtype_default, _dsa_split_backend_resolution) as if every platform but
+            NPU and XPU were a GPU: `torch.cuda.get_device_capability()` fails on the CPU engine ("Found no
+            NVIDIA driver") and the defaults are FP8 KV cache, DSA kernels, the "dsa" backend and 64-token
+            pages. In CPU mode the capability query answers (0, 0) during that one call, the two GPU passes
+            are skipped, and a provider declared after upstream's sets attention_backend torch_native and
+            page_size 1 for configs SGLang treats as DSA (is_deepseek_dsa).
+  upstream: present in sglang 0.5.23; not reported upstream.
+  removal:  when SGLang resolves DSA configs for the CPU engine; the V3.2 server of
+            tests/e2e/test_model_family.py does not start without it.
+
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
             `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
@@ -128,7 +164,8 @@ kimi_k25_language_model
 
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward; warmup_rid, which concerns the HTTP server
-process, is applied by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
+process, and dsa_cpu_server_args, needed before that process resolves the server arguments, are applied
+by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__`. Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
@@ -163,6 +200,11 @@ def apply() -> dict:
             from sglang_hs.patches import moe_native_ep
 
             _applied["moe_native_ep"] = moe_native_ep.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "dsa_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "dsa_torch_native" not in _applied:
+            from sglang_hs.patches import dsa_torch_native
+
+            _applied["dsa_torch_native"] = dsa_torch_native.apply()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.patches import capture_hooks
 

@@ -17,6 +17,12 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   SGLang's vision-language wrapper, served with language_model_only (set by the launcher), so a chat
   request with an image is refused with a one-line error. Reference: HF DeepseekV3 on the text config and the
   "language_model."-prefixed weights.
+- "v32": DeepseekV32ForCausalLM (DeepSeek-V3.2: the V3 shape plus the DSA indexer), index_topk 11, below
+  the prompts' lengths, so every query past the 11th position attends over the indexer's 11 keys only.
+  Served by the CPU engine through sglang_hs/patches/dsa_torch_native.py (SGLang's indexer has no CPU
+  path); reference: HF transformers' DeepseekV32ForCausalLM float32. Also judged under concurrency
+  (requests of several lengths sharing prefill and decode steps), since the indexer and the sparse
+  attention select keys per request.
 
 See sglang_hs/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
 time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus the
@@ -27,6 +33,9 @@ Each row is judged on its own (see test_exact_rows.py for the measurements behin
 TOL of its own HF row, and closer to it than to the neighbouring tokens' and layers' rows. Measured
 here: worst row 8.4e-07 (v2) and 1.3e-06 (kimi-k2); a judge given swapped or shifted layer ids fails on
 every row (0.78 off), and with the tolerance loosened to 10 the neighbour rule still catches the shift.
+V3.2: worst row 1.2e-06; with the patch's top-k planted one short (10 keys) the chunked-prefill test fails
+from row 10 on (0.23 off), with dense attention planted (the indexer's selection ignored) from row 11 on
+(0.70 off): the first rows with more keys than selected.
 """
 import os
 import time
@@ -52,6 +61,8 @@ FAMILIES = {
     "mistral-large-3": [],
     # The launcher serves Kimi-K2.5 text only (language_model_only); its text model has Kimi-K2's context.
     "kimi-k25": ["--context-length", "4096"],
+    # DeepSeek-V3.2: SGLang's DSA on the CPU engine through the dsa_torch_native patch (torch_native, token pages).
+    "v32": [],
 }
 BF16_SERVED = {"mistral-large-3"}  # see judge_bf16
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "
@@ -97,10 +108,11 @@ def _hf_reference(ckpt, variant):
         assert not any(info.values()), info
         model.eval()
     else:
-        cls = transformers.DeepseekV2ForCausalLM if variant == "v2" else transformers.DeepseekV3ForCausalLM
+        cls = {"v2": transformers.DeepseekV2ForCausalLM, "v32": transformers.DeepseekV32ForCausalLM}.get(
+            variant, transformers.DeepseekV3ForCausalLM)
         model = cls.from_pretrained(ckpt, config=cfg, dtype=torch.float32).eval()
-    assert type(model.config).__name__ == {"v2": "DeepseekV2Config", "mistral-large-3": "Mistral4Config"}.get(
-        variant, "DeepseekV3Config")
+    assert type(model.config).__name__ == {"v2": "DeepseekV2Config", "mistral-large-3": "Mistral4Config",
+                                           "v32": "DeepseekV32Config"}.get(variant, "DeepseekV3Config")
 
     def hidden_states(ids):
         with torch.no_grad():
@@ -110,6 +122,7 @@ def _hf_reference(ckpt, variant):
     hidden_states.tok = transformers.AutoTokenizer.from_pretrained(ckpt, trust_remote_code=variant == "kimi-k2")
     hidden_states.config = cfg
     hidden_states.bf16 = variant in BF16_SERVED
+    hidden_states.model = model
     return hidden_states
 
 
@@ -168,7 +181,8 @@ def test_checkpoint_has_the_family_shape(family):
     assert reader.manifest["layer_ids"] == LAYERS
     assert reader.manifest["dtype"] == ("bfloat16" if variant in BF16_SERVED else "float32")
     arch = {"v2": "DeepseekV2ForCausalLM", "mistral-large-3": "MistralLarge3ForCausalLM",
-            "kimi-k25": "KimiK25ForConditionalGeneration"}.get(variant, "DeepseekV3ForCausalLM")
+            "kimi-k25": "KimiK25ForConditionalGeneration", "v32": "DeepseekV32ForCausalLM"}.get(
+        variant, "DeepseekV3ForCausalLM")
     assert reader.manifest["architecture"] == arch
     if variant == "kimi-k25":
         assert cfg["architectures"] == [arch] and cfg["text_config"]["model_type"] == "kimi_k2"
@@ -182,6 +196,8 @@ def test_checkpoint_has_the_family_shape(family):
     elif variant == "mistral-large-3":
         assert not os.path.exists(os.path.join(tiny_model.path(variant), "config.json"))  # params.json only
         assert cfg["llama_4_scaling"]["original_max_position_embeddings"] == 16 and cfg["moe"]["routed_scale"] == 1.5
+    elif variant == "v32":
+        _assert_the_indexer_drops_keys(hf)
     elif variant == "v2":
         assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and hf.config.q_lora_rank is None
         assert hf.config.topk_method == "greedy" and cfg["scoring_func"] == "softmax"
@@ -220,3 +236,50 @@ def test_radix_repeat_and_shared_prefix(family):
     for rid, (ids, out) in outs.items():
         worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
     print(f"{variant}: 3 records, worst {worst:.2e}")
+
+
+def _assert_the_indexer_drops_keys(hf):
+    """The V3.2 checkpoint's top-k is below the judged prompts' lengths, and HF's own rows change when its
+    indexer keeps every key: a dense (or wrong) selection on the server is visible to the row judge."""
+    import torch
+
+    cfg = hf.config
+    assert cfg.architectures == ["DeepseekV32ForCausalLM"] and cfg.n_group > 1
+    ids = row_judge.prompt_ids(hf, LONG)
+    assert cfg.index_topk < 30 < len(ids)  # 30: the shortest prompt the tests judge past its first chunk
+    indexers = [layer.self_attn.indexer for layer in hf.model.model.layers]
+    sparse = hf(ids)
+    try:
+        for ix in indexers:
+            ix.index_topk = len(ids)
+        dense = hf(ids)
+    finally:
+        for ix in indexers:
+            ix.index_topk = cfg.index_topk
+    k = cfg.index_topk
+    assert row_judge.rel(sparse[1][:k], dense[1][:k]).max() < 1e-6  # up to top-k keys nothing is dropped
+    assert row_judge.rel(sparse[-1][k + 1:], dense[-1][k + 1:]).min() > 1e-3
+
+
+def test_concurrent_requests_of_mixed_lengths(family):
+    """V3.2 only (the other shapes attend as V3, judged under concurrency in test_exact_rows.py): 8 requests
+    at once, 5 to 54 prompt tokens, 1 to 4 generated, so prefill chunks and decode rows of requests with
+    fewer and more keys than index_topk share steps; the indexer and the sparse attention select per request."""
+    import concurrent.futures as cf
+
+    variant, server, reader, hf = family
+    if variant != "v32":
+        pytest.skip("the V3 attention path's concurrency is judged in test_exact_rows.py")
+    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
+             "Shared memory lets one process write and another read without copying through the kernel."]
+    jobs = []
+    for i in range(8):
+        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 5 + (i * 13) % 50]
+        jobs.append((f"{variant}-conc-{i}", ids, 1 + i % 4))
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(
+            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
+    worst = 0.0
+    for (rid, ids, _), out in zip(jobs, outs):
+        worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
+    print(f"{variant}: {len(jobs)} concurrent records, worst {worst:.2e}")

@@ -58,6 +58,7 @@ def test_validate_rejects(ids, message):
 def test_architectures():
     assert check_architecture(["DeepseekV3ForCausalLM"]) == "DeepseekV3ForCausalLM"
     assert check_architecture(["DeepseekV2ForCausalLM"]) == "DeepseekV2ForCausalLM"
-    for bad in (["DeepseekV32ForCausalLM"], ["LlamaForCausalLM"], [], None):
+    assert check_architecture(["DeepseekV32ForCausalLM"]) == "DeepseekV32ForCausalLM"  # DSA: patches/dsa_torch_native
+    for bad in (["LlamaForCausalLM"], [], None):
         with pytest.raises(CaptureConfigError, match="unsupported architecture"):
             check_architecture(bad)

@@ -85,7 +85,6 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         (["--hs-layers", "2,9"], "DeepseekV3ForCausalLM", "id 9 is out of range"),
         (["--hs-layers", "4,2"], "DeepseekV3ForCausalLM", "strictly increasing"),
         ([], "LlamaForCausalLM", "unsupported architecture 'LlamaForCausalLM'"),
-        ([], "DeepseekV32ForCausalLM", "unsupported architecture 'DeepseekV32ForCausalLM'.*DSA indexer.* no CPU path"),
         ([], "PixtralForConditionalGeneration", "'PixtralForConditionalGeneration'.*inside the Pixtral wrapper"),
         (["--hs-startup-timeout", "0"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
         (["--hs-admission-timeout", "-1"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),

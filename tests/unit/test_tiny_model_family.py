@@ -45,6 +45,21 @@ def test_checkpoint_reads_as_in_tree_class_with_per_expert_weights(variant, cls)
     assert ("model.layers.1.self_attn.q_proj.weight" in names) == (variant == "v2")  # no query LoRA in V2
 
 
+def test_v32_checkpoint_is_deepseek_v32_with_an_indexer_that_drops_keys():
+    """DeepSeek-V3.2: read by HF as DeepseekV32Config, indexer weights on every layer, per-expert weights, and
+    an index_topk below the e2e prompts' lengths (otherwise the sparse selection keeps every key)."""
+    ckpt = tiny_model.ensure("v32")
+    cfg = tiny_model.hf_config(ckpt, "v32")
+    assert type(cfg).__name__ == "DeepseekV32Config" and cfg.architectures == ["DeepseekV32ForCausalLM"]
+    assert cfg.index_topk == 11 and cfg.index_n_heads == 7 and cfg.n_group == 2
+    assert cfg.index_head_dim == 128  # SGLang's DSA KV pool asserts it (memory_pool.py DSATokenToKVPool)
+    names = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+    for layer in range(cfg.num_hidden_layers):
+        for w in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+            assert f"model.layers.{layer}.self_attn.indexer.{w}" in names
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names
+
+
 def test_mistral_large_3_is_mistral_native_and_parsed_by_sglang_as_such():
     """params.json + consolidated.safetensors with Mistral names, in a folder SGLang's name heuristic
     sends to its Mistral config parser; the parsed config is the MistralLarge3 shape."""
