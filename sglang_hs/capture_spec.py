@@ -114,7 +114,8 @@ def check_architecture(architectures: Optional[Sequence[str]], where: str = "the
             f"unsupported architecture {archs[0] if archs else None!r} in {where}: sglang-hs captures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} models only"
         )
-    for part, cfg in (("", config), ("text_config.", _config_value(config, "text_config") if config is not None else None)):
+    text_config = _config_value(config, "text_config") if config is not None else None
+    for part, cfg in (("", config), ("text_config.", text_config)):
         topk = _config_value(cfg, "index_topk") if cfg is not None else None
         if topk is not None:
             raise CaptureConfigError(
