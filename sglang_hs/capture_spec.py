@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence
 # Kimi-K2.5, text only, whose DeepseekV3 language model sits inside a vision-language wrapper).
 SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
                            "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration")
+# Classes served with DeepSeek Sparse Attention (their configs carry `index_topk`).
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
 # Wrappers whose config keeps the language model's sizes in `text_config`.
 TEXT_CONFIG_WRAPPERS = ("KimiK25ForConditionalGeneration",)
 # DeepSeek-V3-family classes of SGLang 0.5.23 that are refused, and why (one line each).
@@ -87,7 +89,18 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> List[int]:
     return ids
 
 
-def check_architecture(architectures: Optional[Sequence[str]], where: str = "the model's config.json") -> str:
+def _config_value(config, name: str):
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+def check_architecture(architectures: Optional[Sequence[str]], where: str = "the model's config.json",
+                       config=None) -> str:
+    """The architecture to capture, or CaptureConfigError. `config` (the HF config, a dict or an object,
+    with its `text_config`) is checked for DeepSeek Sparse Attention too: SGLang 0.5.23 turns DSA on by
+    config, not by class (configs/model_config.py `is_deepseek_dsa`: DeepseekV3ForCausalLM and
+    MistralLarge3ForCausalLM with `index_topk` set). DSA is served and tested as DeepseekV32ForCausalLM
+    (patches/dsa_torch_native.py on the CPU engine); a config with `index_topk` under any other class
+    name is refused, in one line naming the reason."""
     archs = list(architectures or [])
     if archs and archs[0] in REFUSED_ARCHITECTURES:
         raise CaptureConfigError(f"unsupported architecture {archs[0]!r} in {where}: "
@@ -97,6 +110,16 @@ def check_architecture(architectures: Optional[Sequence[str]], where: str = "the
             f"unsupported architecture {archs[0] if archs else None!r} in {where}: sglang-hs captures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} models only"
         )
+    if archs[0] in DSA_ARCHITECTURES:
+        return archs[0]
+    text_config = _config_value(config, "text_config") if config is not None else None
+    for part, cfg in (("", config), ("text_config.", text_config)):
+        topk = _config_value(cfg, "index_topk") if cfg is not None else None
+        if topk is not None:
+            raise CaptureConfigError(
+                f"unsupported model in {where}: {part}index_topk = {topk!r} makes SGLang serve {archs[0]} with "
+                f"DeepSeek Sparse Attention (DSA, as DeepSeek-V3.2); sglang-hs serves and tests DSA as "
+                f"{', '.join(DSA_ARCHITECTURES)} only, not under {archs[0]}")
     return archs[0]
 
 

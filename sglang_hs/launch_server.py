@@ -346,7 +346,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     dump_dir = None
     if ns.hs_dump_dir:
         config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
-        arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json")
+        arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
         if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: capture its language model, text requests only
             config = config["text_config"]
             sg_argv = text_only(sg_argv)

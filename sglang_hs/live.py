@@ -154,7 +154,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} runs without --hs-last; "
                                        "SpecForge's layout needs the final hidden state")
             if self._preparer is None:
-                self._preparer = make_preparer(reader.manifest)
+                self._preparer = make_preparer(reader.manifest, url=self.url)
             timeout = self.request_timeout
 
             def send(body):

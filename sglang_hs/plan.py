@@ -109,9 +109,9 @@ def _gpus() -> List[dict]:
         return []
 
 
-def token_counts(data: str, model_path: Optional[str], context: int, max_samples: Optional[int]) -> List[int]:
+def token_counts(data: str, model_path: Optional[str], context, max_samples: Optional[int]) -> List[int]:
     """Tokens per sample the extraction will capture (prompt-only records at full length; skipped records
-    left out), tokenized as the extraction CLI does."""
+    left out), tokenized as the extraction CLI does; `context`: a context length or RequestLimits."""
     from transformers import AutoTokenizer
 
     from sglang_hs import tiny_model
@@ -170,7 +170,10 @@ def plan(ns) -> dict:
     ring = max(ring, need) if not ns.hs_ring_size else ring
     ring = HEADER_BYTES + _align(ring)  # the ring's file: its header, then the records
     if ns.data:
-        counts = token_counts(ns.data, ns.model_path, min(int(ctx), slots or int(ctx)), ns.max_samples)
+        from sglang_hs.extract.limits import RequestLimits
+
+        # what the extraction sends: SGLang's own limits for this context and KV pool (extract/limits.py)
+        counts = token_counts(ns.data, ns.model_path, RequestLimits.of_context(int(ctx), pool), ns.max_samples)
         samples, tokens, exact = len(counts), sum(counts), True
     else:
         if not ns.samples or not ns.mean_tokens:

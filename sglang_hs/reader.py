@@ -14,8 +14,9 @@ when nothing was generated) and `next_token` is the token after the last row (th
 so `output_ids` (input_ids[prompt_len:] + [next_token]) are exactly the tokens the server sent back.
 The reader drains the ring eagerly (one copy per record, then the bytes go back to the server), so
 holding on to one record never stalls the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
-emitted. A request id used again after its request finished (a client's retry) gives one record per
-request, oldest first: `take(rid)` returns them in turn, never one in place of another.
+emitted. A request id used again (a client's retry, a duplicate) gives one outcome per request, a record
+or a marker (below), oldest first: each `take(rid)` answers the oldest request of that rid not answered
+yet, never one in place of another.
 
 A record drained eagerly is gone from the ring: if the reader process dies before its consumer handled
 it, it is lost. With `ack=True` the reader still copies records out as they arrive, but their bytes go
@@ -119,6 +120,7 @@ class HiddenStateRecord:
     writer: int = field(default=0, repr=False)  # index of that writer in manifest["writers"]
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
+    _arrival: int = field(default=0, repr=False, compare=False)  # this reader's count of records and markers
 
     def drop_tensors(self) -> None:
         """A zero-copy record whose ring bytes went back to the server: no tensor of it is handed on."""
@@ -215,7 +217,12 @@ class HiddenStateReader:
         # that arrived while an older one was still here wait in line behind it, never replacing it (a
         # replaced record would be lost and, with ack=True, never acknowledged: the ring would stay full)
         self._later: "dict[str, collections.deque]" = {}
-        self._skipped: "collections.OrderedDict[str, str]" = collections.OrderedDict()  # rid -> reason
+        # markers of requests served without capture: arrival number -> (rid, reason), oldest first; and per
+        # rid, the arrival numbers of its markers. A rid used again has one outcome per request (a record or a
+        # marker): take(rid) answers them oldest first, by arrival, and consumes the one it answers with.
+        self._skipped: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        self._marks: "dict[str, collections.deque]" = {}
+        self._arrivals = 0
         self.markers = 0  # marker records seen (requests served without capture)
         self._rings, self._locks = [], []
         try:
@@ -260,17 +267,21 @@ class HiddenStateReader:
         n = 0
         for w, ring in enumerate(self._rings):
             for rec in (ring.read_ahead(copy=not self.zero_copy) if self.ack_mode else ring.drain()):
+                self._arrivals += 1
                 if rec.skipped:  # a marker: that request has no record
                     if self.ack_mode:
                         ring.release(rec.seq)
-                    self._skipped[rec.rid] = SKIP_REASONS[rec.skipped]
-                    if len(self._skipped) > MAX_MARKERS:
-                        self._skipped.popitem(last=False)
+                    self._skipped[self._arrivals] = (rec.rid, SKIP_REASONS[rec.skipped])
+                    self._marks.setdefault(rec.rid, collections.deque()).append(self._arrivals)
+                    if len(self._skipped) > MAX_MARKERS:  # the oldest marker of all is its rid's oldest
+                        _, (old, _) = self._skipped.popitem(last=False)
+                        self._marks[old].popleft()
+                        if not self._marks[old]:
+                            del self._marks[old]
                     self.markers += 1
                     n += 1
                     continue
                 K = self.num_aux
-                self._skipped.pop(rec.rid, None)  # a reused rid: its newest request has a record
                 record = HiddenStateRecord(
                     rid=rec.rid,
                     input_ids=rec.input_ids,
@@ -280,6 +291,7 @@ class HiddenStateReader:
                     writer=w,
                     prompt_len=rec.prompt_len,
                     next_token=rec.next_token,
+                    _arrival=self._arrivals,
                 )
                 if rec.rid in self._ready:
                     self._later.setdefault(rec.rid, collections.deque()).append(record)
@@ -322,13 +334,27 @@ class HiddenStateReader:
                     "of the output ring, and new requests wait for ring space: ack() records as you go")
         return TimeoutError(msg)
 
+    def _marker_first(self, rid: str) -> bool:
+        """The oldest outcome waiting for `rid` is a marker (not a record)."""
+        marks = self._marks.get(rid)
+        return bool(marks) and (rid not in self._ready or marks[0] < self._ready[rid]._arrival)
+
+    def _pop_marker(self, rid: str) -> str:
+        marks = self._marks[rid]
+        _, reason = self._skipped.pop(marks.popleft())
+        if not marks:
+            del self._marks[rid]
+        return reason
+
     def pop_ready(self, rid: str) -> Optional[HiddenStateRecord]:
-        """That request's record if a poll() already brought it in, else None (never waits)."""
-        return self._pop(rid) if rid in self._ready else None
+        """That request's record if a poll() already brought it in (and no older marker of its rid waits
+        for a take()), else None (never waits)."""
+        return self._pop(rid) if rid in self._ready and not self._marker_first(rid) else None
 
     def not_captured(self, rid: str) -> Optional[str]:
-        """Why request `rid` has no record (its marker arrived), else None (never waits)."""
-        return self._skipped.get(rid)
+        """Why request `rid` has no record, when the oldest outcome waiting for that rid is a marker, else
+        None (never waits; the marker stays for take())."""
+        return self._skipped[self._marks[rid][0]][1] if self._marker_first(rid) else None
 
     def ready_rids(self) -> list:
         return list(self._ready)
@@ -338,18 +364,21 @@ class HiddenStateReader:
         return sum(ring.unread_bytes() for ring in self._rings)
 
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
-        """That request's record, waiting for it; raises NotCaptured once its marker says it has none."""
+        """That request's record, waiting for it; raises NotCaptured once its marker says it has none. A rid
+        used again: each call answers the oldest request of that rid not answered yet, record or marker."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while rid not in self._ready:
-            if rid in self._skipped:
-                raise NotCaptured(rid, self._skipped[rid])
+            if rid in self._marks:
+                break
             arrived = self.poll()
-            if rid in self._ready or rid in self._skipped:
+            if rid in self._ready or rid in self._marks:
                 continue
             if deadline is not None and time.monotonic() > deadline:  # checked even while others arrive
                 raise self._timeout(f"for request {rid!r} ", timeout)
             if not arrived:
                 time.sleep(self.poll_interval)
+        if self._marker_first(rid):
+            raise NotCaptured(rid, self._pop_marker(rid))
         return self._pop(rid)
 
     def next(self, timeout: Optional[float] = None) -> HiddenStateRecord:

@@ -289,15 +289,17 @@ def record_loss_mask(sample, output_ids: List[int], rec):
     return (torch.arange(T) >= sample.prompt_len).long()
 
 
-def make_preparer(manifest: dict, regenerate: bool = False, max_new_tokens: int = 0):
-    """The sample preparer for the server of `manifest`: its model's tokenizer, its context length."""
+def make_preparer(manifest: dict, regenerate: bool = False, max_new_tokens: int = 0, url: Optional[str] = None):
+    """The sample preparer for the server of `manifest` (at `url`): its model's tokenizer, and the longest
+    request it runs by SGLang's own limits (sglang_hs/extract/limits.py): longer samples are skipped."""
     from transformers import AutoTokenizer
 
     from sglang_hs.extract.dataset import Preparer
+    from sglang_hs.extract.limits import RequestLimits
 
     tokenizer = AutoTokenizer.from_pretrained(manifest["model_path"])
-    limit = min(x for x in (manifest.get("context_len") or 10**12, manifest["writers"][0]["num_slots"]))
-    return Preparer(tokenizer, limit, regenerate=regenerate, max_new_tokens=max_new_tokens)
+    return Preparer(tokenizer, RequestLimits.of_server(manifest, url), regenerate=regenerate,
+                    max_new_tokens=max_new_tokens)
 
 
 class Extraction:
@@ -654,7 +656,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sink.layer_ids = list(manifest["layer_ids"])
         if ns.verify and not manifest["last"]:
             raise ExtractError("--verify needs the final hidden state: run the server with --hs-last")
-        preparer, lm_head = _model_side(ns, manifest)
+        preparer, lm_head = _model_side(ns, manifest, url)
         extraction = Extraction(ns, url, reader, sink, preparer, lm_head, server)
         total = count_records(ns.data)
         if total is not None:
@@ -764,10 +766,10 @@ def _wait_ready(server) -> None:
         raise ExtractError(str(e)) from None
 
 
-def _model_side(ns, manifest):
-    """The sample preparer (tokenizer, context length) and, for --verify, the lm_head weight."""
+def _model_side(ns, manifest, url: Optional[str] = None):
+    """The sample preparer (tokenizer, the server's limits) and, for --verify, the lm_head weight."""
     model_path = manifest["model_path"]
-    preparer = make_preparer(manifest, regenerate=ns.regenerate, max_new_tokens=ns.max_new_tokens)
+    preparer = make_preparer(manifest, regenerate=ns.regenerate, max_new_tokens=ns.max_new_tokens, url=url)
     lm_head = None
     if ns.verify:
         from sglang_hs.extract.verify import load_lm_head

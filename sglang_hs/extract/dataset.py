@@ -133,13 +133,17 @@ def _reply_spans(text: str, messages: List[dict]) -> List[Tuple[int, int]]:
 
 
 class Preparer:
-    """Turns records into Samples for one tokenizer and context length."""
+    """Turns records into Samples for one tokenizer and server: `limits` is the server's RequestLimits
+    (sglang_hs/extract/limits.py), or its context length (the scheduler's limit then follows from it)."""
 
-    def __init__(self, tokenizer, max_tokens: int, regenerate: bool = False, max_new_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, limits, regenerate: bool = False, max_new_tokens: int = 0) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("the model's tokenizer has no fast (Rust) version: character offsets are needed for "
                              "loss masks")
-        self.tok, self.max_tokens, self.regenerate, self.max_new = tokenizer, max_tokens, regenerate, max_new_tokens
+        from sglang_hs.extract.limits import RequestLimits
+
+        self.limits = limits if isinstance(limits, RequestLimits) else RequestLimits.of_context(int(limits))
+        self.tok, self.regenerate, self.max_new = tokenizer, regenerate, max_new_tokens
         self.vocab_size = len(tokenizer)
         self.end_of_turn = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                         tokenizer.convert_tokens_to_ids("<|eot_id|>")) if isinstance(i, int)
@@ -156,9 +160,10 @@ class Preparer:
             sample = self._conversation(index, normalise_messages(record))
         else:
             raise SkipSample("missing-fields", "neither conversations/messages nor input_ids")
-        budget = len(sample.input_ids) if sample.prompt_len is None else sample.prompt_len + self.max_new
-        if budget > self.max_tokens:
-            raise SkipSample("too-long", f"{budget} tokens > {self.max_tokens}")
+        # the request sends input_ids with max_new_tokens 1 (--regenerate: the prompt and max_new_tokens)
+        why = self.limits.refusal(len(sample.input_ids), self.max_new if self.regenerate else 1)
+        if why is not None:
+            raise SkipSample("too-long", why)
         return sample
 
     def _pretokenized(self, index: int, record: dict) -> Sample:

@@ -110,7 +110,8 @@ class _HiddenStateOverlay:
         self.hs_writer = None  # set by the capture hooks once the KV pool is sized (writer ranks only)
         if dump_dir:
             if self.hs_check_architecture:  # a wrapper building this as its language model checks its own
-                check_architecture(getattr(config, "architectures", None), where="the served model's config")
+                check_architecture(getattr(config, "architectures", None), where="the served model's config",
+                                   config=config)
             self.hs_spec = CaptureSpec.resolve(
                 envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size
             )

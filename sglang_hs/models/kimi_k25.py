@@ -42,7 +42,8 @@ class KimiK25ForConditionalGeneration(OriginalKimiK25ForConditionalGeneration):
         from sglang_hs.patches import kimi_k25_language_model
 
         if envs.SGLANG_HS_DUMP_DIR:
-            check_architecture(getattr(config, "architectures", None), where="the served model's config")
+            check_architecture(getattr(config, "architectures", None), where="the served model's config",
+                               config=config)
         with kimi_k25_language_model.building(KimiK25LanguageModel):
             super().__init__(config, quant_config=quant_config, prefix=prefix, **kwargs)
         if self.language_model is not None and not isinstance(self.language_model, KimiK25LanguageModel):

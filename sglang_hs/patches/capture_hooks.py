@@ -159,16 +159,17 @@ def _after_collect(self, req) -> None:
     from sglang_hs.patches.warmup_rid import PREFIX as WARMUP
 
     if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith(("HEALTH_CHECK", WARMUP)):
-        _admission.release(req.rid)
+        _admission.release(req.rid, req)
         return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
-    decision = _admission.take_decision(req.rid)  # (reason, marked) for a request served without capture
-    if decision is not None:  # served without capture: no gather, at most a marker record
-        _publish_marker(self, str(req.rid), *decision)
+    # this request's own ticket (a rid used again has one per request): its decision, its ring room
+    ticket = _admission.finish(req.rid, req)
+    if ticket is not None and ticket.decision is not None:  # served without capture: at most a marker record
+        _publish_marker(self, str(req.rid), *ticket.decision, ticket=ticket)
         return
     output = list(req.output_ids_through_stop)
     tokens = list(req.origin_input_ids) + output
     if not tokens:  # nothing forwarded and nothing sent (an empty prompt that generated nothing): no record
-        _admission.release(req.rid)
+        _admission.drop(ticket)
         return
     T = len(tokens) - 1  # every prompt token, every generated token but the last
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
@@ -178,7 +179,7 @@ def _after_collect(self, req) -> None:
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
         worker.submit(str(req.rid), tokens[:T], slots, **said)
         return
-    _admission.release(req.rid)
+    _admission.drop(ticket)
     try:
         _writer.finish(str(req.rid), tokens[:T], slots, **said)
     except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
@@ -186,16 +187,16 @@ def _after_collect(self, req) -> None:
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
 
 
-def _publish_marker(processor, rid: str, reason: str, marked: bool) -> None:
+def _publish_marker(processor, rid: str, reason: str, marked: bool, ticket=None) -> None:
     """The marker record of a request admitted without capture, when admission reserved room for it."""
     if not marked:
-        _admission.release(rid)
+        _admission.drop(ticket)
         return
     worker = _finish_worker(processor)
     if worker is not None:  # in order with the records; the reservation goes when it is published
         worker.submit_marker(rid, reason)
         return
-    _admission.release(rid)
+    _admission.drop(ticket)
     try:
         _writer.publish_marker(rid, reason)
     except (TimeoutError, ValueError) as e:

@@ -29,6 +29,12 @@ answers from its waiting queue before the request ever runs. SGLang aborts by ri
 request whose rid prefixes another live request's is held on rather than failed with a bystander.
 Forward steps never wait, so SGLang's watchdog never fires.
 
+Request ids: a record names its request in a header field of 16 bits (ring.MAX_RID_BYTES), so a request
+whose rid is longer (utf-8; /generate, its batch members and the OpenAI endpoints all take the client's
+rid) is refused the same way, status 400, before it runs; so is every member of a batch holding one (the
+client gets one answer for the batch), unless its abort would take a bystander. A too long rid cannot
+prefix a shorter one, so its own abort takes none.
+
 Selection (--hs-capture all|opt-in, --hs-capture-sample P) and --hs-when-behind skip: each request is
 decided here, once, as it is admitted. A request opted in (sampling params `custom_params`
 {"hs_capture": true}; OpenAI chat: the request's top-level `custom_params`) is captured; else with
@@ -37,7 +43,7 @@ below P; else it is captured only with --hs-capture all. A request not captured 
 it is admitted at once and only reserves room for a SKIP marker record (rid + reason, no rows) when
 that room is free, so the reader can tell why it has no record. With --hs-when-behind skip, a request
 that would be held (its reservation exceeds the free ring) is admitted the same way, not captured,
-reason "reader_behind". The decision is in `decided[rid]` = (reason, marked) until the request
+reason "reader_behind". The decision is the request's ticket's (reason, marked) until the request
 finishes; the stats count each reason.
 """
 from __future__ import annotations
@@ -47,9 +53,10 @@ import hashlib
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional
 
-from sglang_hs.store.ring import SKIP_REASONS, record_bytes
+from sglang_hs.store.ring import MAX_RID_BYTES, SKIP_REASONS, record_bytes
 
 logger = logging.getLogger(__name__)
 RECONCILE_EVERY_S = 0.5
@@ -82,6 +89,22 @@ def select(req, mode: str = "all", sample: Optional[float] = None) -> Optional[s
     return None if mode == "all" else "not_opted_in"
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request's share: the ring bytes reserved for its record or marker, and its decision."""
+    rid: str
+    nbytes: int  # 0: nothing reserved (an unmarked skip, an oversized request)
+    decision: Optional[tuple] = None  # (reason, marker reserved) when served without capture; None: captured
+    key: Optional[int] = None  # id() of its sampling params: the scheduler's Req holds that very object
+
+
+def request_key(req) -> Optional[int]:
+    """What tells two requests with one rid apart: the identity of their sampling params, which SGLang's
+    scheduler hands from the message admission saw to the Req it finishes (Scheduler.handle_generate_request)."""
+    params = getattr(req, "sampling_params", None)
+    return None if params is None else id(params)
+
+
 class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
                  timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
@@ -89,13 +112,19 @@ class AdmissionControl:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
         self.timeout = timeout
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
-        self.decided: Dict[str, tuple] = {}  # rid -> (reason, marker reserved): admitted without capture
+        # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
+        # used again (a retry while the old request's record is still being published, a duplicate) has one
+        # ticket per request: a finish finds its own by request_key, and the finish worker, which publishes in
+        # the order it was handed requests, releases them in that order (_finishing).
+        self._tickets: Dict[str, List[Ticket]] = {}  # rid -> tickets, in admission order
+        self._by_key: Dict[int, Ticket] = {}
+        self._finishing: Dict[str, Deque[Ticket]] = {}  # rid -> tickets finished and not released, in that order
         region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
         self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
-        self.reserved: Dict[str, int] = {}
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
         self.held_since: Dict[str, float] = {}
         self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
+        self._refused_batch: Dict[int, int] = {}  # id(member of a batch refused for a too long rid) -> that length
         self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0}
         self.stats.update({f"skipped_{r}": 0 for r in REASON_CODE})
         self._last_reconcile = self._last_log = self._last_skip_log = 0.0
@@ -119,17 +148,21 @@ class AdmissionControl:
         Batch = getattr(io_struct, "BatchTokenizedGenerateReqInput", ())  # () : stand-ins without batches
 
         now = time.monotonic()
-        if known_rids is not None and (self.reserved or self.decided) and now - self._last_reconcile > RECONCILE_EVERY_S:
+        if known_rids is not None and self._tickets and now - self._last_reconcile > RECONCILE_EVERY_S:
             self._last_reconcile = now
             known = known_rids()
             if known is not None:
-                for rid in [r for r in set(self.reserved) | set(self.decided) if r not in known]:
-                    self.release(rid)
+                for rid in [r for r in self._tickets if r not in known]:
+                    for ticket in list(self._tickets.get(rid, ())):
+                        self.drop(ticket)
         out = []
         for msg in pulled:
             if isinstance(msg, Batch) and len(msg.batch) > 0:
+                longest = max(len(str(r.rid).encode()) for r in msg.batch)
                 for req in msg.batch:  # each member like a single request; re-wrapped on the way out
                     self._batch_of[id(req)] = msg
+                    if longest > MAX_RID_BYTES:  # the client gets one answer for the batch: a refusal
+                        self._refused_batch[id(req)] = longest
                     self.held.append(req)
                     self.held_since.setdefault(str(req.rid), now)
             elif isinstance(msg, TokenizedGenerateReqInput):
@@ -147,11 +180,16 @@ class AdmissionControl:
                 out.append(msg)
             else:
                 out.append(msg)
-        free = self.ring.free_bytes() - sum(self.reserved.values())
+        free = self.ring.free_bytes() - self.reserved_bytes()
         keep: "collections.deque" = collections.deque()
         blocked = False  # a captured request is waiting for room: captured ones behind it wait too (FIFO)
         for req in self.held:
             rid = str(req.rid)
+            why = self._rid_refusal(req, known_rids)
+            if why is not None:  # no record could name it: refused before it runs
+                out += self._refuse(req, f"sglang-hs: request refused: {why}; hidden-state records hold request ids "
+                                         f"of at most {MAX_RID_BYTES} bytes (utf-8)", 400)
+                continue
             if rid.startswith(_NEVER_SELECTED):  # health checks, the warm-up: never recorded, never held
                 out.append(self._admit(req))
                 continue
@@ -168,6 +206,7 @@ class AdmissionControl:
                 self.stats["oversized"] += 1
                 logger.error("sglang-hs: request %s may need %d bytes of output ring, more than its %d: "
                              "raise --hs-ring-size", req.rid, need, self.ring.capacity)
+                self._add(req, 0, None)
                 out.append(self._admit(req))
                 continue
             if need > free:
@@ -178,8 +217,7 @@ class AdmissionControl:
                 blocked = True
                 keep.append(req)
                 continue
-            self.decided.pop(rid, None)  # a reused rid: this request is captured, whatever an earlier one was
-            self.reserved[rid] = need
+            self._add(req, need, None)
             free -= need
             out.append(self._admit(req))
         self.held = keep
@@ -191,9 +229,26 @@ class AdmissionControl:
                 self._last_log = now
                 logger.warning("sglang-hs: admission waiting: %d request(s) held until the reader frees the output "
                                "ring (%d bytes free, %d reserved)", len(self.held), self.ring.free_bytes(),
-                               sum(self.reserved.values()))
+                               self.reserved_bytes())
         self.stats["held_now"] = len(self.held)
         return self._rewrap(out) if self._batch_of else out
+
+    def _rid_refusal(self, req, known_rids) -> Optional[str]:
+        """Why `req` is refused for a request id too long for a record (its own, or another member's of its
+        batch, which the client gets one answer for), else None. A batch member whose rid prefixes another
+        live request's goes in (an abort by prefix would take that one too)."""
+        rid = str(req.rid)
+        n = len(rid.encode())
+        longest = self._refused_batch.pop(id(req), None)
+        if n > MAX_RID_BYTES:
+            return f"request id of {n} bytes"
+        if longest is None:
+            return None
+        live = set(known_rids() or ()) if known_rids is not None else set()
+        live.update(str(h.rid) for h in self.held)
+        if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
+            return None
+        return f"a request id of {longest} bytes in its batch"
 
     def marker_need(self, rid: str) -> int:
         return 2 * record_bytes(0, self.P, self.H, self.elem, len(str(rid).encode()))
@@ -205,23 +260,90 @@ class AdmissionControl:
         marker = self.marker_need(rid)
         marked = marker <= free
         if marked:
-            self.reserved[rid] = marker
             free -= marker
         else:
             self.stats["markers_dropped"] += 1
-        self.decided[rid] = (reason, marked)
+        self._add(req, marker if marked else 0, (reason, marked))
         self.stats[f"skipped_{reason}"] += 1
         if reason == "reader_behind" and now - self._last_skip_log > LOG_EVERY_S:
             self._last_skip_log = now
             logger.warning("sglang-hs: the output ring is too full for new records (%d bytes free, %d reserved; is "
                            "the reader of %s keeping up?): requests are served without capture "
                            "(--hs-when-behind skip); %d so far", self.ring.free_bytes(),
-                           sum(self.reserved.values()), self.ring_name, self.stats["skipped_reader_behind"])
+                           self.reserved_bytes(), self.ring_name, self.stats["skipped_reader_behind"])
         return free
 
-    def take_decision(self, rid: str) -> Optional[tuple]:
-        """(reason, marker reserved) of a request admitted without capture, once; None: captured."""
-        return self.decided.pop(str(rid), None)
+    # --- tickets -------------------------------------------------------------------------------------
+    def _add(self, req, nbytes: int, decision: Optional[tuple]) -> None:
+        ticket = Ticket(str(req.rid), nbytes, decision, request_key(req))
+        self._tickets.setdefault(ticket.rid, []).append(ticket)
+        if ticket.key is not None:
+            self._by_key[ticket.key] = ticket
+
+    def _find(self, rid: str, req=None, finishing_too: bool = True) -> Optional[Ticket]:
+        """The ticket of `req` (rid `rid`): by its sampling params' identity; else its rid's oldest ticket
+        not finishing yet, else (`finishing_too`) its oldest."""
+        tickets = self._tickets.get(rid)
+        if not tickets:
+            return None
+        key = request_key(req) if req is not None else None
+        ticket = self._by_key.get(key) if key is not None else None
+        if ticket is not None and ticket.rid == rid and any(t is ticket for t in tickets):
+            return ticket
+        finishing = self._finishing.get(rid, ())
+        return next((t for t in tickets if not any(t is f for f in finishing)),
+                    tickets[0] if finishing_too else None)
+
+    def finish(self, rid: str, req=None) -> Optional[Ticket]:
+        """The request finished: its ticket (None: it has none, e.g. a health check), now finishing; its ring
+        room stays reserved until `drop(ticket)` or, for a record or marker handed to the finish worker,
+        `release_reservation(rid)`."""
+        rid = str(rid)
+        ticket = self._find(rid, req, finishing_too=False)
+        if ticket is not None and not any(ticket is f for f in self._finishing.get(rid, ())):
+            self._finishing.setdefault(rid, collections.deque()).append(ticket)
+        return ticket
+
+    def take_decision(self, rid: str, req=None) -> Optional[tuple]:
+        """(reason, marker reserved) of a finishing request admitted without capture; None: captured."""
+        ticket = self.finish(rid, req)
+        return None if ticket is None else ticket.decision
+
+    def drop(self, ticket: Optional[Ticket]) -> None:
+        """Give back a ticket's ring room (and forget its decision)."""
+        if ticket is None:
+            return
+        for table in (self._tickets, self._finishing):
+            entries = table.get(ticket.rid)
+            if entries is not None:
+                kept = [t for t in entries if t is not ticket]
+                if not kept:
+                    del table[ticket.rid]
+                elif len(kept) != len(entries):
+                    table[ticket.rid] = kept if table is self._tickets else collections.deque(kept)
+        if ticket.key is not None and self._by_key.get(ticket.key) is ticket:
+            del self._by_key[ticket.key]
+
+    def reserved_bytes(self) -> int:
+        return sum(t.nbytes for tickets in self._tickets.values() for t in tickets)
+
+    @property
+    def reserved(self) -> Dict[str, int]:
+        """rid -> ring bytes reserved for its requests in flight (a snapshot)."""
+        out = {rid: sum(t.nbytes for t in tickets) for rid, tickets in self._tickets.items()}
+        return {rid: n for rid, n in out.items() if n}
+
+    @property
+    def decided(self) -> Dict[str, tuple]:
+        """rid -> decision of its oldest request in flight admitted without capture (a snapshot)."""
+        out = {}
+        for rid, tickets in self._tickets.items():
+            finishing = self._finishing.get(rid, ())
+            for t in tickets:
+                if t.decision is not None and not any(t is f for f in finishing):
+                    out[rid] = t.decision
+                    break
+        return out
 
     def _rewrap(self, out: List) -> List:
         """Members of one batch that go in next to each other go in as a batch of the same type again
@@ -262,8 +384,6 @@ class AdmissionControl:
         expired = [h for h in self.held if now - self.held_since.get(str(h.rid), now) > self.timeout]
         if not expired:
             return []
-        from sglang.srt.managers.io_struct import AbortReq
-
         live = set(known_rids() or ()) if known_rids is not None else set()
         live.update(str(h.rid) for h in self.held)
         out = []
@@ -274,19 +394,31 @@ class AdmissionControl:
             message = (f"sglang-hs: request {rid} held {now - self.held_since[rid]:.0f}s by admission control: the "
                        f"hidden-state output ring stayed full (is the reader of {self.ring_name} running?); "
                        "raise --hs-ring-size or --hs-admission-timeout")
-            logger.error("%s", message)
             self.held.remove(req)
-            del self.held_since[rid]
-            self.stats["failed"] += 1
-            out += [req, AbortReq(rid=rid, abort_message=message,
-                                  finished_reason={"type": "abort", "message": message, "status_code": 503})]
+            out += self._refuse(req, message, 503)
         return out
 
-    def release(self, rid: str) -> None:
-        self.reserved.pop(str(rid), None)
-        self.decided.pop(str(rid), None)
+    def _refuse(self, req, message: str, status_code: int) -> List:
+        """`req` goes in followed by an AbortReq naming the reason: SGLang answers it from its waiting queue
+        (HTTP `status_code`) before it ever runs. SGLang aborts by rid prefix: callers make sure no other
+        live request's rid starts with this one."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        rid = str(req.rid)
+        logger.error("%s", message)
+        self.held_since.pop(rid, None)
+        self.stats["failed"] += 1
+        return [req, AbortReq(rid=rid, abort_message=message,
+                              finished_reason={"type": "abort", "message": message, "status_code": status_code})]
+
+    def release(self, rid: str, req=None) -> None:
+        """Request `req` (rid `rid`) is done without a record handed to the finish worker (aborted, nothing
+        to publish, published on the scheduler thread): its ticket goes."""
+        self.drop(self._find(str(rid), req))
 
     def release_reservation(self, rid: str) -> None:
-        """The finish worker published `rid`'s record or marker: its ring room goes; a decision made for a
-        newer request with the same rid stays."""
-        self.reserved.pop(str(rid), None)
+        """The finish worker published a record or marker of `rid`: it publishes in the order it was handed
+        them, so that is the oldest finishing ticket of `rid`; newer requests with the same rid keep theirs."""
+        finishing = self._finishing.get(str(rid))
+        if finishing:
+            self.drop(finishing[0])

@@ -66,6 +66,7 @@ DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
 # flags of a marker record (T = 0): why that request has no record
 SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind"}
+MAX_RID_BYTES = 0xFFFF  # the record header holds the request id's utf-8 length in 16 bits
 
 
 def _align(n: int) -> int:
@@ -152,10 +153,22 @@ class RingWriter:
         assert 0 <= prompt_len <= T + 1 and -1 <= next_token < 2**31, (prompt_len, T, next_token)
         elem = torch.empty(0, dtype=dtype).element_size()
         rid_b = rid.encode()
+        if len(rid_b) > MAX_RID_BYTES:
+            raise ValueError(f"request id of {len(rid_b)} bytes (utf-8): the output ring's records hold at most "
+                             f"{MAX_RID_BYTES}")
         total = record_bytes(T, P, H, elem, len(rid_b))
         if total > self.capacity:
-            raise ValueError(f"record of {total} bytes (rid {rid!r}, {T} tokens) exceeds the output ring's "
+            raise ValueError(f"record of {total} bytes (rid {rid[:200]!r}, {T} tokens) exceeds the output ring's "
                              f"capacity of {self.capacity} bytes: raise --hs-ring-size")
+        # Encoded whole before anything moves (the sequence number, HEAD, a SKIP marker): a record that
+        # cannot be encoded leaves the ring exactly as it was, its next record numbered without a gap.
+        seq = self.seq + 1
+        try:
+            header = _REC.pack(REC_MAGIC, skipped, total, seq, T, P, H, DTYPES[dtype], len(rid_b), prompt_len,
+                               next_token)
+        except struct.error as e:
+            raise ValueError(f"record of request {rid[:200]!r} cannot be encoded ({e}): T={T}, P={P}, H={H}") from None
+        trailer = _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), seq, total)
         head = self.r.load_acquire(OFF_HEAD)
         pos = head % self.capacity
         if pos + total > self.capacity:  # does not fit before the end: skip to 0
@@ -168,7 +181,6 @@ class RingWriter:
             pos = 0
         else:
             self._wait_for(total, timeout)
-        self.seq += 1
         base = HEADER_BYTES + pos
         buf = self.r.buf
         o = ALIGN
@@ -185,12 +197,11 @@ class RingWriter:
         else:
             dst.copy_(rows)
         o += _align(n)
-        header = _REC.pack(REC_MAGIC, skipped, total, self.seq, T, P, H, DTYPES[dtype], len(rid_b), prompt_len,
-                           next_token)
-        self._write(pos + o, _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), self.seq, total))
+        self._write(pos + o, trailer)
         self._write(pos, header)
+        self.seq = seq  # only now: a copy that raised above left no gap in the numbering
         self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
-        return self.seq
+        return seq
 
     def _write(self, pos: int, data: bytes) -> None:
         base = HEADER_BYTES + pos

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import requests
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
@@ -102,10 +103,14 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
     convs = conversations(6, seed=1)
     pretok = [{"input_ids": [5 + (7 * j) % 900 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30},
               {"input_ids": [9 + (3 * j) % 800 for j in range(25)]}]
+    # SGLang's scheduler aborts a prompt of max_req_input_len tokens or more (its /server_info says how many:
+    # min(context - 1, KV - 1) - 5): skipped as too long like the 5000-token one (it was sent, refused, and
+    # ended the run with exit 1 while only records over min(context, store slots) were skipped)
+    limit = requests.get(f"{capture_server.url}/server_info", timeout=60).json()["max_req_input_len"]
     bad = ['{"messages": [', json.dumps({"input_ids": [5 + j % 900 for j in range(5000)]}), json.dumps({"input_ids": [1, 10**6]}),
            json.dumps({"messages": [{"role": "user", "content": "no reply"}]}),
            '{"messages": [{"role": "user", "content": "caf\udce9"}]}',  # Latin-1, not UTF-8
-           "[" * 100_000 + "]" * 100_000]
+           "[" * 100_000 + "]" * 100_000, json.dumps({"input_ids": [5 + j % 900 for j in range(limit)]})]
     data = write_jsonl(tmp_path / "data.jsonl", convs + pretok, bad)
     out = tmp_path / "out"
     proc = extract(["--data", data, "--output", str(out), "--format", fmt, "--verify", "1.0", "--concurrency", "4",
@@ -113,11 +118,11 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["status"] == "complete" and manifest["samples_written"] == 8 and manifest["verified"] == 8
-    assert manifest["skipped"] == {"invalid-json": 1, "too-long": 1, "token-out-of-vocab": 1, "empty-conversation": 1,
+    assert manifest["skipped"] == {"invalid-json": 1, "too-long": 2, "token-out-of-vocab": 1, "empty-conversation": 1,
                                    "invalid-utf8": 1, "too-deep": 1}
     assert [(r["line"], r["reason"]) for r in manifest["skipped_records"]] == [
         (9, "invalid-json"), (10, "too-long"), (11, "token-out-of-vocab"), (12, "empty-conversation"),
-        (13, "invalid-utf8"), (14, "too-deep")]
+        (13, "invalid-utf8"), (14, "too-deep"), (15, "too-long")]
     assert (f"[extract] skipped sample 12 (line 13 of {data}): invalid-utf8: byte 0xe9 at character 47 is not "
             "UTF-8") in proc.stderr, proc.stderr[-3000:]
     assert manifest["layer_ids"] == [2, 4, 5] and manifest["draft_model_config"]["eagle_config"][

@@ -62,3 +62,34 @@ def test_architectures():
     for bad in (["LlamaForCausalLM"], [], None):
         with pytest.raises(CaptureConfigError, match="unsupported architecture"):
             check_architecture(bad)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "MistralLarge3ForCausalLM", "DeepseekV2ForCausalLM",
+                                  "KimiK25ForConditionalGeneration"])
+def test_sparse_attention_is_refused_by_config_under_any_class_name(arch):
+    """SGLang 0.5.23 turns DeepSeek Sparse Attention on by config (configs/model_config.py is_deepseek_dsa:
+    DeepseekV3ForCausalLM or MistralLarge3ForCausalLM with index_topk): a config carrying index_topk is
+    refused whatever its class, as a dict (the launcher) or an object (the server), at the top level or
+    in a wrapper's text_config; one line naming the reason. Without index_topk (or None) it passes."""
+    import types
+
+    is_deepseek_dsa = pytest.importorskip("sglang.srt.configs.model_config").is_deepseek_dsa
+
+    top = {"architectures": [arch], "index_topk": 2048}
+    if arch in ("DeepseekV3ForCausalLM", "MistralLarge3ForCausalLM"):
+        assert is_deepseek_dsa(top)  # SGLang's own predicate: these would run DSA
+    for config in (top, types.SimpleNamespace(**top), {"architectures": [arch], "text_config": {"index_topk": 64}},
+                   types.SimpleNamespace(architectures=[arch], text_config=types.SimpleNamespace(index_topk=64))):
+        with pytest.raises(CaptureConfigError, match=r"index_topk = (2048|64) .*DeepSeek Sparse Attention \(DSA") as e:
+            check_architecture([arch], where="cfg", config=config)
+        assert "\n" not in str(e.value)
+    for config in ({"architectures": [arch]}, {"architectures": [arch], "index_topk": None}, None,
+                   types.SimpleNamespace(architectures=[arch], text_config=None)):
+        assert check_architecture([arch], config=config) == arch
+
+
+def test_sparse_attention_config_is_served_as_deepseek_v32():
+    """DeepseekV32ForCausalLM's own config carries index_topk: served (patches/dsa_torch_native.py), while
+    the same config under the V3 class name is refused (test above)."""
+    config = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048}
+    assert check_architecture(config["architectures"], config=config) == "DeepseekV32ForCausalLM"

@@ -24,13 +24,19 @@ class Admission:
     def __init__(self):
         self.released = []
 
-    def release(self, rid):
+    def release(self, rid, req=None):
         self.released.append(rid)
 
     release_reservation = release  # the finish worker's: the same here (no decisions to keep)
 
-    def take_decision(self, rid):
-        return None  # every request captured (--hs-capture all)
+    def finish(self, rid, req=None):
+        from sglang_hs.store.admission import Ticket
+
+        return Ticket(str(rid), 1)  # every request captured (--hs-capture all)
+
+    def drop(self, ticket):
+        if ticket is not None:
+            self.released.append(ticket.rid)
 
 
 @pytest.fixture(params=["worker", "sync"])

@@ -151,10 +151,17 @@ def test_requests_not_captured_pass_a_captured_one_waiting_for_room():
 
 
 def test_a_reused_rid_is_captured_when_its_new_request_is():
+    import types
+
     adm = _adm(1 << 20, mode="opt-in")
     adm.filter([_req("x")])  # not captured; say it was aborted while queued (no finish, no take_decision)
-    adm.filter([_req("x", {"hs_capture": True})])  # a new request with the same rid opts in
-    assert adm.take_decision("x") is None and adm.reserved["x"] == adm.need(_req("x"))
+    new = _req("x", {"hs_capture": True})
+    adm.filter([new])  # a new request with the same rid opts in
+    finished = types.SimpleNamespace(rid="x", sampling_params=new.sampling_params)  # the scheduler's Req of it
+    assert adm.take_decision("x", finished) is None
+    assert adm.reserved["x"] == adm.need(_req("x")) + adm.marker_need("x")  # the old one's until the reconcile
+    adm.filter([], known_rids=set)
+    assert "x" not in adm.reserved
     adm.filter([_req("y")])
     adm.release_reservation("y")  # a finished "y" published before a new "y" was decided keeps the decision
     assert adm.take_decision("y") == ("not_opted_in", True)
@@ -211,7 +218,8 @@ def test_marker_records_round_trip_and_reader_take_says_not_captured(tmp_path):
         else:
             rec = reader.take("kept-2", timeout=5)
             assert torch.equal(rec.aux_hidden_states, w.store[torch.tensor([1, 2])])
-            assert reader.not_captured("skipped-3") == "not_opted_in" and reader.markers == 1
+            # the marker answered that take: a later request of rid skipped-3 would get its own outcome
+            assert reader.not_captured("skipped-3") is None and reader.markers == 1
         reader.close()
     assert w.ring.free_bytes() == w.ring.capacity
 
@@ -237,7 +245,7 @@ def test_a_marker_with_rows_or_an_unknown_reason_is_refused(tmp_path):
 
 def test_a_reused_rid_gets_its_new_record_and_markers_do_not_stop_the_timeout(tmp_path, monkeypatch):
     from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.reader import HiddenStateReader
+    from sglang_hs.reader import HiddenStateReader, NotCaptured
     from sglang_hs.store.writer import CaptureWriter
 
     spec = CaptureSpec.resolve([1], False, 4, 8)
@@ -248,6 +256,10 @@ def test_a_reused_rid_gets_its_new_record_and_markers_do_not_stop_the_timeout(tm
         assert reader.not_captured("again") == "not_sampled"
         w.publish_gathered("again", torch.arange(2, dtype=torch.int32), torch.tensor([3, 4]))
         reader.poll()
+        # one outcome per request, oldest first: the first request's marker, then the second's record
+        assert reader.not_captured("again") == "not_sampled" and reader.pop_ready("again") is None
+        with pytest.raises(NotCaptured):
+            reader.take("again", timeout=5)
         assert reader.not_captured("again") is None and reader.take("again", timeout=5).num_tokens == 2
         # markers arriving on every poll (a busy opt-in server) must not keep next() from timing out
         calls = []

@@ -111,6 +111,15 @@ def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"), *extra])
 
 
+def test_prepare_refuses_sparse_attention_by_config_under_any_class_name(tmp_path, clean_env):
+    """SGLang serves DeepseekV3ForCausalLM (and MistralLarge3ForCausalLM) with DeepSeek Sparse Attention when
+    its config sets index_topk: refused like V3.2, one line naming the reason (the class name let it by)."""
+    model = _model_dir(tmp_path, arch="DeepseekV3ForCausalLM", index_topk=2048)
+    with pytest.raises(CaptureConfigError, match=r"index_topk = 2048 .*DeepSeek Sparse Attention") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs")])
+    assert "\n" not in str(e.value) and f"{model}/config.json" in str(e.value)
+
+
 @pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"], ["--hs-copy", "staging"],
                                   ["--hs-staging-rows", "8"], ["--hs-capture", "opt-in"], ["--hs-capture-sample", "0.1"],
                                   ["--hs-when-behind", "skip"], ["--hs-gather-threads", "4"],

@@ -194,3 +194,31 @@ def test_prompt_length_and_next_token_are_checked_and_default_to_all_prompt(tmp_
             region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
             (said,) = ring.RingReader.open(str(tmp_path), "r").drain()
             assert (said.prompt_len, said.next_token) == (2, 77)
+
+
+def test_request_ids_up_to_the_header_limit_and_a_refused_one_leaves_the_ring_as_it_was(tmp_path):
+    """The record header holds the rid's utf-8 length in 16 bits: 65,535 bytes go through whole; one byte
+    more (or a multi-byte character that makes it longer) is refused with a ValueError naming the limit,
+    before anything moves: HEAD and the sequence number stay, and the next record is read after the
+    last one with no gap (a bump before the refusal made every later reader refuse the ring as a replay
+    or a gap). A copy that fails after the encoding leaves no gap either."""
+    w = ring.RingWriter.create(str(tmp_path), "r", 1 << 20)
+    ids, rows = torch.arange(3, dtype=torch.int32), torch.ones(3, P, H, dtype=torch.bfloat16)
+    longest = "r" * ring.MAX_RID_BYTES
+    assert ring.MAX_RID_BYTES == 65535 and w.publish(longest, ids, rows) == 1
+    head = w.r.load_acquire(ring.OFF_HEAD)
+    for bad in ("r" * (ring.MAX_RID_BYTES + 1), "é" * (ring.MAX_RID_BYTES // 2 + 1)):
+        with pytest.raises(ValueError, match="request id of .* bytes .* at most 65535"):
+            w.publish(bad, ids, rows)
+        assert w.seq == 1 and w.r.load_acquire(ring.OFF_HEAD) == head  # nothing moved
+    with pytest.raises(ValueError, match="cannot be encoded"):  # any field out of range: refused the same way
+        w.publish("wide", torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1 << 16, 1, dtype=torch.bfloat16))
+    assert w.seq == 1 and w.r.load_acquire(ring.OFF_HEAD) == head
+    with pytest.raises(RuntimeError, match="outside"):  # the gather fails after the encoding (a slot outside the store)
+        w.publish("bad-slot", ids, gather_from=torch.zeros(4, P, H, dtype=torch.bfloat16),
+                  slots=torch.tensor([0, 1, 99]))
+    assert w.seq == 1 and w.r.load_acquire(ring.OFF_HEAD) == head
+    assert w.publish("next", ids + 1, rows * 2) == 2
+    recs = ring.RingReader.open(str(tmp_path), "r").drain()
+    assert [(r.rid, r.seq) for r in recs] == [(longest, 1), ("next", 2)]
+    assert torch.equal(recs[1].input_ids, ids + 1) and torch.equal(recs[1].rows, rows * 2)

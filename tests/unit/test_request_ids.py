@@ -1,0 +1,177 @@
+"""Request ids as clients send them: longer than a record can name (refused at admission with a 400 naming
+the limit, single requests and batch members alike), and used again while an older request with that rid
+is still in flight or still being published (a retry, a duplicate): each request keeps its own
+reservation and decision, released by its own finish, and the reader answers each request of a rid with
+its own outcome (record or marker), oldest first. Real SGLang io_struct messages and AdmissionControl, a
+stand-in ring; the reader reads a real ring written by CaptureWriter."""
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.managers.io_struct", reason="needs SGLang installed")
+from sglang.srt.managers.io_struct import (  # noqa: E402
+    AbortReq,
+    BatchTokenizedGenerateReqInput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from sglang_hs.store.admission import AdmissionControl  # noqa: E402
+from sglang_hs.store.ring import MAX_RID_BYTES  # noqa: E402
+
+P, H, ELEM = 2, 64, 2
+
+
+class Ring:
+    def __init__(self, capacity):
+        self.capacity, self.free = capacity, capacity
+
+    def free_bytes(self):
+        return self.free
+
+
+def _req(rid, prompt=30, new=5, custom_params=None):
+    return TokenizedGenerateReqInput(
+        rid=rid, input_text="", input_ids=list(range(5, 5 + prompt)), input_embeds=None, mm_inputs=None,
+        token_type_ids=None, sampling_params=SamplingParams(max_new_tokens=new, custom_params=custom_params),
+        return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False)
+
+
+class Finished:
+    """What the finish hook hands admission: the scheduler's Req, which holds the message's sampling params."""
+
+    def __init__(self, msg):
+        self.rid, self.sampling_params = msg.rid, msg.sampling_params
+
+
+def _adm(capacity=1 << 30, **kw):
+    return AdmissionControl(Ring(capacity), P, H, ELEM, context_len=4096, **kw)
+
+
+# --- item 3: a rid longer than a record header can hold ------------------------------------------------
+def _members(out):
+    return [r for m in out for r in (m.batch if isinstance(m, BatchTokenizedGenerateReqInput) else [m])
+            if isinstance(r, TokenizedGenerateReqInput)]
+
+
+def _check_aborts(out, rids, message):
+    """Each of `rids` goes in right before its own AbortReq, status 400, a message naming the limit."""
+    aborts = [(i, m) for i, m in enumerate(out) if isinstance(m, AbortReq)]
+    assert [m.rid for _, m in aborts] == rids
+    for i, abort in aborts:
+        prev = out[i - 1]
+        assert (prev.batch[-1] if isinstance(prev, BatchTokenizedGenerateReqInput) else prev).rid == abort.rid
+        assert abort.finished_reason["status_code"] == 400 and abort.finished_reason["message"] == abort.abort_message
+        assert message in abort.abort_message and "at most 65535 bytes" in abort.abort_message
+        assert len(abort.abort_message) < 300  # names the length, does not echo the rid
+
+
+def test_a_rid_longer_than_a_record_can_name_is_refused_with_a_400_naming_the_limit():
+    adm = _adm()
+    longest, too_long = "a" * MAX_RID_BYTES, "b" * (MAX_RID_BYTES + 1)
+    wide = "é" * (MAX_RID_BYTES // 2 + 1)  # 65,536 bytes of utf-8 in 32,768 characters
+    reqs = [_req("before"), _req(too_long), _req(longest), _req(wide), _req("after")]
+    out = adm.filter(reqs)
+    assert sorted(r.rid for r in _members(out)) == sorted(r.rid for r in reqs)  # every one goes in, none is held
+    _check_aborts(out, [too_long, wide], "request id of 65536 bytes")
+    assert set(adm.reserved) == {"before", longest, "after"} and adm.stats["failed"] == 2 and not adm.held
+
+
+def test_a_batch_holding_a_too_long_rid_is_refused_whole_and_one_without_goes_in():
+    """The client gets one answer for a batched /generate: a member's rid too long refuses every member (no
+    record is made for a request whose client got a 400), except one whose abort would take a bystander
+    (its rid prefixes a live request's: SGLang aborts by prefix). A batch of rids at the limit goes in whole."""
+    adm = _adm()
+    ok = BatchTokenizedGenerateReqInput(batch=[_req("ok-0"), _req("a" * MAX_RID_BYTES)])
+    out = adm.filter([ok])
+    assert out == [ok] and not adm.stats["failed"]
+    batch = BatchTokenizedGenerateReqInput(batch=[_req("m-0"), _req("b" * (MAX_RID_BYTES + 1)), _req("m-2"),
+                                                  _req("ok")])  # "ok" prefixes the live "ok-0"
+    out = adm.filter([batch], known_rids=lambda: {"ok-0"})
+    assert sorted(r.rid for r in _members(out)) == sorted(r.rid for r in batch.batch)
+    _check_aborts(out, ["m-0", "b" * (MAX_RID_BYTES + 1), "m-2"], "request id of 65536 bytes")
+    assert "in its batch" in next(m for m in out if isinstance(m, AbortReq)).abort_message
+    assert "ok" in adm.reserved and "m-0" not in adm.reserved and not adm.held and not adm._refused_batch
+
+
+# --- item 6: rids used again -------------------------------------------------------------------------
+def test_a_retry_while_the_old_record_is_being_published_keeps_its_own_reservation():
+    """A finishes and is handed to the finish worker; its client retries with the same rid (B, larger)
+    before the worker published A. A's publish releases A's reservation, not B's (before: B's
+    reservation replaced A's, and A's release dropped it, so B ran with nothing reserved)."""
+    adm = _adm()
+    a, b = _req("x", prompt=30), _req("x", prompt=300)
+    adm.filter([a])
+    assert adm.take_decision("x", Finished(a)) is None  # captured; handed to the worker
+    adm.filter([b])
+    assert adm.reserved_bytes() == adm.need(a) + adm.need(b)
+    adm.release_reservation("x")  # the worker published A's record
+    assert adm.reserved == {"x": adm.need(b)}
+    assert adm.take_decision("x", Finished(b)) is None
+    adm.release_reservation("x")
+    assert adm.reserved == {} and adm.reserved_bytes() == 0
+
+
+def test_duplicates_in_flight_find_their_own_decision_and_reservation_in_any_finish_order():
+    """Two requests with one rid in flight, one captured (opted in), one not: whichever finishes first gets
+    its own decision (a record, or a marker) and the worker's releases go in the order it was handed them."""
+    for first in ("plain", "opted"):
+        adm = _adm(mode="opt-in")
+        plain, opted = _req("d"), _req("d", prompt=200, custom_params={"hs_capture": True})
+        adm.filter([plain, opted])
+        marker, need = adm.marker_need("d"), adm.need(opted)
+        assert adm.reserved_bytes() == marker + need
+        order = [plain, opted] if first == "plain" else [opted, plain]
+        want = {id(plain): ("not_opted_in", True), id(opted): None}
+        for msg in order:  # both finish and are handed to the worker before it publishes either
+            assert adm.take_decision("d", Finished(msg)) == want[id(msg)]
+        adm.release_reservation("d")  # the first handed over is published first
+        assert adm.reserved_bytes() == (need if first == "plain" else marker)
+        adm.release_reservation("d")
+        assert adm.reserved_bytes() == 0 and not adm.reserved and not adm.decided
+
+
+def test_an_aborted_duplicate_releases_its_own_ticket_and_a_reconcile_keeps_a_live_rid():
+    adm = _adm()
+    a, b = _req("y", prompt=30), _req("y", prompt=400)
+    adm.filter([a, b])
+    adm.release("y", Finished(b))  # B aborted (the finish hook's abort path): A's reservation stays
+    assert adm.reserved == {"y": adm.need(a)}
+    adm.filter([], known_rids=lambda: {"y"})
+    assert adm.reserved == {"y": adm.need(a)}
+    adm.release("y", Finished(a))
+    assert adm.reserved_bytes() == 0
+
+
+def test_reader_answers_each_request_of_a_reused_rid_with_its_own_outcome(tmp_path):
+    """Request A of rid "z" is served without capture (its marker), then B with the same rid is captured.
+    take("z") answers A (NotCaptured) and then B (its record); once A was answered, a take for B waits for
+    B's record instead of repeating A's marker (before: it raised NotCaptured at once, forever)."""
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.reader import HiddenStateReader, NotCaptured
+    from sglang_hs.store.writer import CaptureWriter
+
+    spec = CaptureSpec.resolve([1], False, 4, 8)
+    w = CaptureWriter(str(tmp_path), spec, 16, torch.float32, 1 << 16)
+    w.store.copy_(torch.randn(w.store.shape))
+    with HiddenStateReader(str(tmp_path)) as reader:
+        w.publish_marker("z", "reader_behind")
+        reader.poll()
+        assert reader.not_captured("z") == "reader_behind" and reader.pop_ready("z") is None
+        with pytest.raises(NotCaptured, match="reader_behind"):
+            reader.take("z", timeout=5)
+        assert reader.not_captured("z") is None
+        with pytest.raises(TimeoutError):  # B's record is not published yet: wait for it, no stale marker
+            reader.take("z", timeout=0.05)
+        w.publish_gathered("z", torch.arange(3, dtype=torch.int32), torch.tensor([4, 5, 6]))
+        rec = reader.take("z", timeout=5)
+        assert torch.equal(rec.aux_hidden_states, w.store[torch.tensor([4, 5, 6])])
+        # a record, then a marker, then a record, all of one rid: answered in that order
+        w.publish_gathered("z", torch.arange(2, dtype=torch.int32), torch.tensor([1, 2]))
+        w.publish_marker("z", "not_sampled")
+        w.publish_gathered("z", torch.arange(1, dtype=torch.int32), torch.tensor([7]))
+        assert reader.take("z", timeout=5).num_tokens == 2
+        with pytest.raises(NotCaptured, match="not_sampled"):
+            reader.take("z", timeout=5)
+        assert reader.take("z", timeout=5).num_tokens == 1
+        with pytest.raises(TimeoutError):
+            reader.take("z", timeout=0.05)
