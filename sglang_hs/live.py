@@ -116,7 +116,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.live_workers import RecordRouter, RoutedRecords, iteration_key, rendezvous_address
 
         key, n = iteration_key(self._key, self._epochs), info.num_workers
-        address = rendezvous_address(self._rendezvous, key, create=info.id == 0)
+        address = rendezvous_address(self._rendezvous, key, create=True)  # any worker may be first
         router = None
         if info.id == 0:
             if self._router is not None:  # persistent workers: the last epoch's, ended or stopped early

@@ -99,8 +99,8 @@ def _remove_dir(path: str, pid: int) -> None:
 
 def rendezvous_address(rendezvous: str, key: str, create: bool = False) -> str:
     """The router's socket path for iteration `key` in the private folder `rendezvous`, once the folder is
-    checked: a folder (not a symlink) of this user that nobody else may enter. `create`: the router makes it
-    again if it went (the process that built the dataset has exited)."""
+    checked: a folder (not a symlink) of this user that nobody else may enter. `create`: made again if it went
+    (the process that built the dataset has exited); then it is left behind, empty, when the workers end."""
     if create:
         try:
             os.mkdir(rendezvous, 0o700)

@@ -483,5 +483,44 @@ def test_the_handshake_cannot_be_relayed_or_replayed(tmp_path):
     assert not os.path.exists(marker)
 
 
+def test_the_meeting_folder_is_private_and_goes_with_the_dataset():
+    """Layer 1: the workers' folder is 0700, this user's; a forked copy of the dataset going away leaves it
+    (the workers of the next iteration meet there), the dataset going away in its process removes it."""
+    import gc
+    import stat
+
+    from sglang_hs.live import LiveHiddenStates
+
+    ds = LiveHiddenStates([], server="http://127.0.0.1:9", dump_dir="/nonexistent")
+    d = ds._rendezvous
+    st = os.lstat(d)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    pid = os.fork()
+    if pid == 0:
+        del ds
+        gc.collect()
+        os._exit(0 if os.path.isdir(d) else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and os.path.isdir(d)
+    del ds
+    gc.collect()
+    assert not os.path.exists(d)
+
+
+def test_a_meeting_folder_others_may_enter_is_refused(tmp_path):
+    from sglang_hs.live import LiveDatasetError
+    from sglang_hs.live_workers import rendezvous_address
+
+    d = tmp_path / "m"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    with pytest.raises(LiveDatasetError, match=r"meeting folder .*/m is not a private folder of this user .*mode 0755"):
+        rendezvous_address(str(d), "k", create=True)
+    os.chmod(d, 0o700)
+    os.symlink(d, tmp_path / "link")
+    with pytest.raises(LiveDatasetError, match="is not a private folder"):
+        rendezvous_address(str(tmp_path / "link"), "k", create=True)
+    assert rendezvous_address(str(d), "k") == f"{d}/k.sock"
+
+
 if __name__ == "__main__":
     print(json.dumps(scenario(sys.argv[1], sys.argv[2])))
