@@ -7,8 +7,17 @@ os.environ, so a test or a child process that changes a variable sees the change
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, Dict, List, Optional
+
+# Test-only switches (SGLANG_HS_TEST_*: planted hangs, delays, a broken overlay) are honoured only while this
+# is 1: a production server that inherits one from a test shell or a copied environment runs as production.
+TEST_GATE = "SGLANG_HS_TESTING"
+
+
+class EnvError(ValueError):
+    """A variable of the environment holds a value sglang-hs cannot use: one line naming it and what it takes."""
 
 
 def _bool(name: str, default: bool = False) -> Callable[[], bool]:
@@ -25,12 +34,39 @@ def _str(name: str, default: Optional[str] = None) -> Callable[[], Optional[str]
     return lambda: os.environ.get(name) or default
 
 
+def _number(name: str, default, kind, ok: Optional[Callable[[Any], bool]] = None, expect: str = "") -> Callable[[], Any]:
+    def get():
+        v = os.environ.get(name)
+        if v is None or v.strip() == "":
+            return default
+        try:
+            x = kind(v)
+        except ValueError:
+            x = None
+        if x is None or (ok is not None and not ok(x)) or (kind is float and math.isnan(x)):
+            raise EnvError(f"{name}={v!r}: expected {expect or ('an integer' if kind is int else 'a number')}")
+        return x
+
+    return get
+
+
 def _int(name: str, default: int) -> Callable[[], int]:
-    return lambda: int(os.environ.get(name) or default)
+    return _number(name, default, int)
 
 
 def _float(name: str, default: float) -> Callable[[], float]:
-    return lambda: float(os.environ.get(name) or default)
+    return _number(name, default, float)
+
+
+def _test_only(name: str, getter: Callable[[], Any], default: Any) -> Callable[[], Any]:
+    return lambda: getter() if os.environ.get(TEST_GATE) == "1" else default
+
+
+def ignored_test_switches() -> List[str]:
+    """The SGLANG_HS_TEST_* variables set while TEST_GATE is not 1 (ignored: the launcher says so)."""
+    if os.environ.get(TEST_GATE) == "1":
+        return []
+    return sorted(k for k, v in os.environ.items() if k.startswith("SGLANG_HS_TEST_") and v)
 
 
 def _layers() -> Optional[List[int]]:
@@ -93,16 +129,20 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was
     # patched instead (patches/*.patch) or to show what a patch fixes.
     "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},
-    # Seconds of start-up without any sign of progress after which the launcher gives up.
-    "SGLANG_HS_STARTUP_TIMEOUT": _float("SGLANG_HS_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S),
-    # Test-only: hang in this start-up phase ("load", "warmup": sleeping; "load-busy", "warmup-busy":
-    # spinning a core) to exercise the stall detector.
-    "SGLANG_HS_TEST_HANG_PHASE": _str("SGLANG_HS_TEST_HANG_PHASE"),
-    # Test-only: seconds the finish worker waits before each gather, so that a test sees slots freed and
-    # handed out again while their gather is pending (tests/e2e/test_exact_rows.py).
-    "SGLANG_HS_TEST_FINISH_DELAY": _float("SGLANG_HS_TEST_FINISH_DELAY", 0.0),
-    # Test-only: make the overlay module fail to import, as a broken install would.
-    "SGLANG_HS_TEST_BREAK_OVERLAY": _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
+    # Seconds of start-up without any sign of progress after which the launcher gives up (finite, > 0; an
+    # inherited value is checked by the launcher like --hs-startup-timeout).
+    "SGLANG_HS_STARTUP_TIMEOUT": _number("SGLANG_HS_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S, float,
+                                         lambda x: math.isfinite(x) and x > 0, "seconds > 0"),
+    # Test-only (honoured only with SGLANG_HS_TESTING=1, TEST_GATE): hang in this start-up phase ("load",
+    # "warmup": sleeping; "load-busy", "warmup-busy": spinning a core) to exercise the stall detector.
+    "SGLANG_HS_TEST_HANG_PHASE": _test_only("SGLANG_HS_TEST_HANG_PHASE", _str("SGLANG_HS_TEST_HANG_PHASE"), None),
+    # Test-only (TEST_GATE): seconds the finish worker waits before each gather, so that a test sees slots
+    # freed and handed out again while their gather is pending (tests/e2e/test_exact_rows.py).
+    "SGLANG_HS_TEST_FINISH_DELAY": _test_only("SGLANG_HS_TEST_FINISH_DELAY", _float("SGLANG_HS_TEST_FINISH_DELAY", 0.0),
+                                              0.0),
+    # Test-only (TEST_GATE): make the overlay module fail to import, as a broken install would.
+    "SGLANG_HS_TEST_BREAK_OVERLAY": _test_only("SGLANG_HS_TEST_BREAK_OVERLAY", _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
+                                               False),
     # Cache of generated checkpoints (and, for the Makefile, the dependency venvs).
     "SGLANG_HS_CACHE": _str("SGLANG_HS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang-hs")),
 }

@@ -16,46 +16,101 @@ from typing import Optional
 LOCK_NAME = ".lock"
 
 
-def resolve_share_group(text: str) -> int:
-    """The gid of --hs-share-group (a group name or number) that this user may give its files to."""
+def resolve_share_group(text: str, flag: str = "--hs-share-group") -> int:
+    """The gid of `flag` GROUP (a group name or number) that this user may give its files to."""
     import grp
 
     try:
         gid = int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
     except KeyError:
-        raise ValueError(f"--hs-share-group {text}: no such group") from None
+        raise ValueError(f"{flag} {text}: no such group") from None
     if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
-        raise ValueError(f"--hs-share-group {text}: this user (uid {os.geteuid()}) is not a member of group {gid}; "
+        raise ValueError(f"{flag} {text}: this user (uid {os.geteuid()}) is not a member of group {gid}; "
                          "add it to the group (and log in again) or share with one of its groups")
     return gid
 
 
-def ensure_private_dir(path: str, share_gid: Optional[int] = None) -> str:
+def ensure_private_dir(path: str, share_gid: Optional[int] = None, flag: str = "--hs-dump-dir") -> str:
     """Create `path` if missing; refuse a symlink, a non-folder or another user's folder. Its mode is
-    set to 0700, or 0750 of group `share_gid` when the dump is shared."""
+    set to 0700, or 0750 of group `share_gid` when the dump is shared. `flag` names it in errors."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"--hs-dump-dir {path}: parent folder {parent} does not exist")
+        raise FileNotFoundError(f"{flag} {path}: parent folder {parent} does not exist")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"--hs-dump-dir {path}: is a symlink; give the real folder")
+        raise ValueError(f"{flag} {path}: is a symlink; give the real folder")
     if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"--hs-dump-dir {path}: exists and is not a folder")
+        raise NotADirectoryError(f"{flag} {path}: exists and is not a folder")
     if st.st_uid != os.geteuid():
-        raise PermissionError(f"--hs-dump-dir {path}: owned by uid {st.st_uid}, not by this user")
+        raise PermissionError(f"{flag} {path}: owned by uid {st.st_uid}, not by this user")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"--hs-dump-dir {path}: not writable")
+        raise PermissionError(f"{flag} {path}: not writable")
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         _set_mode(fd, 0o700, 0o750, share_gid)
     finally:
         os.close(fd)
     return path
+
+
+def ensure_output_dir(path: str, share_gid: Optional[int] = None, flag: str = "--output") -> str:
+    """An output folder gets the dump dir's care (ensure_private_dir): its parents are made as needed, then
+    it is made or checked (this user's, not a symlink) and set to 0700 (0750 of `share_gid`)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return ensure_private_dir(path, share_gid, flag)
+
+
+def make_private_dirs(path: str, share_gid: Optional[int] = None) -> None:
+    """`path` (a folder inside an output folder) made 0700, or 0750 of `share_gid`, if missing."""
+    if os.path.isdir(path):
+        return
+    os.makedirs(path, 0o700, exist_ok=True)
+    if share_gid is not None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _set_mode(fd, 0o700, 0o750, share_gid)
+        finally:
+            os.close(fd)
+
+
+def create_private_file(path: str, share_gid: Optional[int] = None) -> None:
+    """Create `path` empty, 0600 (0640 of `share_gid`), never through a symlink and never an existing file,
+    for a writer that then opens it by name (torch.save, safetensors): truncating keeps the mode, so the
+    contents are never readable by others, not even while they are written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _set_mode(fd, 0o600, 0o640, share_gid)
+    finally:
+        os.close(fd)
+
+
+def set_private_mode(path: str, share_gid: Optional[int] = None) -> None:
+    """A file a library wrote by name (it may have made its own: safetensors writes a new 0600 file) made 0600,
+    or 0640 of `share_gid`, never through a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _set_mode(fd, 0o600, 0o640, share_gid)
+    finally:
+        os.close(fd)
+
+
+def set_private_modes(top: str, share_gid: Optional[int] = None) -> None:
+    """Every folder (0700 / 0750) and regular file (0600 / 0640 of `share_gid`) under `top`, `top` too, that
+    a library made with default modes (datasets' save_to_disk)."""
+    for root, dirs, files in os.walk(top):
+        for name, dmode, gmode in [(root, 0o700, 0o750)] + [(os.path.join(root, f), 0o600, 0o640) for f in files]:
+            if os.path.islink(name):
+                continue
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                _set_mode(fd, dmode, gmode, share_gid)
+            finally:
+                os.close(fd)
 
 
 def _set_mode(fd: int, private: int, shared: int, share_gid: Optional[int]) -> None:

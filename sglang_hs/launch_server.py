@@ -406,9 +406,13 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
                                      f"{ns.hs_admission_timeout}")
         env["SGLANG_HS_ADMISSION_TIMEOUT"] = str(ns.hs_admission_timeout)
     if ns.hs_startup_timeout is not None:
-        if ns.hs_startup_timeout <= 0:
+        if not (math.isfinite(ns.hs_startup_timeout) and ns.hs_startup_timeout > 0):
             raise CaptureConfigError(f"--hs-startup-timeout: must be > 0 seconds, got {ns.hs_startup_timeout}")
         env["SGLANG_HS_STARTUP_TIMEOUT"] = str(ns.hs_startup_timeout)
+    try:  # an inherited value: checked as the flag is
+        envs.SGLANG_HS_STARTUP_TIMEOUT
+    except envs.EnvError as e:
+        raise CaptureConfigError(f"{e} (inherited from the environment; unset it or pass --hs-startup-timeout)") from None
     return sg_argv, dump_dir
 
 
@@ -425,6 +429,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from sglang_hs import envs
     from sglang_hs.supervisor import Supervisor
 
+    ignored = envs.ignored_test_switches()
+    if ignored:
+        print(f"sglang-hs: ignoring {', '.join(ignored)}: test-only switches, honoured only with "
+              f"{envs.TEST_GATE}=1", file=sys.stderr)
     cmd = [sys.executable, "-m", "sglang_hs.serve"] + sg_argv
     return Supervisor(cmd, envs.SGLANG_HS_STARTUP_TIMEOUT, dump_dir).run()
 

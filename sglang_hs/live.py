@@ -73,6 +73,9 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         self.skipped: "collections.Counter[str]" = collections.Counter()
         self._preparer = None
         self._key, self._authkey, self._epochs = uuid.uuid4().hex, os.urandom(32), 0  # for DataLoader workers
+        from sglang_hs.live_workers import make_rendezvous_dir
+
+        self._rendezvous = make_rendezvous_dir(self)  # their private meeting folder, removed with this dataset
         self._router = None  # worker 0's RecordRouter of its latest iteration
 
     def _records(self) -> Iterator:
@@ -110,23 +113,24 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         ends with its share, not waiting for the others' (the DataLoader, in order, would wait for it and
         hand the others no work: a deadlock); its router goes on until every worker is done, the last one's
         done answered only once the reader is closed."""
-        from sglang_hs.live_workers import RecordRouter, RoutedRecords, iteration_key
+        from sglang_hs.live_workers import RecordRouter, RoutedRecords, iteration_key, rendezvous_address
 
         key, n = iteration_key(self._key, self._epochs), info.num_workers
+        address = rendezvous_address(self._rendezvous, key, create=True)  # any worker may be first
         router = None
         if info.id == 0:
             if self._router is not None:  # persistent workers: the last epoch's, ended or stopped early
                 self._router.stop()
                 self._router.join()
             try:
-                router = self._router = RecordRouter(key, self._authkey, n, self.dump_dir, self.reader_wait,
+                router = self._router = RecordRouter(address, self._authkey, n, self.dump_dir, self.reader_wait,
                                                      self.owner)
             except (RuntimeError, FileNotFoundError, OSError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         finished = False
         try:
             try:  # worker 0 may still be waiting for the manifest
-                source = RoutedRecords(key, self._authkey, info.id, 2 * self.reader_wait + 10)
+                source = RoutedRecords(address, self._authkey, info.id, 2 * self.reader_wait + 10)
             except (OSError, EOFError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {info.id}: the record router "
                                        f"(worker 0) did not answer ({type(e).__name__}: {e})") from None

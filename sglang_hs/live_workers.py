@@ -2,13 +2,24 @@
 them, held by a thread of worker 0 (the router) that hands each record to the worker whose request it is.
 
 Why this shape: the dump dir has one reader (a flock on its ring), and the DataLoader starts its workers
-itself (fork or spawn), so they share nothing made after the dataset was built. They meet at a Unix socket in
-the abstract namespace, named after the dataset and the iteration (no file to clean up; it goes with the
-process that listens), and authenticate with a key only the dataset's copies hold (multiprocessing's HMAC
-challenge). Records travel pickled by torch's ForkingPickler, as DataLoader batches do: their tensors go
-through shared memory, only handles through the socket.
+itself (fork or spawn), so they share nothing made after the dataset was built. They meet at a Unix socket
+in a private folder the dataset made when it was built (rendezvous_dir: 0700, this user's, a random name),
+named after the iteration, so every worker finds it unasked; records travel pickled by torch's
+ForkingPickler, as DataLoader batches do: their tensors go through shared memory, only handles through the
+socket.
 
-Messages (tuples): worker -> router `("hello", worker_id)`, `("ask", rid)` (a reply came and its record did
+Security (issue 31, item 1; README "Security"): another local user must not reach the trainer through this
+socket. Four layers, each enough against another uid: (1) the socket lies in the private folder, so other
+users can neither connect to it nor bind its name first (an abstract-namespace name, as before, was
+visible in /proc/net/unix, repeated across iterations and could be bound by anyone); (2) each end checks the
+other's uid (SO_PEERCRED): the router accepts only this user's workers, a worker only this user's router;
+(3) the handshake proves to each side that the other holds the dataset's key (32 random bytes only the
+dataset's copies hold) and cannot be reflected or relayed: each side's MAC binds its role, both nonces,
+the worker id and both pids as the kernel reports them (SO_PEERCRED), so a MAC made for one connection
+proves nothing on another; (4) nothing a peer sends is unpickled before both MACs are checked (the hello
+and the MACs are plain bytes of fixed length).
+
+Messages after the handshake (tuples): worker -> router `("ask", rid)` (a reply came and its record did
 not: tell me if a marker says it never will), `("done",)`; router -> worker `("manifest", manifest, nonce)`,
 `("record", HiddenStateRecord)`, `("marker", rid, reason)`, `("bye",)` (the answer to done), `("error", text)`.
 The workers' rids start with `hsl-<nonce>-<worker>-`, the nonce fresh from the router each iteration: the
@@ -23,21 +34,27 @@ iteration ends with its share, the router thread going on routing to the others;
 before the last worker's done is answered with bye, and a worker ends its iteration only after its bye, so
 when the DataLoader's iteration ends the reader is closed.
 
-The handshake: a connection from another user is refused (SO_PEERCRED) and each handshake runs in its own
-thread, its reads and writes bounded by HANDSHAKE_TIMEOUT_S (SO_RCVTIMEO/SO_SNDTIMEO): the socket's name
-is visible to all (/proc/net/unix), and one that connects and says nothing must not keep the workers out.
+Each handshake runs in its own thread, its reads and writes bounded by HANDSHAKE_TIMEOUT_S
+(SO_RCVTIMEO/SO_SNDTIMEO), on the worker's side too: one that connects and says nothing must not keep the
+workers out, and a router that says nothing must not hang a worker.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
 import io
 import os
 import queue
+import secrets
+import shutil
 import socket
+import stat
 import struct
+import tempfile
 import threading
 import time
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from multiprocessing.util import Finalize
 from typing import Dict, Optional
@@ -60,6 +77,45 @@ def iteration_key(dataset_key: str, epoch: int) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
+def make_rendezvous_dir(owner) -> str:
+    """The private folder (0700, a random name under the temp dir) where the workers of `owner` (a
+    LiveHiddenStates, in the process that built it) meet; removed with `owner` by that process only (a
+    forked worker's copy of the dataset going away leaves it)."""
+    import weakref
+
+    base = tempfile.gettempdir()
+    if len(base) > 60:  # a socket's path holds at most 107 bytes
+        base = "/tmp"
+    path = os.path.join(base, f"sglang-hs-live-{secrets.token_hex(8)}")
+    os.mkdir(path, 0o700)
+    weakref.finalize(owner, _remove_dir, path, os.getpid())
+    return path
+
+
+def _remove_dir(path: str, pid: int) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def rendezvous_address(rendezvous: str, key: str, create: bool = False) -> str:
+    """The router's socket path for iteration `key` in the private folder `rendezvous`, once the folder is
+    checked: a folder (not a symlink) of this user that nobody else may enter. `create`: made again if it went
+    (the process that built the dataset has exited); then it is left behind, empty, when the workers end."""
+    if create:
+        try:
+            os.mkdir(rendezvous, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(rendezvous)
+    except FileNotFoundError:
+        raise LiveDatasetError(f"LiveHiddenStates: the workers' meeting folder {rendezvous} is gone") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise LiveDatasetError(f"LiveHiddenStates: the workers' meeting folder {rendezvous} is not a private folder "
+                               f"of this user (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): refusing it")
+    return os.path.join(rendezvous, f"{key}.sock")
+
+
 HANDSHAKE_TIMEOUT_S = 5.0  # for each read and write of one connection's handshake
 BYE_TIMEOUT_S = 60.0  # a worker's wait for the router's answer to its done (the router answers at once)
 
@@ -75,13 +131,30 @@ def _io_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
+def _peer_cred(sock: socket.socket) -> tuple:
+    """(pid, uid) of the process at the other end, as the kernel saw it connect (or listen)."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
 
 
-def _address(key: str) -> str:
-    return f"\0sglang-hs-live-{key}"
+# The handshake, plain bytes of fixed length (nothing unpickled before it ends): the worker sends HELLO +
+# its id + its nonce; the router answers its nonce + its MAC; the worker answers its MAC.
+HELLO = b"sglang-hs-live/2 hello"
+NONCE_BYTES = 32
+_ID = struct.Struct("!I")
+
+
+def handshake_mac(key: bytes, role: bytes, worker_nonce: bytes, router_nonce: bytes, worker: int, router_pid: int,
+                  worker_pid: int) -> bytes:
+    """What `role` (b"router" or b"worker") proves: it holds `key`, on this connection (both nonces, the pids
+    at its two ends) to this worker. A MAC of one role is never one of the other, so neither side can be made
+    to answer for the other (reflection); one made on a relayed connection names the relay's pid (relay)."""
+    msg = role + worker_nonce + router_nonce + struct.pack("!Iqq", worker, router_pid, worker_pid)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+class HandshakeError(ConnectionError):
+    """The peer did not prove it holds the dataset's key on this connection."""
 
 
 def _send(conn: Connection, msg) -> None:
@@ -99,16 +172,18 @@ class RecordRouter:
     workers, and routes records in a thread until all `num_workers` are done, then closes the reader.
     Worker 0's iteration does not wait for it (module docstring)."""
 
-    def __init__(self, key: str, authkey: bytes, num_workers: int, dump_dir: str, reader_wait: float, owner) -> None:
+    def __init__(self, address: str, authkey: bytes, num_workers: int, dump_dir: str, reader_wait: float,
+                 owner) -> None:
         from sglang_hs.reader import HiddenStateReader
 
-        self.key, self.num_workers = key, num_workers
+        self.address, self.num_workers = address, num_workers
         self.nonce = os.urandom(6).hex()
         self.reader = HiddenStateReader(dump_dir, wait=reader_wait, owner=owner)
         self._authkey = authkey
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._bound_ino = None
         try:
-            self._listener.bind(_address(key))
+            self._bind(address)
             self._listener.listen(num_workers)
         except BaseException:
             self._listener.close()
@@ -125,6 +200,35 @@ class RecordRouter:
         self._exit_hook = Finalize(None, self._thread.join, exitpriority=100)
         self._thread.start()
 
+    def _bind(self, address: str) -> None:
+        """Bind `address`; a socket file a killed router left there (nobody listens) is replaced: only this
+        user can have put it in the private folder."""
+        try:
+            self._listener.bind(address)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or address.startswith("\0"):
+                raise
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(address)
+            except ConnectionRefusedError:
+                os.unlink(address)
+                self._listener.bind(address)
+            else:
+                raise OSError(errno.EADDRINUSE, f"{address}: another iteration of this dataset is running") from None
+            finally:
+                probe.close()
+        if not address.startswith("\0"):
+            self._bound_ino = os.lstat(address).st_ino
+
+    def _unlink(self) -> None:
+        """Remove our socket file (not one a later router bound there since)."""
+        try:
+            if self._bound_ino is not None and os.lstat(self.address).st_ino == self._bound_ino:
+                os.unlink(self.address)
+        except OSError:
+            pass
+
     def _accept(self) -> None:
         """Takes connections until the router ends; this user's only, each handshake in its own thread."""
         me = os.geteuid()
@@ -134,7 +238,7 @@ class RecordRouter:
             except OSError:  # shut down at _route's end
                 return
             try:
-                if _peer_uid(sock) != me:
+                if _peer_cred(sock)[1] != me:
                     raise PermissionError("another user")
                 _io_timeout(sock, HANDSHAKE_TIMEOUT_S)
             except OSError:
@@ -144,14 +248,22 @@ class RecordRouter:
                              name="sglang-hs-live-handshake").start()
 
     def _handshake(self, sock: socket.socket) -> None:
+        peer_pid = _peer_cred(sock)[0]
         conn = Connection(sock.detach())
         try:
-            deliver_challenge(conn, self._authkey)  # as multiprocessing's Listener does
-            answer_challenge(conn, self._authkey)
-            kind, worker = _recv(conn)
-            if kind != "hello" or not 0 <= worker < self.num_workers:
-                raise ValueError(f"a bad hello {(kind, worker)!r}")
-            _send(conn, ("manifest", self.reader.manifest, self.nonce))
+            hello = conn.recv_bytes(len(HELLO) + _ID.size + NONCE_BYTES)
+            if len(hello) != len(HELLO) + _ID.size + NONCE_BYTES or not hello.startswith(HELLO):
+                raise HandshakeError("not a worker's hello")
+            worker = _ID.unpack_from(hello, len(HELLO))[0]
+            worker_nonce = hello[len(HELLO) + _ID.size:]
+            if not 0 <= worker < self.num_workers:
+                raise HandshakeError(f"a hello of worker {worker}")
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            ids = (worker_nonce, nonce, worker, os.getpid(), peer_pid)
+            conn.send_bytes(nonce + handshake_mac(self._authkey, b"router", *ids))
+            if not hmac.compare_digest(conn.recv_bytes(64), handshake_mac(self._authkey, b"worker", *ids)):
+                raise HandshakeError("no proof of the key")
+            _send(conn, ("manifest", self.reader.manifest, self.nonce))  # the first pickle: both sides proven
             with socket.socket(fileno=os.dup(conn.fileno())) as s:  # the same socket: unbound from here on
                 _io_timeout(s, 0)
         except Exception:  # noqa: BLE001 - no key (AuthenticationError), a stall (timeout), or a worker that died
@@ -220,6 +332,7 @@ class RecordRouter:
             except OSError:
                 pass
             self._listener.close()
+            self._unlink()
             self.reader.close()
             last = ("bye",) if self.error is None else ("error", f"{type(self.error).__name__}: {self.error}")
             for conn in [*leaving, *clients]:
@@ -249,19 +362,47 @@ class RoutedRecords:
     """A worker's side: what the one-process iteration uses of a HiddenStateReader (manifest, poll,
     pop_ready, not_captured, poll_interval), fed by the router."""
 
-    def __init__(self, key: str, authkey: bytes, worker: int, wait_s: float, poll_interval: float = 0.002) -> None:
+    def __init__(self, address: str, authkey: bytes, worker: int, wait_s: float, poll_interval: float = 0.002) -> None:
         deadline = time.monotonic() + wait_s
         while True:  # worker 0 may not listen yet
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                self._conn = Client(_address(key), family="AF_UNIX", authkey=authkey)
+                sock.connect(address)
                 break
             except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
                 if time.monotonic() > deadline:
                     raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {worker}: no record router "
                                            f"(worker 0) after {wait_s:.0f}s") from None
                 time.sleep(0.05)
-        _send(self._conn, ("hello", worker))
-        kind, self.manifest, nonce = _recv(self._conn)
+            except BaseException:
+                sock.close()
+                raise
+        try:
+            router_pid, uid = _peer_cred(sock)
+            if uid != os.geteuid():
+                raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {worker}: the record router's socket "
+                                       f"{address.lstrip(chr(0))} is held by uid {uid}, not this user: refusing it")
+            _io_timeout(sock, HANDSHAKE_TIMEOUT_S)
+        except BaseException:
+            sock.close()
+            raise
+        self._conn = Connection(sock.detach())
+        try:
+            worker_nonce = secrets.token_bytes(NONCE_BYTES)
+            self._conn.send_bytes(HELLO + _ID.pack(worker) + worker_nonce)
+            answer = self._conn.recv_bytes(NONCE_BYTES + 32)
+            ids = (worker_nonce, answer[:NONCE_BYTES], worker, router_pid, os.getpid())
+            if len(answer) != NONCE_BYTES + 32 or not hmac.compare_digest(
+                    answer[NONCE_BYTES:], handshake_mac(authkey, b"router", *ids)):
+                raise HandshakeError("it did not prove it holds the dataset's key")
+            self._conn.send_bytes(handshake_mac(authkey, b"worker", *ids))
+            kind, self.manifest, nonce = _recv(self._conn)  # the first pickle: both sides proven
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as s:  # unbound from here on
+                _io_timeout(s, 0)
+        except BaseException:
+            self._conn.close()
+            raise
         self.rid_prefix = rid_prefix(nonce, worker)
         self.poll_interval = poll_interval
         self._ready: dict = {}

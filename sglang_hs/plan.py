@@ -143,11 +143,28 @@ def file_bytes(T: int, P: int, H: int, elem: int, kind: str) -> int:
     return T * P * H + scales + ids + SAFETENSORS_HEADER + 90
 
 
+# the numeric flags and what each takes: (flag, attribute, least value, what it is)
+NUMBERS = (("--samples", "samples", 1, "samples"), ("--mean-tokens", "mean_tokens", 1, "tokens"),
+           ("--max-samples", "max_samples", 0, "samples"), ("--context-length", "context_length", 1, "tokens"),
+           ("--max-total-tokens", "max_total_tokens", 1, "KV slots"), ("--page-size", "page_size", 1, "tokens"),
+           ("--dp-size", "dp_size", 1, "ranks"))
+
+
+def check_numbers(ns) -> None:
+    """A one-line PlanError for a numeric flag that is not a finite number at or above its least value (inf
+    gave a traceback, a negative value negative sizes)."""
+    for flag, attr, least, what in NUMBERS:
+        v = getattr(ns, attr)
+        if v is not None and not (math.isfinite(v) and v >= least):
+            raise PlanError(f"{flag}: a number of {what} >= {least}, got {v}")
+
+
 def plan(ns) -> dict:
     from sglang_hs.capture_spec import CaptureSpec, parse_layer_ids
     from sglang_hs.launch_server import parse_size
     from sglang_hs.store.ring import HEADER_BYTES, _align, record_bytes
 
+    check_numbers(ns)
     cfg = _config(ns.model_path)
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers else None
     try:

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="FILE",
                    help="JSON Lines (conversations/messages, or input_ids [+ loss_mask]), or a Hugging Face dataset")
     p.add_argument("--output", required=True, metavar="DIR", help="folder of the training files and manifest.json")
+    p.add_argument("--output-group", default=None, metavar="GROUP",
+                   help="let GROUP read the output files (folders 0750, files 0640 of GROUP, e.g. a trainer running "
+                        "as another user); default: 0700/0600, this user only")
     p.add_argument("--format", choices=["specforge", "safetensors"], default="specforge",
                    help="specforge: rows_*/data_{i}.ckpt; safetensors: speculators' dataset (hs_{i}.safetensors per "
                         "sample, the datasets table and hidden_states/ written when the run completes); both need "
@@ -96,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     ns, launcher_args = build_parser().parse_known_args(argv)
+    ns.output_gid = None
+    if ns.output_group is not None:
+        from sglang_hs.fsutil import resolve_share_group
+
+        try:
+            ns.output_gid = resolve_share_group(ns.output_group, "--output-group")
+        except ValueError as e:
+            raise ExtractError(str(e)) from None
     try:
         i, n = (int(x) for x in ns.shard.split("/"))
         assert n >= 1 and 0 <= i < n
@@ -258,10 +269,9 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         doc["speculators_dataset_rows"] = (dataset or {}).get("rows")  # None: not written by this run
         # speculators' train --hidden-states-backend: the file backend reads FP8 files without their scales
         doc["speculators_hidden_states_backend"] = "fp8" if (ns.save_dtype or "").startswith("fp8") else "file"
-    tmp = os.path.join(out_dir, f".manifest.json.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+    from sglang_hs.fsutil import write_private_file
+
+    write_private_file(out_dir, "manifest.json", json.dumps(doc, indent=1).encode(), getattr(sink, "share_gid", None))
 
 
 def request_body(sample, rid: str, ns=None) -> dict:
@@ -603,14 +613,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     out_dir = os.path.abspath(ns.output)
     sink = SINKS[ns.format](out_dir, ns.save_dtype)
+    sink.share_gid = ns.output_gid
     if ns.finalize:
+        try:
+            prepare_output(out_dir, ns.output_gid)
+        except ExtractError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
         return _finalize_only(sink)
     if ns.from_dump:
         from sglang_hs.extract.harvest import run
 
         return run(ns, sink, out_dir)
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        prepare_output(out_dir, ns.output_gid)
         have = sink.existing()
         if have and not ns.resume:
             raise ExtractError(f"--output {out_dir} already holds {have} {ns.format} sample files; pass --resume "
@@ -690,6 +706,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
     return rc
+
+
+def prepare_output(out_dir: str, gid: Optional[int]) -> None:
+    """--output made, or checked, as the dump dir is (fsutil.ensure_output_dir): this user's folder, not a
+    symlink, 0700 (0750 of --output-group); another user's folder (a world-writable tmpfs lets anyone make
+    one first) is refused in one line."""
+    from sglang_hs.fsutil import ensure_output_dir
+
+    try:
+        ensure_output_dir(out_dir, gid)
+    except (OSError, ValueError) as e:
+        raise ExtractError(str(e)) from None
 
 
 def check_final_state(fmt: str, sink, manifest: dict, server: str) -> None:

@@ -61,14 +61,28 @@ class Journal:
     exclusive lock (flock, dropped by the kernel when the process dies, so a SIGKILLed harvester leaves
     none behind) or refuses; a line a crash cut short is dropped."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str, share_gid: Optional[int] = None) -> None:
+        import stat
+
         from sglang_hs.extract.cli import ExtractError
 
         self.path = os.path.join(out_dir, JOURNAL)
         self.rings: dict = {}  # ring_id -> number
         self.files: dict = {}  # file index -> its line
         self.setup: Optional[dict] = None
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # 0600 (0640 of --output-group), never through a symlink, never a special file
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                               | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            why = "a symlink: refusing to follow it" if os.path.islink(self.path) else e.strerror
+            raise ExtractError(f"{self.path}: cannot open the harvest journal ({why})") from None
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(self._fd)
+            raise ExtractError(f"{self.path}: not a regular file of this user (uid {st.st_uid}): refusing it")
+        from sglang_hs.fsutil import _set_mode
+
+        _set_mode(self._fd, 0o600, 0o640, share_gid)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,7 +96,8 @@ class Journal:
             raise
 
     def _load(self, ExtractError) -> None:
-        with open(self.path, "rb") as f:
+        with os.fdopen(os.dup(self._fd), "rb") as f:  # the file opened, not whatever the name is now
+            f.seek(0)
             data = f.read()
         end = data.rfind(b"\n") + 1
         if end < len(data):
@@ -215,7 +230,8 @@ def _open_reader(ns):
 
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
-    from sglang_hs.extract.cli import PROG, ExtractError, Stats, _print_summary, check_final_state, write_manifest
+    from sglang_hs.extract.cli import (PROG, ExtractError, Stats, _print_summary, check_final_state, prepare_output,
+                                       write_manifest)
     from sglang_hs.extract.sinks import SinkError
     from sglang_hs.store.ring import TornRecord
 
@@ -230,12 +246,12 @@ def run(ns, sink, out_dir: str) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(ns.torch_threads)
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        prepare_output(out_dir, getattr(ns, "output_gid", None))
         have = sink.existing()
-        if have and not os.path.exists(os.path.join(out_dir, JOURNAL)):
+        if have and not os.path.lexists(os.path.join(out_dir, JOURNAL)):
             raise ExtractError(f"--output {out_dir} already holds {have} {ns.format} sample files of another run "
                                "(no harvest journal): choose another folder")
-        journal = Journal(out_dir)  # locked: the partial files removed below are no other harvester's
+        journal = Journal(out_dir, getattr(ns, "output_gid", None))  # locked: the partial files removed below are no other harvester's
         sink.remove_partial()
         reader = _open_reader(ns)
         manifest = reader.manifest

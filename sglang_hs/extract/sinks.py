@@ -74,6 +74,7 @@ class Sink:
             raise SinkError(f"--format {self.name} cannot store --save-dtype {save_dtype}")
         self.out_dir = out_dir
         self.save_dtype = save_dtype
+        self.share_gid: Optional[int] = None  # --output-group: files 0640 and folders 0750 of it (else 0600/0700)
         self.layer_ids: Optional[List[int]] = None  # recorded in the files where the format has room
 
     def finalize(self) -> Optional[dict]:
@@ -99,13 +100,17 @@ class Sink:
     def write(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
               last: Optional[torch.Tensor]) -> int:
         """Write one sample (aux [T, K, H], last [T, H]); returns the bytes written."""
+        from sglang_hs.fsutil import create_private_file, make_private_dirs, set_private_mode
+
         final = self.path(index)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        make_private_dirs(os.path.dirname(final), self.share_gid)
         tmp = final + f".{os.getpid()}{TMP_SUFFIX}"
         if self.save_dtype == "bf16":
             aux, last = aux.to(torch.bfloat16), None if last is None else last.to(torch.bfloat16)
         try:
+            create_private_file(tmp, self.share_gid)  # its mode before any byte of it is written
             self._save(tmp, input_ids.long(), loss_mask.long(), aux, last)
+            set_private_mode(tmp, self.share_gid)  # a writer that made a file of its own
             return _commit(tmp, final)
         except BaseException:
             if os.path.exists(tmp):
@@ -266,7 +271,9 @@ class SafetensorsSink(Sink):
                                       "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})
         work = os.path.join(self.out_dir, f".dataset.{os.getpid()}")
         new_hs = os.path.join(self.out_dir, f".hidden_states.{os.getpid()}")
-        os.makedirs(new_hs)
+        from sglang_hs.fsutil import make_private_dirs, set_private_modes
+
+        make_private_dirs(new_hs, self.share_gid)
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()
         try:
@@ -275,6 +282,7 @@ class SafetensorsSink(Sink):
             ds.set_format(type="torch")  # speculators compares token_ids with input_ids as tensors
             ds.save_to_disk(os.path.join(work, "ds"))
             del ds
+            set_private_modes(os.path.join(work, "ds"), self.share_gid)  # datasets writes 0644
             for row, (index, p) in enumerate(files):
                 dst = os.path.join(new_hs, f"hs_{row}.safetensors")
                 try:

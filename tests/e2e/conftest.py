@@ -100,7 +100,8 @@ def plain_sched_server(plain_dump_dir):
 def _slow_finish(server_gen):
     """Start the server of `server_gen` with SGLANG_HS_TEST_FINISH_DELAY=FINISH_DELAY and
     SGLANG_INIT_NEW_TOKEN_RATIO=RETRACT_RATIO, then run its teardown."""
-    env = {"SGLANG_HS_TEST_FINISH_DELAY": str(FINISH_DELAY), "SGLANG_INIT_NEW_TOKEN_RATIO": str(RETRACT_RATIO)}
+    env = {"SGLANG_HS_TEST_FINISH_DELAY": str(FINISH_DELAY), "SGLANG_HS_TESTING": "1",  # the switch's gate
+           "SGLANG_INIT_NEW_TOKEN_RATIO": str(RETRACT_RATIO)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -43,9 +43,9 @@ def failed_starts(request, tmp_path_factory):
         for hang in HANG_VERDICTS:
             if f"test_stall_names_phase_prints_stacks_and_cleans_up[{hang}]" in selected:
                 start(f"stall-{hang}", ["--hs-startup-timeout", str(STALL_TIMEOUT)],
-                      env={"SGLANG_HS_TEST_HANG_PHASE": hang, "PYTHONPROFILEIMPORTTIME": "1"})
+                      env={"SGLANG_HS_TEST_HANG_PHASE": hang, "SGLANG_HS_TESTING": "1", "PYTHONPROFILEIMPORTTIME": "1"})
         if "test_overlay_import_failure_is_fatal" in selected:
-            start("broken-overlay", env={"SGLANG_HS_TEST_BREAK_OVERLAY": "1"})
+            start("broken-overlay", env={"SGLANG_HS_TEST_BREAK_OVERLAY": "1", "SGLANG_HS_TESTING": "1"})
         if "test_a_taken_port_fails_fast_naming_it" in selected:
             start("taken-port", port=taken.getsockname()[1])  # held open until every launcher is done
         yield started

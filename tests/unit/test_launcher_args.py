@@ -87,6 +87,8 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         ([], "LlamaForCausalLM", "unsupported architecture 'LlamaForCausalLM'"),
         ([], "PixtralForConditionalGeneration", "'PixtralForConditionalGeneration'.*inside the Pixtral wrapper"),
         (["--hs-startup-timeout", "0"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
+        (["--hs-startup-timeout", "nan"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
+        (["--hs-startup-timeout", "inf"], "DeepseekV3ForCausalLM", "--hs-startup-timeout: must be > 0"),
         (["--hs-admission-timeout", "-1"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
         (["--hs-admission-timeout", "nan"], "DeepseekV3ForCausalLM", "--hs-admission-timeout: must be >= 0"),
         (["--hs-staging-rows", "64"], "DeepseekV3ForCausalLM", "--hs-staging-rows needs --hs-copy staging"),
@@ -275,3 +277,37 @@ def test_prepare_serves_kimi_k25_text_only_and_sizes_from_its_text_config(tmp_pa
     assert json.loads(argv[argv.index("--json-model-override-args") + 1]) == {"x": 1, "language_model_only": True}
     assert launch_server.text_only(["--a", "--json-model-override-args={}"]) == [
         "--a", "--json-model-override-args", '{"language_model_only": true}']
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "nan", "-5", "inf"])
+def test_an_inherited_startup_timeout_is_checked_as_the_flag_is(tmp_path, clean_env, value):
+    """SGLANG_HS_STARTUP_TIMEOUT from the environment (no flag): one line naming the variable, not a traceback
+    from float(), nor a supervisor that gives up at once (0) or never (nan)."""
+    os.environ["SGLANG_HS_STARTUP_TIMEOUT"] = value
+    with pytest.raises(CaptureConfigError, match=rf"^SGLANG_HS_STARTUP_TIMEOUT='{value}': expected seconds > 0 "
+                                                 r"\(inherited from the environment"):
+        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", "--hs-dump-dir",
+                               str(tmp_path / "hs")])
+    os.environ["SGLANG_HS_STARTUP_TIMEOUT"] = "30"
+    assert envs.SGLANG_HS_STARTUP_TIMEOUT == 30.0
+
+
+def test_test_switches_are_ignored_without_their_gate(clean_env):
+    """SGLANG_HS_TEST_* (a planted hang, a delay, a broken overlay) inherited by a production server are
+    ignored, and named by ignored_test_switches (the launcher prints them); honoured with SGLANG_HS_TESTING=1."""
+    os.environ.update({"SGLANG_HS_TEST_FINISH_DELAY": "5", "SGLANG_HS_TEST_HANG_PHASE": "load",
+                       "SGLANG_HS_TEST_BREAK_OVERLAY": "1"})
+    assert (envs.SGLANG_HS_TEST_FINISH_DELAY, envs.SGLANG_HS_TEST_HANG_PHASE, envs.SGLANG_HS_TEST_BREAK_OVERLAY) == \
+        (0.0, None, False)
+    assert envs.ignored_test_switches() == ["SGLANG_HS_TEST_BREAK_OVERLAY", "SGLANG_HS_TEST_FINISH_DELAY",
+                                            "SGLANG_HS_TEST_HANG_PHASE"]
+    os.environ["SGLANG_HS_TESTING"] = "1"
+    assert (envs.SGLANG_HS_TEST_FINISH_DELAY, envs.SGLANG_HS_TEST_HANG_PHASE, envs.SGLANG_HS_TEST_BREAK_OVERLAY) == \
+        (5.0, "load", True)
+    assert envs.ignored_test_switches() == []
+
+
+def test_a_bad_number_in_the_environment_names_the_variable(clean_env):
+    os.environ["SGLANG_HS_RING_SIZE"] = "1GB"
+    with pytest.raises(envs.EnvError, match=r"^SGLANG_HS_RING_SIZE='1GB': expected an integer$"):
+        envs.SGLANG_HS_RING_SIZE

@@ -20,6 +20,123 @@ import torch
 LIMIT_S = 120  # a generous bound on a scenario of a few seconds: only a hang reaches it
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Another local user (uid 65534) against the router (issue 31, item 1). Run as `python -c ATTACKER MARKER` by
+# root, it drops to that uid first, then answers the trainer's commands on stdin, one JSON line each:
+#   scan    the router names /proc/net/unix shows (anyone may read it), and what connecting to them gives
+#   squat   bind those names first, then serve whoever connects: answer the workers' multiprocessing HMAC
+#           challenges by reflecting one worker's challenge off another, then send a pickle that makes
+#           MARKER (a folder, as the uid it runs as) when unpickled
+#   report  what it got; `report-after-workers` waits (at most LIMIT_S) until a worker got its pickle
+ATTACKER = r"""
+import json, os, pickle, queue, socket, struct, sys, threading
+marker = sys.argv[1]
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+
+class Evil:
+    def __reduce__(self):
+        return (os.mkdir, (marker,))
+
+EVIL = pickle.dumps(Evil())
+log = {"uid": os.getuid(), "seen": [], "connect": [], "bound": [], "bind_errors": [], "workers": 0, "reflected": 0,
+       "injected": 0}
+cond = threading.Condition()
+
+def readn(s, n):
+    buf = b""
+    while len(buf) < n:
+        c = s.recv(n - len(buf))
+        if not c:
+            raise EOFError
+        buf += c
+    return buf
+
+def send(s, b):
+    s.sendall(struct.pack("!i", len(b)) + b)
+
+def recv(s):
+    return readn(s, struct.unpack("!i", readn(s, 4))[0])
+
+def names():
+    with open("/proc/net/unix") as f:
+        return sorted({p[7] for p in (line.split() for line in f.readlines()[1:]) if len(p) >= 8 and "sglang-hs-live" in p[7]})
+
+def addr(name):
+    return "\0" + name[1:] if name.startswith("@") else name
+
+def scan():
+    for name in names():
+        log["seen"].append(name)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        try:
+            s.connect(addr(name))
+            send(s, EVIL)
+            got = s.recv(100)
+            log["connect"].append(f"{name}: connected, got {got[:40]!r}")
+        except Exception as e:
+            log["connect"].append(f"{name}: {type(e).__name__} {e}")
+        s.close()
+
+def reflect(workers):
+    # each worker (multiprocessing's Client) first answers our challenge, then sends its own: the next worker
+    # answers that one for us
+    w = workers.get()
+    send(w, b"#CHALLENGE#" + os.urandom(20)); recv(w); send(w, b"#WELCOME#")
+    challenge = recv(w)
+    while True:
+        v = workers.get()
+        send(v, challenge); digest = recv(v)
+        send(w, digest)
+        if recv(w) == b"#WELCOME#":
+            with cond:
+                log["reflected"] += 1
+            try:
+                recv(w)  # its hello
+                send(w, EVIL)  # ForkingPickler.loads runs it
+                with cond:
+                    log["injected"] += 1
+                    cond.notify_all()
+            except Exception:
+                pass
+        send(v, b"#WELCOME#")
+        w, challenge = v, recv(v)
+
+def squat():
+    workers = queue.Queue()
+    for name in log["seen"]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(addr(name))
+            s.listen(8)
+        except OSError as e:
+            log["bind_errors"].append(f"{name}: {type(e).__name__} {e}")
+            continue
+        log["bound"].append(name)
+
+        def serve(s=s):
+            while True:
+                c = s.accept()[0]
+                with cond:
+                    log["workers"] += 1
+                workers.put(c)
+        threading.Thread(target=serve, daemon=True).start()
+    threading.Thread(target=lambda: reflect(workers), daemon=True).start()
+
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "scan":
+        scan()
+    elif cmd == "squat":
+        squat()
+    elif cmd == "report-after-workers":
+        with cond:
+            cond.wait_for(lambda: log["injected"], timeout=LIMIT_S // 2)
+    with cond:
+        print(json.dumps(log), flush=True)
+""".replace("LIMIT_S", str(LIMIT_S))
+
 
 class Preparer:
     """Record i -> the sample of ids [i+1, i+2, i+3]; the indices in `skip` are skipped as too long."""
@@ -108,14 +225,49 @@ def scenario(name: str, tmp: str) -> dict:
         ds._preparer = Preparer()
         init, stallers = live_workers.RecordRouter.__init__, []
 
-        def init_then_stall(self, key, *args, **kwargs):
-            init(self, key, *args, **kwargs)
+        def init_then_stall(self, address, *args, **kwargs):
+            init(self, address, *args, **kwargs)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(live_workers._address(key))
+            sock.connect(address)
             stallers.append(sock)
 
         live_workers.RecordRouter.__init__ = init_then_stall
         epoch(DataLoader(ds, batch_size=None, num_workers=2))
+    elif name == "attacked":
+        # another user watches the router's socket during one iteration, then binds its name before the next
+        # iteration (alike: the generator seeded alike) and serves the workers that connect (ATTACKER)
+        ds._preparer = Preparer()
+        gen = torch.Generator()
+        loader = DataLoader(ds, batch_size=None, num_workers=3, generator=gen)
+        marker = os.path.join(tmp, "ran-as-the-trainer")
+        att = subprocess.Popen([sys.executable, "-c", ATTACKER, marker], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True, cwd="/")
+
+        def ask(cmd):
+            att.stdin.write(cmd + "\n")
+            att.stdin.flush()
+            return json.loads(att.stdout.readline())
+
+        gen.manual_seed(0)
+        samples = []
+        for i, s in enumerate(loader):
+            if i == 0:
+                ask("scan")  # while the router listens
+            samples.append(int(s["input_ids"][0]) - 1)
+        out["epochs"].append(samples)
+        ask("squat")
+        gen.manual_seed(0)
+        it = iter(loader)
+        try:
+            out["epochs"].append([int(s["input_ids"][0]) - 1 for s in it])
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - what the trainer sees
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["attacker"] = ask("report-after-workers" if out["error"] else "report")
+        del it
+        att.kill()  # its stdin is the DataLoader workers' too (forked after it): no EOF to wait for
+        att.wait()
+        out["marker"] = os.path.exists(marker) and os.stat(marker).st_uid
     else:
         raise ValueError(name)
     return out
@@ -175,7 +327,9 @@ def test_another_user_is_refused_before_the_handshake(tmp_path):
 
     dump = str(tmp_path / "dump")
     fake_server(dump)
-    router = live_workers.RecordRouter("test-key-" + os.urandom(4).hex(), b"k" * 32, 1, dump, 5, None)
+    # an abstract name, which anyone may connect to: this tests the router's own check of who connects (the
+    # private folder the dataset uses keeps other users from connecting at all)
+    router = live_workers.RecordRouter("\0sglang-hs-test-" + os.urandom(8).hex(), b"k" * 32, 1, dump, 5, None)
     try:
         r, w = os.pipe()
         pid = os.fork()
@@ -184,7 +338,7 @@ def test_another_user_is_refused_before_the_handshake(tmp_path):
             os.setgid(65534)
             os.setuid(65534)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(live_workers._address(router.key))
+            sock.connect(router.address)
             os.write(w, b"got:" + sock.recv(100))
             os._exit(0)
         os.close(w)
@@ -194,6 +348,178 @@ def test_another_user_is_refused_before_the_handshake(tmp_path):
     finally:
         router.stop()
         router.join()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the attacker as another user")
+def test_another_user_can_neither_squat_nor_inject(tmp_path):
+    """Issue 31, item 1: uid 65534 reads the router's socket name in /proc/net/unix during one iteration,
+    binds it before the next (the generator seeded alike), and serves the workers that connect: reflects one
+    worker's HMAC challenge off another and sends a pickle that makes a folder when unpickled. Nothing of it
+    may run in the trainer, and the trainer carries on: both iterations whole."""
+    out = run("attacked", tmp_path)
+    att = out["attacker"]
+    assert att["uid"] == 65534 and att["seen"], att  # it saw the socket (its name is no secret)
+    assert out["marker"] is False, f"the attacker's pickle ran in the trainer as uid {out['marker']}: {att}"
+    assert att["bound"] == [] and att["injected"] == 0, att
+    assert out["error"] is None, out["error"]
+    assert out["epochs"] == [list(range(16))] * 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to listen as another user")
+def test_a_worker_refuses_a_router_of_another_user():
+    """Layer 2 alone (an abstract name, which anyone may bind): a worker whose router socket is held by another
+    uid hangs up before it sends a byte, with one line naming the uid."""
+    from sglang_hs import live_workers
+    from sglang_hs.live import LiveDatasetError
+
+    address = "\0sglang-hs-test-" + os.urandom(8).hex()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user: listen, then say what the worker sent (b"" once it hangs up)
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lst.bind(address)
+            lst.listen(1)
+            os.write(w, b"listening")
+            os.write(w, b"got:" + lst.accept()[0].recv(100))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 9) == b"listening"
+        with pytest.raises(LiveDatasetError, match=r"router's socket sglang-hs-test-\w+ is held by uid 65534"):
+            live_workers.RoutedRecords(address, b"k" * 32, 1, 5)
+        assert os.read(r, 200) == b"got:"
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_the_handshake_cannot_be_relayed_or_replayed(tmp_path):
+    """Layer 3 alone: a process of this very user (past the uid checks) sits between two workers and the real
+    router: it relays worker 0's hello to the router and the router's answer back, and replays that answer to
+    worker 1, then sends each worker a pickle that makes a folder. Neither worker takes the answer (it names
+    the relay's pid, and the other worker's nonce), so neither sends its MAC, the router routes to nobody,
+    and nothing is unpickled."""
+    from multiprocessing.connection import Connection
+
+    from sglang_hs import live_workers
+
+    dump = str(tmp_path / "dump")
+    fake_server(dump)
+    key = os.urandom(32)
+    router = live_workers.RecordRouter("\0sglang-hs-test-" + os.urandom(8).hex(), key, 2, dump, 5, None)
+    relay, marker = "\0sglang-hs-test-" + os.urandom(8).hex(), str(tmp_path / "unpickled")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import pickle
+
+            class Evil:
+                def __reduce__(self):
+                    return (os.mkdir, (marker,))
+
+            def send_evil(conn):
+                try:
+                    conn.send_bytes(pickle.dumps(Evil()))
+                except OSError:
+                    pass
+
+            os.close(r)
+            lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lst.bind(relay)
+            lst.listen(2)
+            os.write(w, b"listening\n")
+            got = []
+            a, b = (Connection(lst.accept()[0].detach()) for _ in range(2))
+            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            up.connect(router.address)
+            up = Connection(up.detach())
+            up.send_bytes(a.recv_bytes())  # relay a's hello
+            answer = up.recv_bytes()
+            a.send_bytes(answer)
+            b.recv_bytes()
+            b.send_bytes(answer)  # replay
+            for name, conn in (("a", a), ("b", b)):
+                try:
+                    mac = conn.recv_bytes()
+                    got.append(f"{name} sent its MAC")
+                    up.send_bytes(mac)
+                    up.recv_bytes()
+                    got.append("the router accepted")
+                except (EOFError, OSError):
+                    pass
+                send_evil(conn)
+            os.write(w, (",".join(got) or "nothing").encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    errors = []
+
+    def worker(i):
+        try:
+            live_workers.RoutedRecords(relay, key, i, 5)
+            errors.append(None)
+        except (OSError, EOFError) as e:
+            errors.append(type(e).__name__)
+
+    try:
+        assert os.read(r, 10) == b"listening\n"
+        threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        said = os.read(r, 200)
+    finally:
+        os.waitpid(pid, 0)
+        router.stop()
+        router.join()
+    assert said == b"nothing", said
+    assert errors == ["HandshakeError"] * 2, errors
+    assert not os.path.exists(marker)
+
+
+def test_the_meeting_folder_is_private_and_goes_with_the_dataset():
+    """Layer 1: the workers' folder is 0700, this user's; a forked copy of the dataset going away leaves it
+    (the workers of the next iteration meet there), the dataset going away in its process removes it."""
+    import gc
+    import stat
+
+    from sglang_hs.live import LiveHiddenStates
+
+    ds = LiveHiddenStates([], server="http://127.0.0.1:9", dump_dir="/nonexistent")
+    d = ds._rendezvous
+    st = os.lstat(d)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    pid = os.fork()
+    if pid == 0:
+        del ds
+        gc.collect()
+        os._exit(0 if os.path.isdir(d) else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and os.path.isdir(d)
+    del ds
+    gc.collect()
+    assert not os.path.exists(d)
+
+
+def test_a_meeting_folder_others_may_enter_is_refused(tmp_path):
+    from sglang_hs.live import LiveDatasetError
+    from sglang_hs.live_workers import rendezvous_address
+
+    d = tmp_path / "m"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    with pytest.raises(LiveDatasetError, match=r"meeting folder .*/m is not a private folder of this user .*mode 0755"):
+        rendezvous_address(str(d), "k", create=True)
+    os.chmod(d, 0o700)
+    os.symlink(d, tmp_path / "link")
+    with pytest.raises(LiveDatasetError, match="is not a private folder"):
+        rendezvous_address(str(tmp_path / "link"), "k", create=True)
+    assert rendezvous_address(str(d), "k") == f"{d}/k.sock"
 
 
 if __name__ == "__main__":

@@ -66,3 +66,22 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "1", "--model-path", str(tmp_path / "none"))
     assert rc == 2 and err.strip() == (f"python -m sglang_hs.plan: error: --model-path: {tmp_path / 'none'} is "
                                        "neither a checkpoint folder nor a config.json")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples", "10", "--mean-tokens", "inf"], "--mean-tokens: a number of tokens >= 1, got inf"),
+    (["--samples", "10", "--mean-tokens", "nan"], "--mean-tokens: a number of tokens >= 1, got nan"),
+    (["--samples", "10", "--mean-tokens", "-100"], "--mean-tokens: a number of tokens >= 1, got -100.0"),
+    (["--samples", "-10", "--mean-tokens", "100"], "--samples: a number of samples >= 1, got -10"),
+    (["--samples", "10", "--mean-tokens", "100", "--max-total-tokens", "-1"],
+     "--max-total-tokens: a number of KV slots >= 1, got -1"),
+    (["--samples", "10", "--mean-tokens", "100", "--context-length", "0"],
+     "--context-length: a number of tokens >= 1, got 0"),
+    (["--samples", "10", "--mean-tokens", "100", "--page-size", "0"], "--page-size: a number of tokens >= 1, got 0"),
+    (["--samples", "10", "--mean-tokens", "100", "--dp-size", "0", "--enable-dp-attention"],
+     "--dp-size: a number of ranks >= 1, got 0"),
+])
+def test_a_number_out_of_range_is_one_line_naming_the_flag(tmp_path, capsys, args, message):
+    """inf gave an OverflowError traceback and a negative value printed negative sizes."""
+    rc, err = _plan(tmp_path, capsys, *args)
+    assert rc == 2 and err.strip() == f"python -m sglang_hs.plan: error: {message}", err
