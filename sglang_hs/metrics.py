@@ -51,7 +51,7 @@ COUNTERS = {  # metric name -> (source, key, help)
     "skip_markers_dropped": ("admission", "markers_dropped",
                              "Requests served without capture and without a marker record (no ring room)."),
 }
-NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind")
+NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind", "beam_search", "input_embeds")
 
 
 def enabled() -> bool:

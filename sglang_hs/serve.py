@@ -93,7 +93,7 @@ def main(argv) -> int:
     from sglang_hs.capture_spec import CaptureConfigError
 
     from sglang_hs import envs
-    from sglang_hs.patches import warmup_rid
+    from sglang_hs.patches import parallel_sampling, warmup_rid
 
     load_plugins()
     if envs.SGLANG_HS_CPU_MODE and "dsa_cpu_server_args" not in envs.SGLANG_HS_DISABLE_PATCHES:
@@ -102,6 +102,7 @@ def main(argv) -> int:
         dsa_cpu_server_args.apply()  # before resolution: DSA configs on the CPU engine
     if envs.SGLANG_HS_DUMP_DIR:
         warmup_rid.apply()  # this process serves HTTP: SGLang's warm-up request gets a recognisable rid
+        parallel_sampling.apply()  # and the prefix request of an n > 1 request is tagged: no record
     server_args = prepare_server_args(argv)
     server_args.resolve_once()
     try:

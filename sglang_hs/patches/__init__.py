@@ -22,6 +22,10 @@ Ledger (what / why / upstream status / removal plan):
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
+| parallel_sampling | wraps TokenizerManager._handle_batch_request | capture on, HTTP |
+|                   | and ._send_one_request: the max_new_tokens=0 | server process   |
+|                   | prefix request of an n > 1 request is tagged | (serve.py)       |
+|                   | (custom_params): no record                   |                  |
 | cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
 |                   | communicator for a group on the CPU device;  | spawned process  |
 |                   | and .reduce_scatterv: without PyNccl, a CPU  |                  |
@@ -79,6 +83,18 @@ warmup_rid
   why:      SGLang's own warm-up request has no rid, so its record would reach readers like a user's.
   upstream: no way to name the warm-up request in 0.5.23.
   removal:  if SGLang gives its warm-up request a recognisable rid (as it does for HEALTH_CHECK).
+
+parallel_sampling
+  why:      for n > 1 SGLang first sends each prompt as a max_new_tokens=0 request under a fresh random rid
+            (to warm the radix cache), then the n choices under rids of their own; the scheduler cannot
+            tell that prefix request from a user's prompt-only request, so it would leave a record nobody
+            asked for (holding ring space for good with an acknowledging reader). The first batch_size
+            requests an n > 1 request sends are its prefix requests: each is tagged on its own copy of the
+            sampling params, and admission serves it without a record or marker.
+  upstream: present in sglang 0.5.23 (tokenizer_manager.py, _handle_batch_request, "Cache the common
+            prefix for parallel sampling"); nothing to report (the prefix request is SGLang's business).
+  removal:  if SGLang marks the prefix request itself; tests/e2e/test_request_contract.py's n > 1 test
+            fails (an extra prompt-only record) without it.
 
 cpu_gloo_groups
   why:      with --tp > 1 on the CPU engine every parallel group asks for a PyNccl communicator, whose
@@ -163,9 +179,9 @@ kimi_k25_language_model
             constructor and tests/e2e/test_model_family.py serves Kimi-K2.5 with capture.
 
 Who applies them: the overlay model's constructor (sglang_hs/models/deepseek_v2.py), i.e. exactly the
-processes that build the model, before any forward; warmup_rid, which concerns the HTTP server
-process, and dsa_cpu_server_args, needed before that process resolves the server arguments, are applied
-by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
+processes that build the model, before any forward; warmup_rid and parallel_sampling, which concern the
+HTTP server process, and dsa_cpu_server_args, needed before that process resolves the server arguments,
+are applied by sglang_hs/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__`. Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the

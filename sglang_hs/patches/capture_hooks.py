@@ -55,7 +55,7 @@ def _after_init_capturers(self) -> None:
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
                                   self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT,
                                   mode=envs.SGLANG_HS_CAPTURE, sample=envs.SGLANG_HS_CAPTURE_SAMPLE,
-                                  when_behind=envs.SGLANG_HS_WHEN_BEHIND)
+                                  when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len)
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
@@ -64,6 +64,18 @@ def _after_init_capturers(self) -> None:
 
         if metrics.enabled():
             status.listeners.append(metrics.CaptureMetrics(status.sources, _writer.ring.fill_ratio).refresh)
+
+
+def _recorded_prompt_len(req):
+    """The prompt length of `req`'s record when it is not len(input_ids): a session turn's record holds
+    the session's whole context (sglang_hs/store/session_turns.py)."""
+    s = _scheduler
+    if s is None or getattr(req, "session_params", None) is None:
+        return None
+    from sglang_hs.store.session_turns import turn_prompt_len
+
+    return turn_prompt_len(req, getattr(s, "session_controller", None), getattr(s, "tokenizer", None),
+                           radix_native=bool(getattr(s, "enable_session_radix_cache", False)))
 
 
 def _default_staging_rows(runner) -> int:

@@ -45,6 +45,13 @@ that room is free, so the reader can tell why it has no record. With --hs-when-b
 that would be held (its reservation exceeds the free ring) is admitted the same way, not captured,
 reason "reader_behind". The decision is the request's ticket's (reason, marked) until the request
 finishes; the stats count each reason.
+
+Request shapes (issue 29): a request that can never have an exact record (`unrecordable`: beam search,
+input_embeds) is served without capture whatever the selection, its marker reserved like a record (held
+in arrival order while the ring lacks room for it; with --hs-when-behind skip it goes unmarked instead).
+The prefix request SGLang sends before the choices of an n > 1 request (tagged in the tokenizer manager
+by sglang_hs/patches/parallel_sampling.py) gets neither record nor marker. A session turn reserves for the
+session's whole context, which is what its record holds (`recorded_prompt_len`, session_turns.py).
 """
 from __future__ import annotations
 
@@ -62,6 +69,9 @@ logger = logging.getLogger(__name__)
 RECONCILE_EVERY_S = 0.5
 LOG_EVERY_S = 10.0
 OPT_IN_KEY = "hs_capture"  # sampling_params.custom_params[OPT_IN_KEY] = true: capture this request
+# custom_params[INTERNAL_KEY] = PARALLEL_SAMPLING_PREFIX: SGLang's own prefix request of an n > 1 request
+# (patches/parallel_sampling.py tags it in the tokenizer manager): no record, no marker
+INTERNAL_KEY, PARALLEL_SAMPLING_PREFIX = "sglang_hs_internal", "parallel_sampling_prefix"
 REASON_CODE = {name: code for code, name in SKIP_REASONS.items()}
 _NEVER_SELECTED = ("HEALTH_CHECK", "HS_WARMUP-")  # never recorded anyway (capture_hooks, patches/warmup_rid.py)
 
@@ -78,6 +88,24 @@ def opted_in(req) -> bool:
         return False
     v = params.get(OPT_IN_KEY)
     return v is True or (isinstance(v, (int, str)) and str(v).strip().lower() in ("1", "true", "yes", "on"))
+
+
+def parallel_sampling_prefix(req) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and params.get(INTERNAL_KEY) == PARALLEL_SAMPLING_PREFIX
+
+
+def unrecordable(req) -> Optional[str]:
+    """Why `req` can never have an exact record, whatever the selection (a key of REASON_CODE), or None.
+    "beam_search": SGLang keeps a beam request's history in its beam DAG (the leader's output_ids are
+    placeholder zeros, its req_to_token row holds whichever beam sits in row 0, its decode slots are freed
+    before the finish hook); "input_embeds": the rows are of the embeddings sent, the token ids
+    placeholders (SGLang fills input_ids with 1s)."""
+    if (getattr(getattr(req, "sampling_params", None), "beam_width", None) or 1) > 1:
+        return "beam_search"
+    if getattr(req, "input_embeds", None) is not None:
+        return "input_embeds"
+    return None
 
 
 def select(req, mode: str = "all", sample: Optional[float] = None) -> Optional[str]:
@@ -108,8 +136,11 @@ def request_key(req) -> Optional[int]:
 class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
                  timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
-                 when_behind: str = "hold") -> None:
+                 when_behind: str = "hold", recorded_prompt_len: Optional[Callable[[object], Optional[int]]] = None) -> None:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
+        # the prompt length a request's record will have when it is not len(input_ids) (a session turn's
+        # record holds the session's context: sglang_hs/store/session_turns.py); None: len(input_ids)
+        self.recorded_prompt_len = recorded_prompt_len
         self.timeout = timeout
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
@@ -130,7 +161,9 @@ class AdmissionControl:
         self._last_reconcile = self._last_log = self._last_skip_log = 0.0
 
     def need(self, req) -> int:
-        n_in = len(req.input_ids) if req.input_ids is not None else 0
+        n_in = self.recorded_prompt_len(req) if self.recorded_prompt_len is not None else None
+        if n_in is None:
+            n_in = len(req.input_ids) if req.input_ids is not None else 0
         max_new = getattr(req.sampling_params, "max_new_tokens", None)
         if max_new is None:
             max_new = max(1, self.context_len - n_in)
@@ -193,7 +226,12 @@ class AdmissionControl:
             if rid.startswith(_NEVER_SELECTED):  # health checks, the warm-up: never recorded, never held
                 out.append(self._admit(req))
                 continue
-            reason = select(req, self.mode, self.sample)
+            if parallel_sampling_prefix(req):  # its choices have their records: this one none, not even a marker
+                self._add(req, 0, (PARALLEL_SAMPLING_PREFIX, False))
+                out.append(self._admit(req))
+                continue
+            never = unrecordable(req)  # served without capture, its marker reserved like a record (FIFO)
+            reason = None if never else select(req, self.mode, self.sample)
             if reason is not None:  # not captured: goes in at once, whatever waits ahead of it
                 free = self._skip(req, reason, free, now)
                 out.append(self._admit(req))
@@ -201,7 +239,7 @@ class AdmissionControl:
             if blocked:
                 keep.append(req)
                 continue
-            need = self.need(req)
+            need = self.marker_need(rid) if never else self.need(req)
             if need > self.ring.capacity:  # could never fit: let SGLang run it; its record is refused
                 self.stats["oversized"] += 1
                 logger.error("sglang-hs: request %s may need %d bytes of output ring, more than its %d: "
@@ -211,13 +249,15 @@ class AdmissionControl:
                 continue
             if need > free:
                 if self.when_behind == "skip":  # serve it now, without capture
-                    free = self._skip(req, "reader_behind", free, now)
+                    free = self._skip(req, never or "reader_behind", free, now)
                     out.append(self._admit(req))
                     continue
                 blocked = True
                 keep.append(req)
                 continue
-            self._add(req, need, None)
+            if never:
+                self.stats[f"skipped_{never}"] += 1
+            self._add(req, need, (never, True) if never else None)
             free -= need
             out.append(self._admit(req))
         self.held = keep

@@ -18,7 +18,11 @@ Slot reuse: a slot is read by a gather after SGLang has released it (its request
 row freed or put in the radix tree, whose eviction frees it later). While any gather is pending, EVERY
 free of the KV allocator (`free` of the token allocator, `_release_page_ids` of the paged one: what
 direct frees, `free_group_end`, `free_segment`/`free_page_ids` and radix-cache eviction all end in) is
-held, tagged with the latest job handed over, and given back once the worker is past that job. Which
+held, tagged with the latest job handed over, and given back once the worker is past that job. A free
+made inside a free group (result processing) is decided at the group's end, when every finish hook of
+that pass has handed its request over: a request's slots can be freed before its own hook runs (beam
+search frees a leader's decode slots in `commit_decode`), and tagged at the free they would go back
+while that request's gather is still queued. Which
 frees touch pending slots cannot be told without reading device tensors (a sync), so all are held;
 frees made while nothing is pending go through at once. Held frees are given back on the scheduler
 thread only (the allocator is not thread-safe): at the next free, at the start of every scheduler
@@ -305,6 +309,12 @@ def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:
     original = getattr(allocator, name)
 
     def held(*args):
+        if name == "free" and allocator.free_group is not None:
+            # Result processing frees in a group, and a request's slots may be freed before its own finish
+            # hook hands it over (beam search frees the leader's decode slots in commit_decode). Held now,
+            # such a free would wait only for the gathers handed over so far, not for that request's; the
+            # group's end frees it all again through here, after every hand-over of the pass.
+            return original(*args)
         worker.hold(original, args, unit * sum(int(a.numel()) for a in args if torch.is_tensor(a)))
 
     setattr(allocator, name, held)

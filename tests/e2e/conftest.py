@@ -65,6 +65,17 @@ def harvest_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def contract_server(tmp_path_factory):
+    """The request-contract server (tests/e2e/test_request_contract.py): float32 (rows judged against HF
+    float32), --hs-last, chunked prefill of CHUNK tokens, radix cache and overlap scheduler on, and
+    --enable-return-hidden-states, so every per-request shape SGLang 0.5.23 accepts can be sent to it
+    (beam search, sessions and n > 1 need no server flag)."""
+    yield from _serve(tmp_path_factory.mktemp("hs-contract") / "dump",
+                      ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
+                       "--enable-return-hidden-states"])
+
+
+@pytest.fixture(scope="session")
 def hf():
     """HF transformers' float32 `output_hidden_states` of the embedded checkpoint, for token ids; and its
     tokenizer as `hf.tok`. The reference every captured row is judged against."""

@@ -333,3 +333,74 @@ def test_a_free_that_raises_stays_held(writer):
     worker._held.clear()
     worker.held_tokens = 0
     worker.close()
+
+
+class RidGates:
+    """Wraps writer.publish_gathered: the gather of request `rid` waits until `open(rid)`."""
+
+    def __init__(self, writer):
+        self.events, self.entered = {}, {}
+        inner = writer.publish_gathered
+
+        def gated(rid, *args, **kwargs):
+            self.entered.setdefault(rid, threading.Event()).set()
+            self.events.setdefault(rid, threading.Event()).wait()
+            return inner(rid, *args, **kwargs)
+
+        writer.publish_gathered = gated
+
+    def open(self, rid):
+        self.events.setdefault(rid, threading.Event()).set()
+
+    def wait_entered(self, rid):
+        assert self.entered.setdefault(rid, threading.Event()).wait(10)
+
+
+def test_a_free_made_before_its_own_hand_over_waits_for_that_gather(writer, tmp_path):
+    """Result processing frees in a group, and a request's own slots can be freed before its finish hook
+    hands it over (SGLang's beam search frees a leader's decode slots in commit_decode, then runs the
+    hook). Such a free must wait for that request's gather, not only for the ones already handed over:
+    here r-old is pending when the free comes, r-new (which reads the freed slots) is handed over after
+    it in the same group; once r-old is done and r-new is not, the slots must still be held. (Tagged at
+    the free, they went back with r-old's gather: fails without the group rule in hold_frees.)"""
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gates = RidGates(writer)
+    old, new = alloc.alloc(6), alloc.alloc(8)
+    worker.submit("r-old", list(range(6)), old)
+    gates.wait_entered("r-old")
+    alloc.free_group_begin()  # process_batch_result_decode
+    alloc.free(new)  # commit_decode -> _finish_group -> free_member_rows: before the leader's hook
+    worker.submit("r-new", list(range(8)), new)  # the leader's finish hook, in the same pass
+    alloc.free_group_end()
+    gates.open("r-old")
+    worker._wait_for(1)  # r-old's gather is done, r-new's is not
+    worker.poll()  # the next scheduler iteration gives back what no pending gather reads
+    assert not set(new.tolist()) & _free_set(alloc), "slots of r-new's pending gather went back to the free list"
+    assert alloc.available_size() == NUM_SLOTS - 6  # r-old's own slots were never freed here
+    gates.open("r-new")
+    worker.drain()
+    assert set(new.tolist()) <= _free_set(alloc) and worker.held_tokens == 0
+    with HiddenStateReader(str(tmp_path)) as reader:
+        rec = reader.take("r-new", timeout=5)
+    assert torch.equal(rec.aux_hidden_states[:, 0, 0], new.float())
+    worker.close()
+
+
+def test_a_free_in_a_group_with_nothing_pending_is_decided_at_the_groups_end(writer):
+    """Nothing pending when the group's free comes, the request handed over later in the same group: its
+    slots are held from the group's end until its gather is done."""
+    alloc = _token_allocator()
+    worker = _worker(writer, alloc)
+    gates = RidGates(writer)
+    slots = alloc.alloc(5)
+    alloc.free_group_begin()
+    alloc.free(slots)
+    worker.submit("r-late", list(range(5)), slots)
+    alloc.free_group_end()
+    worker.poll()
+    assert not set(slots.tolist()) & _free_set(alloc) and worker.held_tokens == 5
+    gates.open("r-late")
+    worker.drain()
+    assert set(slots.tolist()) <= _free_set(alloc)
+    worker.close()
