@@ -104,7 +104,7 @@ class RecordRouter:
 
         self.key, self.num_workers = key, num_workers
         self.nonce = os.urandom(6).hex()
-        self.reader = HiddenStateReader(dump_dir, wait=reader_wait, owner=owner)
+        self.reader = HiddenStateReader(dump_dir, wait=reader_wait, owner=owner, reattach=True)
         self._authkey = authkey
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

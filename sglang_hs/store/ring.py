@@ -221,7 +221,17 @@ class RingReader:
         from sglang_hs.fsutil import check_private_file
 
         check_private_file(os.path.join(dir_path, name), owner, writable_by_gid)
-        return cls(SharedRegion.open(dir_path, name, owner_uid=-1 if owner is None else owner))
+        region = SharedRegion.attach(dir_path, name, owner_uid=-1 if owner is None else owner)
+        try:
+            return cls(region)
+        except BaseException:
+            os.close(region.fd)
+            raise
+
+    def replaced(self) -> bool:
+        """Whether this ring's file was unlinked: its server is gone, and a restarted one makes a new ring
+        (the records published here can still be read: the mapping stays)."""
+        return self.r.unlinked()
 
     def unread_bytes(self) -> int:
         return self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL)
