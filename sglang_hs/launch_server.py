@@ -92,8 +92,8 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                         f"{envs.DEFAULT_GATHER_THREADS})")
     g.add_argument("--hs-share-group", default=None, metavar="GROUP",
                    help="let readers running as other users of GROUP read the dump (folder 0750, manifest 0640, "
-                        "rings 0660, of GROUP; the store stays 0600); they pass owner=<this user> to "
-                        "HiddenStateReader (default: everything 0600/0700, this user only)")
+                        "rings 0640 and their offset files 0660, of GROUP; the store stays 0600); they pass "
+                        "owner=<this user> to HiddenStateReader (default: everything 0600/0700, this user only)")
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
                    help="give up when start-up shows no progress for this long "
                         f"(default {envs.DEFAULT_STARTUP_TIMEOUT_S:g})")

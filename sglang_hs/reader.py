@@ -67,7 +67,7 @@ from typing import Iterator, Optional
 import torch
 
 from sglang_hs.fsutil import check_private_file, owner_uid
-from sglang_hs.store.ring import OFF_READER_PID, SKIP_REASONS, RingReader
+from sglang_hs.store.ring import SKIP_REASONS, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
 
@@ -186,20 +186,19 @@ def _exists(path: str) -> bool:
                               "shares it with a group of yours (--hs-share-group)") from None
 
 
-def _lock_ring(ring: RingReader) -> int:
+def _lock_ring(ring: RingReader) -> RingReader:
     """Hold an exclusive lock on the ring file (the one mapped) while this reader lives (it dies with the
-    process): two readers of one ring would split or duplicate its records. Returns the ring's fd, which
-    the reader closes to let go; a ring it cannot lock is closed here."""
-    fd = ring.r.fd
+    process): two readers of one ring would split or duplicate its records. Returns the ring, which the
+    reader closes to let go; a ring it cannot lock is closed here."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(ring.r.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
-        holder = ring.r.load_acquire(OFF_READER_PID) or "?"
+        holder = ring.reader_pid() or "?"
+        ring.close()
         raise RuntimeError(f"{ring.r.path}: already read by another HiddenStateReader (pid {holder}); one reader "
                            "per dump dir: stop or close() that one first") from None
-    ring.r.store_release(OFF_READER_PID, os.getpid())
-    return fd
+    ring.set_reader_pid(os.getpid())
+    return ring
 
 
 class HiddenStateReader:
@@ -251,7 +250,7 @@ class HiddenStateReader:
         self._ring_ids = ring_ids(self.manifest)
 
     def _attach(self, manifest: dict):
-        """Open and lock the ring of every writer of `manifest`: (rings, their locked fds)."""
+        """Open and lock the ring of every writer of `manifest`: (rings, the rings held: the same)."""
         rings, locks = [], []
         try:
             for w in manifest["writers"]:
@@ -259,8 +258,8 @@ class HiddenStateReader:
                 locks.append(_lock_ring(ring))  # closes the ring if it cannot lock it
                 rings.append(ring)
         except BaseException:
-            for fd in locks:
-                os.close(fd)
+            for ring in locks:
+                ring.close()
             raise
         return rings, locks
 
@@ -298,8 +297,8 @@ class HiddenStateReader:
         for w, ring in enumerate(self._rings):
             if ring.unreleased():  # records read ahead from the old ring: their acks still go to it
                 self._retired[(self._generation, w)] = ring
-        for fd in self._locks:
-            os.close(fd)
+        for ring in self._locks:
+            ring.close()
         self._rings, self._locks, self.manifest = rings, locks, manifest
         self._ring_ids = ring_ids(manifest)
         self._generation += 1
@@ -315,8 +314,8 @@ class HiddenStateReader:
                 record.drop_tensors()
             self._ready.clear()
             self._later.clear()
-        for fd in self._locks:
-            os.close(fd)
+        for ring in self._locks:
+            ring.close()
         self._locks, self._rings, self._retired = [], [], {}
 
     def __enter__(self) -> "HiddenStateReader":
