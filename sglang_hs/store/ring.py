@@ -88,7 +88,7 @@ ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
 # flags of a marker record (T = 0): why that request has no record
-SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind"}
+SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind", 4: "over_budget"}
 
 
 def _align(n: int) -> int:
