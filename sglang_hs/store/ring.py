@@ -109,12 +109,11 @@ def offset_name(ring_name: str) -> str:
     return (ring_name[:-4] if ring_name.endswith(".bin") else ring_name) + ".offset"
 
 
-def record_ending_at(mem, capacity: int, end: int, after: int, after_seq: int, head: int,
-                     max_seq: Optional[int] = None) -> Optional[int]:
+def record_ending_at(mem, capacity: int, end: int, after: int, after_seq: int, head: int) -> Optional[int]:
     """The sequence number of the record published at logical offsets [.., end), if one does, lying at or
     after `after` (a record boundary, after record `after_seq`) and ending at most at `head`; else None.
-    Checks its trailer and header agree (magic, length, sequence number > after_seq, <= max_seq): the
-    ring is the writer's alone, so those are what it wrote."""
+    Checks its trailer and header agree (magic, length, sequence number > after_seq): the ring is the
+    writer's alone, so those are what it wrote (and `head` bounds what it has published)."""
     if not after < end <= head or end % ALIGN:
         return None
     p_end = end % capacity or capacity
@@ -124,7 +123,7 @@ def record_ending_at(mem, capacity: int, end: int, after: int, after_seq: int, h
     if tm != REC_MAGIC or ttotal % ALIGN or not 2 * ALIGN <= ttotal <= p_end or end - ttotal < after:
         return None
     magic, _, total, seq = _HEAD4.unpack_from(mem, HEADER_BYTES + p_end - ttotal)
-    if magic != REC_MAGIC or total != ttotal or seq != tseq or seq <= after_seq or (max_seq is not None and seq > max_seq):
+    if magic != REC_MAGIC or total != ttotal or seq != tseq or seq <= after_seq:
         return None
     return seq
 
@@ -229,7 +228,7 @@ class RingWriter:
             if t is None or t == self.consumed:
                 return
             seq = None if t < 0 else record_ending_at(self._mem, self.capacity, t, self.consumed, self.consumed_seq,
-                                                      self.head, self.seq)
+                                                      self.head)
             if seq is None:
                 if t != self._refused:
                     self._refused = t
