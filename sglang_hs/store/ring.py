@@ -192,6 +192,7 @@ class RingWriter:
         self.consumed = self.consumed_seq = 0  # the read offset last accepted, and the record that ends there
         self.offset_fd = offset_fd  # the reader's offset file, read with pread (module docstring)
         self.offsets_refused = 0  # read offsets refused (invalid, or the file cut short)
+        self.stats: Optional[dict] = None  # the writer's stats: the count goes there too (reader_offsets_refused)
         self._refused: Optional[int] = None  # the last value refused (each new one counts once)
         self._lock = threading.Lock()  # the scheduler (admission) and the finish worker both ask for room
         self._mem = memoryview(region.buf.numpy())
@@ -233,6 +234,8 @@ class RingWriter:
                 if t != self._refused:
                     self._refused = t
                     self.offsets_refused += 1
+                    if self.stats is not None:
+                        self.stats["reader_offsets_refused"] = self.offsets_refused
                     if self.offsets_refused & (self.offsets_refused - 1) == 0:  # 1, 2, 4, 8, ...: not a flood
                         logger.warning("sglang-hs: refused the read offset in %s (%s; accepted so far %d of %d "
                                        "published bytes): taken as no reader; %d refused so far",

@@ -112,7 +112,9 @@ class CaptureWriter:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
         self.ring.gather_threads = gather_threads
-        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0}
+        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
+                      "reader_offsets_refused": 0}  # read offsets the ring refused (ring.py)
+        self.ring.stats = self.stats
         # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)
         manifest = {

@@ -126,6 +126,7 @@ def test_a_share_group_member_can_neither_stop_the_server_nor_hand_a_reader_a_ba
             publish()  # ...and the writer, which only reads it with pread, goes on
             assert w.ring.consumed == 0
         assert w.ring.offsets_refused == len(bad) + 1  # a file cut short counts once, however short
+        assert w.stats["reader_offsets_refused"] == len(bad) + 1  # in the status file
         assert published == 6  # the ring is full: the rest waits for a reader, the server is not stopped
         publish()
         assert published == 6
