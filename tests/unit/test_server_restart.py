@@ -298,5 +298,18 @@ def test_the_live_dataset_follows_a_restarted_server(tmp_path, name):
         assert torch.equal(torch.tensor(last), rows[:, 2]), i
 
 
+def test_a_server_that_never_became_ready_leaves_none_of_its_ring_files(dump):
+    """The launcher removes the dump files of a server that failed to start, so the next one starts clean:
+    the reader's offset file (ring-w0.offset) with the ring."""
+    from sglang_hs import supervisor
+
+    start_writer(dump, 0)
+    assert {"ring-w0.bin", "ring-w0.offset", "store-w0.bin", "manifest.json"} <= set(os.listdir(dump))
+    sup = supervisor.Supervisor(["true"], 300, str(dump))
+    sup.ready = False
+    sup._cleanup_dump_dir()
+    assert os.listdir(dump) == []
+
+
 if __name__ == "__main__":
     print(json.dumps(scenario(sys.argv[1], sys.argv[2])))
