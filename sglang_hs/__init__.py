@@ -4,11 +4,11 @@ Importing this package is cheap and never loads SGLang, torch or the compiled ex
 """
 from sglang_hs.version import SGLANG_VERSION, __version__
 
-__all__ = ["__version__", "SGLANG_VERSION", "HiddenStateReader", "NotCaptured"]
+__all__ = ["__version__", "SGLANG_VERSION", "HiddenStateReader", "NotCaptured", "ServerRestarted"]
 
 
 def __getattr__(name):
-    if name in ("HiddenStateReader", "NotCaptured"):  # lazily: importing sglang_hs stays cheap
+    if name in ("HiddenStateReader", "NotCaptured", "ServerRestarted"):  # lazily: importing sglang_hs stays cheap
         from sglang_hs import reader
 
         return getattr(reader, name)

@@ -105,6 +105,14 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # always); unset: none sampled (all with --hs-capture all, none with opt-in).
     "SGLANG_HS_CAPTURE_SAMPLE": lambda: float(os.environ["SGLANG_HS_CAPTURE_SAMPLE"])
     if os.environ.get("SGLANG_HS_CAPTURE_SAMPLE") else None,
+    # --hs-capture-sample-key HEX: the key of the sampling hash (1 to 64 bytes); unset: drawn at random at
+    # start, so no client can choose a request id that gets sampled. Set it to sample alike across runs.
+    "SGLANG_HS_CAPTURE_SAMPLE_KEY": lambda: bytes.fromhex(os.environ["SGLANG_HS_CAPTURE_SAMPLE_KEY"])
+    if os.environ.get("SGLANG_HS_CAPTURE_SAMPLE_KEY") else None,
+    # --hs-capture-max-bytes N: at most N bytes of captured records (worst case, charged at admission);
+    # unset: no limit. Past it, requests are served without capture (reason over_budget).
+    "SGLANG_HS_CAPTURE_MAX_BYTES": lambda: int(os.environ["SGLANG_HS_CAPTURE_MAX_BYTES"])
+    if os.environ.get("SGLANG_HS_CAPTURE_MAX_BYTES") else None,
     # When the output ring cannot take a request's reservation (--hs-when-behind): "hold" it in admission
     # control until the reader frees room, or "skip": serve it without capture.
     "SGLANG_HS_WHEN_BEHIND": _str("SGLANG_HS_WHEN_BEHIND", "hold"),

@@ -1,10 +1,10 @@
 """File-system helpers for the dump dir: private modes, never through a symlink, atomic replace.
 
 By default the dump dir is 0700 and its files 0600. `--hs-share-group GROUP` lets readers running as
-other users of GROUP in: the folder 0750, the manifest 0640 and the output rings 0660 (a reader writes
-its read offset into the ring), all of group GROUP; the store and the lock file stay 0600. A reader
-then names the server's user (HiddenStateReader(dir, owner=USER)) and accepts a group-writable ring
-only of the group the manifest declares."""
+other users of GROUP in: the folder 0750, the manifest and the output rings 0640, the rings' offset files
+0660 (a reader writes its read offset there), all of group GROUP; the store and the lock file stay 0600.
+A reader then names the server's user (HiddenStateReader(dir, owner=USER)), accepts a group-writable
+offset file only of the group the manifest declares, and no group-writable ring."""
 from __future__ import annotations
 
 import fcntl

@@ -69,8 +69,16 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                         "(OpenAI: the request) carry custom_params {\"hs_capture\": true}, plus the "
                         "--hs-capture-sample share of the others")
     g.add_argument("--hs-capture-sample", default=None, metavar="P",
-                   help="capture a fraction 0 < P <= 1 of the requests (not opted in), chosen reproducibly by a "
-                        "hash of the request id")
+                   help="capture a fraction 0 < P <= 1 of the requests (not opted in), chosen by a hash of the "
+                        "request id keyed with a secret drawn at start (--hs-capture-sample-key), so no client "
+                        "can pick a request id that is sampled")
+    g.add_argument("--hs-capture-sample-key", default=None, metavar="HEX",
+                   help="the key of --hs-capture-sample's hash, 1 to 64 bytes in hex, to sample the same request "
+                        "ids across runs (default: drawn at random at start)")
+    g.add_argument("--hs-capture-max-bytes", default=None, metavar="SIZE",
+                   help="capture at most SIZE bytes of records (e.g. 100GiB; each captured request is charged its "
+                        "worst-case record as it is admitted); past it, requests are served without capture, "
+                        "counted as over_budget (default: no limit)")
     g.add_argument("--hs-when-behind", default=None, metavar="hold|skip",
                    help="when the output ring has no room for a new request's record (the reader is behind): hold "
                         "the request (default; --hs-admission-timeout), or skip: serve it without capture")
@@ -92,8 +100,8 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                         f"{envs.DEFAULT_GATHER_THREADS})")
     g.add_argument("--hs-share-group", default=None, metavar="GROUP",
                    help="let readers running as other users of GROUP read the dump (folder 0750, manifest 0640, "
-                        "rings 0660, of GROUP; the store stays 0600); they pass owner=<this user> to "
-                        "HiddenStateReader (default: everything 0600/0700, this user only)")
+                        "rings 0640 and their offset files 0660, of GROUP; the store stays 0600); they pass "
+                        "owner=<this user> to HiddenStateReader (default: everything 0600/0700, this user only)")
     g.add_argument("--hs-startup-timeout", type=float, default=None, metavar="SECONDS",
                    help="give up when start-up shows no progress for this long "
                         f"(default {envs.DEFAULT_STARTUP_TIMEOUT_S:g})")
@@ -117,6 +125,16 @@ def selection_env(ns: argparse.Namespace) -> dict:
             raise CaptureConfigError(f"--hs-capture-sample: a fraction 0 < P <= 1 of the requests, got "
                                      f"{ns.hs_capture_sample!r}")
         env["SGLANG_HS_CAPTURE_SAMPLE"] = repr(p)
+    if ns.hs_capture_sample_key is not None:
+        try:
+            key = bytes.fromhex(ns.hs_capture_sample_key)
+        except ValueError:
+            key = b""
+        if not 1 <= len(key) <= 64:
+            raise CaptureConfigError(f"--hs-capture-sample-key: 1 to 64 bytes in hex, got {ns.hs_capture_sample_key!r}")
+        env["SGLANG_HS_CAPTURE_SAMPLE_KEY"] = key.hex()
+    if ns.hs_capture_max_bytes is not None:
+        env["SGLANG_HS_CAPTURE_MAX_BYTES"] = str(parse_size(ns.hs_capture_max_bytes, "--hs-capture-max-bytes"))
     if ns.hs_when_behind is not None:
         if ns.hs_when_behind not in envs.WHEN_BEHIND:
             raise CaptureConfigError(f"--hs-when-behind: hold or skip, got {ns.hs_when_behind!r}")
@@ -341,7 +359,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
 
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
-                "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND"):
+                "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
+                "SGLANG_HS_CAPTURE_MAX_BYTES"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -388,9 +407,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
             or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \
-            or ns.hs_capture_sample is not None or ns.hs_when_behind is not None:
+            or ns.hs_capture_sample is not None or ns.hs_when_behind is not None \
+            or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None:
         raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
-                                 "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample/--hs-when-behind need "
+                                 "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
+                                 "bytes/--hs-when-behind need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 

@@ -25,7 +25,9 @@ of an iteration to its end (records are drained as they arrive, not acknowledged
 only until it is yielded). An iteration that ends, is closed early (`break`, garbage collection) or
 raises aborts its requests still in flight, closes the reader and its HTTP threads; a consumer killed
 outright leaves the server serving: its flock on the dump dir dies with it, and a later reader drains
-whatever records its last requests left in the ring.
+whatever records its last requests left in the ring. A server restarted meanwhile is followed to its new
+ring (HiddenStateReader(reattach=True)); one that comes back with another setup ends the iteration with
+LiveDatasetError.
 
 DataLoader workers: any number. With num_workers N > 1, worker k sends the records of index % N == k
 (concurrency / N of them in flight each, at least one: max(concurrency, N) in all), and worker 0 holds the
@@ -102,7 +104,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.reader import HiddenStateReader
 
         try:
-            reader = HiddenStateReader(self.dump_dir, wait=self.reader_wait, owner=self.owner)
+            reader = HiddenStateReader(self.dump_dir, wait=self.reader_wait, owner=self.owner, reattach=True)
         except (RuntimeError, FileNotFoundError) as e:
             raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         yield from self._samples(reader, f"hsl-{uuid.uuid4().hex[:12]}-", 0, 1, self.concurrency)
@@ -149,6 +151,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.extract.cli import RECORD_GRACE_S, ExtractError, make_preparer, record_loss_mask, request_body
         from sglang_hs.extract.dataset import SkipSample
         from sglang_hs.extract.sinks import specforge_sample
+        from sglang_hs.reader import ServerRestarted
 
         session = requests.Session()
         pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="sglang-hs-live")
@@ -200,7 +203,10 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                                            f"did not answer ({type(e).__name__}: {e})") from None
                 rec = reader.pop_ready(rid)
                 if rec is None:
-                    reader.poll()
+                    try:
+                        reader.poll()  # follows a restarted server to its new ring (reattach)
+                    except ServerRestarted as e:  # one it cannot follow (another setup, another reader)
+                        raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
                     for other in reader.ready_rids():  # records of others' requests: not ours to keep
                         if not other.startswith(ours):
                             reader.pop_ready(other)

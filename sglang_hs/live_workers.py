@@ -178,7 +178,7 @@ class RecordRouter:
 
         self.address, self.num_workers = address, num_workers
         self.nonce = os.urandom(6).hex()
-        self.reader = HiddenStateReader(dump_dir, wait=reader_wait, owner=owner)
+        self.reader = HiddenStateReader(dump_dir, wait=reader_wait, owner=owner, reattach=True)
         self._authkey = authkey
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._bound_ino = None

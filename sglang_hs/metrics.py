@@ -22,7 +22,8 @@ counters by the overlay's status thread (twice a second), never from the forward
     sglang_hs:admission_failed_total      held requests failed after --hs-admission-timeout
     sglang_hs:requests_not_captured_total{reason}  requests served without capture: not_opted_in,
                                           not_sampled (--hs-capture, --hs-capture-sample), reader_behind
-                                          (--hs-when-behind skip while the ring was full)
+                                          (--hs-when-behind skip while the ring was full), over_budget
+                                          (--hs-capture-max-bytes spent)
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
@@ -51,7 +52,7 @@ COUNTERS = {  # metric name -> (source, key, help)
     "skip_markers_dropped": ("admission", "markers_dropped",
                              "Requests served without capture and without a marker record (no ring room)."),
 }
-NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind", "beam_search", "input_embeds")
+NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind", "beam_search", "input_embeds", "over_budget")
 
 
 def enabled() -> bool:

@@ -49,6 +49,11 @@ exactly that record's bytes (torch.save of it saves the record, not the ring):
 
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
+
+A restarted server makes a new ring (the old one is unlinked; its manifest names the new ring_id). A reader
+notices once it has read every record the old ring holds: by default poll()/next()/take() then raise
+ServerRestarted (one line); with `reattach=True` it attaches to the new ring as soon as the new server's
+manifest is there (the old ring's records read ahead can still be acknowledged; `restarts` counts).
 """
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ from typing import Iterator, Optional
 import torch
 
 from sglang_hs.fsutil import check_private_file, owner_uid
-from sglang_hs.store.ring import OFF_READER_PID, SKIP_REASONS, RingReader
+from sglang_hs.store.ring import SKIP_REASONS, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
 
@@ -103,6 +108,23 @@ def read_manifest(path: str, owner: Optional[int] = None) -> dict:
 MAX_MARKERS = 1 << 16  # markers of requests served without capture kept for take(); the oldest go first
 
 
+class ServerRestarted(RuntimeError):
+    """The server this reader attached to was restarted (its ring was replaced by a new one), and the
+    reader was not told to reattach, or could not (another setup, another reader holding the new ring)."""
+
+
+REATTACH_TRY_S = 0.1  # how often a reader whose server restarted looks for the new server's manifest
+
+
+def ring_ids(manifest: dict) -> list:
+    """Each writer's ring_id: tells one server generation's rings from the next one's."""
+    return [str(w.get("ring_id") or f"pid-{w.get('pid')}") for w in manifest["writers"]]
+
+
+# what a reattaching reader requires of the restarted server: records of the same shape and meaning
+SAME_SETUP = ("model_path", "architecture", "dtype", "hidden_size", "layer_ids", "last")
+
+
 class NotCaptured(LookupError):
     """take(rid) of a request the server served without capture: it will never have a record."""
 
@@ -119,6 +141,8 @@ class HiddenStateRecord:
     last_hidden_state: Optional[torch.Tensor]
     seq: int = field(default=0, repr=False)  # its sequence number in its writer's ring (1, 2, 3, ...)
     writer: int = field(default=0, repr=False)  # index of that writer in manifest["writers"]
+    ring_id: str = field(default="", repr=False)  # that writer's ring (manifest ring_id): which server run
+    generation: int = field(default=0, repr=False)  # the reader's server generation it came from (restarts)
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
     _arrival: int = field(default=0, repr=False, compare=False)  # this reader's count of records and markers
@@ -165,27 +189,29 @@ def _exists(path: str) -> bool:
                               "shares it with a group of yours (--hs-share-group)") from None
 
 
-def _lock_ring(ring: RingReader) -> int:
-    """Hold an exclusive lock on the ring file while this reader lives (it dies with the process):
-    two readers of one ring would split or duplicate its records."""
-    fd = os.open(ring.r.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _lock_ring(ring: RingReader) -> RingReader:
+    """Hold an exclusive lock on the ring file (the one mapped) while this reader lives (it dies with the
+    process): two readers of one ring would split or duplicate its records. Returns the ring, which the
+    reader closes to let go; a ring it cannot lock is closed here."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(ring.r.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
-        holder = ring.r.load_acquire(OFF_READER_PID) or "?"
+        holder = ring.reader_pid() or "?"
+        ring.close()
         raise RuntimeError(f"{ring.r.path}: already read by another HiddenStateReader (pid {holder}); one reader "
                            "per dump dir: stop or close() that one first") from None
-    ring.r.store_release(OFF_READER_PID, os.getpid())
-    return fd
+    ring.set_reader_pid(os.getpid())
+    return ring
 
 
 class HiddenStateReader:
     def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002,
-                 recycle_memory: bool = False, ack: bool = False, owner=None, zero_copy: bool = False) -> None:
+                 recycle_memory: bool = False, ack: bool = False, owner=None, zero_copy: bool = False,
+                 reattach: bool = False) -> None:
         """`owner`: the user (name or uid) whose dump files to trust; default this user. Pass the
         server's user when it shares the dump with a group of yours (--hs-share-group). `zero_copy`
-        (with `ack`): records are views of the ring, valid until acked (module docstring)."""
+        (with `ack`): records are views of the ring, valid until acked (module docstring). `reattach`:
+        follow a restarted server to its new ring, instead of raising ServerRestarted."""
         if zero_copy and not ack:
             raise ValueError("HiddenStateReader(zero_copy=True) needs ack=True: a zero-copy record is a view of the "
                              "server's ring, valid until you ack() it")
@@ -200,7 +226,7 @@ class HiddenStateReader:
                 raise FileNotFoundError(f"{path}: no manifest after {wait}s; is a server capturing into "
                                         f"--hs-dump-dir {self.dump_dir}?")
             time.sleep(0.05)
-        uid = None if owner is None else owner_uid(owner)
+        uid = self._uid = None if owner is None else owner_uid(owner)
         self.manifest = read_manifest(path, uid)
         while len(self.manifest["writers"]) < self.manifest.get("num_writers", 1):
             # data-parallel attention: each group's writer adds itself to the manifest as it starts
@@ -225,14 +251,66 @@ class HiddenStateReader:
         self._marks: "dict[str, collections.deque]" = {}
         self._arrivals = 0
         self.markers = 0  # marker records seen (requests served without capture)
-        self._rings, self._locks = [], []
+        self.reattach, self.restarts = reattach, 0  # restarts: new server generations this reader attached to
+        self._generation, self._retired = 0, {}  # (generation, writer) -> an old ring with records not acked yet
+        self._next_try = 0.0  # monotonic time of the next look for a restarted server's manifest
+        self._rings, self._locks = self._attach(self.manifest)
+        self._ring_ids = ring_ids(self.manifest)
+
+    def _attach(self, manifest: dict):
+        """Open and lock the ring of every writer of `manifest`: (rings, the rings held: the same)."""
+        rings, locks = [], []
         try:
-            for w in self.manifest["writers"]:
-                self._rings.append(RingReader.open(self.dump_dir, w["ring"], uid, self.manifest.get("share_gid")))
-                self._locks.append(_lock_ring(self._rings[-1]))
+            for w in manifest["writers"]:
+                ring = RingReader.open(self.dump_dir, w["ring"], self._uid, manifest.get("share_gid"))
+                locks.append(_lock_ring(ring))  # closes the ring if it cannot lock it
+                rings.append(ring)
         except BaseException:
-            self.close()
+            for ring in locks:
+                ring.close()
             raise
+        return rings, locks
+
+    def _check_restart(self) -> None:
+        """Called when a poll found nothing new: if the server was restarted (its ring unlinked), raise
+        ServerRestarted, or (reattach=True) attach to the new server's rings once its manifest names them."""
+        replaced = [ring.r.path for ring in self._rings if ring.replaced()]
+        if not replaced:
+            return
+        if not self.reattach:
+            raise ServerRestarted(f"{replaced[0]}: the server was restarted (its output ring was replaced); the "
+                                  "records of requests it had not finished are gone, and this reader stops here")
+        now = time.monotonic()
+        if now < self._next_try:
+            return
+        self._next_try = now + REATTACH_TRY_S
+        path = os.path.join(self.dump_dir, MANIFEST)
+        try:
+            manifest = read_manifest(path, self._uid)
+        except FileNotFoundError:
+            return  # the new server has not written it yet
+        if ring_ids(manifest) == self._ring_ids or len(manifest["writers"]) < manifest.get("num_writers", 1):
+            return  # still the old server's manifest, or not every writer of the new one is there yet
+        differ = [k for k in SAME_SETUP if manifest.get(k) != self.manifest.get(k)]
+        if differ:
+            raise ServerRestarted(f"{path}: the server was restarted with another capture setup ("
+                                  + "; ".join(f"{k} {self.manifest.get(k)!r} before, {manifest.get(k)!r} now"
+                                              for k in differ) + "): this reader stops here")
+        try:
+            rings, locks = self._attach(manifest)
+        except FileNotFoundError:
+            return  # a ring the manifest names is not there yet
+        except RuntimeError as e:  # another reader locked the new ring first
+            raise ServerRestarted(f"the server was restarted and {e}") from None
+        for w, ring in enumerate(self._rings):
+            if ring.unreleased():  # records read ahead from the old ring: their acks still go to it
+                self._retired[(self._generation, w)] = ring
+        for ring in self._locks:
+            ring.close()
+        self._rings, self._locks, self.manifest = rings, locks, manifest
+        self._ring_ids = ring_ids(manifest)
+        self._generation += 1
+        self.restarts += 1
 
     def close(self) -> None:
         """Let another reader take over the dump dir (records not acknowledged stay in the ring). A
@@ -244,9 +322,9 @@ class HiddenStateReader:
                 record.drop_tensors()
             self._ready.clear()
             self._later.clear()
-        for fd in self._locks:
-            os.close(fd)
-        self._locks, self._rings = [], []
+        for ring in self._locks:
+            ring.close()
+        self._locks, self._rings, self._retired = [], [], {}
 
     def __enter__(self) -> "HiddenStateReader":
         return self
@@ -290,6 +368,8 @@ class HiddenStateReader:
                     last_hidden_state=rec.rows[:, K] if self.has_last else None,
                     seq=rec.seq,
                     writer=w,
+                    ring_id=self._ring_ids[w],
+                    generation=self._generation,
                     prompt_len=rec.prompt_len,
                     next_token=rec.next_token,
                     _arrival=self._arrivals,
@@ -299,6 +379,8 @@ class HiddenStateReader:
                 else:
                     self._ready[rec.rid] = record
                 n += 1
+        if n == 0:
+            self._check_restart()
         return n
 
     def _pop(self, rid: str) -> HiddenStateRecord:
@@ -319,13 +401,19 @@ class HiddenStateReader:
             if not self._locks:
                 raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed: the record of "
                                    f"{record.rid!r} comes again to the next reader")
-            self._rings[record.writer].release(record.seq)
+            key = (record.generation, record.writer)
+            if record.generation == self._generation:
+                self._rings[record.writer].release(record.seq)
+            elif key in self._retired:  # a record of the server before a restart: its old ring
+                self._retired[key].release(record.seq)
+                if not self._retired[key].unreleased():
+                    del self._retired[key]
         if self.zero_copy:
             record.drop_tensors()
 
     def unacked(self) -> int:
         """Records brought in and not acknowledged yet (0 for an eager reader)."""
-        return sum(ring.unreleased() for ring in self._rings)
+        return sum(ring.unreleased() for ring in list(self._rings) + list(self._retired.values()))
 
     def _timeout(self, what: str, timeout: float) -> TimeoutError:
         msg = f"no record {what}after {timeout}s"

@@ -407,7 +407,7 @@ class Supervisor:
             return
         patterns = ["overlay-*.json", "store-*.bin", LOCK_NAME]  # this process's lock: it exits next
         if not self.ready:
-            patterns += ["ring-*.bin", "manifest.json"]
+            patterns += ["ring-*.bin", "ring-*.offset", "manifest.json"]  # the offset file: its reader's (ring.py)
         for path in (p for pat in patterns for p in glob.glob(os.path.join(self.dump_dir, pat))):
             try:
                 os.unlink(path)

@@ -646,6 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     import torch
 
+    from sglang_hs.reader import ServerRestarted
     from sglang_hs.store.ring import TornRecord
 
     threads = torch.get_num_threads()
@@ -691,6 +692,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\n{PROG}: interrupted; completed files are kept, rerun with --resume", file=sys.stderr)
         if extraction is not None:
             extraction.abort_pending()
+    except ServerRestarted as e:  # the records of the samples in flight went with the old server's ring
+        status = "stopped: the server was restarted"
+        print(f"{PROG}: error: {e}; the files written so far are kept: rerun with --resume to continue",
+              file=sys.stderr)
     except (ExtractError, OSError, ValueError, TornRecord) as e:  # TornRecord: a corrupted ring, one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
     finally:

@@ -20,6 +20,9 @@ started again against another setup is refused), and it says which request each 
 sequence number, prompt length and the last generated token (no row of its own, so not in the file:
 input_ids[prompt_len:] + [next_token] is what the server sent back).
 
+A restarted server (a new ring) is followed once the old ring's records are harvested: its records are
+numbered as another ring's, so no file is written over (HiddenStateReader(reattach=True)).
+
 Skipped and counted: marker records (requests served without capture) and records with no generated row
 (prompt_len >= T: a request that generated at most one token; its loss mask would be all zero, and a
 file that trains nothing only costs disk). A record whose rows hold inf or NaN under an FP8 --save-dtype
@@ -166,7 +169,6 @@ def loss_mask(rec) -> torch.Tensor:
 class Harvester:
     def __init__(self, reader, sink, journal: Journal, stats) -> None:
         self.reader, self.sink, self.journal, self.stats = reader, sink, journal, stats
-        self.ring_ids = [str(w.get("ring_id") or f"pid-{w['pid']}") for w in reader.manifest["writers"]]
 
     def handle(self, rec) -> None:
         """One record: its file (unless there already), its journal line, then the acknowledgement."""
@@ -175,7 +177,7 @@ class Harvester:
             self.stats.skipped["no_generated_rows"] += 1
             self.reader.ack(rec)
             return
-        ring_id = self.ring_ids[rec.writer]
+        ring_id = rec.ring_id  # of the server run that published it: a restarted server's is a new ring
         index = self.journal.ring_number(ring_id) << RING_SHIFT | rec.seq
         if index in self.journal.files:  # written and journaled by a harvester killed before it acknowledged
             self.stats.resumed += 1
@@ -223,7 +225,7 @@ def _open_reader(ns):
     if not os.path.exists(os.path.join(dump, MANIFEST)):
         raise ExtractError(f"--from-dump: {dump} holds no {MANIFEST} (is a server running with --hs-dump-dir {dump}?)")
     try:
-        return HiddenStateReader(dump, wait=5, ack=True, recycle_memory=True, owner=ns.hs_owner)
+        return HiddenStateReader(dump, wait=5, ack=True, recycle_memory=True, owner=ns.hs_owner, reattach=True)
     except (RuntimeError, ValueError, OSError) as e:  # another reader, another format, permissions
         raise ExtractError(f"--from-dump: {e}") from None
 
@@ -233,6 +235,7 @@ def run(ns, sink, out_dir: str) -> int:
     from sglang_hs.extract.cli import (PROG, ExtractError, Stats, _print_summary, check_final_state, prepare_output,
                                        write_manifest)
     from sglang_hs.extract.sinks import SinkError
+    from sglang_hs.reader import ServerRestarted
     from sglang_hs.store.ring import TornRecord
 
     stop = []
@@ -263,6 +266,7 @@ def run(ns, sink, out_dir: str) -> int:
               "SIGTERM", file=sys.stderr, flush=True)
         last_record = time.monotonic()
         torn = None
+        restarts = 0
         while not stop and (ns.max_samples is None or harvester.stats.done < ns.max_samples):
             try:
                 rec = reader.next(timeout=POLL_S)
@@ -270,14 +274,20 @@ def run(ns, sink, out_dir: str) -> int:
                 if ns.idle_timeout is not None and time.monotonic() - last_record > ns.idle_timeout:
                     break
                 continue
-            except TornRecord as e:  # the ring's bytes are not what the server wrote: nothing after it is read
-                torn = e
+            except (TornRecord, ServerRestarted) as e:  # the ring's bytes are not what the server wrote, or a
+                torn = e  # restarted server this harvester cannot follow: nothing after it is read
                 break
+            finally:
+                if reader.restarts != restarts:  # followed a restarted server to its new ring
+                    restarts = reader.restarts
+                    print(f"[extract] the server of {ns.from_dump} was restarted: harvesting its new ring", file=sys.stderr,
+                          flush=True)
             last_record = time.monotonic()
             harvester.handle(rec)
         status, rc = ("stopped by " + stop[0] if stop else "complete"), 0
         if torn is not None:  # the files written so far are whole: they are finalized as a stopped run's
-            status, rc = "stopped by a torn record", 1
+            status = "stopped by a torn record" if isinstance(torn, TornRecord) else "stopped: the server was restarted"
+            rc = 1
             print(f"{PROG}: error: --from-dump: {torn} (the files written before it are kept)", file=sys.stderr)
         if manifest["last"]:
             try:

@@ -12,6 +12,7 @@ stay reachable as `ORIGINALS`) and calls it first, unchanged.
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang_hs.version import SGLANG_VERSION
 
@@ -55,7 +56,9 @@ def _after_init_capturers(self) -> None:
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
                                   self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT,
                                   mode=envs.SGLANG_HS_CAPTURE, sample=envs.SGLANG_HS_CAPTURE_SAMPLE,
-                                  when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len)
+                                  when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len,
+                                  sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
+                                  max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES)
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)

@@ -38,8 +38,12 @@ prefix a shorter one, so its own abort takes none.
 Selection (--hs-capture all|opt-in, --hs-capture-sample P) and --hs-when-behind skip: each request is
 decided here, once, as it is admitted. A request opted in (sampling params `custom_params`
 {"hs_capture": true}; OpenAI chat: the request's top-level `custom_params`) is captured; else with
---hs-capture-sample P one is captured when `sample_point(rid)` (a stable hash of its rid in [0, 1)) is
-below P; else it is captured only with --hs-capture all. A request not captured reserves no record:
+--hs-capture-sample P one is captured when `sample_point(rid, key)` (a hash of its rid in [0, 1), keyed
+with a secret the server draws at start, or --hs-capture-sample-key: a client cannot pick a rid that is
+sampled) is below P; else it is captured only with --hs-capture all. With --hs-capture-max-bytes N the
+captured requests' worst-case records (charged as each is admitted: prompt + max_new_tokens - 1 rows)
+add up to at most N bytes: a request whose worst case does not fit in what is left is served without
+capture, reason "over_budget" (`capture_bytes` counts what was charged). A request not captured reserves no record:
 it is admitted at once and only reserves room for a SKIP marker record (rid + reason, no rows) when
 that room is free, so the reader can tell why it has no record. With --hs-when-behind skip, a request
 that would be held (its reservation exceeds the free ring) is admitted the same way, not captured,
@@ -76,10 +80,10 @@ REASON_CODE = {name: code for code, name in SKIP_REASONS.items()}
 _NEVER_SELECTED = ("HEALTH_CHECK", "HS_WARMUP-")  # never recorded anyway (capture_hooks, patches/warmup_rid.py)
 
 
-def sample_point(rid: str) -> float:
-    """A stable point in [0, 1) for a request id (blake2b of its utf-8 bytes): the same rid is sampled the
-    same way by every server, process and run."""
-    return int.from_bytes(hashlib.blake2b(str(rid).encode(), digest_size=8).digest(), "big") / 2.0 ** 64
+def sample_point(rid: str, key: bytes = b"") -> float:
+    """A point in [0, 1) for a request id: blake2b of its utf-8 bytes keyed with `key` (the server's sampling
+    key, which clients do not know), so the same rid is sampled the same way under one key only."""
+    return int.from_bytes(hashlib.blake2b(str(rid).encode(), digest_size=8, key=key).digest(), "big") / 2.0 ** 64
 
 
 def opted_in(req) -> bool:
@@ -108,12 +112,12 @@ def unrecordable(req) -> Optional[str]:
     return None
 
 
-def select(req, mode: str = "all", sample: Optional[float] = None) -> Optional[str]:
+def select(req, mode: str = "all", sample: Optional[float] = None, key: bytes = b"") -> Optional[str]:
     """None when `req` is to be captured, else the reason it is not (a key of REASON_CODE)."""
     if opted_in(req):
         return None
     if sample is not None:
-        return None if sample_point(req.rid) < sample else "not_sampled"
+        return None if sample_point(req.rid, key) < sample else "not_sampled"
     return None if mode == "all" else "not_opted_in"
 
 
@@ -136,13 +140,15 @@ def request_key(req) -> Optional[int]:
 class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
                  timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
-                 when_behind: str = "hold", recorded_prompt_len: Optional[Callable[[object], Optional[int]]] = None) -> None:
+                 when_behind: str = "hold", recorded_prompt_len: Optional[Callable[[object], Optional[int]]] = None,
+                 sample_key: bytes = b"", max_bytes: Optional[int] = None) -> None:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
         # the prompt length a request's record will have when it is not len(input_ids) (a session turn's
         # record holds the session's context: sglang_hs/store/session_turns.py); None: len(input_ids)
         self.recorded_prompt_len = recorded_prompt_len
         self.timeout = timeout
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
+        self.sample_key, self.max_bytes = sample_key, max_bytes
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
         # used again (a retry while the old request's record is still being published, a duplicate) has one
         # ticket per request: a finish finds its own by request_key, and the finish worker, which publishes in
@@ -156,7 +162,8 @@ class AdmissionControl:
         self.held_since: Dict[str, float] = {}
         self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
         self._refused_batch: Dict[int, int] = {}  # id(member of a batch refused for a too long rid) -> that length
-        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0}
+        self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0,
+                      "capture_bytes": 0}  # worst-case record bytes of the requests admitted with capture
         self.stats.update({f"skipped_{r}": 0 for r in REASON_CODE})
         self._last_reconcile = self._last_log = self._last_skip_log = 0.0
 
@@ -231,7 +238,10 @@ class AdmissionControl:
                 out.append(self._admit(req))
                 continue
             never = unrecordable(req)  # served without capture, its marker reserved like a record (FIFO)
-            reason = None if never else select(req, self.mode, self.sample)
+            reason = None if never else select(req, self.mode, self.sample, self.sample_key)
+            if reason is None and not never and self.max_bytes is not None \
+                    and self.stats["capture_bytes"] + self.need(req) // 2 > self.max_bytes:
+                reason = "over_budget"  # --hs-capture-max-bytes is spent
             if reason is not None:  # not captured: goes in at once, whatever waits ahead of it
                 free = self._skip(req, reason, free, now)
                 out.append(self._admit(req))
@@ -259,6 +269,8 @@ class AdmissionControl:
                 self.stats[f"skipped_{never}"] += 1
             self._add(req, need, (never, True) if never else None)
             free -= need
+            if not never:
+                self.stats["capture_bytes"] += need // 2  # its worst-case record (need reserves it twice)
             out.append(self._admit(req))
         self.held = keep
         if self.held and self.timeout > 0:

@@ -1,13 +1,28 @@
 """The output ring: finished records, from one writer (the scheduler) to one reader process.
 
-File layout (`ring-<writer>.bin`, created 0600 under the dump dir; 0660 of the share group with
---hs-share-group, since the reader writes TAIL):
+Two files per writer under the dump dir, created 0600 (with --hs-share-group: the ring 0640 and the
+offset file 0660 of the share group). Only the writer writes the ring; a reader maps it read-only and
+writes nothing but its read offset, into the offset file:
 
+  `ring-<writer>.bin`
     [0, 4096)              header: magic, format version, capacity, writer pid; counters on their own
-                           cache lines: HEAD (bytes published, written by the writer with a release
-                           store) and TAIL (bytes consumed, written by the reader with a release store);
-                           the reader's pid (informational: readers lock the file with flock)
+                           cache lines, all written by the writer with release stores: HEAD (bytes
+                           published) and TAIL, TAIL_SEQ (bytes consumed as the writer accepted them from
+                           the reader, and the sequence number of the record that ends there)
     [4096, 4096+capacity)  records at logical offsets that only grow, placed at offset % capacity
+  `ring-<writer>.offset`   the reader's: [0, 8) the offset it has consumed up to (the end of a record),
+                           [8, 16) its pid (informational: readers lock the ring with flock). Written
+                           with pwrite and read by the writer with pread, never mapped by the writer:
+                           whoever may write it (the share group) can truncate it, and a mapping of a
+                           truncated file faults (SIGBUS) where a read just comes up short.
+
+The writer keeps its own state in process memory (HEAD, the accepted TAIL; the ring's copies are for
+readers) and takes a new read offset only when it is valid: at or after the TAIL it accepted, at most
+HEAD, the end of a record the writer published there (its trailer and header agree: magic, length and
+a sequence number after the last one consumed). Anything else (a bad value, a short or truncated
+file) is refused, counted (`offsets_refused`) and logged, the writer carrying on as if no reader had
+read further: the ring fills and admission control holds or skips requests as with no reader, and no
+value a reader writes can stop the server or make it write outside the ring.
 
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
 rid length, prompt length, next token), the request id (utf-8), input_ids int32[T], rows [T, P, H],
@@ -23,9 +38,12 @@ can tell that request will have no record, and why.
 A record of a request says where its prompt ends (prompt length: rows >= it are generated tokens) and
 holds the token after its last row (the last generated token, which has no row, or -1 when the writer
 did not say), so the whole sequence the server sent is input_ids + [next token].
-Sequence numbers run 1, 2, 3, ... without gaps; the reader stores the last one it consumed beside TAIL
-(TAIL first, then TAIL_SEQ), so a reader that starts later resumes where the last one stopped; a
-record at TAIL not newer than TAIL_SEQ (counters moved back: a replay) is refused, as is a gap after it.
+Sequence numbers run 1, 2, 3, ... without gaps. A reader that starts later resumes where the last one
+stopped: at the offset file's offset when that is the end of a record past the ring's TAIL (checked as
+the writer checks it), else at TAIL; a record there not newer than the one before it (a replay) is
+refused, as is a gap after it. A record is copied out, then checked to be still unconsumed in the
+writer's eyes (TAIL at most its start): one the writer may have written over meanwhile (the read offset
+moved past it by someone else who may write the offset file) is refused, never handed out.
 
 Consuming is either eager (`drain`: copy out, release at once) or acknowledged (`read_ahead` copies
 records out from a private cursor and releases nothing; `release(seq)` moves TAIL over the records up
@@ -37,11 +55,14 @@ are the writer's to overwrite: whoever holds such a view must be done with it be
 """
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
+from stat import S_ISREG
 from typing import List, Optional
 
 import torch
@@ -50,13 +71,15 @@ from sglang_hs._ext import ext
 from sglang_hs.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 4  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
-# 4: the record header holds the prompt length and the token after the last row (harvesting live traffic)
+VERSION = 5  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
+# 4: the record header holds the prompt length and the token after the last row (harvesting live traffic);
+# 5: the reader writes its offset into its own file (ring-*.offset), the ring is the writer's alone
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
-OFF_TAIL_SEQ = 136  # sequence number of the last record consumed, written by the reader after TAIL
-OFF_READER_PID = 192  # pid of the reader holding the ring (informational: the lock is a flock on the file)
+OFF_TAIL_SEQ = 136  # sequence number of the record that ends at TAIL (the writer's, like TAIL)
+OFFSET_BYTES = 64  # the reader's offset file: its read offset at 0, its pid at 8
+OFFSET_PID = 8
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
 # magic, flags, total, seq, T, P, H, dtype, pad, rid_len, prompt_len, next_token (46 of the header's 64 bytes)
 _REC = struct.Struct("<IIQQIHIBxHIi")
@@ -65,7 +88,8 @@ ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
 # flags of a marker record (T = 0): why that request has no record
-SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind", 4: "beam_search", 5: "input_embeds"}
+SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind", 4: "beam_search", 5: "input_embeds",
+                6: "over_budget"}
 MAX_RID_BYTES = 0xFFFF  # the record header holds the request id's utf-8 length in 16 bits
 
 
@@ -78,8 +102,66 @@ def _valid_skip(pos: int, total: int, published: int, capacity: int) -> bool:
     return total >= ALIGN and pos + total == capacity and total <= published
 
 
+logger = logging.getLogger(__name__)
+_HEAD4 = struct.Struct("<IIQQ")  # a record header's magic, flags, total, seq
+
+
+def offset_name(ring_name: str) -> str:
+    """The reader's offset file of ring `ring_name` (ring-w0.bin -> ring-w0.offset)."""
+    return (ring_name[:-4] if ring_name.endswith(".bin") else ring_name) + ".offset"
+
+
+def record_ending_at(mem, capacity: int, end: int, after: int, after_seq: int, head: int) -> Optional[int]:
+    """The sequence number of the record published at logical offsets [.., end), if one does, lying at or
+    after `after` (a record boundary, after record `after_seq`) and ending at most at `head`; else None.
+    Checks its trailer and header agree (magic, length, sequence number > after_seq): the ring is the
+    writer's alone, so those are what it wrote (and `head` bounds what it has published)."""
+    if not after < end <= head or end % ALIGN:
+        return None
+    p_end = end % capacity or capacity
+    if p_end < 2 * ALIGN:
+        return None
+    tm, _, tseq, ttotal = _TRAIL.unpack_from(mem, HEADER_BYTES + p_end - ALIGN)
+    if tm != REC_MAGIC or ttotal % ALIGN or not 2 * ALIGN <= ttotal <= p_end or end - ttotal < after:
+        return None
+    magic, _, total, seq = _HEAD4.unpack_from(mem, HEADER_BYTES + p_end - ttotal)
+    if magic != REC_MAGIC or total != ttotal or seq != tseq or seq <= after_seq:
+        return None
+    return seq
+
+
+def _create_offset_file(dir_path: str, name: str) -> int:
+    """A new 0600 offset file of OFFSET_BYTES zero bytes (never through a symlink); returns its fd."""
+    dfd = os.open(os.path.abspath(dir_path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        os.fchmod(fd, 0o600)  # despite the umask
+        os.pwrite(fd, bytes(OFFSET_BYTES), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int) -> int:
     return ALIGN + _align(rid_len) + _align(4 * T) + _align(T * P * H * elem) + ALIGN
+
+
+def _open_offset_file(dir_path: str, name: str, owner: int) -> int:
+    """The reader's offset file, opened for pwrite without following a symlink; a regular file of `owner`."""
+    dfd = os.open(os.path.abspath(dir_path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not S_ISREG(st.st_mode) or st.st_uid != owner:
+        os.close(fd)
+        raise ValueError(f"{os.path.join(dir_path, name)}: not a regular file of uid {owner}")
+    return fd
 
 
 class TornRecord(RuntimeError):
@@ -102,14 +184,24 @@ class Record:
 
 
 class RingWriter:
-    def __init__(self, region: SharedRegion) -> None:
+    def __init__(self, region: SharedRegion, offset_fd: Optional[int] = None) -> None:
         self.r = region
         self.capacity = region.nbytes - HEADER_BYTES
         self.seq = 0
         self.gather_threads = 1  # threads of a large record's copy into the ring (the writer sets its setting)
+        # The writer's own state, in this process only (the ring's HEAD, TAIL and TAIL_SEQ are copies for readers)
+        self.head = 0  # bytes published
+        self.consumed = self.consumed_seq = 0  # the read offset last accepted, and the record that ends there
+        self.offset_fd = offset_fd  # the reader's offset file, read with pread (module docstring)
+        self.offsets_refused = 0  # read offsets refused (invalid, or the file cut short)
+        self.stats: Optional[dict] = None  # the writer's stats: the count goes there too (reader_offsets_refused)
+        self._refused: Optional[int] = None  # the last value refused (each new one counts once)
+        self._lock = threading.Lock()  # the scheduler (admission) and the finish worker both ask for room
+        self._mem = memoryview(region.buf.numpy())
 
     @classmethod
     def create(cls, dir_path: str, name: str, capacity: int) -> "RingWriter":
+        """A new ring file `name` and its reader's offset file (offset_name(name)), both 0600."""
         capacity = _align(capacity)
         region = SharedRegion.create(dir_path, name, HEADER_BYTES + capacity)
         hdr = region.buf
@@ -117,10 +209,48 @@ class RingWriter:
         hdr[OFF_VERSION : OFF_VERSION + 4] = torch.frombuffer(bytearray(struct.pack("<I", VERSION)), dtype=torch.uint8)
         region.store_release(OFF_CAPACITY, capacity)
         region.store_release(OFF_PID, os.getpid())
-        return cls(region)
+        return cls(region, _create_offset_file(dir_path, offset_name(name)))
+
+    def _reader_offset(self) -> Optional[int]:
+        """The offset in the reader's file, read twice alike (a read racing the reader's write is not
+        taken); -1 when the file is cut short; None when it could not be read consistently."""
+        try:
+            a, b = os.pread(self.offset_fd, 8, 0), os.pread(self.offset_fd, 8, 0)
+        except OSError:
+            return -1
+        if len(a) < 8 or len(b) < 8:
+            return -1
+        return struct.unpack("<Q", a)[0] if a == b else None
+
+    def _take_reader_offset(self) -> None:
+        """Accept the reader's offset if it is valid (module docstring), else refuse, count and log it."""
+        if self.offset_fd is None:
+            return
+        with self._lock:
+            t = self._reader_offset()
+            if t is None or t == self.consumed:
+                return
+            seq = None if t < 0 else record_ending_at(self._mem, self.capacity, t, self.consumed, self.consumed_seq,
+                                                      self.head)
+            if seq is None:
+                if t != self._refused:
+                    self._refused = t
+                    self.offsets_refused += 1
+                    if self.stats is not None:
+                        self.stats["reader_offsets_refused"] = self.offsets_refused
+                    if self.offsets_refused & (self.offsets_refused - 1) == 0:  # 1, 2, 4, 8, ...: not a flood
+                        logger.warning("sglang-hs: refused the read offset in %s (%s; accepted so far %d of %d "
+                                       "published bytes): taken as no reader; %d refused so far",
+                                       offset_name(self.r.path), "file cut short" if t < 0 else f"value {t}",
+                                       self.consumed, self.head, self.offsets_refused)
+                return
+            self.consumed, self.consumed_seq = t, seq
+            self.r.store_release(OFF_TAIL, t)  # for readers: before any byte below t + capacity is written
+            self.r.store_release(OFF_TAIL_SEQ, seq)
 
     def free_bytes(self) -> int:
-        return self.capacity - (self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL))
+        self._take_reader_offset()
+        return self.capacity - (self.head - self.consumed)
 
     def fill_ratio(self) -> float:
         """Unread bytes / capacity."""
@@ -169,7 +299,7 @@ class RingWriter:
         except struct.error as e:
             raise ValueError(f"record of request {rid[:200]!r} cannot be encoded ({e}): T={T}, P={P}, H={H}") from None
         trailer = _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), seq, total)
-        head = self.r.load_acquire(OFF_HEAD)
+        head = self.head  # the writer's own, never read back from the ring file (README "Security")
         pos = head % self.capacity
         if pos + total > self.capacity:  # does not fit before the end: skip to 0
             skip = self.capacity - pos
@@ -178,6 +308,7 @@ class RingWriter:
                 self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0, 0, 0))
             head += skip
             self.r.store_release(OFF_HEAD, head)
+            self.head = head
             pos = 0
         else:
             self._wait_for(total, timeout)
@@ -201,6 +332,7 @@ class RingWriter:
         self._write(pos, header)
         self.seq = seq  # only now: a copy that raised above left no gap in the numbering
         self.r.store_release(OFF_HEAD, head + total)  # publish: the reader may now read the record
+        self.head = head + total
         return seq
 
     def _write(self, pos: int, data: bytes) -> None:
@@ -209,7 +341,7 @@ class RingWriter:
 
 
 class RingReader:
-    def __init__(self, region: SharedRegion) -> None:
+    def __init__(self, region: SharedRegion, offset_fd: Optional[int] = None) -> None:
         hdr = bytes(region.buf[:32].tolist())
         if hdr[:8] != MAGIC:
             raise ValueError(f"{region.path}: not an sglang-hs output ring (bad magic)")
@@ -220,6 +352,8 @@ class RingReader:
         self.capacity = region.load_acquire(OFF_CAPACITY)
         if self.capacity + HEADER_BYTES != region.nbytes:
             raise ValueError(f"{region.path}: capacity {self.capacity} does not match the file size {region.nbytes}")
+        self.offset_fd = offset_fd  # the offset file, where this reader writes how far it has consumed
+        self._tail = self._tail_seq = None  # consumed up to (offset, seq of the record ending there), from _start()
         self._cursor = self._cursor_seq = None  # read_ahead's position (offset, seq), from its first call
         self._unreleased: dict = {}  # seq -> offset after that record, for records read ahead
         self._released: set = set()  # released out of order, waiting for the records before them
@@ -228,18 +362,73 @@ class RingReader:
     @classmethod
     def open(cls, dir_path: str, name: str, owner: Optional[int] = None,
              writable_by_gid: Optional[int] = None) -> "RingReader":
-        """Open a ring of `owner` (a uid; None: this user), group-writable only by `writable_by_gid`."""
+        """Open a ring of `owner` (a uid; None: this user), writable by nobody else, read-only, and its
+        offset file, group-writable only by `writable_by_gid`."""
         from sglang_hs.fsutil import check_private_file
 
-        check_private_file(os.path.join(dir_path, name), owner, writable_by_gid)
-        return cls(SharedRegion.open(dir_path, name, owner_uid=-1 if owner is None else owner))
+        check_private_file(os.path.join(dir_path, name), owner)
+        check_private_file(os.path.join(dir_path, offset_name(name)), owner, writable_by_gid)
+        region = SharedRegion.attach(dir_path, name, owner_uid=-1 if owner is None else owner, writable=False)
+        offset_fd = None
+        try:
+            offset_fd = _open_offset_file(dir_path, offset_name(name), os.geteuid() if owner is None else owner)
+            return cls(region, offset_fd)
+        except BaseException:
+            os.close(region.fd)
+            if offset_fd is not None:
+                os.close(offset_fd)
+            raise
+
+    def close(self) -> None:
+        """Close the files (the lock on the ring goes with them); records already handed out stay valid."""
+        for fd in (self.r.fd, self.offset_fd):
+            if fd is not None:
+                os.close(fd)
+        self.r.fd = self.offset_fd = None
+
+    def set_reader_pid(self, pid: int) -> None:
+        os.pwrite(self.offset_fd, struct.pack("<Q", pid), OFFSET_PID)
+
+    def reader_pid(self) -> Optional[int]:
+        """The pid the reader holding the ring wrote (informational: anyone of the share group may write it)."""
+        try:
+            b = os.pread(self.offset_fd, 8, OFFSET_PID)
+        except OSError:
+            return None
+        return struct.unpack("<Q", b)[0] if len(b) == 8 else None
+
+    def _start(self):
+        """Where this reader starts: the offset file's offset where it is the end of a record past the
+        ring's TAIL (the last reader released up to there and the writer has not looked yet), else TAIL."""
+        tail, seq = self.r.load_acquire(OFF_TAIL), self.r.load_acquire(OFF_TAIL_SEQ)
+        try:
+            b = os.pread(self.offset_fd, 8, 0) if self.offset_fd is not None else b""
+        except OSError:
+            b = b""
+        if len(b) == 8:
+            end = struct.unpack("<Q", b)[0]
+            if self._mem is None:
+                self._mem = memoryview(self.r.buf.numpy())
+            later = record_ending_at(self._mem, self.capacity, end, tail, seq, self.r.load_acquire(OFF_HEAD))
+            if later is not None:
+                return end, later
+        return tail, seq
+
+    def replaced(self) -> bool:
+        """Whether this ring's file was unlinked: its server is gone, and a restarted one makes a new ring
+        (the records published here can still be read: the mapping stays)."""
+        return self.r.unlinked()
 
     def unread_bytes(self) -> int:
-        return self.r.load_acquire(OFF_HEAD) - self.r.load_acquire(OFF_TAIL)
+        if self._tail is None:
+            self._tail, self._tail_seq = self._start()
+        return self.r.load_acquire(OFF_HEAD) - self._tail
 
     def drain(self) -> List[Record]:
         """Copy out every published record (one copy each) and release their bytes to the writer."""
-        tail, last_seq = self.r.load_acquire(OFF_TAIL), self.r.load_acquire(OFF_TAIL_SEQ)
+        if self._tail is None:
+            self._tail, self._tail_seq = self._start()
+        tail, last_seq = self._tail, self._tail_seq
         out = []
         for rec, end in self._records(tail, last_seq):
             out.append(rec)
@@ -252,7 +441,9 @@ class RingReader:
         releasing any: `release(seq)` does that once the consumer has handled them. copy=False: the
         records' tensors are views of the ring, valid until released (nothing is copied)."""
         if self._cursor is None:
-            self._cursor, self._cursor_seq = self.r.load_acquire(OFF_TAIL), self.r.load_acquire(OFF_TAIL_SEQ)
+            if self._tail is None:
+                self._tail, self._tail_seq = self._start()
+            self._cursor, self._cursor_seq = self._tail, self._tail_seq
         out = []
         for rec, end in self._records(self._cursor, self._cursor_seq, copy):
             out.append(rec)
@@ -283,8 +474,12 @@ class RingReader:
         return len(self._unreleased)
 
     def _store_tail(self, tail: int, last_seq: int) -> None:
-        self.r.store_release(OFF_TAIL, tail)
-        self.r.store_release(OFF_TAIL_SEQ, last_seq)  # after TAIL: a reader killed in between still resumes
+        """Tell the writer the records up to `tail` are consumed (it checks the value, and takes it when it
+        needs room)."""
+        if tail != self._tail:
+            self._tail, self._tail_seq = tail, last_seq
+            if self.offset_fd is not None:
+                os.pwrite(self.offset_fd, struct.pack("<Q", tail), 0)
 
     def _view(self, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor over buf[offset:offset+nbytes] whose storage is exactly those bytes (a slice of
@@ -343,6 +538,10 @@ class RingReader:
             ids = take(o, 4 * T).view(torch.int32)
             o += _align(4 * T)
             rows = take(o, T * P * H * elem).view(dtype).view(T, P, H)
+            if self.r.load_acquire(OFF_TAIL) > tail:  # the writer took a read offset past it: maybe written over
+                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} was given back to the writer "
+                                 "before this reader read it (someone else wrote the read offset: another member of "
+                                 "the share group?)")
             tail += total
             yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
                          next_token=next_token), tail

@@ -4,7 +4,9 @@ One writer per attention-TP rank 0 (this slice: a single data-parallel group, wr
 the dump dir, all 0600, never through a symlink:
     manifest.json      what the dump holds (versions, model, layer ids and their HF meaning, writers)
     store-w0.bin       [num_slots, P, H] rows, row s = the token whose KV lives in slot s
-    ring-w0.bin        the output ring of finished records (sglang_hs/store/ring.py)
+    ring-w0.bin        the output ring of finished records (sglang_hs/store/ring.py): the writer's alone
+    ring-w0.offset     the ring's reader writes how far it has read here (with --hs-share-group: 0660 of the
+                       group, the ring 0640 and the manifest 0640; the store stays 0600)
 
 `copy()` runs inside every forward: the step's rows go to their KV slots (`out_cache_loc`), by the Triton
 kernel on CUDA (sglang_hs/ops/copy_rows.py) and the C++ op on CPU (csrc/copy_rows_cpu.cpp), either
@@ -30,7 +32,7 @@ import torch
 
 from sglang_hs.capture_spec import CaptureSpec
 from sglang_hs.fsutil import share_file, write_private_file
-from sglang_hs.store.ring import RingWriter
+from sglang_hs.store.ring import RingWriter, offset_name
 from sglang_hs.store.shm import SharedRegion
 from sglang_hs.version import SGLANG_VERSION, __version__
 
@@ -91,7 +93,7 @@ class CaptureWriter:
         self.P = spec.num_aux + int(spec.last)
         H = spec.hidden_size
         elem = torch.empty(0, dtype=dtype).element_size()
-        for name in (f"store-w{writer_id}.bin", f"ring-w{writer_id}.bin"):
+        for name in (f"store-w{writer_id}.bin", f"ring-w{writer_id}.bin", offset_name(f"ring-w{writer_id}.bin")):
             _remove_stale(dump_dir, name)
         nbytes = num_slots * self.P * H * elem
         try:
@@ -104,12 +106,15 @@ class CaptureWriter:
         self.store = self.region.buf.view(dtype).view(num_slots, self.P, H)
         try:
             self.ring = RingWriter.create(dump_dir, f"ring-w{writer_id}.bin", ring_bytes)
-            share_file(dump_dir, f"ring-w{writer_id}.bin", 0o660, share_gid)  # a reader writes its offset
+            share_file(dump_dir, f"ring-w{writer_id}.bin", 0o640, share_gid)  # the group reads, only the writer writes
+            share_file(dump_dir, offset_name(f"ring-w{writer_id}.bin"), 0o660, share_gid)  # a reader's read offset
         except RuntimeError as e:
             raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
                                "lower --hs-ring-size") from None
         self.ring.gather_threads = gather_threads
-        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0}
+        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
+                      "reader_offsets_refused": 0}  # read offsets the ring refused (ring.py)
+        self.ring.stats = self.stats
         # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)
         manifest = {

@@ -8,6 +8,7 @@ from helpers import serving
 from sglang_hs.supervisor import mapped_shm
 
 CHUNK = 16
+HARVEST_SAMPLE_KEY = "5eed" * 8  # harvest_server's --hs-capture-sample-key (a server draws one by default)
 POOL = 128  # KV slots of the float32 servers: freed slots are handed out again at once (test_exact_rows.py)
 FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: slots are held meanwhile
 # SGLang's admission reserves new_token_ratio x the remaining max_new_tokens of KV for each running
@@ -61,6 +62,7 @@ def harvest_server(tmp_path_factory):
     yield from _serve(tmp_path_factory.mktemp("hs-harvest") / "dump",
                       ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
                        "--hs-capture", "opt-in", "--hs-capture-sample", "0.1", "--hs-when-behind", "skip",
+                       "--hs-capture-sample-key", HARVEST_SAMPLE_KEY,  # so the tests know which rids are sampled
                        "--hs-ring-size", "2MiB", "--context-length", "128", "--enable-metrics"])
 
 

@@ -32,11 +32,17 @@ import requests
 import row_judge
 from sglang_hs import HiddenStateReader
 from sglang_hs.reader import NotCaptured
-from sglang_hs.store.admission import sample_point
+from conftest import HARVEST_SAMPLE_KEY
+from sglang_hs.store.admission import sample_point as _sample_point
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8
 SAMPLE = 0.1
+
+
+def sample_point(rid):
+    """Where the harvest server's keyed sampling hash puts `rid` (conftest.HARVEST_SAMPLE_KEY)."""
+    return _sample_point(rid, bytes.fromhex(HARVEST_SAMPLE_KEY))
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 

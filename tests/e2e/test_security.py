@@ -11,7 +11,7 @@ from helpers import leftover_server_processes
 from sglang_hs import HiddenStateReader
 
 pytestmark = pytest.mark.e2e
-EXPECTED = {"manifest.json", "ring-w0.bin", "store-w0.bin", ".lock"}
+EXPECTED = {"manifest.json", "ring-w0.bin", "ring-w0.offset", "store-w0.bin", ".lock"}
 
 
 @pytest.mark.parametrize("rid", ["../../../tmp/evil", "a/b/c", "x\x00y", "..", "/abs/path", "é 漢字 ✓"])

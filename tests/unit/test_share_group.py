@@ -1,7 +1,8 @@
 """Sharing a dump with readers of other users (--hs-share-group): private modes by default; with a share
-group, the folder 0750, the manifest 0640 and the rings 0660 of that group, the store still 0600. A
-reader running as another user of the group reads and acknowledges when told whose files to trust,
-and is refused otherwise; a group-writable ring of any other group, or a world-writable one, is refused."""
+group, the folder 0750, the manifest and the rings 0640 and the rings' offset files 0660 of that group, the
+store still 0600. A reader running as another user of the group reads and acknowledges (into the offset
+file) when told whose files to trust, and is refused otherwise; a group-writable offset file of any other
+group, a group-writable ring, or a world-writable file is refused."""
 import os
 import stat
 import subprocess
@@ -63,7 +64,7 @@ def _dump(parent, monkeypatch, gid):
 def test_private_by_default(tmp_path, monkeypatch):
     d = _dump(str(tmp_path), monkeypatch, None)
     assert _mode(d)[0] == 0o700
-    for name in ("manifest.json", "ring-w0.bin", "store-w0.bin"):
+    for name in ("manifest.json", "ring-w0.bin", "ring-w0.offset", "store-w0.bin"):
         assert _mode(f"{d}/{name}")[0] == 0o600
     assert HiddenStateReader(d, wait=1).manifest["share_gid"] is None
 
@@ -73,7 +74,8 @@ def test_shared_modes_and_this_user_still_reads(tmp_path, monkeypatch):
     d = _dump(str(tmp_path), monkeypatch, gid)
     assert _mode(d) == (0o750, gid)
     assert _mode(f"{d}/manifest.json") == (0o640, gid)
-    assert _mode(f"{d}/ring-w0.bin") == (0o660, gid)  # the reader writes its read offset
+    assert _mode(f"{d}/ring-w0.bin") == (0o640, gid)  # only the writer writes the ring
+    assert _mode(f"{d}/ring-w0.offset") == (0o660, gid)  # the reader writes its read offset
     assert _mode(f"{d}/store-w0.bin")[0] == 0o600  # readers never need the store
     reader = HiddenStateReader(d, wait=1)
     assert reader.manifest["share_gid"] == gid and is_exact(reader.take("r1", timeout=1), 1, T, H)  # noqa: F821
@@ -84,6 +86,11 @@ def test_group_writable_ring_of_another_group_or_world_writable_is_refused(tmp_p
     m = f"{d}/manifest.json"
     text = open(m).read().replace(f'"share_gid": {os.getegid()}', f'"share_gid": {os.getegid() + 1}')
     fsutil.write_private_file(d, "manifest.json", text.encode())  # declares a group the ring does not have
+    with pytest.raises(ValueError, match=r"ring-w0.offset: group- or world-writable \(mode 0660"):
+        HiddenStateReader(d, wait=1)
+    fsutil.write_private_file(d, "manifest.json", text.replace(f'"share_gid": {os.getegid() + 1}',
+                                                                f'"share_gid": {os.getegid()}').encode())
+    os.chmod(f"{d}/ring-w0.bin", 0o660)  # the ring is the writer's alone, whatever the group
     with pytest.raises(ValueError, match=r"ring-w0.bin: group- or world-writable \(mode 0660"):
         HiddenStateReader(d, wait=1)
     (tmp_path / "b").mkdir()
@@ -134,10 +141,12 @@ def test_a_reader_of_another_user_in_the_group(monkeypatch):
         out = _as_user(OTHER_UID, [SHARE_GID], d, "0")  # the server's user named: reads, and acks
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.split() == ["OK", "r1", "4", "r0", "exact"]  # every row, as the server published it
-        from sglang_hs.store.ring import OFF_TAIL_SEQ
-        from sglang_hs.store.shm import SharedRegion
+        import struct
 
-        assert SharedRegion.open(d, "ring-w0.bin").load_acquire(OFF_TAIL_SEQ) == 1  # its ack reached the ring
+        from sglang_hs.store.ring import record_bytes
+
+        with open(f"{d}/ring-w0.offset", "rb") as f:  # its ack reached the writer: the end of record r0
+            assert struct.unpack("<Q", f.read(8))[0] == record_bytes(T, 2, H, 2, 2)
         out = _as_user(OTHER_UID, [SHARE_GID + 1], d, "0")  # not in the group: the folder is closed to it
         assert out.returncode == 3 and "ERROR PermissionError" in out.stdout and "--hs-share-group" in out.stdout, out
     finally:

@@ -1,0 +1,226 @@
+"""What a member of --hs-share-group can do to the server through the ring, and what it cannot (README,
+Security). The ring is the writer's alone (0640 of the group): a member can neither write nor truncate it,
+nor open the store. What it can write is the read offset, in the ring's offset file (0660): every value
+there is checked by the writer (at or after what it accepted, at most what it published, the end of a
+record it wrote); a bad one, or the file cut short, is refused and counted and the server goes on as with
+no reader: it never stops, never writes outside the ring, and a reader's records stay whole and exact.
+A member that writes a valid offset consumes records, as any reader of the group may.
+
+The member runs as another uid (root starts it; the test skips elsewhere). The writer's side is also
+fuzzed (hypothesis): random publishes, reads, reader restarts, offsets and truncations of the offset
+file: the writer never raises but TimeoutError (no room), its counters stay within the ring, and every
+record a reader hands out is exactly one that was published, in order."""
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_hs._ext import ExtensionNotBuilt, ext
+
+try:
+    ext()
+except ExtensionNotBuilt as e:  # pragma: no cover
+    pytest.skip(f"extension not built: {e}", allow_module_level=True)
+
+from sglang_hs import fsutil  # noqa: E402
+from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.reader import HiddenStateReader  # noqa: E402
+from sglang_hs.store import ring  # noqa: E402
+from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+
+OTHER_UID, SHARE_GID = 4242, 4343  # a member of the share group, and the group
+H = 16
+
+
+def rows_of(i, T, P=2):
+    """Record i's rows: every value differs by record, token, layer and hidden index, exact in bf16."""
+    t, p, h = torch.arange(T).view(T, 1, 1), torch.arange(P).view(1, P, 1), torch.arange(H).view(1, 1, H)
+    return ((2 * (h + H * p) + 1) * torch.pow(2.0, (8 * i + t) % 64 - 40)).bfloat16()
+
+
+def ids_of(i, T):
+    return torch.arange(T, dtype=torch.int32) * 7 + 100 * i
+
+
+# The member: plain os calls, one per line of stdin, each answered "ok" or the error's name.
+_MEMBER = """
+import os, struct, sys
+os.setgroups([int(sys.argv[3])]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))
+d = sys.argv[1]
+def do(cmd, arg):
+    if cmd == "open-ring-for-writing": os.close(os.open(f"{d}/ring-w0.bin", os.O_RDWR))
+    elif cmd == "truncate-ring": os.truncate(f"{d}/ring-w0.bin", 4096)
+    elif cmd == "open-store": os.close(os.open(f"{d}/store-w0.bin", os.O_RDONLY))
+    elif cmd == "replace-ring": os.rename(f"{d}/ring-w0.offset", f"{d}/ring-w0.bin")
+    elif cmd == "read-ring": os.close(os.open(f"{d}/ring-w0.bin", os.O_RDONLY))
+    elif cmd == "offset":
+        fd = os.open(f"{d}/ring-w0.offset", os.O_WRONLY)
+        os.pwrite(fd, struct.pack("<Q", int(arg)), 0); os.close(fd)
+    elif cmd == "cut": os.truncate(f"{d}/ring-w0.offset", int(arg))
+for line in sys.stdin:
+    cmd, _, arg = line.strip().partition(" ")
+    try:
+        do(cmd, arg); print("ok", flush=True)
+    except OSError as e:
+        print(type(e).__name__, flush=True)
+"""
+
+
+class Member:
+    def __init__(self, dump):
+        self.p = subprocess.Popen([sys.executable, "-c", _MEMBER, dump, str(OTHER_UID), str(SHARE_GID)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+
+    def __call__(self, cmd):
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user of the share group")
+def test_a_share_group_member_can_neither_stop_the_server_nor_hand_a_reader_a_bad_record(monkeypatch):
+    parent = tempfile.mkdtemp(prefix="sglang-hs-attack-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    member = None
+    try:
+        os.chmod(parent, 0o755)
+        monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(SHARE_GID))
+        d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), SHARE_GID)
+        T = 4
+        one = ring.record_bytes(T, 2, H, 2, 2)
+        w = CaptureWriter(d, CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 6 * one)  # six records
+        published = 0
+
+        def publish():
+            nonlocal published
+            try:
+                w.ring.publish(f"r{published}", ids_of(published, T), rows_of(published, T), timeout=0.05)
+                published += 1
+            except TimeoutError:  # no room: the only way a publish may fail here
+                pass
+
+        for _ in range(3):
+            publish()
+        member = Member(d)
+        assert member("read-ring") == "ok"  # the group reads the ring...
+        for attack in ("open-ring-for-writing", "truncate-ring", "replace-ring", "open-store"):
+            assert member(attack) == "PermissionError", attack  # ...and cannot write, cut or swap it, nor see the store
+        bad = [lambda h: 2**63, lambda h: 2**64 - 1, lambda h: h + 64, lambda h: h + one, lambda h: 64,
+               lambda h: 32, lambda h: one - 64, lambda h: 2 * one + 8]  # of the writer's HEAD at the time
+        for n, value in enumerate(bad, 1):
+            assert member(f"offset {value(w.ring.head)}") == "ok"
+            assert w.ring.free_bytes() == w.ring.capacity - w.ring.head  # refused: nothing was consumed
+            assert w.ring.offsets_refused == n and w.ring.consumed == 0
+            publish()  # the server goes on
+        for size in (0, 4):
+            assert member(f"cut {size}") == "ok"  # the member may cut the offset file short...
+            publish()  # ...and the writer, which only reads it with pread, goes on
+            assert w.ring.consumed == 0
+        assert w.ring.offsets_refused == len(bad) + 1  # a file cut short counts once, however short
+        assert w.stats["reader_offsets_refused"] == len(bad) + 1  # in the status file
+        assert published == 6  # the ring is full: the rest waits for a reader, the server is not stopped
+        publish()
+        assert published == 6
+        # a valid offset is what any reader of the group may write: it consumes r0, the writer takes it
+        assert member(f"offset {one}") == "ok"
+        assert w.ring.free_bytes() == one and w.ring.consumed == one and w.ring.consumed_seq == 1
+        reader = HiddenStateReader(d, wait=1, ack=True)  # the server's user: starts after what was consumed
+        for i in range(1, 12):
+            rec = reader.next(timeout=5)
+            assert rec.rid == f"r{i}" and torch.equal(rec.input_ids, ids_of(i, T)), rec
+            assert torch.equal(rec.aux_hidden_states, rows_of(i, T)[:, :1]), i
+            assert torch.equal(rec.last_hidden_state, rows_of(i, T)[:, 1]), i
+            reader.ack(rec)
+            publish()  # room again as the reader acks
+            assert published == 6 + i
+        reader.close()
+    finally:
+        if member is not None:
+            member.close()
+        import shutil
+
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+# -- the writer's side, fuzzed: one ring, a reader, and someone else writing the offset file --
+
+P = 2
+CAP_RECORDS = 5
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("publish"), st.integers(0, 6)),  # a record of T tokens (T = 0: a marker)
+    st.tuples(st.just("read"), st.booleans()),  # the reader drains (True) or reads ahead and releases all
+    st.tuples(st.just("reader-restarts"), st.none()),
+    st.tuples(st.just("offset"), st.integers(0, 2**64 - 1) | st.integers(0, 64 * 40).map(lambda x: x * 64)
+              | st.integers(0, 2**64 - 1).map(lambda x: x % 4096)),
+    st.tuples(st.just("offset-at-a-record-end"), st.integers(0, 10**6)),  # a valid one: it consumes
+    st.tuples(st.just("cut"), st.integers(0, 16)),
+), min_size=1, max_size=40))
+def test_no_reader_offset_stops_the_writer_or_tears_a_record(tmp_path_factory, ops):
+    path = str(tmp_path_factory.mktemp("offsets"))
+    w = ring.RingWriter.create(path, "ring-w0.bin", CAP_RECORDS * ring.record_bytes(6, P, H, 2, 3))
+    sent = {}  # rid -> (ids, rows)
+    ends = []  # where each published record ends
+    reader = ring.RingReader.open(path, "ring-w0.bin")
+    last_seq, n = 0, 0
+    for op, arg in ops:
+        before = w.consumed
+        if op == "publish":
+            rid = f"r{n}"
+            try:
+                if arg == 0:
+                    w.publish(rid, torch.empty(0, dtype=torch.int32), torch.empty(0, P, H, dtype=torch.bfloat16),
+                              timeout=0.01, skipped=2)
+                else:
+                    w.publish(rid, ids_of(n, arg), rows_of(n, arg), timeout=0.01)
+                sent[rid] = (ids_of(n, arg), rows_of(n, arg)) if arg else None
+                ends.append(w.head)
+                n += 1
+            except TimeoutError:
+                pass
+        elif op == "read":
+            try:
+                if arg:
+                    got = reader.drain()
+                else:
+                    got = reader.read_ahead()
+                    for rec in got:
+                        reader.release(rec.seq)
+            except ring.TornRecord as e:  # someone else moved the offset past what this reader had not read
+                assert "ring-w0.bin" in str(e)
+                reader.close()
+                reader, last_seq = ring.RingReader.open(path, "ring-w0.bin"), 0
+                continue
+            for rec in got:
+                assert rec.seq > last_seq, (rec.seq, last_seq)  # in order, each once per reader
+                last_seq = rec.seq
+                want = sent[rec.rid]
+                if want is None:
+                    assert rec.skipped == 2 and rec.num_tokens == 0
+                else:
+                    assert torch.equal(rec.input_ids, want[0]) and torch.equal(rec.rows, want[1]), rec.rid  # whole
+        elif op == "reader-restarts":
+            reader.close()
+            reader, last_seq = ring.RingReader.open(path, "ring-w0.bin"), 0
+        elif op == "offset":
+            os.pwrite(reader.offset_fd, struct.pack("<Q", arg), 0)
+        elif op == "offset-at-a-record-end":
+            if ends:
+                os.pwrite(reader.offset_fd, struct.pack("<Q", ends[arg % len(ends)]), 0)
+        elif op == "cut":
+            os.truncate(os.path.join(path, "ring-w0.offset"), arg)
+        free = w.free_bytes()  # the writer looks at the offset file
+        assert 0 <= w.head - w.consumed <= w.capacity and free == w.capacity - (w.head - w.consumed)
+        assert w.consumed >= before and (w.consumed == 0 or w.consumed in ends)  # only forward, to a record's end
+    reader.close()
