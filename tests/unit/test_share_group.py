@@ -161,7 +161,7 @@ from sglang_hs.extract import cli
 from sglang_hs._ext import ext
 ext()
 
-def model_side(ns, manifest):  # the reader is open: say so, then end the run
+def model_side(ns, manifest, url=None):  # the reader is open: say so, then end the run
     print("READER OK", manifest["share_gid"], flush=True)
     raise ValueError("stop here")
 
