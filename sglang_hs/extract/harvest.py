@@ -163,7 +163,7 @@ class Harvester:
                 self.stats.resumed += 1
             else:
                 self.stats.bytes += self.sink.write(index, rec.input_ids, loss_mask(rec), rec.aux_hidden_states,
-                                                    rec.last_hidden_state)
+                                                    self.sink.final_of(rec))
                 self.stats.done += 1
                 self.stats.tokens += T
             self.journal.add_file({"index": index, "rid": rec.rid, "ring": ring_id, "seq": rec.seq, "tokens": T,

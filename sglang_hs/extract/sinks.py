@@ -6,9 +6,11 @@ fsync), so a crash never leaves a file that looks done and `--resume` can trust 
                 int64, hidden_state [1, T, H] (final post-norm state: SpecForge applies lm_head to it)
                 and aux_hidden_state [1, T, K*H] (the K layers side by side), in the model's dtype.
   safetensors   speculators 0.9.0's training layout. While the run goes: hs_{i}.safetensors per sample i of
-                --data, with hidden_states [T, K+1, H] (the K layers, then the final post-norm state, which
-                speculators takes as the verifier's last hidden state), token_ids [T] int64 and loss_mask
-                [T] int64, and header metadata (final_state, num_aux_layers, layer_ids). When the run
+                --data, with hidden_states [T, K+1, H] (the K layers, then the final state BEFORE the final
+                norm, which speculators takes as the verifier's last hidden state and normalises itself:
+                `verifier_lm_head(verifier_norm(...))` in speculators/models/eagle3/core.py, as vLLM's
+                extraction stores it), token_ids [T] int64 and loss_mask [T] int64, and header metadata
+                (final_state "pre-norm", num_aux_layers, layer_ids). When the run
                 completes, finalize() makes the folder what `speculators.train.data.ArrowDataset(max_len,
                 DIR)` reads: a `datasets` dataset saved with save_to_disk in DIR (columns input_ids,
                 loss_mask, seq_len as speculators' prepare_data writes them, plus sample_index; torch
@@ -66,6 +68,7 @@ class Sink:
     name = ""
     needs_last = False  # refuse a server without the final state
     wants_last = False  # start our own server with --hs-last
+    final_state = "post-norm"  # which final state the trainer reads (--hs-last's value that captures it)
 
     save_dtypes: Tuple[Optional[str], ...] = (None, "bf16")
 
@@ -79,6 +82,10 @@ class Sink:
     def finalize(self) -> Optional[dict]:
         """What a completed run adds beside the sample files; None when the format needs nothing."""
         return None
+
+    def final_of(self, record):
+        """The final state of a reader's record that this format stores (None if the server captured none)."""
+        return record.last_hidden_state if self.final_state == "post-norm" else record.last_pre_norm
 
     def path(self, index: int) -> str:
         raise NotImplementedError
@@ -180,7 +187,7 @@ class SpecForgeSink(Sink):
 
 
 class SafetensorsSink(Sink):
-    name, wants_last = "safetensors", True
+    name, wants_last, final_state = "safetensors", True, "pre-norm"
     HS_DIR = "hidden_states"
     save_dtypes = (None, "bf16", "fp8", "fp8-per-layer")
     share_rows = True  # a record's rows are hidden_states as they lie (module docstring); False: torch.cat
@@ -196,7 +203,7 @@ class SafetensorsSink(Sink):
 
         rows = record_rows(aux, last) if self.share_rows else None
         states = rows if rows is not None else aux if last is None else torch.cat([aux, last[:, None]], dim=1)
-        meta = {"format": "sglang-hs", "final_state": "true" if last is not None else "false",
+        meta = {"format": "sglang-hs", "final_state": self.final_state if last is not None else "false",
                 "num_aux_layers": str(aux.shape[1]), "fp8_scale": "none"}
         if self.layer_ids is not None:
             meta["layer_ids"] = ",".join(str(i) for i in self.layer_ids)
@@ -241,7 +248,11 @@ class SafetensorsSink(Sink):
                 hs = f.get_slice("hidden_states")
                 sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"), meta.get("layer_ids"),
                        meta.get("fp8_scale", "none"))
-            if meta.get("final_state") != "true":
+            if meta.get("final_state") == "true":  # sglang-hs before --hs-last pre-norm: the post-norm state
+                raise SinkError(f"{p} holds the final state after the final norm, which speculators normalises "
+                                "again (it trains on the pre-norm state): extract it again from a server with "
+                                "--hs-last pre-norm; no speculators dataset written")
+            if meta.get("final_state") != self.final_state:
                 raise SinkError(f"{p} holds no final hidden state (its server ran without --hs-last), which "
                                 "speculators trains on: no speculators dataset written")
             if ref is None:

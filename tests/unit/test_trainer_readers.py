@@ -188,6 +188,48 @@ def test_finalize_refuses_files_speculators_would_misread(tmp_path):
     assert cli.main(["--finalize", "--output", str(tmp_path / "mixed")]) == 2  # specforge needs no finalize
 
 
+def test_finalize_refuses_post_norm_files_speculators_would_normalise_again(tmp_path):
+    """Files of sglang-hs before --hs-last pre-norm hold the post-norm final state (metadata final_state
+    "true"); speculators applies the verifier's norm to it again, so no dataset is made of them."""
+    pytest.importorskip("datasets", reason="finalize writes a datasets dataset")
+    from safetensors.torch import load_file, save_file
+
+    sink = SafetensorsSink(str(tmp_path))
+    _write(sink, [0])
+    path = sink.path(0)
+    save_file(load_file(path), path, metadata={"format": "sglang-hs", "final_state": "true", "num_aux_layers": "3",
+                                               "fp8_scale": "none"})
+    with pytest.raises(SinkError, match="after the final norm, which speculators normalises again.*--hs-last pre-norm"):
+        sink.finalize()
+
+
+def test_specforge_run_config_the_cli_writes_is_valid_for_specforge(tmp_path):
+    """The config `specforge train --config` is pointed at validates against SpecForge 0.2.0's own schema, as
+    an offline EAGLE-3 run on the output folder."""
+    (load_config,) = _import_or_skip("specforge.config.schema", ["load_config"])
+    import json
+
+    m = {"model_path": str(tmp_path / "model"), "layer_ids": [2, 4, 5], "num_hidden_layers": 8, "context_len": 512}
+    path = tmp_path / cli.SPECFORGE_CONFIG
+    path.write_text(json.dumps(cli.specforge_config(str(tmp_path), m)))
+    cfg = load_config(str(path))
+    assert cfg.mode == "offline" and cfg.data.hidden_states_path == str(tmp_path) and cfg.data.max_length == 512
+    assert cfg.model.target_model_path == m["model_path"] and cfg.training.strategy == "eagle3"
+
+
+def test_speculators_command_line_parses_in_speculators(tmp_path):
+    """The command printed for --format safetensors is one speculators 0.9.0's own argument resolution takes,
+    with the aux ids as --target-layer-ids (the final state is not one of them)."""
+    (resolution,) = _import_or_skip("speculators.train.config", ["resolution"])
+    m = {"model_path": str(tmp_path / "model"), "layer_ids": [2, 4, 5], "num_hidden_layers": 8}
+    argv = cli.training_command(str(tmp_path), m, "safetensors", None)
+    assert argv[:2] == ["speculators", "train"]
+    ns = resolution.build_parser().parse_args(argv[2:])
+    print(vars(ns))
+    assert ns.target_layer_ids == [2, 4, 5] and ns.data_path == str(tmp_path)
+    assert ns.verifier_name_or_path == m["model_path"] and ns.hidden_states_backend == "file"
+
+
 # --- FP8 (--save-dtype fp8 / fp8-per-layer): speculators' scheme, read with hs-connectors' FP8Transfer ---
 
 def _layered_sample(index, K=3, H=160):
@@ -293,3 +335,4 @@ def test_fp8_shards_merge_and_captures_of_another_dtype_are_refused(tmp_path, ca
         SafetensorsSink(str(out), other).write(99, *_layered_sample(99))
         with pytest.raises(SinkError, match="different captures"):
             SafetensorsSink(str(out)).finalize()
+
