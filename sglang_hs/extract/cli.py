@@ -222,6 +222,7 @@ def draft_config(manifest: dict) -> dict:
 
 
 SPECFORGE_CONFIG = "specforge_train.json"
+DRAFT_VOCAB_SIZE = 32000  # the EAGLE-3 drafts' usual draft vocabulary (speculators' converter default)
 
 
 def specforge_config(out_dir: str, manifest: dict) -> dict:
@@ -245,6 +246,9 @@ def training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optiona
            "--data-path", out_dir, "--target-layer-ids", *map(str, manifest["layer_ids"]),
            "--hidden-states-backend", "fp8" if (save_dtype or "").startswith("fp8") else "file",
            "--hidden-states-dtype", "bfloat16"]
+    vocab = manifest.get("vocab_size")
+    if vocab and vocab > DRAFT_VOCAB_SIZE:  # token_freq.pt in --data-path: the draft head's most frequent tokens
+        cmd += ["--draft-vocab-size", str(DRAFT_VOCAB_SIZE)]
     return cmd
 
 
@@ -656,7 +660,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        zero_copy=True)
         except RuntimeError as e:  # another reader holds the dump dir
             raise ExtractError(f"--hs-dump-dir: {e}") from None
-        manifest = reader.manifest
+        manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))
         check_final_state(ns.format, sink, manifest, f"the server at {url}")
         sink.layer_ids = list(manifest["layer_ids"])
         if ns.verify and "post-norm" not in final_states(manifest):
@@ -699,6 +703,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rc == 0:
             print_training_command(out_dir, manifest, sink.name, ns.save_dtype)
     return rc
+
+
+def model_vocab_size(model_path: str) -> Optional[int]:
+    """The served checkpoint's vocabulary size (config.json, a wrapper's text_config, or Mistral's params.json);
+    None when it cannot be read (a hub name)."""
+    for name, keys in (("config.json", ("vocab_size",)), ("config.json", ("text_config", "vocab_size")),
+                       ("params.json", ("vocab_size",))):
+        try:
+            with open(os.path.join(model_path, name)) as f:
+                value = json.load(f)
+            for k in keys:
+                value = value[k]
+            return int(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optional[str]) -> None:

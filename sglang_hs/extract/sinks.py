@@ -220,6 +220,8 @@ class SafetensorsSink(Sink):
         for p in glob.glob(os.path.join(self.out_dir, ".hidden_states.*")) + glob.glob(
                 os.path.join(self.out_dir, ".dataset.*")):
             shutil.rmtree(p, ignore_errors=True)  # a finalize that did not finish
+        for p in glob.glob(os.path.join(self.out_dir, f".{TOKEN_FREQ}.*")):
+            os.unlink(p)
         return n
 
     def samples(self) -> List[Tuple[int, str]]:
@@ -265,6 +267,8 @@ class SafetensorsSink(Sink):
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})
         work = os.path.join(self.out_dir, f".dataset.{os.getpid()}")
+        freq_tmp = os.path.join(self.out_dir, f".{TOKEN_FREQ}.{os.getpid()}")
+        torch.save(token_frequencies(files), freq_tmp)  # speculators' draft vocabulary (--draft-vocab-size)
         new_hs = os.path.join(self.out_dir, f".hidden_states.{os.getpid()}")
         os.makedirs(new_hs)
         bars = datasets.is_progress_bar_enabled()
@@ -288,6 +292,11 @@ class SafetensorsSink(Sink):
                 os.unlink(state)
             for p in glob.glob(os.path.join(self.out_dir, "data-*.arrow")):
                 os.unlink(p)
+            # speculators caches the vocabulary mapping it builds from token_freq.pt as d2t-N.npy / t2d-N.npy in
+            # the data path and reads those first: stale ones of the files before would win over the new counts
+            for p in glob.glob(os.path.join(self.out_dir, "d2t-*.npy")) + glob.glob(os.path.join(self.out_dir, "t2d-*.npy")):
+                os.unlink(p)
+            os.replace(freq_tmp, os.path.join(self.out_dir, TOKEN_FREQ))
             hs_dir = os.path.join(self.out_dir, self.HS_DIR)
             if os.path.exists(hs_dir):
                 old = os.path.join(self.out_dir, f".hidden_states.old.{os.getpid()}")
@@ -302,7 +311,28 @@ class SafetensorsSink(Sink):
                 datasets.enable_progress_bars()
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(new_hs, ignore_errors=True)
+            if os.path.exists(freq_tmp):
+                os.unlink(freq_tmp)
         return {"rows": len(files)}
+
+
+TOKEN_FREQ = "token_freq.pt"
+
+
+def token_frequencies(files) -> dict:
+    """{token id: count} over the loss-masked tokens (loss_mask 1) of the sample files, as speculators'
+    save_token_frequency_distribution counts them (input_ids[loss_mask.bool()]) for token_freq.pt."""
+    import collections
+
+    from safetensors import safe_open
+
+    counts: "collections.Counter[int]" = collections.Counter()
+    for _, path in files:
+        with safe_open(path, "pt") as f:
+            ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        tokens, n = ids[mask.bool()].unique(return_counts=True)
+        counts.update(dict(zip(tokens.tolist(), n.tolist())))
+    return dict(counts)
 
 
 def _speculators_rows(files):

@@ -239,6 +239,12 @@ def test_training_commands_name_the_aux_ids_and_the_files(tmp_path):
         "--data-path", str(tmp_path), "--target-layer-ids", "2", "30", "58", "--hidden-states-backend", "file",
         "--hidden-states-dtype", "bfloat16"]
     assert training_command(str(tmp_path), m, "safetensors", "fp8")[-3] == "fp8"
+    # a vocabulary larger than the draft's: the draft head keeps the 32000 most frequent tokens of token_freq.pt
+    assert training_command(str(tmp_path), dict(m, vocab_size=129280), "safetensors", None)[-2:] == [
+        "--draft-vocab-size", "32000"]
+    assert "--draft-vocab-size" not in training_command(str(tmp_path), dict(m, vocab_size=1024), "safetensors", None)
+    assert cli.model_vocab_size(tiny_model.ensure()) == 1024 and cli.model_vocab_size(str(tmp_path)) is None
+    assert cli.model_vocab_size(tiny_model.ensure("mistral-large-3")) == 1024
     assert training_command(str(tmp_path), m, "specforge", "bf16") == [
         "specforge", "train", "--config", str(tmp_path / "specforge_train.json")]
     cfg = specforge_config(str(tmp_path), m)

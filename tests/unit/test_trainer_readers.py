@@ -336,3 +336,32 @@ def test_fp8_shards_merge_and_captures_of_another_dtype_are_refused(tmp_path, ca
         with pytest.raises(SinkError, match="different captures"):
             SafetensorsSink(str(out)).finalize()
 
+
+def test_token_freq_is_what_each_trainer_counts(tmp_path):
+    """finalize writes token_freq.pt, the {token: count} of the loss-masked tokens speculators reads with
+    --draft-vocab-size: equal to what speculators' own save_token_frequency_distribution counts over the
+    dataset, and to what SpecForge 0.2.0 counts over the same samples in its layout to build its d2t/t2d
+    (count_effective_feature_tokens). A d2t/t2d cache speculators left from earlier files is removed."""
+    (save_freq, build_maps) = _import_or_skip("speculators.train.vocab_mapping", [
+        "save_token_frequency_distribution", "build_vocab_mappings_from_distribution"])
+    (count_specforge,) = _import_or_skip("specforge.training.vocab_mapping", ["count_effective_feature_tokens"])
+    import datasets
+
+    out = tmp_path / "st"
+    sink = SafetensorsSink(str(out))
+    written = _write(sink, [0, 1, 2, 5, 9])
+    (out / "d2t-64.npy").write_bytes(b"stale")
+    (out / "t2d-64.npy").write_bytes(b"stale")
+    assert sink.finalize() == {"rows": 5}
+    ours = torch.load(out / "token_freq.pt", weights_only=True)
+    assert not (out / "d2t-64.npy").exists() and not (out / "t2d-64.npy").exists()
+    ds = datasets.load_from_disk(str(out))
+    save_freq(ds, tmp_path / "theirs.pt")
+    assert ours == torch.load(tmp_path / "theirs.pt", weights_only=True)
+    assert sum(ours.values()) == sum(int(m.sum()) for _, m, _, _ in written.values())
+    sf = SpecForgeSink(str(tmp_path / "sf"))
+    for i, sample in written.items():
+        sf.write(i, *sample)
+    assert dict(count_specforge(str(tmp_path / "sf"))) == ours
+    d2t, t2d = build_maps(ours, draft_vocab_size=16, target_vocab_size=32000)  # what --draft-vocab-size 16 builds
+    assert int(t2d.sum()) == 16 and set((d2t + torch.arange(16)).tolist()) <= set(ours) | set(range(16))
