@@ -1,0 +1,143 @@
+"""Each trainer's teacher, computed by the trainer's own code on files our sinks write, equals HF's logits.
+
+SpecForge 0.2.0 applies its `TargetHead` (lm_head only) to the file's final state; speculators 0.9.0 computes
+`verifier_lm_head(verifier_norm(...))` of it (speculators/models/eagle3/core.py), with the draft model its
+training command builds (`build_draft_model` from the `TrainConfig` our printed `speculators train` command
+resolves to). So `--format specforge` must hold the post-norm final state and `--format safetensors` the
+pre-norm one. The checkpoint is the embedded tiny DeepSeek-V3, whose norm weights are drawn from U(0.5, 1.5):
+a state normalised twice is far from HF's logits there (with HF's initial norm weights of one it would not
+be). The files' rows are HF float32's own (the server's are within 1e-6 of them, tests/e2e/test_exact_rows.py),
+written in bf16; each teacher must match HF float32's logits within bf16 precision, row by row."""
+import os
+import sys
+
+import pytest
+import torch
+
+from sglang_hs import tiny_model
+from sglang_hs.extract import cli
+from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYERS = [2, 4, 5]
+BF16_ROW_TOL = 0.02  # relative L2 per row of logits: bf16 states and weights (2^-8 each), a bf16 matmul
+
+
+def _readers():
+    path = os.environ.get("SGLANG_HS_READERS")
+    if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
+        path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
+    if not path or not os.path.isdir(path):
+        pytest.skip("requirements/readers.txt is not installed (run scripts/ensure_env.sh)")
+    if path not in sys.path:
+        sys.path.append(path)
+
+
+def _record(r):
+    """A reader's record of a server with --hs-last both; the sink picks the final state its trainer reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(last_hidden_state=r["post"], last_pre_norm=r["pre"])
+
+
+def rel(got, ref):
+    return (got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def hf_rows():
+    """HF float32 of the embedded checkpoint on a few sequences: the aux layers, the post-norm and pre-norm
+    final states (the latter by a hook on model.model.norm's input) and the logits."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tiny_model.ensure()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for T in (9, 23, 40):
+        ids = torch.randint(2, model.config.vocab_size, (T,), generator=g)
+        taken = []
+        h = model.model.norm.register_forward_hook(lambda mod, args, o: taken.append(args[0][0].detach()))
+        with torch.no_grad():
+            r = model(ids[None], output_hidden_states=True)
+        h.remove()
+        aux = torch.stack([r.hidden_states[i][0] for i in LAYERS], dim=1)
+        out.append({"ids": ids, "mask": (torch.arange(T) >= T // 3).long(), "aux": aux,
+                    "post": r.hidden_states[-1][0], "pre": taken[0], "logits": r.logits[0]})
+    return ckpt, out
+
+
+def test_the_post_norm_state_normalised_again_is_far_from_hf(hf_rows):
+    """What the test below would catch: the final norm applied to the post-norm state (speculators on the
+    files sglang-hs wrote before --hs-last pre-norm) gives other logits on this checkpoint."""
+    ckpt, rows = hf_rows
+    from safetensors import safe_open
+    import json
+
+    idx = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+    with safe_open(os.path.join(ckpt, idx["model.norm.weight"]), "pt") as f:
+        w = f.get_tensor("model.norm.weight").float()
+    with safe_open(os.path.join(ckpt, idx["lm_head.weight"]), "pt") as f:
+        head = f.get_tensor("lm_head.weight").float()
+    for r in rows:
+        twice = torch.nn.functional.rms_norm(r["post"], w.shape, w, 1e-6) @ head.T
+        err = rel(twice, r["logits"])
+        print("double norm: logits off by", err.min().item(), "to", err.max().item())
+        assert err.min() > 5 * BF16_ROW_TOL
+
+
+def test_specforge_target_head_on_our_files_gives_hfs_logits(hf_rows, tmp_path):
+    _readers()
+    from specforge.data.preprocessing import build_offline_eagle3_dataset
+    from specforge.modeling.target.target_head import TargetHead
+
+    ckpt, rows = hf_rows
+    sink = SpecForgeSink(str(tmp_path), "bf16")  # what the CLI writes for --format specforge
+    for i, r in enumerate(rows):
+        sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
+    ds = build_offline_eagle3_dataset(str(tmp_path), max_len=4096)
+    head = TargetHead.from_pretrained(ckpt)  # bf16, on the CPU here
+    for j in range(len(ds)):
+        i = int(os.path.basename(ds.datapaths[j])[len("data_"):-len(".ckpt")])
+        item = ds[j]
+        with torch.no_grad():
+            logits = head(item["target"])[0]
+        err = rel(logits, rows[i]["logits"])
+        print(f"SpecForge sample {i}: logits off by at most {err.max().item():.4f}")
+        assert logits.dtype == torch.bfloat16 and (err < BF16_ROW_TOL).all(), err
+        assert (logits.float().argmax(-1) == rows[i]["logits"].argmax(-1)).float().mean() > 0.9
+
+
+def test_speculators_teacher_on_our_files_gives_hfs_logits(hf_rows, tmp_path):
+    _readers()
+    try:
+        from speculators.models.eagle3 import Eagle3DraftModel
+        from speculators.train.cli import build_draft_model
+        from speculators.train.config import TrainConfig
+        from speculators.train.data import ArrowDataset
+    except ImportError as e:
+        pytest.skip(f"speculators' trainer does not import: {e}")
+    import argparse
+
+    ckpt, rows = hf_rows
+    sink = SafetensorsSink(str(tmp_path), "bf16")  # --format safetensors of a bf16 server
+    sink.layer_ids = LAYERS
+    for i, r in enumerate(rows):
+        sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
+    assert sink.finalize() == {"rows": len(rows)}
+    manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8}
+    argv = cli.training_command(str(tmp_path), manifest, "safetensors", "bf16")[2:]
+    cfg = TrainConfig.resolve(argv + ["--draft-attn-impl", "sdpa"])  # CPU: no flex attention
+    args = argparse.Namespace(**cfg.flatten())
+    model = build_draft_model(args, Eagle3DraftModel, None, None, tiny_model.config()["vocab_size"])
+    model.load_verifier_weights()
+    assert model.target_layer_ids == LAYERS
+    ds = ArrowDataset(4096, str(tmp_path), on_missing="raise")
+    for i, r in enumerate(rows):
+        item = ds[i]
+        with torch.no_grad():  # speculators/models/eagle3/core.py's targets
+            logits = model.verifier_lm_head(model.verifier_norm(item["verifier_last_hidden_states"].float()))
+        err = rel(logits, r["logits"])
+        print(f"speculators sample {i}: logits off by at most {err.max().item():.4f}")
+        assert (err < BF16_ROW_TOL).all(), err
+        assert (logits.argmax(-1) == r["logits"].argmax(-1)).float().mean() > 0.9
