@@ -141,3 +141,51 @@ def test_speculators_teacher_on_our_files_gives_hfs_logits(hf_rows, tmp_path):
         print(f"speculators sample {i}: logits off by at most {err.max().item():.4f}")
         assert (err < BF16_ROW_TOL).all(), err
         assert (logits.argmax(-1) == r["logits"].argmax(-1)).float().mean() > 0.9
+
+
+def test_speculators_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path):
+    """A few optimizer steps of speculators' own Eagle3 draft on our files, as its Trainer takes a step
+    (CollateFn's batch, autocast to --hidden-states-dtype, model(**batch, **train_call_kwargs), backward,
+    clip, AdamW), on the CPU: its eager loss, sdpa attention. The loss is finite and falls."""
+    _readers()
+    try:
+        from speculators.models.eagle3 import Eagle3DraftModel
+        from speculators.train.cli import build_draft_model
+        from speculators.train.config import TrainConfig
+        from speculators.train.data import ArrowDataset, CollateFn
+    except ImportError as e:
+        pytest.skip(f"speculators' trainer does not import: {e}")
+    import argparse
+
+    ckpt, rows = hf_rows
+    sink = SafetensorsSink(str(tmp_path), "bf16")
+    sink.layer_ids = LAYERS
+    for i, r in enumerate(rows):
+        sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
+    sink.finalize()
+    manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8}
+    argv = cli.training_command(str(tmp_path), manifest, "safetensors", "bf16")[2:]
+    cfg = TrainConfig.resolve(argv + ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"])
+    args = argparse.Namespace(**cfg.flatten())
+    model = build_draft_model(args, Eagle3DraftModel, None, None, tiny_model.config()["vocab_size"])
+    model.load_verifier_weights()
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
+    ds = ArrowDataset(4096, str(tmp_path), on_missing="raise")
+    H = tiny_model.config()["hidden_size"]
+    batch = CollateFn(sum(len(r["ids"]) for r in rows), H, len(LAYERS), dtype=torch.bfloat16)(
+        [ds[i] for i in range(len(ds))])
+    assert batch["error_records"] == 0
+    torch.manual_seed(0)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(6):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, _ = model(**batch, **train_kwargs)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    print("speculators losses", losses)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0], losses
