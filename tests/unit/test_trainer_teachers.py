@@ -23,11 +23,16 @@ LAYERS = [2, 4, 5]
 BF16_ROW_TOL = 0.02  # relative L2 per row of logits: bf16 states and weights (2^-8 each), a bf16 matmul
 
 
-def _readers():
+def _readers_path():
     path = os.environ.get("SGLANG_HS_READERS")
     if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
         path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
-    if not path or not os.path.isdir(path):
+    return path if path and os.path.isdir(path) else None
+
+
+def _readers():
+    path = _readers_path()
+    if not path:
         pytest.skip("requirements/readers.txt is not installed (run scripts/ensure_env.sh)")
     if path not in sys.path:
         sys.path.append(path)
@@ -189,3 +194,70 @@ def test_speculators_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_pat
         losses.append(loss.item())
     print("speculators losses", losses)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0], losses
+
+
+
+SPECFORGE_STEPS = """
+import json, sys
+import torch
+from specforge.algorithms.eagle3 import providers
+from specforge.config.schema import load_config
+from specforge.data.preprocessing import build_offline_eagle3_dataset
+from specforge.runtime.contracts import TrainBatch
+from specforge.training.model_loading import resolve_draft_config
+
+cfg = load_config(sys.argv[1], ["training.attention_backend=sdpa", "training.ttt_length=2"])
+reg = providers.algorithm_providers()
+draft_config = resolve_draft_config(cfg, provider=reg.model.draft_config)
+draft_config.draft_vocab_size = draft_config.vocab_size  # its default, 32000, exceeds the tiny vocabulary
+torch.manual_seed(0)
+draft = reg.model.build_draft(cfg, draft_config)
+parts = reg.model.build_training_model(cfg, draft, draft_config, None, None)
+step = providers.build_step(parts.model, target_head=parts.target_head, **providers.step_options(cfg))
+ds = build_offline_eagle3_dataset(cfg.data.hidden_states_path, max_len=cfg.data.max_length)
+opt = torch.optim.AdamW([p for p in parts.model.parameters() if p.requires_grad], lr=1e-3)
+losses = []
+for epoch in range(3):
+    total = 0.0
+    for j in range(len(ds)):
+        item = ds[j]
+        batch = TrainBatch(sample_ids=[str(j)], strategy="eagle3", metadata={"target_repr": "hidden_state"},
+                           tensors={k: item[k] for k in ("input_ids", "attention_mask", "loss_mask", "hidden_state",
+                                                         "target")})
+        loss = step.forward_loss(batch).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), cfg.training.max_grad_norm)
+        opt.step()
+        total += loss.item()
+    losses.append(total)
+print("LOSSES", json.dumps(losses))
+"""
+
+
+def test_specforge_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path):
+    """Three epochs of SpecForge 0.2.0's own offline EAGLE-3 step on our --format specforge files on the CPU: the
+    run config the CLI writes (its load_config, with sdpa attention), its draft config resolved for it, its
+    draft and training model (OnlineEagle3Model and the TargetHead, by the EAGLE-3 providers), its
+    Eagle3TrainStrategy.forward_loss on the items its offline reader gives (one sample per batch), AdamW with
+    its gradient clip. CPU by configuration only, in a process of its own since Triton reads it at import:
+    TRITON_INTERPRET=1 (its Triton loss), TORCHDYNAMO_DISABLE=1, no FSDP wrap. The loss is finite and falls."""
+    import json
+    import subprocess
+
+    _readers()
+    ckpt, rows = hf_rows
+    out = tmp_path / "sf"
+    sink = SpecForgeSink(str(out), "bf16")
+    for i, r in enumerate(rows):
+        sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
+    manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8, "context_len": 256}
+    (tmp_path / "run.json").write_text(json.dumps(cli.specforge_config(str(out), manifest)))
+    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _readers_path()) if p))
+    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(tmp_path / "run.json")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads(proc.stdout.split("LOSSES", 1)[1])
+    print("SpecForge losses per epoch", losses)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
