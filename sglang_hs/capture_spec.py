@@ -3,8 +3,12 @@
 One convention, recorded in every output: layer id i (0 <= i < n) is the residual stream ENTERING
 decoder layer i, which is HF transformers' `output_hidden_states[i]` (the output of layer i-1; id 0 is
 the embedding output). The final post-norm state, HF `output_hidden_states[n]`, is not a layer id:
-it is captured with `--hs-last`. Ids are set on the model directly, never through SGLang's
-`set_eagle3_layers_to_capture`, which shifts every id by one when the first one is 1.
+it is captured with `--hs-last` (or `--hs-last post-norm`). `--hs-last pre-norm` captures instead the
+final residual stream BEFORE the final norm (the input of HF `model.model.norm`; what vLLM's extraction
+stores and speculators trains on: it applies the norm itself), and `--hs-last both` captures the two.
+A token's rows are the layers in id order, then the final states in FINAL_ORDER (post-norm, pre-norm).
+Ids are set on the model directly, never through SGLang's `set_eagle3_layers_to_capture`, which shifts
+every id by one when the first one is 1.
 """
 from __future__ import annotations
 
@@ -29,8 +33,40 @@ REFUSED_ARCHITECTURES = {
 MIN_LAYERS_FOR_DEFAULT = 8
 CONVENTION = (
     "layer id i = residual stream entering decoder layer i = HF output_hidden_states[i]; "
-    "last = final post-norm hidden state = HF output_hidden_states[num_hidden_layers]"
+    "last = final post-norm hidden state = HF output_hidden_states[num_hidden_layers]; "
+    "pre-norm last = final residual stream before the final norm = the input of HF model.model.norm"
 )
+# --hs-last's choices (a bare --hs-last is post-norm) and the final states each captures, in row order.
+LAST_CHOICES = ("post-norm", "pre-norm", "both")
+FINAL_ORDER = ("post-norm", "pre-norm")
+_FINALS = {"post-norm": ("post-norm",), "pre-norm": ("pre-norm",), "both": FINAL_ORDER}
+
+
+def parse_last(value) -> tuple:
+    """--hs-last / SGLANG_HS_LAST as the final states captured, in row order: None, False or "" -> ();
+    True, "1" or "post-norm" -> ("post-norm",); "pre-norm"; "both" -> ("post-norm", "pre-norm")."""
+    if value is None or value is False or value == "" or value == "0":
+        return ()
+    if value is True or value == "1":
+        return ("post-norm",)
+    if value not in _FINALS:
+        raise CaptureConfigError(f"--hs-last: {value!r} is not one of {', '.join(LAST_CHOICES)} (a bare --hs-last "
+                                 "is post-norm)")
+    return _FINALS[value]
+
+
+def last_choice(finals: Sequence[str]) -> Optional[str]:
+    """The --hs-last value that captures `finals` (None: no final state)."""
+    finals = tuple(finals)
+    return next((k for k, v in _FINALS.items() if v == finals), None)
+
+
+def final_states(manifest: dict) -> tuple:
+    """The final states a dump (or a manifest written from one) holds, in row order; a manifest of a
+    version before --hs-last took a value says only `last` (post-norm)."""
+    if "last_states" in manifest:
+        return tuple(manifest["last_states"])
+    return ("post-norm",) if manifest.get("last") else ()
 
 
 class CaptureConfigError(ValueError):
@@ -126,7 +162,7 @@ def check_architecture(architectures: Optional[Sequence[str]], where: str = "the
 @dataclass(frozen=True)
 class CaptureSpec:
     layers: tuple
-    last: bool
+    finals: tuple  # the final states captured, in row order (FINAL_ORDER): () without --hs-last
     hidden_size: int
     num_layers: int
 
@@ -134,17 +170,55 @@ class CaptureSpec:
     def num_aux(self) -> int:
         return len(self.layers)
 
+    @property
+    def last(self) -> bool:
+        """Any final state captured (--hs-last)."""
+        return bool(self.finals)
+
+    @property
+    def num_final(self) -> int:
+        return len(self.finals)
+
+    @property
+    def rows_per_token(self) -> int:
+        return self.num_aux + self.num_final
+
+    @property
+    def post_norm(self) -> bool:
+        return "post-norm" in self.finals
+
+    @property
+    def pre_norm(self) -> bool:
+        return "pre-norm" in self.finals
+
     @classmethod
-    def resolve(cls, layer_ids: Optional[Sequence[int]], last: bool, num_layers: int, hidden_size: int):
+    def resolve(cls, layer_ids: Optional[Sequence[int]], last, num_layers: int, hidden_size: int):
+        """`last`: --hs-last's value (parse_last: a bool, "post-norm", "pre-norm" or "both")."""
         ids = default_layer_ids(num_layers) if layer_ids is None else validate_layer_ids(layer_ids, num_layers)
-        return cls(layers=tuple(ids), last=bool(last), hidden_size=int(hidden_size), num_layers=int(num_layers))
+        return cls(layers=tuple(ids), finals=parse_last(last), hidden_size=int(hidden_size),
+                   num_layers=int(num_layers))
+
+    def pack(self, aux, post_norm, pre_norm):
+        """The copy's (aux [T, K'*H], last [T, H] or None) for the rows of this capture: the layers, then
+        the final states in row order. With both, the post-norm state rides as one more aux row (a
+        concatenation, [T, (K+1)*H]), so the copy kernels need no third input."""
+        if not self.finals:
+            return aux, None
+        if self.finals == ("post-norm",):
+            return aux, post_norm
+        if self.finals == ("pre-norm",):
+            return aux, pre_norm
+        import torch
+
+        return torch.cat([aux, post_norm], dim=1), pre_norm
 
     def describe(self) -> dict:
         return {
             "layer_ids": list(self.layers),
             "last": self.last,
+            "last_states": list(self.finals),
             "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,
-            "hf_output_hidden_states_index": list(self.layers) + ([self.num_layers] if self.last else []),
+            "hf_output_hidden_states_index": list(self.layers) + ([self.num_layers] if self.post_norm else []),
             "convention": CONVENTION,
         }

@@ -91,8 +91,10 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Layer ids, validated by the launcher: id i = residual stream entering decoder layer i
     # = HF output_hidden_states[i]. Unset: the EAGLE-3 default [2, n//2, n-3].
     "SGLANG_HS_LAYERS": _layers,
-    # Also capture the final post-norm hidden state (HF output_hidden_states[n]).
-    "SGLANG_HS_LAST": _bool("SGLANG_HS_LAST"),
+    # Also capture the final state (--hs-last): "post-norm" (HF output_hidden_states[n]; "1" means the same),
+    # "pre-norm" (the final residual stream before the final norm, the input of HF model.model.norm) or
+    # "both"; unset: none (capture_spec.parse_last).
+    "SGLANG_HS_LAST": _str("SGLANG_HS_LAST"),
     # Bytes of the output ring of finished records, per writer.
     "SGLANG_HS_RING_SIZE": _int("SGLANG_HS_RING_SIZE", DEFAULT_RING_BYTES),
     # Seconds a request may be held by admission control (output ring full: the reader is behind)

@@ -18,8 +18,10 @@ from typing import List, Optional, Tuple
 from sglang_hs.capture_spec import (
     TEXT_CONFIG_WRAPPERS,
     CaptureConfigError,
+    LAST_CHOICES,
     CaptureSpec,
     check_architecture,
+    last_choice,
     parse_layer_ids,
 )
 
@@ -55,8 +57,11 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="capture hidden states into this folder (e.g. /dev/shm/hs); default: plain serving")
     g.add_argument("--hs-layers", default=None, metavar="IDS",
                    help="comma-separated, strictly increasing layer ids 0 <= i < n (default: 2,n//2,n-3)")
-    g.add_argument("--hs-last", action="store_true",
-                   help="also capture the final post-norm hidden state (HF output_hidden_states[n])")
+    g.add_argument("--hs-last", nargs="?", const="post-norm", default=None, metavar="|".join(LAST_CHOICES),
+                   help="also capture the final hidden state: post-norm (a bare --hs-last; HF "
+                        "output_hidden_states[n], what SpecForge trains on), pre-norm (the final residual stream "
+                        "before the final norm, what speculators trains on: it applies the norm itself) or both "
+                        "(one more row per token)")
     g.add_argument("--hs-ring-size", default=None, metavar="SIZE",
                    help="bytes of the output ring of finished records per writer, e.g. 8GiB "
                         f"(default {envs.DEFAULT_RING_BYTES >> 30}GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode; grown to hold "
@@ -255,7 +260,7 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
     ctx = _flag_value(argv, "--context-length") or config.get("max_position_embeddings")
     dtype = str(_flag_value(argv, "--dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     elem = 4 if dtype in ("float32", "float") else 2
-    P = spec.num_aux + int(spec.last)
+    P = spec.rows_per_token
     if ctx:
         need = 2 * record_bytes(int(ctx), P, spec.hidden_size, elem, 256)
         if ring < need and explicit:
@@ -388,7 +393,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             env["SGLANG_HS_SHARE_GID"] = str(share_gid)
         env["SGLANG_HS_LAYERS"] = ",".join(map(str, spec.layers))
         if spec.last:
-            env["SGLANG_HS_LAST"] = "1"
+            env["SGLANG_HS_LAST"] = last_choice(spec.finals)
         if ns.hs_copy:
             env["SGLANG_HS_COPY"] = ns.hs_copy
         for flag, key, unit, staging_only in (("--hs-staging-rows", "SGLANG_HS_STAGING_ROWS", "rows", True),
@@ -403,7 +408,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
                 raise CaptureConfigError(f"{flag}: must be > 0 {unit}, got {value}")
             env[key] = str(value)
         env.update(selection_env(ns))
-        print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last' if spec.last else ''} of "
+        print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last ' + last_choice(spec.finals) if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
             or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \

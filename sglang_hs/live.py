@@ -151,15 +151,16 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.extract.cli import RECORD_GRACE_S, ExtractError, make_preparer, record_loss_mask, request_body
         from sglang_hs.extract.dataset import SkipSample
         from sglang_hs.extract.sinks import specforge_sample
+        from sglang_hs.capture_spec import final_states
         from sglang_hs.reader import ServerRestarted
 
         session = requests.Session()
         pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="sglang-hs-live")
         pending: "collections.OrderedDict[str, list]" = collections.OrderedDict()  # rid -> [sample, future, t_reply]
         try:
-            if not reader.manifest["last"]:
-                raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} runs without --hs-last; "
-                                       "SpecForge's layout needs the final hidden state")
+            if "post-norm" not in final_states(reader.manifest):
+                raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} runs without --hs-last (or "
+                                       "with --hs-last pre-norm); SpecForge's layout needs the post-norm final state")
             if self._preparer is None:
                 self._preparer = make_preparer(reader.manifest, url=self.url)
             timeout = self.request_timeout

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hs-layers", default=None, metavar="IDS", help="as the launcher's (default [2, n//2, n-3])")
     p.add_argument("--no-hs-last", action="store_true", help="without the final state (the extraction CLI "
                                                              "always captures it)")
+    p.add_argument("--hs-last", default="post-norm", choices=("post-norm", "pre-norm", "both"),
+                   help="the server's --hs-last (default: one final state, as the extraction CLI starts it; both: "
+                        "one more row per token)")
     p.add_argument("--data", default=None, metavar="FILE", help="the extraction's --data: tokens counted exactly")
     p.add_argument("--max-samples", type=int, default=None, metavar="N", help="with --data: the first N records")
     p.add_argument("--samples", type=int, default=None, metavar="N", help="without --data: this many samples")
@@ -168,10 +171,11 @@ def plan(ns) -> dict:
     cfg = _config(ns.model_path)
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers else None
     try:
-        spec = CaptureSpec.resolve(ids, not ns.no_hs_last, cfg["num_hidden_layers"], cfg["hidden_size"])
+        spec = CaptureSpec.resolve(ids, None if ns.no_hs_last else ns.hs_last, cfg["num_hidden_layers"],
+                                   cfg["hidden_size"])
     except ValueError as e:
         raise PlanError(str(e)) from None
-    P, H = spec.num_aux + int(spec.last), spec.hidden_size
+    P, H = spec.rows_per_token, spec.hidden_size
     dtype = str(ns.dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     elem = 4 if dtype in ("float32", "float") else 2
     ctx = ns.context_length or cfg.get("max_position_embeddings") or 4096
@@ -198,10 +202,13 @@ def plan(ns) -> dict:
         counts = None
         samples, tokens, exact = ns.samples, int(ns.samples * ns.mean_tokens), False
 
+    F = spec.num_aux + spec.last  # a file holds the layers and one final state, whatever the server captures
+
     def total(kind):
+        e = 2 if kind == "specforge" else elem  # --format specforge is written in bf16 whatever the server's dtype
         if counts is not None:
-            return sum(file_bytes(T, P, H, elem, kind) for T in counts)
-        return file_bytes(tokens, P, H, elem, kind) + (samples - 1) * file_bytes(0, P, H, elem, kind)
+            return sum(file_bytes(T, F, H, e, kind) for T in counts)
+        return file_bytes(tokens, F, H, e, kind) + (samples - 1) * file_bytes(0, F, H, e, kind)
 
     arrow = ARROW_PER_TOKEN * tokens + ARROW_PER_ROW * samples
     files = {"specforge bf16": total("specforge"), "safetensors bf16": total("safetensors"),
@@ -218,7 +225,8 @@ def plan(ns) -> dict:
            "disk": {k: v + (arrow if k.startswith("safetensors") else 0) for k, v in files.items()}}
     if elem == 4:  # the server's dtype is not bf16: the default keeps it, --save-dtype bf16 halves it
         for key in ("disk", "disk_sample_files"):
-            out[key] = {k.replace(" bf16", f" {dtype}"): v for k, v in out[key].items()}
+            out[key] = {(k if k.startswith("specforge") else k.replace(" bf16", f" {dtype}")): v
+                        for k, v in out[key].items()}
     out["problems"] = problems(out)
     return out
 

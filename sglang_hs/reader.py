@@ -6,8 +6,11 @@
     for rec in reader: ...                              # finished records in completion order
 
 A record holds `input_ids` [T] (int32), `aux_hidden_states` [T, K, H] (the layers of
-`reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), and `last_hidden_state` [T, H] (HF
-`output_hidden_states[n]`) when the server runs with `--hs-last`. T = every prompt token, then every
+`reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), `last_hidden_state` [T, H] (the final
+post-norm state, HF `output_hidden_states[n]`) when the server runs with `--hs-last` (post-norm or both),
+and `last_pre_norm` [T, H] (the final residual stream before the final norm, the input of HF
+`model.model.norm`) with `--hs-last pre-norm` or `both`; each None when not captured
+(`reader.manifest["last_states"]` says which are). T = every prompt token, then every
 generated token but the last; row t is position t (`positions` is that arange, for convenience).
 `prompt_len` says where the prompt ends (rows >= prompt_len are generated tokens; prompt_len = T + 1
 when nothing was generated) and `next_token` is the token after the last row (the last generated one),
@@ -68,6 +71,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from sglang_hs.capture_spec import final_states
 from sglang_hs.fsutil import check_private_file, owner_uid
 from sglang_hs.store.ring import SKIP_REASONS, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
@@ -145,11 +149,12 @@ class HiddenStateRecord:
     generation: int = field(default=0, repr=False)  # the reader's server generation it came from (restarts)
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
+    last_pre_norm: Optional[torch.Tensor] = None  # the final state before the final norm (--hs-last pre-norm/both)
     _arrival: int = field(default=0, repr=False, compare=False)  # this reader's count of records and markers
 
     def drop_tensors(self) -> None:
         """A zero-copy record whose ring bytes went back to the server: no tensor of it is handed on."""
-        self.input_ids = self.aux_hidden_states = self.last_hidden_state = None
+        self.input_ids = self.aux_hidden_states = self.last_hidden_state = self.last_pre_norm = None
 
     @property
     def output_ids(self) -> list:
@@ -236,7 +241,8 @@ class HiddenStateReader:
             time.sleep(0.05)
             self.manifest = read_manifest(path, uid)
         self.num_aux = len(self.manifest["layer_ids"])
-        self.has_last = bool(self.manifest["last"])
+        self.finals = final_states(self.manifest)  # row order after the K layers
+        self.has_last = "post-norm" in self.finals
         self.ack_mode = ack
         self.zero_copy = zero_copy
         self._ready: "collections.OrderedDict[str, HiddenStateRecord]" = collections.OrderedDict()
@@ -365,7 +371,8 @@ class HiddenStateReader:
                     rid=rec.rid,
                     input_ids=rec.input_ids,
                     aux_hidden_states=rec.rows[:, :K],
-                    last_hidden_state=rec.rows[:, K] if self.has_last else None,
+                    last_hidden_state=self._final(rec.rows, "post-norm"),
+                    last_pre_norm=self._final(rec.rows, "pre-norm"),
                     seq=rec.seq,
                     writer=w,
                     ring_id=self._ring_ids[w],
@@ -382,6 +389,9 @@ class HiddenStateReader:
         if n == 0:
             self._check_restart()
         return n
+
+    def _final(self, rows: torch.Tensor, which: str) -> Optional[torch.Tensor]:
+        return rows[:, self.num_aux + self.finals.index(which)] if which in self.finals else None
 
     def _pop(self, rid: str) -> HiddenStateRecord:
         """The oldest ready record of `rid`; the next one of a reused rid, if any, becomes ready."""

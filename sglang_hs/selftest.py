@@ -265,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
     """The user's --hs-* flags (but the dump dir) back as arguments; `copy` overrides --hs-copy."""
     out = ["--hs-layers", ns.hs_layers] if ns.hs_layers is not None else []
-    out += ["--hs-last"] if ns.hs_last else []
+    out += ["--hs-last", ns.hs_last] if ns.hs_last else []
     copy = copy or ns.hs_copy
     out += ["--hs-copy", copy] if copy else []
     if copy == "staging":

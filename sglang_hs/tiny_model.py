@@ -2,9 +2,13 @@
 
 Weights are made on first use with HF transformers (seeded, the model's normal initialisation, so
 attention and MoE routing really contribute; `--load-format dummy` weights are too small to reveal
-numeric or layer-index bugs), saved as sharded safetensors with a `model.safetensors.index.json` weight
+numeric or layer-index bugs; norm weights drawn from U(0.5, 1.5) and biases from N(0, 0.02) instead of
+HF's ones and zeros, `randomise_norms`, so a state normalised once and one normalised twice differ),
+saved as sharded safetensors with a `model.safetensors.index.json` weight
 map (SpecForge's TargetHead looks for one), and cached outside the repository under
-`$SGLANG_HS_CACHE/models/` keyed by the shipped files and the seed. Never committed.
+`$SGLANG_HS_CACHE/models/` keyed by the shipped files, the seed and the source of the functions that
+generate the weights (`_GENERATOR_SOURCES`: a changed generator makes a new folder, never reuses a
+stale one). Never committed.
 
     python -m sglang_hs.tiny_model            # prints the path, generating it if needed
     python -m sglang_hs.tiny_model v2         # another shape (see VARIANTS)
@@ -44,6 +48,7 @@ config.json, which is derived from the shipped one in code (`variant_config`):
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -54,7 +59,9 @@ from importlib import resources
 from sglang_hs import envs
 
 SEED = 0
-_GENERATOR_VERSION = "1"  # bump when the way weights are generated changes
+_GENERATOR_VERSION = "2"  # bump when the weights change for a reason outside this file (e.g. transformers' init)
+NORM_WEIGHT_RANGE = (0.5, 1.5)  # norm weights are drawn from U(lo, hi) (HF initialises them to one)
+BIAS_STD = 0.02  # biases from N(0, BIAS_STD) (HF initialises them to zero)
 _FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -68,7 +75,9 @@ def config() -> dict:
 
 
 def _key() -> str:
-    h = hashlib.sha256(f"seed={SEED};gen={_GENERATOR_VERSION}".encode())
+    h = hashlib.sha256(f"seed={SEED};gen={_GENERATOR_VERSION};norms={NORM_WEIGHT_RANGE};bias={BIAS_STD}".encode())
+    for fn in _GENERATOR_SOURCES():
+        h.update(inspect.getsource(fn).encode())
     for name in _FILES:
         with open(os.path.join(source_dir(), name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read())
@@ -350,6 +359,33 @@ def mistral_reference(ckpt: str, dtype=None):
     return model.to(dtype or torch.float32).eval()
 
 
+def _is_norm_weight(name: str) -> bool:
+    leaf = name.rsplit(".", 2)
+    return name.endswith(".weight") and len(leaf) >= 2 and "norm" in leaf[-2]
+
+
+def randomise_norms(model, seed: int) -> dict:
+    """Norm weights from U(NORM_WEIGHT_RANGE) and biases from N(0, BIAS_STD), seeded, in place; HF
+    initialises them to ones and zeros, under which an RMSNorm applied twice equals one applied once and a
+    missing bias goes unseen. Returns how many of each were drawn ({"norm": n, "bias": m})."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = NORM_WEIGHT_RANGE
+    counts = {"norm": 0, "bias": 0}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if _is_norm_weight(name):
+                param.copy_(lo + (hi - lo) * torch.rand(param.shape, generator=gen, dtype=torch.float32))
+                counts["norm"] += 1
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * BIAS_STD)
+                counts["bias"] += 1
+    if not counts["norm"]:
+        raise RuntimeError(f"{type(model).__name__}: no norm weight found to randomise")
+    return counts
+
+
 def _generate_mistral(out: str, variant: str) -> None:
     import torch
     from safetensors.torch import save_file
@@ -367,6 +403,7 @@ def _generate_mistral(out: str, variant: str) -> None:
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.copy_(torch.randn(param.shape, generator=gen) * _MISTRAL_ROUTER_STD)
+    randomise_norms(model, SEED + 2)
     state = {k: v.to(torch.bfloat16) for k, v in to_mistral_names(model.state_dict()).items()}
     save_file(state, os.path.join(out, "consolidated.safetensors"), metadata={"format": "pt"})
 
@@ -408,6 +445,7 @@ def _generate(out: str, variant: str = "v3") -> None:
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buf.copy_(torch.randn(buf.shape, generator=gen) * 0.01)
+    randomise_norms(model, SEED + 2)
     model = model.to(torch.bfloat16)
     # Small shards, so the folder carries the index.json weight map that training tools look for.
     model.save_pretrained(out, safe_serialization=True, max_shard_size="4MB")
@@ -418,6 +456,12 @@ def _generate(out: str, variant: str = "v3") -> None:
         with open(os.path.join(out, name), "w") as f:
             f.write(text)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json")), "no weight map written"
+
+
+def _GENERATOR_SOURCES():
+    """The functions whose source keys the cache (`_key`): what makes a checkpoint's weights."""
+    return (_generate, _generate_mistral, randomise_norms, _is_norm_weight, _prefix_weights, to_mistral_names,
+            mistral4_config, hf_config, _write_config)
 
 
 if __name__ == "__main__":

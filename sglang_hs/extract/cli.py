@@ -31,6 +31,8 @@ import time
 import uuid
 from typing import Dict, List, Optional, Tuple
 
+from sglang_hs.capture_spec import final_states, last_choice
+
 PROG = "python -m sglang_hs.extract"
 RECORD_GRACE_S = 120.0  # after a reply, how long its record may take to reach the reader
 SKIPS_LISTED = 1000  # the first skipped records the manifest lists (with where they are and why); all are counted
@@ -56,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sample, the datasets table and hidden_states/ written when the run completes); both need "
                         "the final state")
     p.add_argument("--save-dtype", default=None, metavar="DTYPE",
-                   help="bf16, fp8 or fp8-per-layer (default: the dtype the server captured in, bf16 for these "
-                        "models). fp8: --format safetensors only, speculators' FP8 scheme (e4m3, one float32 "
+                   help="bf16, fp8 or fp8-per-layer (default: bf16 for --format specforge, whose TargetHead "
+                        "reads bf16 only, whatever the server's dtype; else the dtype the server captured in, bf16 "
+                        "for these models). fp8: --format safetensors only, speculators' FP8 scheme (e4m3, one float32 "
                         "scale per token over all layers; train with --hidden-states-backend fp8), about half "
                         "the disk of bf16; fp8-per-layer: a scale per token and layer (read by hs-connectors "
                         "0.9.0's FP8Transfer through broadcasting, not its documented scheme)")
@@ -120,6 +123,9 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     if ns.save_dtype in ("fp8", "fp8-per-layer") and ns.format != "safetensors":
         raise ExtractError(f"--save-dtype {ns.save_dtype} needs --format safetensors: SpecForge 0.2.0 reads "
                            f"--format {ns.format} files with no FP8 scales (it would train on the unscaled values)")
+    if ns.format == "specforge" and ns.save_dtype is None:
+        # SpecForge 0.2.0's TargetHead is bf16 only (a float32 file fails its first step, "float != BFloat16")
+        ns.save_dtype = "bf16"
     if ns.idle_timeout is not None and not ns.from_dump:
         raise ExtractError("--idle-timeout is for --from-dump")
     if ns.from_dump and ns.finalize:
@@ -238,7 +244,40 @@ def draft_config(manifest: dict) -> dict:
                            "[1]): it adds 1 when the first id is 1; capture other layers to serve this draft")
     return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             "target_hidden_size": manifest["hidden_size"], "sglang_id_convention": note,
-            "speculators_layer_ids": list(layers) + ([manifest["num_hidden_layers"]] if manifest["last"] else [])}
+            # `speculators train --target-layer-ids` takes the aux ids only (HF output_hidden_states
+            # indices, space-separated): the final state is the file's last row, never one of these ids
+            "speculators_layer_ids": list(layers)}
+
+
+SPECFORGE_CONFIG = "specforge_train.json"
+DRAFT_VOCAB_SIZE = 32000  # the EAGLE-3 drafts' usual draft vocabulary (speculators' converter default)
+
+
+def specforge_config(out_dir: str, manifest: dict) -> dict:
+    """A `specforge train --config` run config (SpecForge 0.2.0's schema) for the files in `out_dir`: an
+    offline EAGLE-3 run on them, the target's lm_head and embeddings from the served checkpoint, samples
+    up to the server's context length."""
+    cfg = {"model": {"target_model_path": manifest["model_path"], "torch_dtype": "bfloat16"},
+           "data": {"hidden_states_path": out_dir},
+           "training": {"strategy": "eagle3"},
+           "output_dir": out_dir.rstrip(os.sep) + "-specforge"}
+    if manifest.get("context_len"):
+        cfg["data"]["max_length"] = int(manifest["context_len"])
+    return cfg
+
+
+def training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optional[str]) -> List[str]:
+    """The trainer's command line for the files of this run (argv; SpecForge's reads SPECFORGE_CONFIG)."""
+    if fmt == "specforge":
+        return ["specforge", "train", "--config", os.path.join(out_dir, SPECFORGE_CONFIG)]
+    cmd = ["speculators", "train", "--speculator-type", "eagle3", "--verifier-name-or-path", manifest["model_path"],
+           "--data-path", out_dir, "--target-layer-ids", *map(str, manifest["layer_ids"]),
+           "--hidden-states-backend", "fp8" if (save_dtype or "").startswith("fp8") else "file",
+           "--hidden-states-dtype", "bfloat16"]
+    vocab = manifest.get("vocab_size")
+    if vocab and vocab > DRAFT_VOCAB_SIZE:  # token_freq.pt in --data-path: the draft head's most frequent tokens
+        cmd += ["--draft-vocab-size", str(DRAFT_VOCAB_SIZE)]
+    return cmd
 
 
 def _stored_dtype(save_dtype: Optional[str], server_dtype: str) -> str:
@@ -265,6 +304,10 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
     }
+    if m["last"]:
+        doc["last_states"] = list(final_states(m))  # the final states the server captured
+        doc["final_state_stored"] = sink.final_state  # the one in these files
+        doc["train_command"] = training_command(out_dir, m, sink.name, ns.save_dtype)
     if sink.name == "safetensors":
         doc["speculators_dataset_rows"] = (dataset or {}).get("rows")  # None: not written by this run
         # speculators' train --hidden-states-backend: the file backend reads FP8 files without their scales
@@ -380,7 +423,8 @@ class Extraction:
         if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
         self.writes.append((sample.index, rec.num_tokens, self.write_pool.submit(
-            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state, verify), rec))
+            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, self.sink.final_of(rec), verify),
+            rec))
 
     def _write(self, index, input_ids, mask, aux, last, verify: bool) -> int:
         """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
@@ -668,11 +712,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        zero_copy=True)
         except RuntimeError as e:  # another reader holds the dump dir
             raise ExtractError(f"--hs-dump-dir: {e}") from None
-        manifest = reader.manifest
+        manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))
         check_final_state(ns.format, sink, manifest, f"the server at {url}")
         sink.layer_ids = list(manifest["layer_ids"])
-        if ns.verify and not manifest["last"]:
-            raise ExtractError("--verify needs the final hidden state: run the server with --hs-last")
+        if ns.verify and "post-norm" not in final_states(manifest):
+            raise ExtractError("--verify needs the post-norm final state (it checks lm_head of it against the "
+                               "server's logprobs): run the server with --hs-last both (or --hs-last for --format "
+                               "specforge)")
         preparer, lm_head = _model_side(ns, manifest, url)
         extraction = Extraction(ns, url, reader, sink, preparer, lm_head, server)
         total = count_records(ns.data)
@@ -710,6 +756,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if extraction is not None:
         _print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
+        if rc == 0:
+            print_training_command(out_dir, manifest, sink.name, ns.save_dtype)
     return rc
 
 
@@ -725,9 +773,45 @@ def prepare_output(out_dir: str, gid: Optional[int]) -> None:
         raise ExtractError(str(e)) from None
 
 
+def model_vocab_size(model_path: str) -> Optional[int]:
+    """The served checkpoint's vocabulary size (config.json, a wrapper's text_config, or Mistral's params.json);
+    None when it cannot be read (a hub name)."""
+    for name, keys in (("config.json", ("vocab_size",)), ("config.json", ("text_config", "vocab_size")),
+                       ("params.json", ("vocab_size",))):
+        try:
+            with open(os.path.join(model_path, name)) as f:
+                value = json.load(f)
+            for k in keys:
+                value = value[k]
+            return int(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optional[str]) -> None:
+    """Say how to train on the files just written (SpecForge: with the run config written beside them)."""
+    import shlex
+
+    if not manifest["last"]:
+        return
+    if fmt == "specforge":
+        with open(os.path.join(out_dir, SPECFORGE_CONFIG), "w") as f:
+            json.dump(specforge_config(out_dir, manifest), f, indent=1)
+    cmd = " ".join(shlex.quote(a) for a in training_command(out_dir, manifest, fmt, save_dtype))
+    trainer = "SpecForge 0.2.0" if fmt == "specforge" else "speculators 0.9.0"
+    print(f"[extract] train with {trainer}:\n  {cmd}", file=sys.stderr, flush=True)
+
+
 def check_final_state(fmt: str, sink, manifest: dict, server: str) -> None:
-    """Refuse a format that trains on the final hidden state when `server` runs without --hs-last; warn
-    where the files can be written but make no training set."""
+    """Refuse a format that trains on the final hidden state when `server` runs without --hs-last, or
+    captures the other final state (post-norm for SpecForge, pre-norm for speculators); warn where the files
+    can be written but make no training set."""
+    finals = final_states(manifest)
+    if finals and sink.final_state not in finals:
+        raise ExtractError(f"--format {fmt} trains on the {sink.final_state} final state, but {server} captures "
+                           f"the {' and '.join(finals)} one (--hs-last {last_choice(finals)}); restart it with "
+                           f"--hs-last {sink.final_state} (or --hs-last both)")
     if sink.needs_last and not manifest["last"]:
         raise ExtractError(f"--format {fmt} needs the final hidden state: {server} runs without --hs-last "
                            "(restart it with --hs-last)")
@@ -755,10 +839,20 @@ def _check_resume_dtype(out_dir: str, save_dtype: Optional[str]) -> None:
             before = json.load(f).get("save_dtype")
     except (OSError, ValueError):
         return  # no manifest (a run killed before writing one): finalize still refuses mixed files
+    if before is None and save_dtype == "bf16" and json_stored_bf16(out_dir):
+        return  # a specforge run from before bf16 was its default, of a bf16 server: the same files
     if before != save_dtype:
         said = lambda d: f"--save-dtype {d}" if d else "no --save-dtype"  # noqa: E731
         raise ExtractError(f"--save-dtype: --output {out_dir} holds files of a run with {said(before)}; resume it "
                            f"with the same (this run has {said(save_dtype)})")
+
+
+def json_stored_bf16(out_dir: str) -> bool:
+    try:
+        with open(os.path.join(out_dir, "manifest.json")) as f:
+            return json.load(f).get("stored_dtype") == "bfloat16"
+    except (OSError, ValueError):
+        return False
 
 
 def _finalize_only(sink) -> int:
@@ -781,13 +875,22 @@ def _start_server(ns, launcher_args):
     dump_dir = ns.hs_dump_dir or os.path.join(
         tempfile.mkdtemp(prefix="sglang-hs-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), "hs")
     args = ["--hs-dump-dir", dump_dir, *launcher_args]
-    if "--hs-last" not in launcher_args:  # both formats train on the final state
-        args.append("--hs-last")
+    if not any(a == "--hs-last" or a.startswith("--hs-last=") for a in launcher_args):
+        args += ["--hs-last", server_last(ns)]  # both formats train on the final state
     server = ServerProcess(args)
     server.dump_dir = dump_dir
     print(f"[extract] starting the server: {' '.join(server.cmd)} (log {server.log_path})", file=sys.stderr,
           flush=True)
     return server
+
+
+def server_last(ns) -> str:
+    """The --hs-last a server started for `ns` runs with: the final state its --format trains on (SpecForge:
+    post-norm; speculators: pre-norm), both when --verify also needs the post-norm one."""
+    from sglang_hs.extract.sinks import SINKS
+
+    want = SINKS[ns.format].final_state
+    return "both" if ns.verify and want != "post-norm" else want
 
 
 def _wait_ready(server) -> None:

@@ -187,7 +187,7 @@ class Harvester:
             else:
                 try:
                     self.stats.bytes += self.sink.write(index, rec.input_ids, loss_mask(rec), rec.aux_hidden_states,
-                                                        rec.last_hidden_state)
+                                                        self.sink.final_of(rec))
                 except NonFiniteRows:  # never stored: skipped, counted and acknowledged (module docstring)
                     self._skip(rec, ring_id, "non_finite_rows", f"its hidden states hold inf or NaN, which "
                                f"--save-dtype {self.sink.save_dtype} cannot store")

@@ -6,9 +6,11 @@ fsync), so a crash never leaves a file that looks done and `--resume` can trust 
                 int64, hidden_state [1, T, H] (final post-norm state: SpecForge applies lm_head to it)
                 and aux_hidden_state [1, T, K*H] (the K layers side by side), in the model's dtype.
   safetensors   speculators 0.9.0's training layout. While the run goes: hs_{i}.safetensors per sample i of
-                --data, with hidden_states [T, K+1, H] (the K layers, then the final post-norm state, which
-                speculators takes as the verifier's last hidden state), token_ids [T] int64 and loss_mask
-                [T] int64, and header metadata (final_state, num_aux_layers, layer_ids). When the run
+                --data, with hidden_states [T, K+1, H] (the K layers, then the final state BEFORE the final
+                norm, which speculators takes as the verifier's last hidden state and normalises itself:
+                `verifier_lm_head(verifier_norm(...))` in speculators/models/eagle3/core.py, as vLLM's
+                extraction stores it), token_ids [T] int64 and loss_mask [T] int64, and header metadata
+                (final_state "pre-norm", num_aux_layers, layer_ids). When the run
                 completes, finalize() makes the folder what `speculators.train.data.ArrowDataset(max_len,
                 DIR)` reads: a `datasets` dataset saved with save_to_disk in DIR (columns input_ids,
                 loss_mask, seq_len as speculators' prepare_data writes them, plus sample_index; torch
@@ -66,6 +68,7 @@ class Sink:
     name = ""
     needs_last = False  # refuse a server without the final state
     wants_last = False  # start our own server with --hs-last
+    final_state = "post-norm"  # which final state the trainer reads (--hs-last's value that captures it)
 
     save_dtypes: Tuple[Optional[str], ...] = (None, "bf16")
 
@@ -80,6 +83,10 @@ class Sink:
     def finalize(self) -> Optional[dict]:
         """What a completed run adds beside the sample files; None when the format needs nothing."""
         return None
+
+    def final_of(self, record):
+        """The final state of a reader's record that this format stores (None if the server captured none)."""
+        return record.last_hidden_state if self.final_state == "post-norm" else record.last_pre_norm
 
     def path(self, index: int) -> str:
         raise NotImplementedError
@@ -185,7 +192,7 @@ class SpecForgeSink(Sink):
 
 
 class SafetensorsSink(Sink):
-    name, wants_last = "safetensors", True
+    name, wants_last, final_state = "safetensors", True, "pre-norm"
     HS_DIR = "hidden_states"
     save_dtypes = (None, "bf16", "fp8", "fp8-per-layer")
     share_rows = True  # a record's rows are hidden_states as they lie (module docstring); False: torch.cat
@@ -201,7 +208,7 @@ class SafetensorsSink(Sink):
 
         rows = record_rows(aux, last) if self.share_rows else None
         states = rows if rows is not None else aux if last is None else torch.cat([aux, last[:, None]], dim=1)
-        meta = {"format": "sglang-hs", "final_state": "true" if last is not None else "false",
+        meta = {"format": "sglang-hs", "final_state": self.final_state if last is not None else "false",
                 "num_aux_layers": str(aux.shape[1]), "fp8_scale": "none"}
         if self.layer_ids is not None:
             meta["layer_ids"] = ",".join(str(i) for i in self.layer_ids)
@@ -218,6 +225,8 @@ class SafetensorsSink(Sink):
         for p in glob.glob(os.path.join(self.out_dir, ".hidden_states.*")) + glob.glob(
                 os.path.join(self.out_dir, ".dataset.*")):
             shutil.rmtree(p, ignore_errors=True)  # a finalize that did not finish
+        for p in glob.glob(os.path.join(self.out_dir, f".{TOKEN_FREQ}.*")):
+            os.unlink(p)
         return n
 
     def samples(self) -> List[Tuple[int, str]]:
@@ -251,7 +260,11 @@ class SafetensorsSink(Sink):
             except Exception as e:  # noqa: BLE001 - SafetensorError (cut short, not safetensors), a tensor missing
                 unreadable.append((p, f"{type(e).__name__}: {e}"))
                 continue
-            if meta.get("final_state") != "true":
+            if meta.get("final_state") == "true":  # sglang-hs before --hs-last pre-norm: the post-norm state
+                raise SinkError(f"{p} holds the final state after the final norm, which speculators normalises "
+                                "again (it trains on the pre-norm state): extract it again from a server with "
+                                "--hs-last pre-norm; no speculators dataset written")
+            if meta.get("final_state") != self.final_state:
                 raise SinkError(f"{p} holds no final hidden state (its server ran without --hs-last), which "
                                 "speculators trains on: no speculators dataset written")
             if ref is None:
@@ -270,8 +283,12 @@ class SafetensorsSink(Sink):
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})
         work = os.path.join(self.out_dir, f".dataset.{os.getpid()}")
+        freq_tmp = os.path.join(self.out_dir, f".{TOKEN_FREQ}.{os.getpid()}")
+        from sglang_hs.fsutil import make_private_dirs, set_private_mode, set_private_modes
+
+        torch.save(token_frequencies(files), freq_tmp)  # speculators' draft vocabulary (--draft-vocab-size)
+        set_private_mode(freq_tmp, self.share_gid)  # torch.save makes it 0644
         new_hs = os.path.join(self.out_dir, f".hidden_states.{os.getpid()}")
-        from sglang_hs.fsutil import make_private_dirs, set_private_modes
 
         make_private_dirs(new_hs, self.share_gid)
         bars = datasets.is_progress_bar_enabled()
@@ -296,6 +313,11 @@ class SafetensorsSink(Sink):
                 os.unlink(state)
             for p in glob.glob(os.path.join(self.out_dir, "data-*.arrow")):
                 os.unlink(p)
+            # speculators caches the vocabulary mapping it builds from token_freq.pt as d2t-N.npy / t2d-N.npy in
+            # the data path and reads those first: stale ones of the files before would win over the new counts
+            for p in glob.glob(os.path.join(self.out_dir, "d2t-*.npy")) + glob.glob(os.path.join(self.out_dir, "t2d-*.npy")):
+                os.unlink(p)
+            os.replace(freq_tmp, os.path.join(self.out_dir, TOKEN_FREQ))
             hs_dir = os.path.join(self.out_dir, self.HS_DIR)
             if os.path.exists(hs_dir):
                 old = os.path.join(self.out_dir, f".hidden_states.old.{os.getpid()}")
@@ -310,7 +332,28 @@ class SafetensorsSink(Sink):
                 datasets.enable_progress_bars()
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(new_hs, ignore_errors=True)
+            if os.path.exists(freq_tmp):
+                os.unlink(freq_tmp)
         return {"rows": len(files)}
+
+
+TOKEN_FREQ = "token_freq.pt"
+
+
+def token_frequencies(files) -> dict:
+    """{token id: count} over the loss-masked tokens (loss_mask 1) of the sample files, as speculators'
+    save_token_frequency_distribution counts them (input_ids[loss_mask.bool()]) for token_freq.pt."""
+    import collections
+
+    from safetensors import safe_open
+
+    counts: "collections.Counter[int]" = collections.Counter()
+    for _, path in files:
+        with safe_open(path, "pt") as f:
+            ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        tokens, n = ids[mask.bool()].unique(return_counts=True)
+        counts.update(dict(zip(tokens.tolist(), n.tolist())))
+    return dict(counts)
 
 
 def _speculators_rows(files):

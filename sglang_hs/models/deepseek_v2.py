@@ -12,7 +12,10 @@ dump dir) and the launcher refuses to report the server ready without that annou
 With capture on (SGLANG_HS_DUMP_DIR set), the inner model returns `(hidden, aux)` of one fixed
 structure on every path (warm-up, dummy and idle batches, graph capture, chunked prefill, decode):
 `hidden` [T, H] post-norm, `aux` [T, K*H], the K layers in ascending id order. `forward` never unpacks
-a plain tensor: anything else stops the server with a clear error instead of a hang.
+a plain tensor: anything else stops the server with a clear error instead of a hang. With `--hs-last
+pre-norm` or `both` the final norm module is a `_PreNormCapturingNorm`, which keeps the final residual
+stream it is handed (its input; with a residual, the sum it returns beside the normed state) for the
+forward to copy with the rest of the step's rows.
 """
 from __future__ import annotations
 
@@ -74,6 +77,30 @@ def fixed_capture_output(out, spec: CaptureSpec, mode: str):
     return hidden, aux
 
 
+class _PreNormCapturingNorm:
+    """Mixed in before the final norm's class (by `__class__` assignment, no state of its own but the last
+    input): keeps the state entering the norm in `hs_pre_norm`, the final residual stream, which is HF's
+    `model.model.norm` input. Upstream calls the final norm as `norm(x)` or, with the residual kept apart,
+    `norm(x, residual)`, which returns `(normed, x + residual)` (fused kernels update `residual` in place
+    to that sum): the second is the pre-norm state, as the kernel summed it."""
+
+    hs_pre_norm = None
+
+    def forward(self, x, residual=None, *args, **kwargs):
+        if residual is None:
+            out = super().forward(x, *args, **kwargs)
+            self.hs_pre_norm = x
+            return out
+        out = super().forward(x, residual, *args, **kwargs)
+        self.hs_pre_norm = out[1]
+        return out
+
+
+def _pre_norm_capturing(norm) -> None:
+    cls = type(norm)
+    norm.__class__ = type(f"PreNormCapturing{cls.__name__}", (_PreNormCapturingNorm, cls), {})
+
+
 class _CapturingDeepseekModel(OriginalDeepseekV2Model):
     """The inner model with its output fixed by `fixed_capture_output` when capture is on.
 
@@ -84,10 +111,25 @@ class _CapturingDeepseekModel(OriginalDeepseekV2Model):
     hs_spec: Optional[CaptureSpec] = None
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        if self.hs_spec is not None and self.hs_spec.pre_norm:
+            self.norm.hs_pre_norm = None  # a batch that skips the norm (idle) must not leave the last one's
         out = super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         if self.hs_spec is None:
             return out
         return fixed_capture_output(out, self.hs_spec, forward_batch.forward_mode.name)
+
+    def hs_take_pre_norm(self, hidden: torch.Tensor, mode: str) -> torch.Tensor:
+        """The final pre-norm state of the step just run, [T, H] in the model's dtype."""
+        pre, self.norm.hs_pre_norm = self.norm.hs_pre_norm, None
+        if pre is None:
+            if hidden.shape[0] == 0:
+                return hidden
+            raise RuntimeError(f"sglang-hs: the final norm did not run in a {hidden.shape[0]}-row {mode} batch, "
+                               "so there is no pre-norm final state (--hs-last pre-norm/both)")
+        if pre.shape != hidden.shape:
+            raise RuntimeError(f"sglang-hs: pre-norm final state of shape {tuple(pre.shape)} in a {mode} batch, "
+                               f"expected {tuple(hidden.shape)}")
+        return pre if pre.dtype == hidden.dtype else pre.to(hidden.dtype)
 
 
 class _HiddenStateOverlay:
@@ -121,13 +163,16 @@ class _HiddenStateOverlay:
             self.model.layers_to_capture = list(self.hs_spec.layers)
             self.model.__class__ = _CapturingDeepseekModel
             self.model.hs_spec = self.hs_spec
+            if self.hs_spec.pre_norm:
+                _pre_norm_capturing(self.model.norm)
             self.hs_status = OverlayStatus(dump_dir, type(self).__name__, self.hs_spec)
         _maybe_hang("load")
         self._hs_hang_in_warmup = envs.SGLANG_HS_TEST_HANG_PHASE in ("warmup", "warmup-busy")
         print(
             f"[sglang-hs] overlay ready: {type(self).__module__}.{type(self).__name__} pid={os.getpid()} "
             f"capture={'on ' + str(self.hs_spec.describe()['layer_ids']) if self.hs_spec else 'off'}"
-            f"{' +last' if self.hs_spec and self.hs_spec.last else ''} runtime-patches={self._hs_patches}",
+            f"{' +last ' + '+'.join(self.hs_spec.finals) if self.hs_spec and self.hs_spec.last else ''} "
+            f"runtime-patches={self._hs_patches}",
             file=sys.stderr,
             flush=True,
         )
@@ -149,9 +194,11 @@ class _HiddenStateOverlay:
         if self._hs_hang_in_warmup and getattr(forward_batch, "rids", None):
             _maybe_hang("warmup")
         self.hs_status.saw_aux(tuple(aux.shape))  # steps are counted by the ModelRunner.forward hook
+        pre = self.model.hs_take_pre_norm(hidden, forward_batch.forward_mode.name) if self.hs_spec.pre_norm else None
         if self.hs_writer is not None:
             loc = getattr(forward_batch, "out_cache_loc_virtual", None)
-            self.hs_writer.copy(aux, hidden, forward_batch.out_cache_loc if loc is None else loc)
+            rows, last = self.hs_spec.pack(aux, hidden, pre)
+            self.hs_writer.copy(rows, last, forward_batch.out_cache_loc if loc is None else loc)
         # aux stays ours: the logits processor gets None, so SGLang's own aux JSON path stays off.
         return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None)
 

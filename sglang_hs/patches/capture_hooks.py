@@ -110,7 +110,7 @@ def _alloc_memory_pool(self, *args, **kwargs):
         from sglang_hs.store.staging import device_bytes
 
         spec = self.model.hs_spec
-        nbytes = device_bytes(rows, spec.num_aux + int(spec.last), spec.hidden_size,
+        nbytes = device_bytes(rows, spec.rows_per_token, spec.hidden_size,
                                       torch.empty(0, dtype=self.model_config.dtype).element_size())
         try:
             _reserved = (rows, torch.empty(nbytes, dtype=torch.uint8, device=self.device))

@@ -90,7 +90,7 @@ class CaptureWriter:
                                "gather_rows_cpu, or copy_rows_cpu has no num_threads); rebuild it: "
                                "pip install --no-build-isolation -e .")
         self.spec = spec
-        self.P = spec.num_aux + int(spec.last)
+        self.P = spec.rows_per_token
         H = spec.hidden_size
         elem = torch.empty(0, dtype=dtype).element_size()
         for name in (f"store-w{writer_id}.bin", f"ring-w{writer_id}.bin", offset_name(f"ring-w{writer_id}.bin")):

@@ -27,19 +27,20 @@ def dump_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def capture_server(dump_dir):
     """The embedded tiny DeepSeek-V3 on the CPU engine with capture on, chunked prefill of 16 tokens,
-    radix cache, overlap scheduler and the server's own warm-up all left on."""
-    yield from _serve(dump_dir, ["--hs-last", "--chunked-prefill-size", str(CHUNK)])
+    radix cache, overlap scheduler and the server's own warm-up all left on; both final states (--hs-last
+    both: SpecForge's post-norm and speculators' pre-norm, so both --format choices extract from it)."""
+    yield from _serve(dump_dir, ["--hs-last", "both", "--chunked-prefill-size", str(CHUNK)])
 
 
 @pytest.fixture(scope="module")  # used by one module: stopped after it, not kept for the session
 def exact_server(tmp_path_factory):
     """The exact oracle's servers compute in float32 (rows match HF float32 to ~1e-6, see
     test_exact_rows.py). This one: --hs-copy direct, overlap scheduler on, chunked prefill of 16 tokens,
-    radix cache, --hs-last. Both: a KV pool of POOL tokens, a finish worker that waits FINISH_DELAY
+    radix cache, --hs-last both (each final state judged per row). Both: a KV pool of POOL tokens, a finish worker that waits FINISH_DELAY
     before each gather (slots are freed and handed out again while gathers are pending), and admission
     that reserves next to nothing for decode (RETRACT_RATIO: decode retracts requests)."""
     yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-exact") / "dump",
-                                   ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
+                                   ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
                                     "--max-total-tokens", str(POOL)]))
 
 
@@ -48,7 +49,7 @@ def exact_staging_server(tmp_path_factory):
     """The other float32 server: --hs-copy staging with an 8-row stage (each 16-token prefill chunk and
     each decode batch of more than 8 rows is shipped in several pieces), overlap scheduler off."""
     yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-exact-staging") / "dump",
-                                   ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK),
+                                   ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
                                     "--hs-copy", "staging", "--hs-staging-rows", "8", "--disable-overlap-schedule",
                                     "--max-total-tokens", str(POOL)]))
 
@@ -79,7 +80,8 @@ def contract_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf():
-    """HF transformers' float32 `output_hidden_states` of the embedded checkpoint, for token ids; and its
+    """HF transformers' float32 `output_hidden_states` of the embedded checkpoint, for token ids, with the
+    final pre-norm state (the input of model.model.norm, taken by a forward hook) as `.pre_norm`; and its
     tokenizer as `hf.tok`. The reference every captured row is judged against."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,8 +93,7 @@ def hf():
     tok = AutoTokenizer.from_pretrained(path)
 
     def hidden_states(ids):
-        with torch.no_grad():
-            return [h[0] for h in model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states]
+        return hf_states(model, ids)
 
     hidden_states.tok = tok
     return hidden_states
@@ -108,6 +109,28 @@ def plain_sched_server(plain_dump_dir):
     """The same model with the scheduling features off: no chunking (prompts fit one chunk), no radix
     cache, no overlap scheduler. Records must agree with the capture server's."""
     yield from _serve(plain_dump_dir, ["--hs-last", "--disable-radix-cache", "--disable-overlap-schedule"])
+
+
+class States(list):
+    """output_hidden_states[0..n] of one sequence, and its final pre-norm state as `pre_norm` [T, H]."""
+    pre_norm = None
+
+
+def hf_states(model, ids):
+    """HF's output_hidden_states of `ids` ([T, H] each) and, through a forward hook on the final norm's
+    input, the final residual stream before the norm."""
+    import torch
+
+    taken = []
+    handle = model.model.norm.register_forward_hook(lambda mod, args, out: taken.append(args[0][0].detach()))
+    try:
+        with torch.no_grad():
+            out = States(h[0] for h in model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states)
+    finally:
+        handle.remove()
+    assert len(taken) == 1
+    out.pre_norm = taken[0]
+    return out
 
 
 def _slow_finish(server_gen):

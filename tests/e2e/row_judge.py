@@ -15,10 +15,16 @@ def assert_exact(rec, hf, want_ids, layers, n_layers, hidden):
     the worst row error."""
     assert rec.input_ids.tolist() == list(want_ids), rec.rid
     T = len(want_ids)
-    assert tuple(rec.aux_hidden_states.shape) == (T, len(layers), hidden) and rec.last_hidden_state.shape[0] == T
+    assert tuple(rec.aux_hidden_states.shape) == (T, len(layers), hidden)
+    assert all(x is None or tuple(x.shape) == (T, hidden) for x in (rec.last_hidden_state, rec.last_pre_norm))
     hs = hf(want_ids)
     worst = 0.0
-    for g, i in [(rec.aux_hidden_states[:, k], lid) for k, lid in enumerate(layers)] + [(rec.last_hidden_state, n_layers)]:
+    if rec.last_pre_norm is not None:  # --hs-last pre-norm/both: judged on its own below
+        worst = assert_pre_norm(rec, hs, n_layers)
+    if rec.last_hidden_state is None:
+        assert rec.last_pre_norm is not None, rec.rid
+    for g, i in [(rec.aux_hidden_states[:, k], lid) for k, lid in enumerate(layers)] + \
+            ([(rec.last_hidden_state, n_layers)] if rec.last_hidden_state is not None else []):
         own = rel(g, hs[i])
         worst = max(worst, own.max().item())
         bad = (own > TOL).nonzero().flatten().tolist()
@@ -32,6 +38,22 @@ def assert_exact(rec, hf, want_ids, layers, n_layers, hidden):
             closer = (err <= mine).nonzero().flatten().tolist()
             assert not closer, f"{rec.rid}: output_hidden_states[{i}] rows {closer[:12]} are as close to {name}'s"
     return worst
+
+
+def assert_pre_norm(rec, hs, n_layers):
+    """Every row of the final pre-norm state within TOL of HF's (the input of model.model.norm, `hs.pre_norm`)
+    and closer to it than to the post-norm state (a norm applied, or applied twice), to the last layer's
+    input (output_hidden_states[n-1]) and to the previous and next token's rows. Returns the worst error."""
+    g, ref = rec.last_pre_norm, hs.pre_norm
+    own = rel(g, ref)
+    bad = (own > TOL).nonzero().flatten().tolist()
+    assert not bad, f"{rec.rid}: pre-norm final state rows {bad[:12]} of {len(ref)} are off by up to {own.max():.3g}"
+    others = {"the post-norm state": (rel(g, hs[n_layers]), own), f"layer {n_layers - 1}": (rel(g, hs[n_layers - 1]), own),
+              "token t-1": (rel(g[1:], ref[:-1]), own[1:]), "token t+1": (rel(g[:-1], ref[1:]), own[:-1])}
+    for name, (err, mine) in others.items():
+        closer = (err <= mine).nonzero().flatten().tolist()
+        assert not closer, f"{rec.rid}: pre-norm final state rows {closer[:12]} are as close to {name}'s"
+    return own.max().item()
 
 
 def prompt_ids(hf, text):

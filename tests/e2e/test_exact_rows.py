@@ -15,8 +15,9 @@ more away and the neighbouring layer's row far more. So each row is judged on it
 
 Two servers cover the scheduling and copy paths between them (tests/e2e/conftest.py): `--hs-copy
 direct` with the overlap scheduler, and `--hs-copy staging` with an 8-row stage and the overlap
-scheduler off; both chunk prefill at 16 tokens, keep the radix cache, capture the final state
-(`--hs-last`), and reserve next to nothing for decode at admission, so concurrent decodes make SGLang
+scheduler off; both chunk prefill at 16 tokens, keep the radix cache, capture both final states
+(`--hs-last both`: the post-norm state, HF output_hidden_states[n], and the pre-norm one, the input of HF's
+model.model.norm, each judged per row the same way), and reserve next to nothing for decode at admission, so concurrent decodes make SGLang
 retract requests. Every test runs on both.
 """
 import concurrent.futures as cf
@@ -40,6 +41,8 @@ GREEDY = {"temperature": 0}
 def _pair(server, copy):
     reader = HiddenStateReader(str(server.dump))
     assert reader.manifest["dtype"] == "float32" and reader.manifest["copy"] == copy
+    # --hs-last both: the layers, then the post-norm and the pre-norm final state, one row each
+    assert reader.manifest["last_states"] == ["post-norm", "pre-norm"] and reader.manifest["rows_per_token"] == 5
     return server, reader
 
 

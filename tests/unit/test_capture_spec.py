@@ -5,6 +5,9 @@ from sglang_hs.capture_spec import (
     CaptureSpec,
     check_architecture,
     default_layer_ids,
+    final_states,
+    last_choice,
+    parse_last,
     parse_layer_ids,
     validate_layer_ids,
 )
@@ -93,3 +96,41 @@ def test_sparse_attention_config_is_served_as_deepseek_v32():
     the same config under the V3 class name is refused (test above)."""
     config = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048}
     assert check_architecture(config["architectures"], config=config) == "DeepseekV32ForCausalLM"
+
+
+@pytest.mark.parametrize("value, finals", [(None, ()), (False, ()), ("", ()), (True, ("post-norm",)), ("1", ("post-norm",)),
+                                           ("post-norm", ("post-norm",)), ("pre-norm", ("pre-norm",)),
+                                           ("both", ("post-norm", "pre-norm"))])
+def test_hs_last_values_name_the_final_states_in_row_order(value, finals):
+    spec = CaptureSpec.resolve([2, 4, 5], value, 8, 16)
+    assert spec.finals == finals and spec.rows_per_token == 3 + len(finals) and spec.last == bool(finals)
+    d = spec.describe()
+    assert d["last_states"] == list(finals) and d["last"] == bool(finals) and final_states(d) == finals
+    # HF output_hidden_states[n] is the post-norm state only; the pre-norm one is no HF index
+    assert d["hf_output_hidden_states_index"] == [2, 4, 5] + ([8] if "post-norm" in finals else [])
+    if finals:
+        assert parse_last(last_choice(finals)) == finals
+
+
+def test_a_manifest_before_pre_norm_means_post_norm():
+    assert final_states({"last": True}) == ("post-norm",) and final_states({"last": False}) == ()
+
+
+def test_unknown_hs_last_is_one_line_naming_the_flag():
+    with pytest.raises(CaptureConfigError, match=r"^--hs-last: 'pre' is not one of post-norm, pre-norm, both") as e:
+        parse_last("pre")
+    assert "\n" not in str(e.value)
+
+
+def test_pack_puts_the_final_states_after_the_layers():
+    """What the overlay hands the copy: the store row of a token is [layers..., post-norm, pre-norm]."""
+    import torch
+
+    T, K, H = 3, 2, 4
+    aux, post, pre = torch.randn(T, K * H), torch.randn(T, H), torch.randn(T, H)
+    for value, want in [(None, [aux]), ("post-norm", [aux, post]), ("pre-norm", [aux, pre]),
+                        ("both", [aux, post, pre])]:
+        spec = CaptureSpec.resolve([1, 2], value, 4, H)
+        rows, last = spec.pack(aux, post, pre)
+        got = torch.cat([rows] + ([last] if last is not None else []), dim=1).view(T, spec.rows_per_token, H)
+        assert torch.equal(got, torch.cat(want, dim=1).view(T, -1, H)), value

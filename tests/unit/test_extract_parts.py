@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 import specforge_way
 from sglang_hs import tiny_model
+from sglang_hs.extract import cli
 from sglang_hs.extract.cli import draft_config
 from sglang_hs.extract.dataset import Preparer, SkipSample
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink, record_rows
@@ -185,7 +186,93 @@ def test_draft_config_ids_make_sglang_capture_the_same_layers(layers, ids):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
     if ids is not None:  # SGLang's set_eagle3_layers_to_capture: +1 on every id when the first is 1
         assert ([i + 1 for i in ids] if ids[0] == 1 else ids) == layers
-    assert cfg["speculators_layer_ids"] == layers + [61]
+    assert cfg["speculators_layer_ids"] == layers  # --target-layer-ids: the aux ids only, never the final state
+
+
+@pytest.mark.parametrize("fmt, finals, refused", [
+    ("specforge", ["post-norm"], None), ("specforge", ["post-norm", "pre-norm"], None),
+    ("specforge", ["pre-norm"], "--format specforge trains on the post-norm final state, but S captures the "
+                                "pre-norm one (--hs-last pre-norm); restart it with --hs-last post-norm"),
+    ("safetensors", ["pre-norm"], None), ("safetensors", ["post-norm", "pre-norm"], None),
+    ("safetensors", ["post-norm"], "--format safetensors trains on the pre-norm final state, but S captures the "
+                                   "post-norm one (--hs-last post-norm); restart it with --hs-last pre-norm")])
+def test_each_format_takes_its_trainers_final_state_and_refuses_the_other(fmt, finals, refused):
+    """SpecForge applies lm_head to the state it reads (post-norm); speculators applies the verifier's norm
+    first (pre-norm). A server that captured the other one is refused in one line naming --hs-last."""
+    from sglang_hs.extract.cli import ExtractError, check_final_state
+    from sglang_hs.extract.sinks import SINKS
+
+    sink = SINKS[fmt]("/nonexistent")
+    manifest = {"last": True, "last_states": finals}
+    if refused is None:
+        check_final_state(fmt, sink, manifest, "S")
+    else:
+        with pytest.raises(ExtractError) as e:
+            check_final_state(fmt, sink, manifest, "S")
+        assert str(e.value).startswith(refused) and "\n" not in str(e.value)
+
+
+def test_each_format_writes_the_records_state_its_trainer_reads():
+    from types import SimpleNamespace
+
+    from sglang_hs.extract.sinks import SINKS
+
+    rec = SimpleNamespace(last_hidden_state="post", last_pre_norm="pre")
+    assert SINKS["specforge"]("/x").final_of(rec) == "post" and SINKS["safetensors"]("/x").final_of(rec) == "pre"
+
+
+@pytest.mark.parametrize("fmt, verify, want", [("specforge", 0.0, "post-norm"), ("specforge", 1.0, "post-norm"),
+                                               ("safetensors", 0.0, "pre-norm"), ("safetensors", 0.5, "both")])
+def test_a_server_the_cli_starts_captures_what_its_format_needs(fmt, verify, want):
+    from sglang_hs.extract.cli import server_last
+
+    ns, _ = cli.parse_args(["--data", "x.jsonl", "--output", "o", "--format", fmt, "--verify", str(verify)])
+    assert server_last(ns) == want
+
+
+def test_training_commands_name_the_aux_ids_and_the_files(tmp_path):
+    from sglang_hs.extract.cli import specforge_config, training_command
+
+    m = {"model_path": "/m/DeepSeek-V3", "layer_ids": [2, 30, 58], "num_hidden_layers": 61, "context_len": 4096}
+    assert training_command(str(tmp_path), m, "safetensors", None) == [
+        "speculators", "train", "--speculator-type", "eagle3", "--verifier-name-or-path", "/m/DeepSeek-V3",
+        "--data-path", str(tmp_path), "--target-layer-ids", "2", "30", "58", "--hidden-states-backend", "file",
+        "--hidden-states-dtype", "bfloat16"]
+    assert training_command(str(tmp_path), m, "safetensors", "fp8")[-3] == "fp8"
+    # a vocabulary larger than the draft's: the draft head keeps the 32000 most frequent tokens of token_freq.pt
+    assert training_command(str(tmp_path), dict(m, vocab_size=129280), "safetensors", None)[-2:] == [
+        "--draft-vocab-size", "32000"]
+    assert "--draft-vocab-size" not in training_command(str(tmp_path), dict(m, vocab_size=1024), "safetensors", None)
+    assert cli.model_vocab_size(tiny_model.ensure()) == 1024 and cli.model_vocab_size(str(tmp_path)) is None
+    assert cli.model_vocab_size(tiny_model.ensure("mistral-large-3")) == 1024
+    assert training_command(str(tmp_path), m, "specforge", "bf16") == [
+        "specforge", "train", "--config", str(tmp_path / "specforge_train.json")]
+    cfg = specforge_config(str(tmp_path), m)
+    assert cfg["model"]["target_model_path"] == "/m/DeepSeek-V3" and cfg["data"]["hidden_states_path"] == str(tmp_path)
+    assert cfg["data"]["max_length"] == 4096 and cfg["training"]["strategy"] == "eagle3"
+
+
+@pytest.mark.parametrize("argv, want", [([], "bf16"), (["--save-dtype", "bf16"], "bf16")])
+def test_specforge_files_are_bf16_whatever_the_server(argv, want):
+    """SpecForge 0.2.0's TargetHead computes in bf16 only: a float32 file fails its first step."""
+    ns, _ = cli.parse_args(["--data", "x.jsonl", "--output", "o", *argv])
+    assert ns.format == "specforge" and ns.save_dtype == want
+    ns, _ = cli.parse_args(["--data", "x.jsonl", "--output", "o", "--format", "safetensors"])
+    assert ns.save_dtype is None  # speculators takes the server's dtype
+
+
+def test_a_float32_capture_is_written_bf16_for_specforge(tmp_path):
+    from sglang_hs.extract.sinks import SpecForgeSink
+
+    ns, _ = cli.parse_args(["--data", "x.jsonl", "--output", str(tmp_path)])
+    sink = SpecForgeSink(str(tmp_path), ns.save_dtype)
+    T, K, H = 5, 3, 8
+    aux, last = torch.randn(T, K, H), torch.randn(T, H)
+    sink.write(0, torch.arange(T), torch.ones(T), aux, last)
+    s = torch.load(sink.path(0), weights_only=False)
+    assert s["hidden_state"].dtype == s["aux_hidden_state"].dtype == torch.bfloat16
+    assert torch.equal(s["hidden_state"][0], last.bfloat16()) and torch.equal(s["aux_hidden_state"][0],
+                                                                              aux.bfloat16().reshape(T, -1))
 
 
 def _verify_case(T=12, V=50, H=16, seed=0):
@@ -297,7 +384,7 @@ def test_torch_threads_apply_to_the_run_and_are_restored(tmp_path, capsys, monke
     from sglang_hs.capture_spec import CaptureSpec
     from sglang_hs.store.writer import CaptureWriter
 
-    CaptureWriter(str(dump), CaptureSpec.resolve([1], True, 4, 16), 8, torch.bfloat16, 1 << 16)
+    CaptureWriter(str(dump), CaptureSpec.resolve([1], "pre-norm", 4, 16), 8, torch.bfloat16, 1 << 16)
     (tmp_path / "d.jsonl").write_text('{"input_ids": [5, 6, 7]}\n')
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -23,7 +23,7 @@ class Crash(BaseException):
     """Stands in for the process dying at that point (nothing below catches a BaseException)."""
 
 
-def _dump(path, last=True):
+def _dump(path, last="both"):
     path.mkdir(mode=0o700)
     w = CaptureWriter(str(path), CaptureSpec.resolve([1, 2], last, 4, H), SLOTS, torch.float32, 1 << 18)
     s, p, h = torch.meshgrid(torch.arange(SLOTS), torch.arange(w.P), torch.arange(H), indexing="ij")
@@ -72,17 +72,19 @@ def _check_files(w, out, sent, fmt="specforge"):
         ids, slots, p, nxt = sent[rid]
         e = files[rid]
         assert (e["prompt_len"], e["next_token"], e["tokens"]) == (p, nxt, len(ids))
-        rows = w.store[slots]
-        if fmt == "specforge":
+        rows, K = w.store[slots], w.spec.num_aux  # [layers, post-norm, pre-norm] per token (_dump: --hs-last both)
+        if fmt == "specforge":  # the post-norm state, in bf16 (SpecForge's TargetHead reads bf16 only)
             d = torch.load(sink.path(e["index"]))
             got_ids, mask, aux, last = d["input_ids"], d["loss_mask"], d["aux_hidden_state"][0], d["hidden_state"][0]
-            assert torch.equal(aux, rows[:, :-1].reshape(len(ids), -1)) and torch.equal(last, rows[:, -1])
-        else:
+            assert aux.dtype == last.dtype == torch.bfloat16
+            assert torch.equal(aux, rows[:, :K].reshape(len(ids), -1).bfloat16())
+            assert torch.equal(last, rows[:, K].bfloat16())
+        else:  # the pre-norm state, in the server's dtype
             from safetensors.torch import load_file
 
             d = load_file(sink.path(e["index"]))
             got_ids, mask = d["token_ids"], d["loss_mask"]
-            assert torch.equal(d["hidden_states"], rows)
+            assert torch.equal(d["hidden_states"], torch.cat([rows[:, :K], rows[:, K + 1:K + 2]], dim=1))
         assert got_ids.tolist() == ids
         assert mask.tolist() == [0] * p + [1] * (len(ids) - p), (rid, mask)
     return files
@@ -232,7 +234,8 @@ def test_a_harvester_started_again_against_another_setup_is_refused(tmp_path, ca
     capsys.readouterr()
     journal = (tmp_path / "out" / harvest.JOURNAL).read_bytes()
     refused(tmp_path / "dump", ["--format", "safetensors"], "format 'specforge' there, 'safetensors' now")
-    refused(tmp_path / "dump", ["--save-dtype", "bf16"], "save_dtype None there, 'bf16' now")
+    refused(tmp_path / "dump", ["--format", "safetensors", "--save-dtype", "fp8"],
+            "save_dtype 'bf16' there, 'fp8' now")  # --format specforge is written in bf16 by default
     other = tmp_path / "other-model"  # another model's server: other layers, hidden size and dtype
     other.mkdir(mode=0o700)
     w2 = CaptureWriter(str(other), CaptureSpec.resolve([1, 3], True, 4, 2 * H), SLOTS, torch.bfloat16, 1 << 18)

@@ -47,7 +47,12 @@ def test_parse_size_rejects(text):
 
 def test_split_argv_keeps_sglang_flags_and_refuses_unknown_hs_flags():
     ns, rest = launch_server.split_argv(["--hs-dump-dir", "/x", "--tp", "8", "--hs-last", "--port=1"])
-    assert ns.hs_dump_dir == "/x" and ns.hs_last and rest == ["--tp", "8", "--port=1"]
+    assert ns.hs_dump_dir == "/x" and ns.hs_last == "post-norm" and rest == ["--tp", "8", "--port=1"]
+    for value in ("post-norm", "pre-norm", "both"):  # a bare --hs-last is post-norm, as before it took a value
+        ns, rest = launch_server.split_argv(["--hs-last", value, "--tp", "8"])
+        assert ns.hs_last == value and rest == ["--tp", "8"]
+    ns, rest = launch_server.split_argv(["--hs-last=pre-norm", "--tp", "8"])
+    assert ns.hs_last == "pre-norm" and rest == ["--tp", "8"]
     with pytest.raises(CaptureConfigError, match="unknown sglang-hs flag --hs-layer;"):
         launch_server.split_argv(["--hs-layer", "2"])  # no abbreviation of --hs-layers either
     with pytest.raises(CaptureConfigError, match="unknown sglang-hs flag --hs-bogus"):
@@ -69,6 +74,25 @@ def test_prepare_cpu_mode_capture(tmp_path, clean_env):
     assert os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_hs.models"
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("sglang_hs", "cpu", "stubs"))
     assert os.environ["PYTHONPATH"].endswith("/orig")
+
+
+@pytest.mark.parametrize("value, rows", [("pre-norm", 3), ("both", 4)])
+def test_prepare_hs_last_value_reaches_the_overlay(tmp_path, clean_env, value, rows, capsys):
+    from sglang_hs.capture_spec import CaptureSpec
+
+    model = _model_dir(tmp_path)
+    launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                           "--hs-layers", "1,3", "--hs-last", value, "--hs-ring-size", "64MiB"])
+    assert os.environ["SGLANG_HS_LAST"] == value and f"+ last {value}" in capsys.readouterr().err
+    # what the overlay resolves in the server's processes
+    assert CaptureSpec.resolve(envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, 4, 16).rows_per_token == rows
+
+
+def test_prepare_refuses_an_unknown_hs_last_in_one_line(tmp_path, clean_env):
+    model = _model_dir(tmp_path)
+    with pytest.raises(CaptureConfigError, match=r"^--hs-last: 'prenorm' is not one of post-norm, pre-norm, both"):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                               "--hs-last", "prenorm"])
 
 
 def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
@@ -256,7 +280,7 @@ def test_prepare_reads_a_mistral_native_folder_with_sglangs_parser(tmp_path, cle
     ckpt = tiny_model.ensure("mistral-large-3")
     argv, dump = launch_server.prepare(["--model-path", ckpt, "--device", "cpu", "--hs-dump-dir",
                                         str(tmp_path / "hs"), "--hs-last"])
-    assert os.environ["SGLANG_HS_LAYERS"] == "2,4,5" and os.environ["SGLANG_HS_LAST"] == "1"
+    assert os.environ["SGLANG_HS_LAYERS"] == "2,4,5" and os.environ["SGLANG_HS_LAST"] == "post-norm"
     broken = tmp_path / "mistral-large-3-broken"
     broken.mkdir()
     (broken / "params.json").write_text(json.dumps({"dim": 8, "moe": {"num_shared_experts": 1}}))

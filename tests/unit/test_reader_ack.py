@@ -21,7 +21,7 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.capture_spec import CaptureSpec, parse_last  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
 from sglang_hs.store import ring  # noqa: E402
 from sglang_hs.store.writer import CaptureWriter  # noqa: E402
@@ -49,14 +49,17 @@ def _publish(w, i, T=3):
 
 
 def _assert_exact(rec, i, T, K=K, last=True):
-    """rec is record i, every token id and every row exactly as published."""
-    rows = _rows(i, T, K + int(last))
+    """rec is record i, every token id and every row exactly as published: the layers, then the final states
+    in row order (post-norm, pre-norm), each where it belongs."""
+    finals = parse_last(last)
+    rows = _rows(i, T, K + len(finals))
     assert rec.rid == f"r{i}" and rec.num_tokens == T and torch.equal(rec.input_ids, _ids(i, T)), rec
     assert rec.aux_hidden_states.shape == (T, K, H) and torch.equal(rec.aux_hidden_states, rows[:, :K]), rec.rid
-    if last:
-        assert torch.equal(rec.last_hidden_state, rows[:, K]), rec.rid
-    else:
-        assert rec.last_hidden_state is None
+    for got, which in ((rec.last_hidden_state, "post-norm"), (rec.last_pre_norm, "pre-norm")):
+        if which in finals:
+            assert torch.equal(got, rows[:, K + finals.index(which)]), (rec.rid, which)
+        else:
+            assert got is None, (rec.rid, which)
 
 
 @pytest.fixture
@@ -167,15 +170,17 @@ def test_a_killed_reader_restarted_gets_exactly_what_it_had_not_acknowledged(dum
 
 
 @pytest.mark.parametrize("ack, zero_copy", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("layers, last", [([1, 2, 3], True), ([0, 2], False)])
+@pytest.mark.parametrize("layers, last", [([1, 2, 3], True), ([0, 2], False), ([1, 2], "pre-norm"),
+                                          ([1, 2, 3], "both")])
 def test_every_row_of_every_record_is_handed_out_exactly(tmp_path, layers, last, ack, zero_copy):
     """Records of 1..8 tokens, several in the ring at once, wrapping around it: every token id and every
-    row comes out exactly as published, each layer's row as that layer, the final state as the final state."""
-    K, P = len(layers), len(layers) + int(last)
+    row comes out exactly as published, each layer's row as that layer, each final state as that state."""
+    K, P = len(layers), len(layers) + len(parse_last(last))
     w = CaptureWriter(str(tmp_path), CaptureSpec.resolve(layers, last, 4, H), 8, torch.bfloat16,
                       3 * ring.record_bytes(8, P, H, 2, 3))
     reader = HiddenStateReader(str(tmp_path), wait=1, ack=ack, zero_copy=zero_copy)
-    assert reader.num_aux == K and reader.has_last == last
+    assert reader.num_aux == K and reader.has_last == ("post-norm" in parse_last(last)) and w.P == P
+    assert reader.manifest["last_states"] == list(parse_last(last)) and reader.manifest["rows_per_token"] == P
     lengths = [1 + (i * 5) % 8 for i in range(15)]
     for start in range(0, 15, 3):
         for i in range(start, start + 3):

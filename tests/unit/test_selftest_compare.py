@@ -153,7 +153,7 @@ def test_the_users_hs_flags_reach_every_run_and_the_staging_ones_only_staging_ru
 
     ns, _ = split_argv(["--model-path", "m", "--hs-last", "--hs-gather-threads", "3", "--hs-ring-size", "1GiB",
                         "--hs-copy", "staging", "--hs-staging-rows", "64", "--hs-scatter-threads", "2"])
-    assert _hs_flags(ns) == ["--hs-last", "--hs-copy", "staging", "--hs-staging-rows", "64", "--hs-scatter-threads",
+    assert _hs_flags(ns) == ["--hs-last", "post-norm", "--hs-copy", "staging", "--hs-staging-rows", "64", "--hs-scatter-threads",
                              "2", "--hs-ring-size", "1GiB", "--hs-gather-threads", "3"]
-    assert _hs_flags(ns, copy="direct") == ["--hs-last", "--hs-copy", "direct", "--hs-ring-size", "1GiB",
+    assert _hs_flags(ns, copy="direct") == ["--hs-last", "post-norm", "--hs-copy", "direct", "--hs-ring-size", "1GiB",
                                             "--hs-gather-threads", "3"]

@@ -156,8 +156,9 @@ def test_the_harvester_follows_a_restarted_server_and_keeps_every_record_of_both
         d = torch.load(sink.path(e["index"]))
         rows = expected_rows(gen, T)
         assert d["input_ids"].tolist() == list(range(10, 10 + T)) and d["loss_mask"].tolist() == [0] * p + [1] * (T - p)
-        assert torch.equal(d["aux_hidden_state"][0], rows[:, :2].reshape(T, -1)), rid
-        assert torch.equal(d["hidden_state"][0], rows[:, 2]), rid
+        bf16 = rows.to(torch.bfloat16)  # --format specforge files are bf16 whatever the server's dtype
+        assert torch.equal(d["aux_hidden_state"][0], bf16[:, :2].reshape(T, -1)), rid
+        assert torch.equal(d["hidden_state"][0], bf16[:, 2]), rid
 
 
 # -- the extraction CLI and the live dataset, against a fake server whose /generate publishes through the
@@ -247,8 +248,9 @@ def test_the_extraction_cli_stops_in_one_line_saying_resume_continues_and_resume
         d = torch.load(sink.path(i))
         rows = expected_rows(0 if i < 2 else 1, T)
         assert d["input_ids"].tolist() == list(range(10, 10 + T))
-        assert torch.equal(d["aux_hidden_state"][0], rows[:, :2].reshape(T, -1)), i
-        assert torch.equal(d["hidden_state"][0], rows[:, 2]), i
+        bf16 = rows.to(torch.bfloat16)  # --format specforge files are bf16 whatever the server's dtype
+        assert torch.equal(d["aux_hidden_state"][0], bf16[:, :2].reshape(T, -1)), i
+        assert torch.equal(d["hidden_state"][0], bf16[:, 2]), i
 
 
 def scenario(name: str, tmp: str) -> dict:

@@ -39,7 +39,7 @@ def expected_ids(i, T):
 def is_exact(rec, i, T, H):
     rows = expected_rows(i, T, 2, H)
     return (rec.rid == f"r{i}" and torch.equal(rec.input_ids, expected_ids(i, T))
-            and torch.equal(rec.aux_hidden_states, rows[:, :1]) and torch.equal(rec.last_hidden_state, rows[:, 1]))
+            and torch.equal(rec.aux_hidden_states, rows[:, :1]) and torch.equal(rec.last_pre_norm, rows[:, 1]))
 """
 exec(EXPECTED)
 
@@ -55,7 +55,7 @@ def _dump(parent, monkeypatch, gid):
     else:
         monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(gid))
     d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), gid)
-    w = CaptureWriter(d, CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 1 << 16)
+    w = CaptureWriter(d, CaptureSpec.resolve([1], "pre-norm", 4, H), 8, torch.bfloat16, 1 << 16)  # speculators' state
     for i in range(3):
         w.ring.publish(f"r{i}", expected_ids(i, T), expected_rows(i, T, 2, H))  # noqa: F821 (from EXPECTED)
     return d

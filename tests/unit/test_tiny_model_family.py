@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from sglang_hs import tiny_model
 
@@ -122,3 +123,54 @@ def test_kimi_k25_is_a_wrapper_config_sglang_reads_without_remote_code():
     assert names and all(n.startswith("language_model.") for n in names)
     assert "language_model.model.layers.1.mlp.experts.7.gate_proj.weight" in names
     assert type(tiny_model.hf_config(ckpt, "kimi-k25")).__name__ == "DeepseekV3Config"
+
+
+def _norm_weights(ckpt: str) -> dict:
+    """Every norm weight of a generated checkpoint (HF or Mistral names), float32."""
+    import glob
+
+    from safetensors import safe_open
+
+    out = {}
+    for shard in glob.glob(os.path.join(ckpt, "*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    out[name] = f.get_tensor(name).float()
+    return out
+
+
+@pytest.mark.parametrize("variant", list(tiny_model.VARIANTS))
+def test_every_norm_weight_is_drawn_not_one(variant):
+    """HF initialises norm weights to one, where RMSNorm(RMSNorm(x)) == RMSNorm(x): a state normalised twice
+    would pass every row judge. Every tiny checkpoint draws them from U(0.5, 1.5), per element, seeded."""
+    ckpt = tiny_model.ensure(variant)
+    norms = _norm_weights(ckpt)
+    layers = tiny_model.hf_config(ckpt, variant).num_hidden_layers
+    # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms; and the final norm
+    per_layer = 3 if variant == "v2" else 4
+    assert len(norms) == layers * per_layer + 1, sorted(norms)
+    final = norms["norm.weight" if variant in tiny_model.MISTRAL_NATIVE else
+                  "language_model.model.norm.weight" if variant in tiny_model.WRAPPED else "model.norm.weight"]
+    x = torch.randn(4, final.shape[0])
+    once = torch.nn.functional.rms_norm(x, final.shape, final, 1e-6)
+    twice = torch.nn.functional.rms_norm(once, final.shape, final, 1e-6)
+    print(variant, "final norm weight", final.min().item(), final.max().item(), "twice vs once",
+          ((twice - once).norm(dim=-1) / once.norm(dim=-1)).min().item())
+    assert ((twice - once).norm(dim=-1) / once.norm(dim=-1)).min() > 0.05  # a double norm is visible
+    for name, w in norms.items():
+        lo, hi = tiny_model.NORM_WEIGHT_RANGE
+        assert w.min() >= lo - 0.01 and w.max() <= hi + 0.01 and w.std() > 0.2, (name, w.min(), w.max(), w.std())
+
+
+def test_a_changed_generator_makes_a_new_cache_entry(monkeypatch):
+    """The cache is keyed by the generating functions' source (and the drawing ranges): a checkpoint of an
+    older generator is never picked up by a newer one."""
+    before = {v: tiny_model.path(v) for v in tiny_model.VARIANTS}
+    monkeypatch.setattr(tiny_model, "NORM_WEIGHT_RANGE", (0.9, 1.1))
+    assert all(tiny_model.path(v) != p for v, p in before.items())
+    monkeypatch.undo()
+    assert {v: tiny_model.path(v) for v in tiny_model.VARIANTS} == before
+    sources = tiny_model._GENERATOR_SOURCES
+    monkeypatch.setattr(tiny_model, "_GENERATOR_SOURCES", lambda: sources()[1:])  # as if _generate changed
+    assert all(tiny_model.path(v) != p for v, p in before.items())

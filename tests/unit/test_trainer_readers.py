@@ -188,6 +188,48 @@ def test_finalize_refuses_files_speculators_would_misread(tmp_path):
     assert cli.main(["--finalize", "--output", str(tmp_path / "mixed")]) == 2  # specforge needs no finalize
 
 
+def test_finalize_refuses_post_norm_files_speculators_would_normalise_again(tmp_path):
+    """Files of sglang-hs before --hs-last pre-norm hold the post-norm final state (metadata final_state
+    "true"); speculators applies the verifier's norm to it again, so no dataset is made of them."""
+    pytest.importorskip("datasets", reason="finalize writes a datasets dataset")
+    from safetensors.torch import load_file, save_file
+
+    sink = SafetensorsSink(str(tmp_path))
+    _write(sink, [0])
+    path = sink.path(0)
+    save_file(load_file(path), path, metadata={"format": "sglang-hs", "final_state": "true", "num_aux_layers": "3",
+                                               "fp8_scale": "none"})
+    with pytest.raises(SinkError, match="after the final norm, which speculators normalises again.*--hs-last pre-norm"):
+        sink.finalize()
+
+
+def test_specforge_run_config_the_cli_writes_is_valid_for_specforge(tmp_path):
+    """The config `specforge train --config` is pointed at validates against SpecForge 0.2.0's own schema, as
+    an offline EAGLE-3 run on the output folder."""
+    (load_config,) = _import_or_skip("specforge.config.schema", ["load_config"])
+    import json
+
+    m = {"model_path": str(tmp_path / "model"), "layer_ids": [2, 4, 5], "num_hidden_layers": 8, "context_len": 512}
+    path = tmp_path / cli.SPECFORGE_CONFIG
+    path.write_text(json.dumps(cli.specforge_config(str(tmp_path), m)))
+    cfg = load_config(str(path))
+    assert cfg.mode == "offline" and cfg.data.hidden_states_path == str(tmp_path) and cfg.data.max_length == 512
+    assert cfg.model.target_model_path == m["model_path"] and cfg.training.strategy == "eagle3"
+
+
+def test_speculators_command_line_parses_in_speculators(tmp_path):
+    """The command printed for --format safetensors is one speculators 0.9.0's own argument resolution takes,
+    with the aux ids as --target-layer-ids (the final state is not one of them)."""
+    (resolution,) = _import_or_skip("speculators.train.config", ["resolution"])
+    m = {"model_path": str(tmp_path / "model"), "layer_ids": [2, 4, 5], "num_hidden_layers": 8}
+    argv = cli.training_command(str(tmp_path), m, "safetensors", None)
+    assert argv[:2] == ["speculators", "train"]
+    ns = resolution.build_parser().parse_args(argv[2:])
+    print(vars(ns))
+    assert ns.target_layer_ids == [2, 4, 5] and ns.data_path == str(tmp_path)
+    assert ns.verifier_name_or_path == m["model_path"] and ns.hidden_states_backend == "file"
+
+
 # --- FP8 (--save-dtype fp8 / fp8-per-layer): speculators' scheme, read with hs-connectors' FP8Transfer ---
 
 def _layered_sample(index, K=3, H=160):
@@ -293,3 +335,33 @@ def test_fp8_shards_merge_and_captures_of_another_dtype_are_refused(tmp_path, ca
         SafetensorsSink(str(out), other).write(99, *_layered_sample(99))
         with pytest.raises(SinkError, match="different captures"):
             SafetensorsSink(str(out)).finalize()
+
+
+def test_token_freq_is_what_each_trainer_counts(tmp_path):
+    """finalize writes token_freq.pt, the {token: count} of the loss-masked tokens speculators reads with
+    --draft-vocab-size: equal to what speculators' own save_token_frequency_distribution counts over the
+    dataset, and to what SpecForge 0.2.0 counts over the same samples in its layout to build its d2t/t2d
+    (count_effective_feature_tokens). A d2t/t2d cache speculators left from earlier files is removed."""
+    (save_freq, build_maps) = _import_or_skip("speculators.train.vocab_mapping", [
+        "save_token_frequency_distribution", "build_vocab_mappings_from_distribution"])
+    (count_specforge,) = _import_or_skip("specforge.training.vocab_mapping", ["count_effective_feature_tokens"])
+    import datasets
+
+    out = tmp_path / "st"
+    sink = SafetensorsSink(str(out))
+    written = _write(sink, [0, 1, 2, 5, 9])
+    (out / "d2t-64.npy").write_bytes(b"stale")
+    (out / "t2d-64.npy").write_bytes(b"stale")
+    assert sink.finalize() == {"rows": 5}
+    ours = torch.load(out / "token_freq.pt", weights_only=True)
+    assert not (out / "d2t-64.npy").exists() and not (out / "t2d-64.npy").exists()
+    ds = datasets.load_from_disk(str(out))
+    save_freq(ds, tmp_path / "theirs.pt")
+    assert ours == torch.load(tmp_path / "theirs.pt", weights_only=True)
+    assert sum(ours.values()) == sum(int(m.sum()) for _, m, _, _ in written.values())
+    sf = SpecForgeSink(str(tmp_path / "sf"))
+    for i, sample in written.items():
+        sf.write(i, *sample)
+    assert dict(count_specforge(str(tmp_path / "sf"))) == ours
+    d2t, t2d = build_maps(ours, draft_vocab_size=16, target_vocab_size=32000)  # what --draft-vocab-size 16 builds
+    assert int(t2d.sum()) == 16 and set((d2t + torch.arange(16)).tolist()) <= set(ours) | set(range(16))
