@@ -116,7 +116,15 @@ class _CapturingDeepseekModel(OriginalDeepseekV2Model):
         out = super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         if self.hs_spec is None:
             return out
-        return fixed_capture_output(out, self.hs_spec, forward_batch.forward_mode.name)
+        mode = forward_batch.forward_mode.name
+        hidden, aux = fixed_capture_output(out, self.hs_spec, mode)
+        if self.hs_spec.pre_norm:
+            # Returned with the layers, [T, (K+1)*H], never left on the norm for the outer forward to pick up:
+            # SGLang's prefill CUDA graphs (breakable and full) capture this forward alone and, at replay, hand
+            # the outer forward the graph's outputs without running any of this Python (the runner swaps
+            # `forward` for its replay), so only what this forward returns is refreshed by a replay.
+            aux = torch.cat([aux, self.hs_take_pre_norm(hidden, mode)], dim=1)
+        return hidden, aux
 
     def hs_take_pre_norm(self, hidden: torch.Tensor, mode: str) -> torch.Tensor:
         """The final pre-norm state of the step just run, [T, H] in the model's dtype."""
@@ -193,8 +201,11 @@ class _HiddenStateOverlay:
             hidden, aux = self.model(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         if self._hs_hang_in_warmup and getattr(forward_batch, "rids", None):
             _maybe_hang("warmup")
+        pre = None
+        if self.hs_spec.pre_norm:  # the inner model returned it after the layers (_CapturingDeepseekModel.forward)
+            k = len(self.hs_spec.layers) * self.hs_spec.hidden_size
+            aux, pre = aux[:, :k], aux[:, k:]  # views: the copies take rows of any stride
         self.hs_status.saw_aux(tuple(aux.shape))  # steps are counted by the ModelRunner.forward hook
-        pre = self.model.hs_take_pre_norm(hidden, forward_batch.forward_mode.name) if self.hs_spec.pre_norm else None
         if self.hs_writer is not None:
             loc = getattr(forward_batch, "out_cache_loc_virtual", None)
             rows, last = self.hs_spec.pack(aux, hidden, pre)
