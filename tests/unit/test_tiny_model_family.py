@@ -147,8 +147,9 @@ def test_every_norm_weight_is_drawn_not_one(variant):
     ckpt = tiny_model.ensure(variant)
     norms = _norm_weights(ckpt)
     layers = tiny_model.hf_config(ckpt, variant).num_hidden_layers
-    # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms; and the final norm
-    per_layer = 3 if variant == "v2" else 4
+    # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms (V3.2: and its DSA
+    # indexer's key norm); and the final norm
+    per_layer = {"v2": 3, "v32": 5}.get(variant, 4)
     assert len(norms) == layers * per_layer + 1, sorted(norms)
     final = norms["norm.weight" if variant in tiny_model.MISTRAL_NATIVE else
                   "language_model.model.norm.weight" if variant in tiny_model.WRAPPED else "model.norm.weight"]
