@@ -77,6 +77,10 @@ def check_server_args(cfg) -> None:
         and "--enable-unified-memory: its pool translates KV slot ids and moves KV between pages; drop it",
         (getattr(cfg, "dcp_size", 1) or 1) > 1
         and "--dcp-size > 1 (decode context parallel): KV slots are widened and split over ranks; use --tp",
+        # Not a stale slot but an unnamed teacher: a request's rows would be those of the base model with
+        # its adapter applied, and nothing in a record says which adapter (or none) that was.
+        getattr(cfg, "enable_lora", False)
+        and "--enable-lora: a record would not say which LoRA adapter computed its rows; serve the target without adapters",
     ]
     for message in refusals:
         if message:

@@ -40,6 +40,7 @@ REFUSED = [
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
     (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
     (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"], "--enable-lora"),
 ]
 
 # Audited and left allowed (see the comment in check_server_args): none puts KV into a slot without a
