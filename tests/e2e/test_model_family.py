@@ -25,8 +25,9 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   attention select keys per request.
 
 See sglang_hs/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
-time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus the
-final state: id 1 first (the id list upstream's set_eagle3_layers_to_capture would shift by one), the
+time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
+final states (`--hs-last both`: post-norm, and pre-norm judged against the input of HF's final norm but
+for the bf16-served Mistral): id 1 first (the id list upstream's set_eagle3_layers_to_capture would shift by one), the
 input of the first MoE layer's successor, and the last layer's input.
 
 Each row is judged on its own (see test_exact_rows.py for the measurements behind the rule): within
@@ -44,7 +45,7 @@ import pytest
 import requests
 
 import row_judge
-from conftest import CHUNK, _serve
+from conftest import CHUNK, _serve, hf_states
 from sglang_hs import HiddenStateReader, tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -78,7 +79,7 @@ def family(request, tmp_path_factory):
     hf = _hf_reference(ckpt, variant)
     t0 = time.monotonic()
     gen = _serve(tmp_path_factory.mktemp(f"hs-{variant}") / "dump",
-                 ["--model-path", ckpt, *FAMILIES[variant], "--dtype", "float32", "--hs-last",
+                 ["--model-path", ckpt, *FAMILIES[variant], "--dtype", "float32", "--hs-last", "both",
                   "--hs-layers", ",".join(map(str, LAYERS)), "--chunked-prefill-size", str(CHUNK)])
     server = next(gen)
     print(f"{variant}: server ready in {time.monotonic() - t0:.1f}s")
@@ -114,9 +115,8 @@ def _hf_reference(ckpt, variant):
     assert type(model.config).__name__ == {"v2": "DeepseekV2Config", "mistral-large-3": "Mistral4Config",
                                            "v32": "DeepseekV32Config"}.get(variant, "DeepseekV3Config")
 
-    def hidden_states(ids):
-        with torch.no_grad():
-            return [h[0] for h in model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states]
+    def hidden_states(ids):  # output_hidden_states, and the final norm's input as .pre_norm (--hs-last both)
+        return hf_states(model, ids)
 
     # Kimi-K2's folder declares remote config code, which AutoTokenizer reads too (as for the real one).
     hidden_states.tok = transformers.AutoTokenizer.from_pretrained(ckpt, trust_remote_code=variant == "kimi-k2")
