@@ -105,6 +105,11 @@ def request_key(req) -> Optional[int]:
     return None if params is None else id(params)
 
 
+def _rid_message(why: str) -> str:
+    return (f"sglang-hs: request refused: {why}; hidden-state records hold request ids of at most {MAX_RID_BYTES} "
+            "bytes (utf-8)")
+
+
 class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
                  timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
@@ -124,7 +129,6 @@ class AdmissionControl:
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
         self.held_since: Dict[str, float] = {}
         self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
-        self._refused_batch: Dict[int, int] = {}  # id(member of a batch refused for a too long rid) -> that length
         self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0}
         self.stats.update({f"skipped_{r}": 0 for r in REASON_CODE})
         self._last_reconcile = self._last_log = self._last_skip_log = 0.0
@@ -161,8 +165,11 @@ class AdmissionControl:
                 longest = max(len(str(r.rid).encode()) for r in msg.batch)
                 for req in msg.batch:  # each member like a single request; re-wrapped on the way out
                     self._batch_of[id(req)] = msg
-                    if longest > MAX_RID_BYTES:  # the client gets one answer for the batch: a refusal
-                        self._refused_batch[id(req)] = longest
+                    # the client gets one answer for the batch: a refusal, decided here (no state kept for later)
+                    why = self._batch_refusal(req, msg, longest, known_rids) if longest > MAX_RID_BYTES else None
+                    if why is not None:
+                        out += self._refuse(req, _rid_message(why), 400)
+                        continue
                     self.held.append(req)
                     self.held_since.setdefault(str(req.rid), now)
             elif isinstance(msg, TokenizedGenerateReqInput):
@@ -185,10 +192,9 @@ class AdmissionControl:
         blocked = False  # a captured request is waiting for room: captured ones behind it wait too (FIFO)
         for req in self.held:
             rid = str(req.rid)
-            why = self._rid_refusal(req, known_rids)
-            if why is not None:  # no record could name it: refused before it runs
-                out += self._refuse(req, f"sglang-hs: request refused: {why}; hidden-state records hold request ids "
-                                         f"of at most {MAX_RID_BYTES} bytes (utf-8)", 400)
+            n = len(rid.encode())
+            if n > MAX_RID_BYTES:  # no record could name it: refused before it runs
+                out += self._refuse(req, _rid_message(f"request id of {n} bytes"), 400)
                 continue
             if rid.startswith(_NEVER_SELECTED):  # health checks, the warm-up: never recorded, never held
                 out.append(self._admit(req))
@@ -233,19 +239,17 @@ class AdmissionControl:
         self.stats["held_now"] = len(self.held)
         return self._rewrap(out) if self._batch_of else out
 
-    def _rid_refusal(self, req, known_rids) -> Optional[str]:
-        """Why `req` is refused for a request id too long for a record (its own, or another member's of its
-        batch, which the client gets one answer for), else None. A batch member whose rid prefixes another
-        live request's goes in (an abort by prefix would take that one too)."""
+    def _batch_refusal(self, req, batch, longest: int, known_rids) -> Optional[str]:
+        """Why member `req` of `batch`, which holds a request id of `longest` bytes (too long for a record),
+        is refused with it: the client gets one answer for the batch. None: its rid prefixes another live
+        request's (an abort by prefix would take that one too), so it goes in like a single request."""
         rid = str(req.rid)
         n = len(rid.encode())
-        longest = self._refused_batch.pop(id(req), None)
         if n > MAX_RID_BYTES:
             return f"request id of {n} bytes"
-        if longest is None:
-            return None
         live = set(known_rids() or ()) if known_rids is not None else set()
         live.update(str(h.rid) for h in self.held)
+        live.update(str(r.rid) for r in batch.batch)
         if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
             return None
         return f"a request id of {longest} bytes in its batch"

@@ -90,7 +90,29 @@ def test_a_batch_holding_a_too_long_rid_is_refused_whole_and_one_without_goes_in
     assert sorted(r.rid for r in _members(out)) == sorted(r.rid for r in batch.batch)
     _check_aborts(out, ["m-0", "b" * (MAX_RID_BYTES + 1), "m-2"], "request id of 65536 bytes")
     assert "in its batch" in next(m for m in out if isinstance(m, AbortReq)).abort_message
-    assert "ok" in adm.reserved and "m-0" not in adm.reserved and not adm.held and not adm._refused_batch
+    assert "ok" in adm.reserved and "m-0" not in adm.reserved and not adm.held
+
+
+def test_a_refused_batch_aborted_in_the_same_pull_leaves_nothing_that_refuses_a_later_request():
+    """A batch holding a too long rid and an abort of everything arrive in one pull. Before, each member was
+    flagged by id() to be refused later and the abort took the held members in without clearing the flags:
+    a later, unrelated request allocated at a freed member's address got a 400 (CPython reuses addresses)."""
+    import gc
+
+    adm = _adm()
+    rids = [f"m-{i}" for i in range(8)] + ["b" * (MAX_RID_BYTES + 1)]
+    out = adm.filter([BatchTokenizedGenerateReqInput(batch=[_req(r) for r in rids]), AbortReq(abort_all=True)])
+    assert sorted(r.rid for r in _members(out)) == sorted(rids)
+    assert all(isinstance(m, AbortReq) for m in out[1::2])  # each member goes in before its own abort
+    del out
+    gc.collect()
+    for i in range(200):  # fresh requests: some are allocated where the batch's members were
+        innocent = _req(f"innocent-{i}")
+        out = adm.filter([innocent])
+        assert out == [innocent], f"innocent-{i} refused: {[getattr(m, 'abort_message', m) for m in out]}"
+        adm.release(innocent.rid, Finished(innocent))
+        del out, innocent
+    assert adm.reserved_bytes() == 0 and adm.stats["failed"] == len(rids)
 
 
 # --- item 6: rids used again -------------------------------------------------------------------------
