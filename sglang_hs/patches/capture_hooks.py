@@ -177,7 +177,7 @@ def _after_collect(self, req) -> None:
     said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]))
     worker = _finish_worker(self)
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
-        worker.submit(str(req.rid), tokens[:T], slots, **said)
+        worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket)
         return
     _admission.drop(ticket)
     try:
@@ -194,7 +194,7 @@ def _publish_marker(processor, rid: str, reason: str, marked: bool, ticket=None)
         return
     worker = _finish_worker(processor)
     if worker is not None:  # in order with the records; the reservation goes when it is published
-        worker.submit_marker(rid, reason)
+        worker.submit_marker(rid, reason, ticket=ticket)
         return
     _admission.drop(ticket)
     try:

@@ -119,8 +119,8 @@ class AdmissionControl:
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
         # used again (a retry while the old request's record is still being published, a duplicate) has one
-        # ticket per request: a finish finds its own by request_key, and the finish worker, which publishes in
-        # the order it was handed requests, releases them in that order (_finishing).
+        # ticket per request: a finish finds its own by request_key and hands it to the finish worker with the
+        # record, which releases that very ticket once published (_finishing: finished, not released yet).
         self._tickets: Dict[str, List[Ticket]] = {}  # rid -> tickets, in admission order
         self._by_key: Dict[int, Ticket] = {}
         self._finishing: Dict[str, Deque[Ticket]] = {}  # rid -> tickets finished and not released, in that order
@@ -300,8 +300,8 @@ class AdmissionControl:
 
     def finish(self, rid: str, req=None) -> Optional[Ticket]:
         """The request finished: its ticket (None: it has none, e.g. a health check), now finishing; its ring
-        room stays reserved until `drop(ticket)` or, for a record or marker handed to the finish worker,
-        `release_reservation(rid)`."""
+        room stays reserved until `drop(ticket)` or, for a record or marker handed to the finish worker (with
+        its ticket), `release_reservation(rid, ticket)`."""
         rid = str(rid)
         ticket = self._find(rid, req, finishing_too=False)
         if ticket is not None and not any(ticket is f for f in self._finishing.get(rid, ())):
@@ -417,12 +417,12 @@ class AdmissionControl:
 
     def release(self, rid: str, req=None) -> None:
         """Request `req` (rid `rid`) is done without a record handed to the finish worker (aborted, nothing
-        to publish, published on the scheduler thread): its ticket goes."""
-        self.drop(self._find(str(rid), req))
+        to publish, published on the scheduler thread): its ticket goes. Never one already finishing: that
+        one belongs to a request of the same rid whose record the finish worker still publishes."""
+        self.drop(self._find(str(rid), req, finishing_too=False))
 
-    def release_reservation(self, rid: str) -> None:
-        """The finish worker published a record or marker of `rid`: it publishes in the order it was handed
-        them, so that is the oldest finishing ticket of `rid`; newer requests with the same rid keep theirs."""
-        finishing = self._finishing.get(str(rid))
-        if finishing:
-            self.drop(finishing[0])
+    def release_reservation(self, rid: str, ticket: Optional[Ticket]) -> None:
+        """The finish worker published (or failed to publish) a record or marker of `rid`, handed over with
+        `ticket`: that very ticket goes (None: the request had none left, e.g. reconciled away; then nothing
+        goes: another request of that rid keeps its own)."""
+        self.drop(ticket)

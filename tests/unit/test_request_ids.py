@@ -123,19 +123,21 @@ def test_a_retry_while_the_old_record_is_being_published_keeps_its_own_reservati
     adm = _adm()
     a, b = _req("x", prompt=30), _req("x", prompt=300)
     adm.filter([a])
-    assert adm.take_decision("x", Finished(a)) is None  # captured; handed to the worker
+    ticket_a = adm.finish("x", Finished(a))  # captured; handed to the worker with its ticket
+    assert ticket_a.decision is None
     adm.filter([b])
     assert adm.reserved_bytes() == adm.need(a) + adm.need(b)
-    adm.release_reservation("x")  # the worker published A's record
+    adm.release_reservation("x", ticket_a)  # the worker published A's record
     assert adm.reserved == {"x": adm.need(b)}
-    assert adm.take_decision("x", Finished(b)) is None
-    adm.release_reservation("x")
+    ticket_b = adm.finish("x", Finished(b))
+    assert ticket_b is not ticket_a and ticket_b.decision is None
+    adm.release_reservation("x", ticket_b)
     assert adm.reserved == {} and adm.reserved_bytes() == 0
 
 
 def test_duplicates_in_flight_find_their_own_decision_and_reservation_in_any_finish_order():
     """Two requests with one rid in flight, one captured (opted in), one not: whichever finishes first gets
-    its own decision (a record, or a marker) and the worker's releases go in the order it was handed them."""
+    its own decision (a record, or a marker), and the worker's releases drop the tickets it was handed."""
     for first in ("plain", "opted"):
         adm = _adm(mode="opt-in")
         plain, opted = _req("d"), _req("d", prompt=200, custom_params={"hs_capture": True})
@@ -144,12 +146,34 @@ def test_duplicates_in_flight_find_their_own_decision_and_reservation_in_any_fin
         assert adm.reserved_bytes() == marker + need
         order = [plain, opted] if first == "plain" else [opted, plain]
         want = {id(plain): ("not_opted_in", True), id(opted): None}
+        handed = []
         for msg in order:  # both finish and are handed to the worker before it publishes either
-            assert adm.take_decision("d", Finished(msg)) == want[id(msg)]
-        adm.release_reservation("d")  # the first handed over is published first
+            handed.append(adm.finish("d", Finished(msg)))
+            assert handed[-1].decision == want[id(msg)]
+        adm.release_reservation("d", handed[0])  # the first handed over is published first
         assert adm.reserved_bytes() == (need if first == "plain" else marker)
-        adm.release_reservation("d")
+        adm.release_reservation("d", handed[1])
         assert adm.reserved_bytes() == 0 and not adm.reserved and not adm.decided
+
+
+def test_a_ticketless_request_never_releases_a_ticket_the_finish_worker_still_needs():
+    """A is handed to the finish worker; B, a request of the same rid with no ticket left (reconciled away, or
+    one a finish could not match), is aborted, then another finishes and is handed over ticketless. Neither
+    may take A's reservation while A's record is still to be published (before: release() and the worker's
+    release by rid order dropped A's ticket: reserved == {} while A was pending, and admission over-committed)."""
+    adm = _adm()
+    a, b = _req("x", prompt=30), _req("x", prompt=300)
+    adm.filter([a])
+    ticket_a = adm.finish("x", Finished(a))  # handed to the worker
+    adm.release("x", Finished(b))  # B aborted: it has no ticket of its own
+    assert adm.reserved == {"x": adm.need(a)}
+    c = _req("x", prompt=40)
+    ticket_c = adm.finish("x", Finished(c))  # C (never admitted here) finishes: nothing of its own either
+    assert ticket_c is None
+    adm.release_reservation("x", ticket_c)  # the worker published C's record first
+    assert adm.reserved == {"x": adm.need(a)}
+    adm.release_reservation("x", ticket_a)
+    assert adm.reserved_bytes() == 0
 
 
 def test_an_aborted_duplicate_releases_its_own_ticket_and_a_reconcile_keeps_a_live_rid():
