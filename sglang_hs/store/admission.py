@@ -54,7 +54,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from sglang_hs.store.ring import MAX_RID_BYTES, SKIP_REASONS, record_bytes
 
@@ -95,14 +95,10 @@ class Ticket:
     rid: str
     nbytes: int  # 0: nothing reserved (an unmarked skip, an oversized request)
     decision: Optional[tuple] = None  # (reason, marker reserved) when served without capture; None: captured
-    key: Optional[int] = None  # id() of its sampling params: the scheduler's Req holds that very object
-
-
-def request_key(req) -> Optional[int]:
-    """What tells two requests with one rid apart: the identity of their sampling params, which SGLang's
-    scheduler hands from the message admission saw to the Req it finishes (Scheduler.handle_generate_request)."""
-    params = getattr(req, "sampling_params", None)
-    return None if params is None else id(params)
+    # The sampling params object of its message, held: SGLang's scheduler usually hands that very object on
+    # to the Req it finishes (Scheduler.handle_generate_request), and while the ticket holds it no other
+    # object can be made at its address. Compared by identity only.
+    params: Any = None
 
 
 def _rid_message(why: str) -> str:
@@ -119,10 +115,9 @@ class AdmissionControl:
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
         # used again (a retry while the old request's record is still being published, a duplicate) has one
-        # ticket per request: a finish finds its own by request_key and hands it to the finish worker with the
+        # ticket per request: a finish finds its own (_find) and hands it to the finish worker with the
         # record, which releases that very ticket once published (_finishing: finished, not released yet).
         self._tickets: Dict[str, List[Ticket]] = {}  # rid -> tickets, in admission order
-        self._by_key: Dict[int, Ticket] = {}
         self._finishing: Dict[str, Deque[Ticket]] = {}  # rid -> tickets finished and not released, in that order
         region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
         self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
@@ -279,21 +274,23 @@ class AdmissionControl:
 
     # --- tickets -------------------------------------------------------------------------------------
     def _add(self, req, nbytes: int, decision: Optional[tuple]) -> None:
-        ticket = Ticket(str(req.rid), nbytes, decision, request_key(req))
+        ticket = Ticket(str(req.rid), nbytes, decision, getattr(req, "sampling_params", None))
         self._tickets.setdefault(ticket.rid, []).append(ticket)
-        if ticket.key is not None:
-            self._by_key[ticket.key] = ticket
 
     def _find(self, rid: str, req=None, finishing_too: bool = True) -> Optional[Ticket]:
-        """The ticket of `req` (rid `rid`): by its sampling params' identity; else its rid's oldest ticket
-        not finishing yet, else (`finishing_too`) its oldest."""
+        """The ticket of `req` (rid `rid`): the one holding its very sampling params object; else its rid's
+        oldest ticket not finishing yet, else (`finishing_too`) its oldest. The fallback is exact for a rid
+        in flight once; for a rid used again it assumes first in, first out. It applies where SGLang's Req
+        holds another params object than the message did: Req.__init__ copies them for a request with a
+        custom logit processor and a dict custom_params (schedule_batch.py); beam search replaces them."""
         tickets = self._tickets.get(rid)
         if not tickets:
             return None
-        key = request_key(req) if req is not None else None
-        ticket = self._by_key.get(key) if key is not None else None
-        if ticket is not None and ticket.rid == rid and any(t is ticket for t in tickets):
-            return ticket
+        params = getattr(req, "sampling_params", None) if req is not None else None
+        if params is not None:
+            ticket = next((t for t in tickets if t.params is params), None)
+            if ticket is not None:
+                return ticket
         finishing = self._finishing.get(rid, ())
         return next((t for t in tickets if not any(t is f for f in finishing)),
                     tickets[0] if finishing_too else None)
@@ -325,8 +322,6 @@ class AdmissionControl:
                     del table[ticket.rid]
                 elif len(kept) != len(entries):
                     table[ticket.rid] = kept if table is self._tickets else collections.deque(kept)
-        if ticket.key is not None and self._by_key.get(ticket.key) is ticket:
-            del self._by_key[ticket.key]
 
     def reserved_bytes(self) -> int:
         return sum(t.nbytes for tickets in self._tickets.values() for t in tickets)

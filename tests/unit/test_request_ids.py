@@ -4,6 +4,9 @@ is still in flight or still being published (a retry, a duplicate): each request
 reservation and decision, released by its own finish, and the reader answers each request of a rid with
 its own outcome (record or marker), oldest first. Real SGLang io_struct messages and AdmissionControl, a
 stand-in ring; the reader reads a real ring written by CaptureWriter."""
+import copy
+import gc
+
 import pytest
 import torch
 
@@ -174,6 +177,45 @@ def test_a_ticketless_request_never_releases_a_ticket_the_finish_worker_still_ne
     assert adm.reserved == {"x": adm.need(a)}
     adm.release_reservation("x", ticket_a)
     assert adm.reserved_bytes() == 0
+
+
+class CopiedReq:
+    """The scheduler's Req as SGLang 0.5.23 makes it for a request with a custom logit processor and a dict
+    custom_params (Req.__init__, schedule_batch.py): a shallow copy of the message's sampling params,
+    custom_params extended with "__req__". The message, and with it the params admission saw, then die."""
+
+    def __init__(self, msg):
+        params = copy.copy(msg.sampling_params)
+        params.custom_params = params.custom_params | {"__req__": None}
+        self.rid, self.sampling_params = msg.rid, params
+
+
+def test_a_finish_never_takes_another_requests_ticket_through_a_reused_params_address():
+    """A (opted in: captured) and B (not: a marker) share a rid; the scheduler's Reqs hold copies of their
+    params. A finishes first (no identity match: its rid's oldest ticket, A's own). B's copy is then made at
+    the address of A's freed params: before, the ticket table keyed by id() matched it to A's ticket, so B
+    took A's decision (a record where a marker had room reserved) and B's own ticket leaked."""
+    adm = _adm(mode="opt-in")
+    a = _req("d", custom_params={"hs_capture": True})
+    b = _req("d", custom_params={"other": 1})
+    adm.filter([a, b])
+    addr = id(a.sampling_params)
+    req_a = CopiedReq(a)
+    del a
+    gc.collect()
+    ticket_a = adm.finish("d", req_a)
+    assert ticket_a.decision is None  # captured: A's own
+    kept = []  # a copy of B's params where A's were, if that address is free (CPython reuses it)
+    for _ in range(1000):
+        req_b = CopiedReq(b)
+        if id(req_b.sampling_params) == addr:
+            break
+        kept.append(req_b)
+    ticket_b = adm.finish("d", req_b)
+    assert ticket_b is not ticket_a and ticket_b.decision == ("not_opted_in", True)
+    adm.release_reservation("d", ticket_a)
+    adm.release_reservation("d", ticket_b)
+    assert adm.reserved_bytes() == 0 and not adm.decided
 
 
 def test_an_aborted_duplicate_releases_its_own_ticket_and_a_reconcile_keeps_a_live_rid():
