@@ -238,16 +238,21 @@ class AdmissionControl:
         """Why member `req` of `batch`, which holds a request id of `longest` bytes (too long for a record),
         is refused with it: the client gets one answer for the batch. None: its rid prefixes another live
         request's (an abort by prefix would take that one too), so it goes in like a single request."""
-        rid = str(req.rid)
-        n = len(rid.encode())
+        n = len(str(req.rid).encode())
         if n > MAX_RID_BYTES:
             return f"request id of {n} bytes"
-        live = set(known_rids() or ()) if known_rids is not None else set()
-        live.update(str(h.rid) for h in self.held)
-        live.update(str(r.rid) for r in batch.batch)
-        if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
+        if self._abort_takes_another(req, known_rids, batch.batch):
             return None
         return f"a request id of {longest} bytes in its batch"
+
+    def _abort_takes_another(self, req, known_rids, also=()) -> bool:
+        """SGLang's abort of `req` (by rid prefix) would take another request with it: a live one (the
+        scheduler's, a duplicate of its rid included), one held here, or one of `also`; `req` itself is
+        told apart by identity, never by its rid."""
+        rid = str(req.rid)
+        live = list(known_rids() or ()) if known_rids is not None else []
+        live += [h.rid for h in list(self.held) + list(also) if h is not req]
+        return any(r is not None and str(r).startswith(rid) for r in live)
 
     def marker_need(self, rid: str) -> int:
         return 2 * record_bytes(0, self.P, self.H, self.elem, len(str(rid).encode()))
@@ -383,12 +388,11 @@ class AdmissionControl:
         expired = [h for h in self.held if now - self.held_since.get(str(h.rid), now) > self.timeout]
         if not expired:
             return []
-        live = set(known_rids() or ()) if known_rids is not None else set()
-        live.update(str(h.rid) for h in self.held)
+        known, held = (known_rids() if known_rids is not None else None), list(self.held)
         out = []
         for req in expired:
             rid = str(req.rid)
-            if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
+            if self._abort_takes_another(req, lambda: known, held):
                 continue  # SGLang's abort matches by prefix: it would take a bystander with it
             message = (f"sglang-hs: request {rid} held {now - self.held_since[rid]:.0f}s by admission control: the "
                        f"hidden-state output ring stayed full (is the reader of {self.ring_name} running?); "

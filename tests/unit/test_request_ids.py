@@ -96,6 +96,43 @@ def test_a_batch_holding_a_too_long_rid_is_refused_whole_and_one_without_goes_in
     assert "ok" in adm.reserved and "m-0" not in adm.reserved and not adm.held
 
 
+def test_a_member_whose_abort_would_take_a_live_duplicate_of_its_rid_is_not_refused():
+    """SGLang aborts by rid prefix, and a rid is a prefix of itself: refusing the batch member "dup" while
+    another request "dup" is live (or held) would abort that one too. Only the member itself is left out of
+    the bystander check, by identity (before: by equal rid, so live duplicates were not seen)."""
+    long_rid = "b" * (MAX_RID_BYTES + 1)
+    for live, held_first in (({"dup"}, False), (set(), True)):
+        adm = _adm()
+        before = []
+        if held_first:  # a "dup" waits in admission (the ring is full for it) when the batch arrives
+            adm.ring.free = 0
+            before = [_req("dup")]
+            assert adm.filter(before) == [] and [h.rid for h in adm.held] == ["dup"]
+            adm.ring.free = adm.ring.capacity
+        batch = BatchTokenizedGenerateReqInput(batch=[_req("m-0"), _req(long_rid), _req("dup")])
+        out = adm.filter([batch], known_rids=lambda: live)
+        _check_aborts(out, ["m-0", long_rid], "request id of 65536 bytes")
+        assert sorted(r.rid for r in _members(out)) == sorted(["m-0", long_rid, "dup"] + ["dup"] * held_first)
+        assert adm.reserved == {"dup": (1 + held_first) * adm.need(_req("dup"))} and not adm.held
+
+
+def test_a_held_request_past_the_time_limit_is_not_failed_into_a_live_duplicate(monkeypatch):
+    import types
+
+    import sglang_hs.store.admission as admission_mod
+
+    t = [1000.0]
+    monkeypatch.setattr(admission_mod, "time", types.SimpleNamespace(monotonic=lambda: t[0]))
+    adm = _adm(timeout=30)
+    adm.ring.free = 0
+    assert adm.filter([_req("dup")]) == []
+    t[0] += 31
+    assert adm.filter([], known_rids=lambda: {"dup"}) == []  # its abort would take the live "dup"
+    assert [h.rid for h in adm.held] == ["dup"]
+    out = adm.filter([], known_rids=set)  # that one is gone: now it fails
+    assert [getattr(m, "rid", None) for m in out] == ["dup", "dup"] and isinstance(out[1], AbortReq)
+
+
 def test_a_refused_batch_aborted_in_the_same_pull_leaves_nothing_that_refuses_a_later_request():
     """A batch holding a too long rid and an abort of everything arrive in one pull. Before, each member was
     flagged by id() to be refused later and the abort took the held members in without clearing the flags:
