@@ -44,7 +44,7 @@ def _after_init_capturers(self) -> None:
         envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
         model_path=self.model_config.model_path,
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
-        device=self.device, context_len=self.model_config.context_len,
+        device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
         # one writer per DP attention group
         writer_id=getattr(par, "attn_dp_rank", 0), num_writers=getattr(par, "attn_dp_size", 1),
