@@ -158,10 +158,15 @@ class AdmissionControl:
         for msg in pulled:
             if isinstance(msg, Batch) and len(msg.batch) > 0:
                 longest = max(len(str(r.rid).encode()) for r in msg.batch)
+                if longest > MAX_RID_BYTES and known_rids is not None:
+                    known = known_rids()  # asked once for the whole batch
+                    live = lambda: known  # noqa: E731
+                else:
+                    live = known_rids
                 for req in msg.batch:  # each member like a single request; re-wrapped on the way out
                     self._batch_of[id(req)] = msg
                     # the client gets one answer for the batch: a refusal, decided here (no state kept for later)
-                    why = self._batch_refusal(req, msg, longest, known_rids) if longest > MAX_RID_BYTES else None
+                    why = self._batch_refusal(req, msg, longest, live) if longest > MAX_RID_BYTES else None
                     if why is not None:
                         out += self._refuse(req, _rid_message(why), 400)
                         continue
