@@ -210,7 +210,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                         raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
                     for other in reader.ready_rids():  # records of others' requests: not ours to keep
                         if not other.startswith(ours):
-                            reader.pop_ready(other)
+                            reader.discard(other)
                     rec = reader.pop_ready(rid)
                 if rec is None and reader.not_captured(rid):
                     raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: served without capture "

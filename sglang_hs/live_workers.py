@@ -307,7 +307,7 @@ class RecordRouter:
                 self.reader.poll()
                 for rid in self.reader.ready_rids():
                     if not rid.startswith(ours):  # others' requests: not ours to keep
-                        self.reader.pop_ready(rid)
+                        self.reader.discard(rid)
                         continue
                     worker = rid[len(ours):].split("-", 1)[0]
                     worker = int(worker) if worker.isdigit() else -1
@@ -315,7 +315,7 @@ class RecordRouter:
                         asked.pop(rid, None)
                         _send(by_worker[worker], ("record", self.reader.pop_ready(rid)))
                     elif worker in ended or not 0 <= worker < self.num_workers:  # nobody to take it
-                        self.reader.pop_ready(rid)
+                        self.reader.discard(rid)
                     # else: a worker that has not joined yet; it gets the record when it does
                 for rid, conn in list(asked.items()):
                     reason = self.reader.not_captured(rid)

@@ -450,6 +450,20 @@ class HiddenStateReader:
         for a take()), else None (never waits)."""
         return self._pop(rid) if rid in self._ready and not self._marker_first(rid) else None
 
+    def discard(self, rid: str) -> int:
+        """Drop every outcome of `rid` brought in so far, records and markers alike (another client's
+        requests, or one the consumer gave up on), acknowledging the records so their ring bytes go back
+        to the server. Returns how many records were dropped. (pop_ready answers None while an older
+        marker of the rid waits: a loop that discards with it would keep the record, and with ack=True
+        its bytes and every later record's, for good.)"""
+        n = 0
+        while rid in self._ready:
+            self.ack(self._pop(rid))
+            n += 1
+        for arrival in self._marks.pop(rid, ()):
+            self._skipped.pop(arrival, None)
+        return n
+
     def not_captured(self, rid: str) -> Optional[str]:
         """Why request `rid` has no record, when the oldest outcome waiting for that rid is a marker, else
         None (never waits; the marker stays for take())."""

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from sglang_hs.supervisor import LAUNCHER_EXIT_AFTER_STOP_S
 
@@ -88,20 +88,32 @@ def server_session(output: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def processes_in_session(sid: int) -> List[int]:
-    """Live pids of session `sid`: the launcher starts the server as a new session, and every process
-    SGLang spawns stays in it (command lines and environments are no guide: schedulers rename themselves)."""
+def _stat(pid) -> Optional[Tuple[str, int, int]]:
+    """(state, session id, start time in clock ticks since boot) of process `pid`, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[3]), int(fields[19])  # stat fields 3, 6 and 22
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def start_time(pid: int) -> Optional[int]:
+    st = _stat(pid)
+    return None if st is None else st[2]
+
+
+def processes_in_session(sid: int, since: Optional[int] = None) -> List[int]:
+    """Live pids of session `sid` (started at or after `since`, a start time, when given): the launcher
+    starts the server as a new session, and every process SGLang spawns stays in it (command lines and
+    environments are no guide: schedulers rename themselves)."""
     pids = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
-                pids.append(int(d))
-        except (OSError, IndexError, ValueError):
-            pass
+        st = _stat(d)
+        if st is not None and st[1] == sid and st[0] != "Z" and (since is None or st[2] >= since):
+            pids.append(int(d))
     return pids
 
 
@@ -132,11 +144,13 @@ class ServerProcess:
             os.close(fd)
         self.log_path = log_path
         self._sid: Optional[int] = None
+        self._sid_start: Optional[int] = None  # the session leader's start time, read with the session
         self.cmd = [*(launcher or [sys.executable, "-m", "sglang_hs.launch_server"]), *launcher_args,
                     "--host", host, "--port", str(self.port)]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._launched = start_time(self.proc.pid)  # our child, not yet waited for: this very launcher
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -160,36 +174,53 @@ class ServerProcess:
             time.sleep(0.3)
 
     def session(self) -> Optional[int]:
-        """The server's session id, as the launcher reported it at the head of its log (None before)."""
+        """The server's session id, as the launcher reported it at the head of its log (None before). Its
+        leader's start time is read with it: once the leader is gone its pid may be reused."""
         if self._sid is None:
             try:
                 with open(self.log_path, "rb") as f:
                     self._sid = server_session(f.read(SESSION_LOG_HEAD).decode(errors="replace"))
             except OSError:
                 pass
+            if self._sid is not None:
+                start = start_time(self._sid)
+                if start is not None and (self._launched is None or start >= self._launched):
+                    self._sid_start = start  # the leader the launcher started (not a later process of that pid)
         return self._sid
+
+    def _server_processes(self) -> List[int]:
+        """Live processes of the server's session; none once that session is gone and its leader's pid leads
+        another. (The kernel reuses no pid while a process of its session lives: a leader pid with another
+        start time means every process of ours is gone. Those started before our leader, or before the
+        launcher when the leader was never seen, are not ours either.)"""
+        sid = self.session()
+        if not sid:
+            return []
+        if self._sid_start is not None:
+            now = start_time(sid)
+            if now is not None and now != self._sid_start:
+                return []
+        return processes_in_session(sid, since=self._sid_start if self._sid_start is not None else self._launched)
 
     def pids(self) -> List[int]:
         """The launcher and every process of the server session it reported."""
-        sid = self.session()
-        return [self.proc.pid] + (processes_in_session(sid) if sid else [])
+        return [self.proc.pid] + self._server_processes()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def _kill_session(self) -> List[int]:
         """SIGKILL every live process of the server's session and wait (at most KILL_WAIT_S) until none is
-        left; returns the pids killed. (A session id is not reused while a process of that session lives,
-        so these are the server's.)"""
-        sid = self.session()
-        pids = processes_in_session(sid) if sid else []
+        left; returns the pids killed. Only the server's: _server_processes tells them from a later session
+        that got the same id after every process of the server's was gone."""
+        pids = self._server_processes()
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + KILL_WAIT_S
-        while pids and processes_in_session(sid) and time.monotonic() < deadline:
+        while pids and self._server_processes() and time.monotonic() < deadline:
             time.sleep(0.05)  # SIGKILLed: gone at their next scheduling (one in disk sleep, later)
         return pids
 

@@ -583,10 +583,8 @@ class Extraction:
             raise ExtractError(fatal)
 
     def _drop(self, rid: str) -> None:
-        """Forget the record of `rid` if it came, giving its ring bytes back."""
-        rec = self.reader.pop_ready(rid)
-        if rec is not None:
-            self.reader.ack(rec)
+        """Forget every record (and marker) of `rid` that came, giving their ring bytes back."""
+        self.reader.discard(rid)
 
     def _idle(self) -> None:
         """Nothing progressed: sleep until a reply arrives, or briefly while a replied sample's record is

@@ -9,9 +9,11 @@ SGLang checks a request twice:
   or more, where `max_req_input_len = min(context_len - 1, kv_capacity - 1) - 5` (`TpModelWorker.
   get_worker_info`; the KV pool's tokens as the scheduler counts them), and reports it in /server_info.
 
-The server's own `max_req_input_len` (from /server_info) is used when it answers; else the same formula
-on the dump's manifest (its store has a slot per KV token plus a page, so this bound is at most a page
-too generous).
+The server's own `max_req_input_len` (from /server_info) is used when it answers (it may not: behind
+--api-key); else the same formula on the dump's manifest: its store has a slot per KV token plus a page
+(`num_slots` = pool + `page_size`), so the page is taken off (a manifest without `page_size`, from an
+older server, takes off 1 and may be a page too generous; a KV index translator's virtual table, as with
+decode context parallelism, makes the store larger still: there only /server_info is exact).
 """
 from __future__ import annotations
 
@@ -62,5 +64,5 @@ class RequestLimits:
                 reported = None
         if isinstance(reported, int) and reported > 0:
             return cls(context_len, reported)
-        slots = min(int(w["num_slots"]) for w in manifest["writers"])
-        return cls.of_context(context_len, slots)
+        kv_tokens = min(int(w["num_slots"]) for w in manifest["writers"]) - int(manifest.get("page_size") or 1)
+        return cls.of_context(context_len, kv_tokens)

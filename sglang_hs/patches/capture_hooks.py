@@ -45,7 +45,7 @@ def _after_init_capturers(self) -> None:
         envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
         model_path=self.model_config.model_path,
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
-        device=self.device, context_len=self.model_config.context_len,
+        device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
         # one writer per DP attention group
         writer_id=getattr(par, "attn_dp_rank", 0), num_writers=getattr(par, "attn_dp_size", 1),
@@ -192,7 +192,7 @@ def _after_collect(self, req) -> None:
     said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]))
     worker = _finish_worker(self)
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
-        worker.submit(str(req.rid), tokens[:T], slots, **said)
+        worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket)
         return
     _admission.drop(ticket)
     try:
@@ -209,7 +209,7 @@ def _publish_marker(processor, rid: str, reason: str, marked: bool, ticket=None)
         return
     worker = _finish_worker(processor)
     if worker is not None:  # in order with the records; the reservation goes when it is published
-        worker.submit_marker(rid, reason)
+        worker.submit_marker(rid, reason, ticket=ticket)
         return
     _admission.drop(ticket)
     try:

@@ -65,7 +65,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from sglang_hs.store.ring import MAX_RID_BYTES, SKIP_REASONS, record_bytes
 
@@ -127,14 +127,15 @@ class Ticket:
     rid: str
     nbytes: int  # 0: nothing reserved (an unmarked skip, an oversized request)
     decision: Optional[tuple] = None  # (reason, marker reserved) when served without capture; None: captured
-    key: Optional[int] = None  # id() of its sampling params: the scheduler's Req holds that very object
+    # The sampling params object of its message, held: SGLang's scheduler usually hands that very object on
+    # to the Req it finishes (Scheduler.handle_generate_request), and while the ticket holds it no other
+    # object can be made at its address. Compared by identity only.
+    params: Any = None
 
 
-def request_key(req) -> Optional[int]:
-    """What tells two requests with one rid apart: the identity of their sampling params, which SGLang's
-    scheduler hands from the message admission saw to the Req it finishes (Scheduler.handle_generate_request)."""
-    params = getattr(req, "sampling_params", None)
-    return None if params is None else id(params)
+def _rid_message(why: str) -> str:
+    return (f"sglang-hs: request refused: {why}; hidden-state records hold request ids of at most {MAX_RID_BYTES} "
+            "bytes (utf-8)")
 
 
 class AdmissionControl:
@@ -151,17 +152,15 @@ class AdmissionControl:
         self.sample_key, self.max_bytes = sample_key, max_bytes
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
         # used again (a retry while the old request's record is still being published, a duplicate) has one
-        # ticket per request: a finish finds its own by request_key, and the finish worker, which publishes in
-        # the order it was handed requests, releases them in that order (_finishing).
+        # ticket per request: a finish finds its own (_find) and hands it to the finish worker with the
+        # record, which releases that very ticket once published (_finishing: finished, not released yet).
         self._tickets: Dict[str, List[Ticket]] = {}  # rid -> tickets, in admission order
-        self._by_key: Dict[int, Ticket] = {}
         self._finishing: Dict[str, Deque[Ticket]] = {}  # rid -> tickets finished and not released, in that order
         region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
         self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
         self.held_since: Dict[str, float] = {}
         self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
-        self._refused_batch: Dict[int, int] = {}  # id(member of a batch refused for a too long rid) -> that length
         self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0,
                       "capture_bytes": 0}  # worst-case record bytes of the requests admitted with capture
         self.stats.update({f"skipped_{r}": 0 for r in REASON_CODE})
@@ -199,10 +198,18 @@ class AdmissionControl:
         for msg in pulled:
             if isinstance(msg, Batch) and len(msg.batch) > 0:
                 longest = max(len(str(r.rid).encode()) for r in msg.batch)
+                if longest > MAX_RID_BYTES and known_rids is not None:
+                    known = known_rids()  # asked once for the whole batch
+                    live = lambda: known  # noqa: E731
+                else:
+                    live = known_rids
                 for req in msg.batch:  # each member like a single request; re-wrapped on the way out
                     self._batch_of[id(req)] = msg
-                    if longest > MAX_RID_BYTES:  # the client gets one answer for the batch: a refusal
-                        self._refused_batch[id(req)] = longest
+                    # the client gets one answer for the batch: a refusal, decided here (no state kept for later)
+                    why = self._batch_refusal(req, msg, longest, live) if longest > MAX_RID_BYTES else None
+                    if why is not None:
+                        out += self._refuse(req, _rid_message(why), 400)
+                        continue
                     self.held.append(req)
                     self.held_since.setdefault(str(req.rid), now)
             elif isinstance(msg, TokenizedGenerateReqInput):
@@ -225,10 +232,9 @@ class AdmissionControl:
         blocked = False  # a captured request is waiting for room: captured ones behind it wait too (FIFO)
         for req in self.held:
             rid = str(req.rid)
-            why = self._rid_refusal(req, known_rids)
-            if why is not None:  # no record could name it: refused before it runs
-                out += self._refuse(req, f"sglang-hs: request refused: {why}; hidden-state records hold request ids "
-                                         f"of at most {MAX_RID_BYTES} bytes (utf-8)", 400)
+            n = len(rid.encode())
+            if n > MAX_RID_BYTES:  # no record could name it: refused before it runs
+                out += self._refuse(req, _rid_message(f"request id of {n} bytes"), 400)
                 continue
             if rid.startswith(_NEVER_SELECTED):  # health checks, the warm-up: never recorded, never held
                 out.append(self._admit(req))
@@ -285,22 +291,25 @@ class AdmissionControl:
         self.stats["held_now"] = len(self.held)
         return self._rewrap(out) if self._batch_of else out
 
-    def _rid_refusal(self, req, known_rids) -> Optional[str]:
-        """Why `req` is refused for a request id too long for a record (its own, or another member's of its
-        batch, which the client gets one answer for), else None. A batch member whose rid prefixes another
-        live request's goes in (an abort by prefix would take that one too)."""
-        rid = str(req.rid)
-        n = len(rid.encode())
-        longest = self._refused_batch.pop(id(req), None)
+    def _batch_refusal(self, req, batch, longest: int, known_rids) -> Optional[str]:
+        """Why member `req` of `batch`, which holds a request id of `longest` bytes (too long for a record),
+        is refused with it: the client gets one answer for the batch. None: its rid prefixes another live
+        request's (an abort by prefix would take that one too), so it goes in like a single request."""
+        n = len(str(req.rid).encode())
         if n > MAX_RID_BYTES:
             return f"request id of {n} bytes"
-        if longest is None:
-            return None
-        live = set(known_rids() or ()) if known_rids is not None else set()
-        live.update(str(h.rid) for h in self.held)
-        if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
+        if self._abort_takes_another(req, known_rids, batch.batch):
             return None
         return f"a request id of {longest} bytes in its batch"
+
+    def _abort_takes_another(self, req, known_rids, also=()) -> bool:
+        """SGLang's abort of `req` (by rid prefix) would take another request with it: a live one (the
+        scheduler's, a duplicate of its rid included), one held here, or one of `also`; `req` itself is
+        told apart by identity, never by its rid."""
+        rid = str(req.rid)
+        live = list(known_rids() or ()) if known_rids is not None else []
+        live += [h.rid for h in list(self.held) + list(also) if h is not req]
+        return any(r is not None and str(r).startswith(rid) for r in live)
 
     def marker_need(self, rid: str) -> int:
         return 2 * record_bytes(0, self.P, self.H, self.elem, len(str(rid).encode()))
@@ -327,29 +336,31 @@ class AdmissionControl:
 
     # --- tickets -------------------------------------------------------------------------------------
     def _add(self, req, nbytes: int, decision: Optional[tuple]) -> None:
-        ticket = Ticket(str(req.rid), nbytes, decision, request_key(req))
+        ticket = Ticket(str(req.rid), nbytes, decision, getattr(req, "sampling_params", None))
         self._tickets.setdefault(ticket.rid, []).append(ticket)
-        if ticket.key is not None:
-            self._by_key[ticket.key] = ticket
 
     def _find(self, rid: str, req=None, finishing_too: bool = True) -> Optional[Ticket]:
-        """The ticket of `req` (rid `rid`): by its sampling params' identity; else its rid's oldest ticket
-        not finishing yet, else (`finishing_too`) its oldest."""
+        """The ticket of `req` (rid `rid`): the one holding its very sampling params object; else its rid's
+        oldest ticket not finishing yet, else (`finishing_too`) its oldest. The fallback is exact for a rid
+        in flight once; for a rid used again it assumes first in, first out. It applies where SGLang's Req
+        holds another params object than the message did: Req.__init__ copies them for a request with a
+        custom logit processor and a dict custom_params (schedule_batch.py); beam search replaces them."""
         tickets = self._tickets.get(rid)
         if not tickets:
             return None
-        key = request_key(req) if req is not None else None
-        ticket = self._by_key.get(key) if key is not None else None
-        if ticket is not None and ticket.rid == rid and any(t is ticket for t in tickets):
-            return ticket
+        params = getattr(req, "sampling_params", None) if req is not None else None
+        if params is not None:
+            ticket = next((t for t in tickets if t.params is params), None)
+            if ticket is not None:
+                return ticket
         finishing = self._finishing.get(rid, ())
         return next((t for t in tickets if not any(t is f for f in finishing)),
                     tickets[0] if finishing_too else None)
 
     def finish(self, rid: str, req=None) -> Optional[Ticket]:
         """The request finished: its ticket (None: it has none, e.g. a health check), now finishing; its ring
-        room stays reserved until `drop(ticket)` or, for a record or marker handed to the finish worker,
-        `release_reservation(rid)`."""
+        room stays reserved until `drop(ticket)` or, for a record or marker handed to the finish worker (with
+        its ticket), `release_reservation(rid, ticket)`."""
         rid = str(rid)
         ticket = self._find(rid, req, finishing_too=False)
         if ticket is not None and not any(ticket is f for f in self._finishing.get(rid, ())):
@@ -373,8 +384,6 @@ class AdmissionControl:
                     del table[ticket.rid]
                 elif len(kept) != len(entries):
                     table[ticket.rid] = kept if table is self._tickets else collections.deque(kept)
-        if ticket.key is not None and self._by_key.get(ticket.key) is ticket:
-            del self._by_key[ticket.key]
 
     def reserved_bytes(self) -> int:
         return sum(t.nbytes for tickets in self._tickets.values() for t in tickets)
@@ -436,12 +445,11 @@ class AdmissionControl:
         expired = [h for h in self.held if now - self.held_since.get(str(h.rid), now) > self.timeout]
         if not expired:
             return []
-        live = set(known_rids() or ()) if known_rids is not None else set()
-        live.update(str(h.rid) for h in self.held)
+        known, held = (known_rids() if known_rids is not None else None), list(self.held)
         out = []
         for req in expired:
             rid = str(req.rid)
-            if any(r != rid and str(r).startswith(rid) for r in live if r is not None):
+            if self._abort_takes_another(req, lambda: known, held):
                 continue  # SGLang's abort matches by prefix: it would take a bystander with it
             message = (f"sglang-hs: request {rid} held {now - self.held_since[rid]:.0f}s by admission control: the "
                        f"hidden-state output ring stayed full (is the reader of {self.ring_name} running?); "
@@ -465,12 +473,12 @@ class AdmissionControl:
 
     def release(self, rid: str, req=None) -> None:
         """Request `req` (rid `rid`) is done without a record handed to the finish worker (aborted, nothing
-        to publish, published on the scheduler thread): its ticket goes."""
-        self.drop(self._find(str(rid), req))
+        to publish, published on the scheduler thread): its ticket goes. Never one already finishing: that
+        one belongs to a request of the same rid whose record the finish worker still publishes."""
+        self.drop(self._find(str(rid), req, finishing_too=False))
 
-    def release_reservation(self, rid: str) -> None:
-        """The finish worker published a record or marker of `rid`: it publishes in the order it was handed
-        them, so that is the oldest finishing ticket of `rid`; newer requests with the same rid keep theirs."""
-        finishing = self._finishing.get(str(rid))
-        if finishing:
-            self.drop(finishing[0])
+    def release_reservation(self, rid: str, ticket: Optional[Ticket]) -> None:
+        """The finish worker published (or failed to publish) a record or marker of `rid`, handed over with
+        `ticket`: that very ticket goes (None: the request had none left, e.g. reconciled away; then nothing
+        goes: another request of that rid keeps its own)."""
+        self.drop(ticket)

@@ -72,15 +72,17 @@ class _Job:
     skipped: Optional[str] = None  # a marker record of a request served without capture: its reason
     prompt_len: Optional[int] = None  # where the prompt ends in ids (None: all prompt)
     next_token: int = -1  # the token after the last row (the last generated one)
+    ticket: Any = None  # the request's admission ticket, handed back to on_done: its reservation, exactly
 
 
 class FinishWorker:
     """One writer's asynchronous finish path (module docstring). Methods other than the worker loop run
     on the scheduler thread."""
 
-    def __init__(self, writer, on_done: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, writer, on_done: Optional[Callable[[str, Any], None]] = None) -> None:
         self.writer = writer
-        self.on_done = on_done  # called with each rid once its job is done (published or not)
+        # called with each job's rid and the ticket it was handed with, once the job is done (published or not)
+        self.on_done = on_done
         self.stats = writer.stats
         for key in ("finish_pending", "finish_failed", "frees_held", "frees_held_now", "drain_s"):
             self.stats.setdefault(key, 0)  # the writer has them from the start (the status thread reads them)
@@ -88,7 +90,7 @@ class FinishWorker:
         self._cv = threading.Condition()
         self._handed = 0  # seq of the last job handed over (scheduler thread)
         self._done = 0  # seq of the last job the worker finished (under _cv)
-        self._results: Deque[Tuple[int, str, Optional[BaseException]]] = collections.deque()  # under _cv
+        self._results: Deque[Tuple[int, str, Optional[BaseException], Any]] = collections.deque()  # under _cv
         self._pending: Dict[int, str] = {}  # seq -> rid, handed over and not yet polled (scheduler thread)
         self._held: Deque[Tuple[int, Callable, tuple, int]] = collections.deque()  # (tag, fn, args, tokens)
         self.held_tokens = 0
@@ -108,11 +110,11 @@ class FinishWorker:
 
     # --- the scheduler's side --------------------------------------------------------------------
     def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
-               next_token: int = -1) -> None:
+               next_token: int = -1, ticket=None) -> None:
         """Hand over a finished request: its token ids (a list the caller no longer changes, or a tensor)
         and its KV slots in position order (a view of req_to_token is fine: the slot ids are copied
         here, before SGLang reuses the row), its prompt length and the token after its last row. A list
-        is converted on the worker thread."""
+        is converted on the worker thread. `ticket` (its admission ticket) goes back to on_done."""
         self.poll()
         T = len(token_ids)
         if slots.shape[0] != T:
@@ -135,16 +137,17 @@ class FinishWorker:
         self._handed += 1
         self._pending[self._handed] = rid
         self.stats["finish_pending"] = len(self._pending)
-        self._enqueue(_Job(self._handed, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token))
+        self._enqueue(_Job(self._handed, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
+                           ticket=ticket))
 
-    def submit_marker(self, rid: str, reason: str) -> None:
+    def submit_marker(self, rid: str, reason: str, ticket=None) -> None:
         """Hand over the marker record of a request served without capture (no rows, nothing to gather):
         published in order with the records, on the worker thread (the ring has one writer thread)."""
         self.poll()
         self._handed += 1
         self._pending[self._handed] = rid
         self.stats["finish_pending"] = len(self._pending)
-        self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason))
+        self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason, ticket=ticket))
 
     def pending_rids(self) -> List[str]:
         return list(self._pending.values())
@@ -155,10 +158,10 @@ class FinishWorker:
         with self._cv:
             results, self._results = self._results, collections.deque()
             done = self._done
-        for seq, rid, err in results:
+        for seq, rid, err, ticket in results:
             self._pending.pop(seq, None)
             if self.on_done is not None:
-                self.on_done(rid)
+                self.on_done(rid, ticket)
             if err is not None:
                 self.stats["dropped"] += 1
                 self.stats["finish_failed"] += 1
@@ -264,7 +267,7 @@ class FinishWorker:
             self._fatal = self._fatal or e
         with self._cv:
             self._done = job.seq
-            self._results.append((job.seq, job.rid, err))
+            self._results.append((job.seq, job.rid, err, job.ticket))
             self._cv.notify_all()
 
     def _publish(self, job: _Job) -> None:

@@ -71,7 +71,8 @@ def _write_manifest(dump_dir: str, manifest: dict, share_gid: Optional[int]) -> 
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
-                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0, num_writers: int = 1) -> None:
+                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0, num_writers: int = 1,
+                 page_size: int = 1) -> None:
         from sglang_hs import envs
 
         if copy not in envs.COPY_STRATEGIES:
@@ -128,6 +129,7 @@ class CaptureWriter:
             "rows_per_token": self.P,
             "copy": copy,  # how rows reach the store: direct (the kernel writes it) or staging
             "context_len": context_len,
+            "page_size": page_size,  # the KV pool's: the store holds a page of slots more than SGLang's pool
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
             # ring_id: tells this ring's records from those of another server's ring (e.g. a harvester's
             # file names: sequence numbers start at 1 in every ring)

@@ -40,7 +40,7 @@ def test_a_rid_too_long_for_a_record_is_refused_and_the_server_serves_on(capture
     _refused(requests.post(f"{server.url}/generate", timeout=300, json={
         "input_ids": ids, "rid": long_rid, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}))
     _served_exactly(server, reader, hf, "after-long-rid", "Shared memory lets one process write and another read.")
-    # a batch with one such member: the request is refused with the same reason, its other member served
+    # a batch with one such member: the request is refused with the same reason, every member with it
     reply = requests.post(f"{server.url}/generate", timeout=300, json={
         "input_ids": [ids, ids[:-1]], "rid": ["batch-short", "B" * LONG],
         "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
@@ -51,4 +51,6 @@ def test_a_rid_too_long_for_a_record_is_refused_and_the_server_serves_on(capture
     _served_exactly(server, reader, hf, "after-long-rids", "The scheduler groups requests into batches.")
     reader.poll()
     assert not [r for r in reader.ready_rids() if len(r) > 1000]  # no record under a refused rid
+    # the refused batch's short member never ran: no record and no marker (its client got the 400)
+    assert "batch-short" not in reader.ready_rids() and reader.not_captured("batch-short") is None
     assert "struct.error" not in server.output and "finish worker failed" not in server.output

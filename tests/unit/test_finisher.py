@@ -52,7 +52,7 @@ def _token_allocator(size=NUM_SLOTS):
 def _worker(writer, allocator, released=None):
     from sglang_hs.store.finisher import FinishWorker, hold_frees
 
-    worker = FinishWorker(writer, on_done=(released.append if released is not None else None))
+    worker = FinishWorker(writer, on_done=((lambda rid, ticket: released.append(rid)) if released is not None else None))
     assert hold_frees(allocator, worker) is None
     return worker
 
@@ -193,6 +193,25 @@ def test_a_refused_record_is_counted_logged_and_its_reservation_released(writer,
     assert released == ["big", "ok"]
     assert writer.stats["dropped"] == 1 and writer.stats["finish_failed"] == 1 and writer.stats["records"] == 1
     assert "big NOT published" in caplog.text
+    worker.close()
+
+
+def test_each_job_hands_back_the_very_ticket_it_was_submitted_with(writer):
+    """Admission releases a published request's reservation by the ticket the finish hook handed over with it
+    (before: by rid order, so a request of the same rid handed over with no ticket released another's)."""
+    alloc = _token_allocator()
+    done = []
+    from sglang_hs.store.finisher import FinishWorker, hold_frees
+
+    worker = FinishWorker(writer, on_done=lambda rid, ticket: done.append((rid, ticket)))
+    assert hold_frees(alloc, worker) is None
+    first, marker = object(), object()
+    worker.submit("x", [1, 2], torch.tensor([3, 4]), ticket=first)
+    worker.submit("x", [5], torch.tensor([6]))  # a request of the same rid with no ticket left
+    worker.submit_marker("x", "not_sampled", ticket=marker)
+    worker.drain()
+    assert [rid for rid, _ in done] == ["x", "x", "x"]
+    assert done[0][1] is first and done[1][1] is None and done[2][1] is marker
     worker.close()
 
 

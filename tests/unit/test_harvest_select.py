@@ -89,8 +89,9 @@ def test_not_selected_requests_reserve_only_a_marker_and_are_never_held():
     assert _rids(out) == ["plain-3", "in-1"]
     assert adm.reserved["plain-3"] == adm.marker_need("plain-3") == 2 * record_bytes(0, P, H, ELEM, 7)
     assert adm.reserved["in-1"] == adm.need(_req("in-1")) and "in-1" not in adm.decided
-    assert adm.take_decision("plain-3") == ("not_opted_in", True) and adm.take_decision("plain-3") is None
-    adm.release("plain-3")
+    ticket = adm.finish("plain-3")  # its marker is handed to the finish worker with its ticket
+    assert ticket.decision == ("not_opted_in", True) and adm.take_decision("plain-3") is None
+    adm.release_reservation("plain-3", ticket)  # published
     assert "plain-3" not in adm.reserved
 
 
@@ -163,7 +164,7 @@ def test_a_reused_rid_is_captured_when_its_new_request_is():
     adm.filter([], known_rids=set)
     assert "x" not in adm.reserved
     adm.filter([_req("y")])
-    adm.release_reservation("y")  # a finished "y" published before a new "y" was decided keeps the decision
+    adm.release_reservation("y", None)  # a "y" with no ticket left published before this one finished: no effect
     assert adm.take_decision("y") == ("not_opted_in", True)
 
 

@@ -324,3 +324,29 @@ def test_a_closed_zero_copy_reader_hands_out_no_view_of_bytes_another_reader_gav
     for i in range(3, 6):
         _assert_exact(b.take(f"r{i}", timeout=1), i, 3)
     b.close()
+
+
+@pytest.mark.parametrize("ack", [True, False])
+def test_discarding_another_clients_rid_takes_its_record_behind_its_marker_and_frees_the_ring(dump, ack):
+    """Another client reuses a rid with different decisions: a marker, then a record of "foreign". The loops
+    that drop others' records (the extraction CLI's _drop, the live dataset and its router) must take both:
+    pop_ready answers None while the older marker waits, so dropping with it left the record in ready_rids
+    for good and, with ack=True, its ring bytes and every later record's held (the ring filled)."""
+    from sglang_hs.extract.cli import Extraction
+
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=ack)
+    dump.publish_marker("foreign", "not_sampled")
+    dump.ring.publish("foreign", _ids(0, 3), _rows(0, 3), timeout=5)
+    _publish(dump, 1)
+    reader.poll()
+    assert reader.pop_ready("foreign") is None and reader.ready_rids() == ["foreign", "r1"]
+    extraction = object.__new__(Extraction)  # only its reader is used by _drop
+    extraction.reader = reader
+    extraction._drop("foreign")
+    assert reader.ready_rids() == ["r1"] and reader.not_captured("foreign") is None
+    assert reader.discard("foreign") == 0  # nothing of it is left
+    rec = reader.take("r1", timeout=1)
+    _assert_exact(rec, 1, 3)
+    reader.ack(rec)
+    assert reader.unacked() == 0 and _free(dump) == dump.ring.capacity  # the whole ring is the server's again
+    reader.close()

@@ -4,6 +4,9 @@ is still in flight or still being published (a retry, a duplicate): each request
 reservation and decision, released by its own finish, and the reader answers each request of a rid with
 its own outcome (record or marker), oldest first. Real SGLang io_struct messages and AdmissionControl, a
 stand-in ring; the reader reads a real ring written by CaptureWriter."""
+import copy
+import gc
+
 import pytest
 import torch
 
@@ -90,7 +93,66 @@ def test_a_batch_holding_a_too_long_rid_is_refused_whole_and_one_without_goes_in
     assert sorted(r.rid for r in _members(out)) == sorted(r.rid for r in batch.batch)
     _check_aborts(out, ["m-0", "b" * (MAX_RID_BYTES + 1), "m-2"], "request id of 65536 bytes")
     assert "in its batch" in next(m for m in out if isinstance(m, AbortReq)).abort_message
-    assert "ok" in adm.reserved and "m-0" not in adm.reserved and not adm.held and not adm._refused_batch
+    assert "ok" in adm.reserved and "m-0" not in adm.reserved and not adm.held
+
+
+def test_a_member_whose_abort_would_take_a_live_duplicate_of_its_rid_is_not_refused():
+    """SGLang aborts by rid prefix, and a rid is a prefix of itself: refusing the batch member "dup" while
+    another request "dup" is live (or held) would abort that one too. Only the member itself is left out of
+    the bystander check, by identity (before: by equal rid, so live duplicates were not seen)."""
+    long_rid = "b" * (MAX_RID_BYTES + 1)
+    for live, held_first in (({"dup"}, False), (set(), True)):
+        adm = _adm()
+        before = []
+        if held_first:  # a "dup" waits in admission (the ring is full for it) when the batch arrives
+            adm.ring.free = 0
+            before = [_req("dup")]
+            assert adm.filter(before) == [] and [h.rid for h in adm.held] == ["dup"]
+            adm.ring.free = adm.ring.capacity
+        batch = BatchTokenizedGenerateReqInput(batch=[_req("m-0"), _req(long_rid), _req("dup")])
+        out = adm.filter([batch], known_rids=lambda: live)
+        _check_aborts(out, ["m-0", long_rid], "request id of 65536 bytes")
+        assert sorted(r.rid for r in _members(out)) == sorted(["m-0", long_rid, "dup"] + ["dup"] * held_first)
+        assert adm.reserved == {"dup": (1 + held_first) * adm.need(_req("dup"))} and not adm.held
+
+
+def test_a_held_request_past_the_time_limit_is_not_failed_into_a_live_duplicate(monkeypatch):
+    import types
+
+    import sglang_hs.store.admission as admission_mod
+
+    t = [1000.0]
+    monkeypatch.setattr(admission_mod, "time", types.SimpleNamespace(monotonic=lambda: t[0]))
+    adm = _adm(timeout=30)
+    adm.ring.free = 0
+    assert adm.filter([_req("dup")]) == []
+    t[0] += 31
+    assert adm.filter([], known_rids=lambda: {"dup"}) == []  # its abort would take the live "dup"
+    assert [h.rid for h in adm.held] == ["dup"]
+    out = adm.filter([], known_rids=set)  # that one is gone: now it fails
+    assert [getattr(m, "rid", None) for m in out] == ["dup", "dup"] and isinstance(out[1], AbortReq)
+
+
+def test_a_refused_batch_aborted_in_the_same_pull_leaves_nothing_that_refuses_a_later_request():
+    """A batch holding a too long rid and an abort of everything arrive in one pull. Before, each member was
+    flagged by id() to be refused later and the abort took the held members in without clearing the flags:
+    a later, unrelated request allocated at a freed member's address got a 400 (CPython reuses addresses)."""
+    import gc
+
+    adm = _adm()
+    rids = [f"m-{i}" for i in range(8)] + ["b" * (MAX_RID_BYTES + 1)]
+    out = adm.filter([BatchTokenizedGenerateReqInput(batch=[_req(r) for r in rids]), AbortReq(abort_all=True)])
+    assert sorted(r.rid for r in _members(out)) == sorted(rids)
+    assert all(isinstance(m, AbortReq) for m in out[1::2])  # each member goes in before its own abort
+    del out
+    gc.collect()
+    for i in range(200):  # fresh requests: some are allocated where the batch's members were
+        innocent = _req(f"innocent-{i}")
+        out = adm.filter([innocent])
+        assert out == [innocent], f"innocent-{i} refused: {[getattr(m, 'abort_message', m) for m in out]}"
+        adm.release(innocent.rid, Finished(innocent))
+        del out, innocent
+    assert adm.reserved_bytes() == 0 and adm.stats["failed"] == len(rids)
 
 
 # --- item 6: rids used again -------------------------------------------------------------------------
@@ -101,19 +163,21 @@ def test_a_retry_while_the_old_record_is_being_published_keeps_its_own_reservati
     adm = _adm()
     a, b = _req("x", prompt=30), _req("x", prompt=300)
     adm.filter([a])
-    assert adm.take_decision("x", Finished(a)) is None  # captured; handed to the worker
+    ticket_a = adm.finish("x", Finished(a))  # captured; handed to the worker with its ticket
+    assert ticket_a.decision is None
     adm.filter([b])
     assert adm.reserved_bytes() == adm.need(a) + adm.need(b)
-    adm.release_reservation("x")  # the worker published A's record
+    adm.release_reservation("x", ticket_a)  # the worker published A's record
     assert adm.reserved == {"x": adm.need(b)}
-    assert adm.take_decision("x", Finished(b)) is None
-    adm.release_reservation("x")
+    ticket_b = adm.finish("x", Finished(b))
+    assert ticket_b is not ticket_a and ticket_b.decision is None
+    adm.release_reservation("x", ticket_b)
     assert adm.reserved == {} and adm.reserved_bytes() == 0
 
 
 def test_duplicates_in_flight_find_their_own_decision_and_reservation_in_any_finish_order():
     """Two requests with one rid in flight, one captured (opted in), one not: whichever finishes first gets
-    its own decision (a record, or a marker) and the worker's releases go in the order it was handed them."""
+    its own decision (a record, or a marker), and the worker's releases drop the tickets it was handed."""
     for first in ("plain", "opted"):
         adm = _adm(mode="opt-in")
         plain, opted = _req("d"), _req("d", prompt=200, custom_params={"hs_capture": True})
@@ -122,12 +186,73 @@ def test_duplicates_in_flight_find_their_own_decision_and_reservation_in_any_fin
         assert adm.reserved_bytes() == marker + need
         order = [plain, opted] if first == "plain" else [opted, plain]
         want = {id(plain): ("not_opted_in", True), id(opted): None}
+        handed = []
         for msg in order:  # both finish and are handed to the worker before it publishes either
-            assert adm.take_decision("d", Finished(msg)) == want[id(msg)]
-        adm.release_reservation("d")  # the first handed over is published first
+            handed.append(adm.finish("d", Finished(msg)))
+            assert handed[-1].decision == want[id(msg)]
+        adm.release_reservation("d", handed[0])  # the first handed over is published first
         assert adm.reserved_bytes() == (need if first == "plain" else marker)
-        adm.release_reservation("d")
+        adm.release_reservation("d", handed[1])
         assert adm.reserved_bytes() == 0 and not adm.reserved and not adm.decided
+
+
+def test_a_ticketless_request_never_releases_a_ticket_the_finish_worker_still_needs():
+    """A is handed to the finish worker; B, a request of the same rid with no ticket left (reconciled away, or
+    one a finish could not match), is aborted, then another finishes and is handed over ticketless. Neither
+    may take A's reservation while A's record is still to be published (before: release() and the worker's
+    release by rid order dropped A's ticket: reserved == {} while A was pending, and admission over-committed)."""
+    adm = _adm()
+    a, b = _req("x", prompt=30), _req("x", prompt=300)
+    adm.filter([a])
+    ticket_a = adm.finish("x", Finished(a))  # handed to the worker
+    adm.release("x", Finished(b))  # B aborted: it has no ticket of its own
+    assert adm.reserved == {"x": adm.need(a)}
+    c = _req("x", prompt=40)
+    ticket_c = adm.finish("x", Finished(c))  # C (never admitted here) finishes: nothing of its own either
+    assert ticket_c is None
+    adm.release_reservation("x", ticket_c)  # the worker published C's record first
+    assert adm.reserved == {"x": adm.need(a)}
+    adm.release_reservation("x", ticket_a)
+    assert adm.reserved_bytes() == 0
+
+
+class CopiedReq:
+    """The scheduler's Req as SGLang 0.5.23 makes it for a request with a custom logit processor and a dict
+    custom_params (Req.__init__, schedule_batch.py): a shallow copy of the message's sampling params,
+    custom_params extended with "__req__". The message, and with it the params admission saw, then die."""
+
+    def __init__(self, msg):
+        params = copy.copy(msg.sampling_params)
+        params.custom_params = params.custom_params | {"__req__": None}
+        self.rid, self.sampling_params = msg.rid, params
+
+
+def test_a_finish_never_takes_another_requests_ticket_through_a_reused_params_address():
+    """A (opted in: captured) and B (not: a marker) share a rid; the scheduler's Reqs hold copies of their
+    params. A finishes first (no identity match: its rid's oldest ticket, A's own). B's copy is then made at
+    the address of A's freed params: before, the ticket table keyed by id() matched it to A's ticket, so B
+    took A's decision (a record where a marker had room reserved) and B's own ticket leaked."""
+    adm = _adm(mode="opt-in")
+    a = _req("d", custom_params={"hs_capture": True})
+    b = _req("d", custom_params={"other": 1})
+    adm.filter([a, b])
+    addr = id(a.sampling_params)
+    req_a = CopiedReq(a)
+    del a
+    gc.collect()
+    ticket_a = adm.finish("d", req_a)
+    assert ticket_a.decision is None  # captured: A's own
+    kept = []  # a copy of B's params where A's were, if that address is free (CPython reuses it)
+    for _ in range(1000):
+        req_b = CopiedReq(b)
+        if id(req_b.sampling_params) == addr:
+            break
+        kept.append(req_b)
+    ticket_b = adm.finish("d", req_b)
+    assert ticket_b is not ticket_a and ticket_b.decision == ("not_opted_in", True)
+    adm.release_reservation("d", ticket_a)
+    adm.release_reservation("d", ticket_b)
+    assert adm.reserved_bytes() == 0 and not adm.decided
 
 
 def test_an_aborted_duplicate_releases_its_own_ticket_and_a_reconcile_keeps_a_live_rid():

@@ -65,3 +65,30 @@ def test_the_preparer_skips_what_the_server_would_refuse_and_sends_the_rest():
     assert len(prep(0, {"input_ids": list(range(1, 58))}).input_ids) == 57
     with pytest.raises(SkipSample, match="too-long"):
         prep(0, {"input_ids": list(range(1, 59))})
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_without_server_info_the_limit_comes_from_the_store_less_its_extra_page(page):
+    """/server_info may not answer (e.g. behind --api-key): the limit follows from the manifest's store,
+    which holds SGLang's KV pool plus one page (KVIndexTranslator.capture_token_capacity). Before, the whole
+    store counted as KV: a page too generous, so a prompt the scheduler aborts was sent and ended the run."""
+    kv = 1000
+    manifest = {"context_len": 10**6, "page_size": page, "writers": [{"num_slots": kv + page}]}
+    limits = RequestLimits.of_server(manifest)
+    assert limits.max_input == max_req_input_len(10**6, kv) == kv - 1 - 5
+    assert limits.refusal(kv - 6, 1) is not None and limits.refusal(kv - 7, 1) is None
+    older = {"context_len": 10**6, "writers": [{"num_slots": kv + 1}]}  # no page_size: a page of 1 at least
+    assert RequestLimits.of_server(older).max_input == kv - 6
+
+
+def test_the_manifest_records_the_kv_page_size(tmp_path):
+    import json
+
+    import torch
+
+    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.store.writer import CaptureWriter
+
+    CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], False, 4, 8), 16 + 4, torch.float32, 1 << 16, page_size=4)
+    manifest = json.load(open(tmp_path / "manifest.json"))
+    assert manifest["page_size"] == 4 and manifest["writers"][0]["num_slots"] == 20

@@ -86,3 +86,28 @@ def test_stops_default_grace_outlasts_the_launchers_own_shutdown():
     default = inspect.signature(sp.ServerProcess.stop).parameters["grace"].default
     assert LAUNCHER_EXIT_AFTER_STOP_S > STOP_GRACE_S and default > LAUNCHER_EXIT_AFTER_STOP_S, \
         (default, LAUNCHER_EXIT_AFTER_STOP_S)
+
+
+def test_stop_never_kills_a_later_session_that_got_the_servers_session_id():
+    """Once every process of the server's session is gone, the kernel may hand its leader's pid to a new
+    process that leads a session of its own (pid reuse): stop() must leave that one alone. The server's
+    leader start time is read with the session; here the recorded session is an unrelated live session
+    whose leader started after the one recorded (before: stop() killed every process of that id)."""
+    import subprocess
+
+    server = _server()  # a real launcher and server, stopped first: then the session id is stale
+    pids = _started(server)
+    assert server.session() == pids[0]
+    server.stop(grace=1)
+    assert not any(_alive(p) for p in pids)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        # the kernel gave the server leader's pid to `victim` (simulated: the stale record names its pid)
+        server._sid = victim.pid
+        assert sp.processes_in_session(victim.pid) == [victim.pid]
+        server.stop()
+        server._kill_session()
+        assert _alive(victim.pid) and server.pids() == [server.proc.pid], "stop() killed an unrelated session"
+    finally:
+        victim.kill()
+        victim.wait(30)
