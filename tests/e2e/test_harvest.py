@@ -223,8 +223,9 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
         assert item["input_ids"][0].tolist() == ids
         rec = SimpleNamespace(rid=e["rid"], input_ids=item["input_ids"][0],
                               aux_hidden_states=item["hidden_state"][0].reshape(T, len(LAYERS), H),
-                              last_hidden_state=item["target"][0])
-        worst = max(worst, row_judge.assert_exact(rec, hf, ids, LAYERS, N_LAYERS, H))
+                              last_hidden_state=item["target"][0], last_pre_norm=None)
+        assert item["hidden_state"].dtype == item["target"].dtype == torch.bfloat16  # specforge files are bf16
+        worst = max(worst, row_judge.assert_exact(rec, hf, ids, LAYERS, N_LAYERS, H, tol=row_judge.BF16_TOL))
     print(f"\n{len(sampled)} of {len(rids)} chat requests harvested, worst row error {worst:.2e}; "
           f"{manifest['skipped']}")
 
