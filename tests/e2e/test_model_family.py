@@ -241,8 +241,6 @@ def test_radix_repeat_and_shared_prefix(family):
 def _assert_the_indexer_drops_keys(hf):
     """The V3.2 checkpoint's top-k is below the judged prompts' lengths, and HF's own rows change when its
     indexer keeps every key: a dense (or wrong) selection on the server is visible to the row judge."""
-    import torch
-
     cfg = hf.config
     assert cfg.architectures == ["DeepseekV32ForCausalLM"] and cfg.n_group > 1
     ids = row_judge.prompt_ids(hf, LONG)
