@@ -22,18 +22,9 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang_hs.patches import capture_hooks  # noqa: E402
 from sglang_hs.store import admission as admission_mod  # noqa: E402
 from sglang_hs.store.admission import AdmissionControl  # noqa: E402
+from ring_stand_in import Ring  # noqa: E402
 
 P, H, ELEM, PROMPT, NEW = 2, 64, 2, 30, 5
-
-
-class Ring:
-    """What AdmissionControl reads of the output ring: its capacity and its free bytes."""
-
-    def __init__(self, capacity):
-        self.capacity, self.free = capacity, capacity
-
-    def free_bytes(self):
-        return self.free
 
 
 class Clock:
