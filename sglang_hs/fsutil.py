@@ -50,11 +50,7 @@ def ensure_private_dir(path: str, share_gid: Optional[int] = None, flag: str = "
         raise PermissionError(f"{flag} {path}: owned by uid {st.st_uid}, not by this user")
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"{flag} {path}: not writable")
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        _set_mode(fd, 0o700, 0o750, share_gid)
-    finally:
-        os.close(fd)
+    _set_mode_at(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, 0o700, 0o750, share_gid)
     return path
 
 
@@ -71,32 +67,20 @@ def make_private_dirs(path: str, share_gid: Optional[int] = None) -> None:
         return
     os.makedirs(path, 0o700, exist_ok=True)
     if share_gid is not None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            _set_mode(fd, 0o700, 0o750, share_gid)
-        finally:
-            os.close(fd)
+        _set_mode_at(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, 0o700, 0o750, share_gid)
 
 
 def create_private_file(path: str, share_gid: Optional[int] = None) -> None:
     """Create `path` empty, 0600 (0640 of `share_gid`), never through a symlink and never an existing file,
     for a writer that then opens it by name (torch.save, safetensors): truncating keeps the mode, so the
     contents are never readable by others, not even while they are written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        _set_mode(fd, 0o600, 0o640, share_gid)
-    finally:
-        os.close(fd)
+    _set_mode_at(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, 0o640, share_gid)
 
 
 def set_private_mode(path: str, share_gid: Optional[int] = None) -> None:
     """A file a library wrote by name (it may have made its own: safetensors writes a new 0600 file) made 0600,
     or 0640 of `share_gid`, never through a symlink."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        _set_mode(fd, 0o600, 0o640, share_gid)
-    finally:
-        os.close(fd)
+    _set_mode_at(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, 0o640, share_gid)
 
 
 def set_private_modes(top: str, share_gid: Optional[int] = None) -> None:
@@ -106,11 +90,17 @@ def set_private_modes(top: str, share_gid: Optional[int] = None) -> None:
         for name, dmode, gmode in [(root, 0o700, 0o750)] + [(os.path.join(root, f), 0o600, 0o640) for f in files]:
             if os.path.islink(name):
                 continue
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                _set_mode(fd, dmode, gmode, share_gid)
-            finally:
-                os.close(fd)
+            _set_mode_at(name, os.O_RDONLY | os.O_NOFOLLOW, dmode, gmode, share_gid)
+
+
+def _set_mode_at(path: str, flags: int, private: int, shared: int, share_gid: Optional[int],
+                 dir_fd: Optional[int] = None) -> None:
+    """Open `path` with `flags` (made 0600 first when they create it), give it `_set_mode`'s mode, close it."""
+    fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
+    try:
+        _set_mode(fd, private, shared, share_gid)
+    finally:
+        os.close(fd)
 
 
 def _set_mode(fd: int, private: int, shared: int, share_gid: Optional[int]) -> None:
@@ -125,11 +115,7 @@ def share_file(dir_path: str, name: str, mode: int, share_gid: Optional[int]) ->
         return
     dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-        try:
-            _set_mode(fd, 0o600, mode, share_gid)
-        finally:
-            os.close(fd)
+        _set_mode_at(name, os.O_RDONLY | os.O_NOFOLLOW, 0o600, mode, share_gid, dir_fd=dfd)
     finally:
         os.close(dfd)
 
