@@ -11,24 +11,15 @@ import time
 
 from sglang_hs import server_process as sp
 from sglang_hs.supervisor import LAUNCHER_EXIT_AFTER_STOP_S, STOP_GRACE_S
+# The launcher: the real supervisor with its SGLang grace (argv[2]) around the server (argv[1]), as
+# test_supervisor runs it; it ignores the --host/--port ServerProcess adds.
+from test_supervisor import SUPERVISE as LAUNCHER, _alive  # noqa: E402
 
-# The launcher: the real supervisor with its SGLang grace (argv[2]) around the server (argv[1]); it ignores
-# the --host/--port ServerProcess adds.
-LAUNCHER = ("import sys; from sglang_hs.supervisor import Supervisor; "
-            "sys.exit(Supervisor([sys.executable, '-c', sys.argv[1]], 300, None, stop_grace=float(sys.argv[2])).run())")
 DEAF_WITH_CHILD = (
     "import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "print(1, flush=True); time.sleep(600)'], stdout=subprocess.PIPE); c.stdout.readline(); "
     "print('pids', os.getpid(), c.pid, flush=True); time.sleep(600)")
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _started(server, timeout=120):
