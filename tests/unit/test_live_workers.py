@@ -8,7 +8,6 @@ JSON on the last line."""
 import http.server
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,8 +16,9 @@ import threading
 import pytest
 import torch
 
+import scenario_process
+
 LIMIT_S = 120  # a generous bound on a scenario of a few seconds: only a hang reaches it
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Another local user (uid 65534) against the router (issue 31, item 1). Run as `python -c ATTACKER MARKER` by
 # root, it drops to that uid first, then answers the trainer's commands on stdin, one JSON line each:
@@ -274,17 +274,7 @@ def scenario(name: str, tmp: str) -> dict:
 
 
 def run(name: str, tmp_path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), name, str(tmp_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{name}: hung (no end after {LIMIT_S}s); stdout {stdout[-2000:]!r} stderr {stderr[-3000:]!r}")
-    assert proc.returncode == 0, stderr[-3000:]
-    return json.loads(stdout.strip().splitlines()[-1])
+    return scenario_process.run_scenario(__file__, name, tmp_path, LIMIT_S)
 
 
 def in_turn(shares):

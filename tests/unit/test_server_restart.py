@@ -12,8 +12,6 @@ process (killed if it hangs) and prints its outcome as JSON on the last line."""
 import http.server
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 
@@ -30,10 +28,10 @@ except ExtensionNotBuilt as e:  # pragma: no cover
 from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader, ServerRestarted  # noqa: E402
 from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+import scenario_process  # noqa: E402
 
 H, SLOTS = 8, 64
 LIMIT_S = 120  # a scenario in its own process: only a hang reaches this
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start_writer(dump, generation, layers=(1, 2)):
@@ -274,17 +272,7 @@ def scenario(name: str, tmp: str) -> dict:
 
 
 def run_scenario(name, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), name, str(tmp_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{name}: hung (no end after {LIMIT_S}s); stderr {stderr[-3000:]!r}")
-    assert proc.returncode == 0, stderr[-3000:]
-    return json.loads(stdout.strip().splitlines()[-1])
+    return scenario_process.run_scenario(__file__, name, tmp_path, LIMIT_S)
 
 
 @pytest.mark.parametrize("name", ["one-process", "two-workers"])
