@@ -1,5 +1,7 @@
 """The per-row judge of records from float32 servers against HF transformers float32 (the exact oracle;
 tests/e2e/test_exact_rows.py says what the tolerance rests on)."""
+import concurrent.futures as cf
+
 TOL = 1e-4
 # rows stored in bf16 (--format specforge files, whatever the server's dtype): one rounding of a float32 row,
 # at most 2^-9 relative per element, so within BF16_TOL of HF float32 per row; a neighbour is ~1 off
@@ -62,3 +64,21 @@ def assert_pre_norm(rec, hs, n_layers):
 def prompt_ids(hf, text):
     """BOS + the text's token ids, with `hf.tok`."""
     return [hf.tok.bos_token_id] + hf.tok(text, add_special_tokens=False)["input_ids"]
+
+
+# Prompts besides a test's long text for concurrent_records: its requests cycle through [long, *MIXED_TEXTS].
+MIXED_TEXTS = ("The scheduler groups requests into batches. A long prompt is cut into chunks so that",
+               "Shared memory lets one process write and another read without copying through the kernel.")
+
+
+def concurrent_records(server, reader, hf, texts, rid_prefix, n, prompt_len, new_tokens, judge, timeout=60):
+    """`n` greedy requests sent at once, request i: the first prompt_len(i) tokens of texts[i % len(texts)]
+    (BOS included), new_tokens(i) generated, rid f"{rid_prefix}-{i}"; each record judged with
+    judge(rec, hf, want_ids) on the prompt and every generated token but the last. Returns the worst error."""
+    jobs = [(f"{rid_prefix}-{i}", prompt_ids(hf, texts[i % len(texts)])[:prompt_len(i)], new_tokens(i))
+            for i in range(n)]
+    with cf.ThreadPoolExecutor(n) as pool:
+        outs = list(pool.map(lambda j: server.generate(
+            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], "temperature": 0}), jobs))
+    return max(judge(reader.take(rid, timeout=timeout), hf, (ids + out["output_ids"])[:-1])
+               for (rid, ids, _), out in zip(jobs, outs))

@@ -118,18 +118,8 @@ def test_concurrent_requests_of_mixed_lengths(served, hf):
     """16 requests at once, 5 to 60 prompt tokens, 1 to 6 generated: prefill chunks and decode rows of
     several requests share steps (and, on the staging server, stage pieces)."""
     server, reader = served
-    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
-             "Shared memory lets one process write and another read without copying through the kernel."]
-    jobs = []
-    for i in range(16):
-        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 5 + (i * 11) % 56]
-        jobs.append((f"x-conc-{i}", ids, 1 + i % 6))
-    with cf.ThreadPoolExecutor(16) as pool:
-        outs = list(pool.map(lambda j: server.generate(
-            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
-    worst = 0.0
-    for (rid, ids, _), out in zip(jobs, outs):
-        worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
+    worst = row_judge.concurrent_records(server, reader, hf, [LONG, *row_judge.MIXED_TEXTS], "x-conc", 16,
+                                         lambda i: 5 + (i * 11) % 56, lambda i: 1 + i % 6, assert_exact)
     print(f"16 records, worst row {worst:.2e}")
 
 

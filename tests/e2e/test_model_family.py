@@ -263,21 +263,9 @@ def test_concurrent_requests_of_mixed_lengths(family):
     """V3.2 only (the other shapes attend as V3, judged under concurrency in test_exact_rows.py): 8 requests
     at once, 5 to 54 prompt tokens, 1 to 4 generated, so prefill chunks and decode rows of requests with
     fewer and more keys than index_topk share steps; the indexer and the sparse attention select per request."""
-    import concurrent.futures as cf
-
     variant, server, reader, hf = family
     if variant != "v32":
         pytest.skip("the V3 attention path's concurrency is judged in test_exact_rows.py")
-    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
-             "Shared memory lets one process write and another read without copying through the kernel."]
-    jobs = []
-    for i in range(8):
-        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 5 + (i * 13) % 50]
-        jobs.append((f"{variant}-conc-{i}", ids, 1 + i % 4))
-    with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda j: server.generate(
-            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
-    worst = 0.0
-    for (rid, ids, _), out in zip(jobs, outs):
-        worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
-    print(f"{variant}: {len(jobs)} concurrent records, worst {worst:.2e}")
+    worst = row_judge.concurrent_records(server, reader, hf, [LONG, *row_judge.MIXED_TEXTS], f"{variant}-conc", 8,
+                                         lambda i: 5 + (i * 13) % 50, lambda i: 1 + i % 4, judge)
+    print(f"{variant}: 8 concurrent records, worst {worst:.2e}")

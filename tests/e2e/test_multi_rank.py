@@ -154,19 +154,9 @@ def test_concurrent_requests_of_mixed_lengths(tp2, hf):
     """8 requests at once, 5 to 60 prompt tokens, 1 to 6 generated: chunks and decode rows of several
     requests share steps."""
     server, reader = tp2
-    texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
-             "Shared memory lets one process write and another read without copying through the kernel."]
-    jobs = []
-    for i in range(8):
-        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 5 + (i * 23) % 56]
-        jobs.append((f"tp-conc-{i}", ids, 1 + i % 6))
-    with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda j: server.generate(
-            input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
-    worst = 0.0
-    for (rid, ids, _), out in zip(jobs, outs):
-        worst = max(worst, assert_exact(reader.take(rid, timeout=120), hf, (ids + out["output_ids"])[:-1]))
-    print(f"tp2 concurrent: {len(jobs)} records, worst row {worst:.2e}")
+    worst = row_judge.concurrent_records(server, reader, hf, [LONG, *row_judge.MIXED_TEXTS], "tp-conc", 8,
+                                         lambda i: 5 + (i * 23) % 56, lambda i: 1 + i % 6, assert_exact, timeout=120)
+    print(f"tp2 concurrent: 8 records, worst row {worst:.2e}")
 
 
 def test_launcher_binds_one_core_group_per_rank():
