@@ -267,7 +267,7 @@ def _fake_flags(module):
         if module == "sglang_hs.launch_server" else frozenset({"--help", "--data", "--output"})
 
 
-def test_checker_finds_a_broken_link_and_anchor(tmp_path):
+def test_checker_finds_a_broken_link_and_anchor():
     page = ROOT / "docs" / "README.md"  # resolved relative to docs/, as a page there would be
     text = ("# T\n\n[ok](serving.md) [ok](serving.md#sizing-devshm) [ok](#t) [web](https://example.com)\n"
             "[gone](no-such-page.md) [bad](serving.md#no-such-heading) `[in code](nowhere.md)`\n"
