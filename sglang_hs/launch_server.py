@@ -387,9 +387,10 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
                                    hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
         if arch in HC_ARCHITECTURES and env.get("SGLANG_HS_CPU_MODE"):
-            raise CaptureConfigError(f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (its attention is "
-                                     "the FlashMLA dsv4 backend over DeepSeekV4TokenToKVPool, with no CPU path); "
-                                     "capture it on a GPU")
+            raise CaptureConfigError(f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (on the CPU engine "
+                                     "its load_weights stops at the mHC kernels' prewarm, a CUDA query in "
+                                     "mhc.prewarm_mhc_pre, and its attention is the FlashMLA dsv4 backend over "
+                                     "DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
         try:
             share_gid = fsutil.resolve_share_group(ns.hs_share_group) if ns.hs_share_group else None
             dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir, share_gid)
