@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sglang_hs.capture_spec import CaptureSpec
-from tests.reference import hc_rows_ref
+from reference import hc_rows_ref
 
 LAYERS = [1, 3, 5]
 
