@@ -9,6 +9,15 @@ stores and speculators trains on: it applies the norm itself), and `--hs-last bo
 A token's rows are the layers in id order, then the final states in FINAL_ORDER (post-norm, pre-norm).
 Ids are set on the model directly, never through SGLang's `set_eagle3_layers_to_capture`, which shifts
 every id by one when the first one is 1.
+
+DeepSeek-V4 (manifold hyper-connections, mHC) carries `hc_mult` residual streams per token, HF
+`output_hidden_states[i]` of shape [.., hc_mult, H] for i < n. Its default (`--hs-hc-streams mean`) is
+SGLang 0.5.23's own answer for its DSpark drafters (`DeepseekV4Model.dspark_layers_to_capture`, captured
+with `mhc_stream_mean`): layer id i = the mean over the streams entering layer i = HF
+`output_hidden_states[i].mean(-2)`; the final post-norm state is the state after the head's collapse
+(`hc_head`) and the final norm = HF `output_hidden_states[n]`; pre-norm is the head's collapse, the input
+of HF `model.model.norm`. `--hs-hc-streams full` keeps every stream instead: hc_mult rows of H per layer id,
+stream s of layer i = HF `output_hidden_states[i][..., s, :]`.
 """
 from __future__ import annotations
 
@@ -19,7 +28,11 @@ from typing import List, Optional, Sequence
 # (DeepSeek-V2/V2.5/V3/R1, Kimi-K2 and other checkpoints declaring these names; Mistral Large 3, text;
 # Kimi-K2.5, text only, whose DeepseekV3 language model sits inside a vision-language wrapper).
 SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                           "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration")
+                           "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration", "DeepseekV4ForCausalLM")
+# Classes whose residual is `hc_mult` parallel streams per token (manifold hyper-connections).
+HC_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+# --hs-hc-streams's choices: the streams' mean (SGLang's DSpark convention) or all of them.
+STREAMS_CHOICES = ("mean", "full")
 # Classes served with DeepSeek Sparse Attention (their configs carry `index_topk`).
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
 # Wrappers whose config keeps the language model's sizes in `text_config`.
@@ -29,6 +42,10 @@ REFUSED_ARCHITECTURES = {
     "PixtralForConditionalGeneration": "Mistral Large 3 with its vision encoder builds its language model "
                                        "inside the Pixtral wrapper, which sglang-hs does not cover; serve "
                                        "a text-only params.json (MistralLarge3ForCausalLM)",
+    **{name: "Kimi-K3's layer input is a learned softmax mixture over a bank of earlier block outputs (Attention "
+             "Residuals, attn_res_block_size), not one residual stream per token, its KDA linear-attention layers "
+             "have no CPU path in SGLang 0.5.23 and HF transformers 5.19 has no kimi_k3 reference to judge rows "
+             "against; not captured" for name in ("KimiK3ForConditionalGeneration", "KimiK3LinearForCausalLM")},
 }
 MIN_LAYERS_FOR_DEFAULT = 8
 CONVENTION = (
@@ -36,6 +53,36 @@ CONVENTION = (
     "last = final post-norm hidden state = HF output_hidden_states[num_hidden_layers]; "
     "pre-norm last = final residual stream before the final norm = the input of HF model.model.norm"
 )
+HC_CONVENTION = {
+    "mean": "hyper-connections (hc_mult streams): layer id i = mean over the hc_mult streams entering decoder layer "
+            "i = HF output_hidden_states[i].mean(-2) (SGLang's DeepseekV4Model dspark capture, mhc_stream_mean); "
+            "last = after the head's collapse (hc_head) and the final norm = HF output_hidden_states[num_hidden_layers]; "
+            "pre-norm last = the head's collapse = the input of HF model.model.norm",
+    "full": "hyper-connections (hc_mult streams): layer id i = hc_mult rows, row s = stream s entering decoder layer "
+            "i = HF output_hidden_states[i][..., s, :]; last = after the head's collapse (hc_head) and the final "
+            "norm = HF output_hidden_states[num_hidden_layers]; pre-norm last = the head's collapse = the input of "
+            "HF model.model.norm",
+}
+
+
+def hc_mult_of(config) -> int:
+    """The residual streams per token: the config's `hc_mult` for a HC_ARCHITECTURES model, else 1."""
+    archs = list(_config_value(config, "architectures") or [])
+    if not archs or archs[0] not in HC_ARCHITECTURES:
+        return 1
+    return int(_config_value(config, "hc_mult") or 4)
+
+
+def parse_streams(value, hc_mult: int) -> str:
+    """--hs-hc-streams as "mean" or "full"; None is "mean". Refused for a model without hyper-connections."""
+    if value is None:
+        return "mean"
+    if value not in STREAMS_CHOICES:
+        raise CaptureConfigError(f"--hs-hc-streams: {value!r} is not one of {', '.join(STREAMS_CHOICES)}")
+    if hc_mult <= 1:
+        raise CaptureConfigError(f"--hs-hc-streams: only for models with hyper-connections "
+                                 f"({', '.join(HC_ARCHITECTURES)}, hc_mult > 1); this model has one residual stream")
+    return value
 # --hs-last's choices (a bare --hs-last is post-norm) and the final states each captures, in row order.
 LAST_CHOICES = ("post-norm", "pre-norm", "both")
 FINAL_ORDER = ("post-norm", "pre-norm")
@@ -146,7 +193,7 @@ def check_architecture(architectures: Optional[Sequence[str]], where: str = "the
             f"unsupported architecture {archs[0] if archs else None!r} in {where}: sglang-hs captures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} models only"
         )
-    if archs[0] in DSA_ARCHITECTURES:
+    if archs[0] in DSA_ARCHITECTURES or archs[0] in HC_ARCHITECTURES:  # V4's index_topk is its own CSA indexer
         return archs[0]
     text_config = _config_value(config, "text_config") if config is not None else None
     for part, cfg in (("", config), ("text_config.", text_config)):
@@ -165,10 +212,18 @@ class CaptureSpec:
     finals: tuple  # the final states captured, in row order (FINAL_ORDER): () without --hs-last
     hidden_size: int
     num_layers: int
+    hc_mult: int = 1  # residual streams per token (DeepSeek-V4's hyper-connections); 1 for every other model
+    streams: str = "mean"  # with hc_mult > 1: "mean" (one row per layer id) or "full" (hc_mult rows)
+
+    @property
+    def rows_per_layer(self) -> int:
+        return self.hc_mult if self.streams == "full" else 1
 
     @property
     def num_aux(self) -> int:
-        return len(self.layers)
+        """Aux rows per token: the layer ids times rows_per_layer (full streams: stream s of layer k is row
+        k*hc_mult + s)."""
+        return len(self.layers) * self.rows_per_layer
 
     @property
     def last(self) -> bool:
@@ -192,11 +247,13 @@ class CaptureSpec:
         return "pre-norm" in self.finals
 
     @classmethod
-    def resolve(cls, layer_ids: Optional[Sequence[int]], last, num_layers: int, hidden_size: int):
-        """`last`: --hs-last's value (parse_last: a bool, "post-norm", "pre-norm" or "both")."""
+    def resolve(cls, layer_ids: Optional[Sequence[int]], last, num_layers: int, hidden_size: int,
+                hc_mult: int = 1, streams: Optional[str] = None):
+        """`last`: --hs-last's value (parse_last: a bool, "post-norm", "pre-norm" or "both"); `hc_mult`: the
+        model's residual streams (hc_mult_of); `streams`: --hs-hc-streams (parse_streams)."""
         ids = default_layer_ids(num_layers) if layer_ids is None else validate_layer_ids(layer_ids, num_layers)
         return cls(layers=tuple(ids), finals=parse_last(last), hidden_size=int(hidden_size),
-                   num_layers=int(num_layers))
+                   num_layers=int(num_layers), hc_mult=int(hc_mult), streams=parse_streams(streams, int(hc_mult)))
 
     def pack(self, aux, post_norm, pre_norm):
         """The copy's (aux [T, K'*H], last [T, H] or None) for the rows of this capture: the layers, then
@@ -213,7 +270,7 @@ class CaptureSpec:
         return torch.cat([aux, post_norm], dim=1), pre_norm
 
     def describe(self) -> dict:
-        return {
+        out = {
             "layer_ids": list(self.layers),
             "last": self.last,
             "last_states": list(self.finals),
@@ -222,3 +279,20 @@ class CaptureSpec:
             "hf_output_hidden_states_index": list(self.layers) + ([self.num_layers] if self.post_norm else []),
             "convention": CONVENTION,
         }
+        if self.hc_mult > 1:
+            out.update(hc_mult=self.hc_mult, hc_streams=self.streams, rows_per_layer=self.rows_per_layer,
+                       hc_convention=HC_CONVENTION[self.streams],
+                       # SGLang 0.5.23's DeepseekV4Model captures dspark id j after decoder layer j (the
+                       # stream mean of its output, HF output_hidden_states[j + 1]) unless the config sets
+                       # hc_pre_from_prev_sublayer (then before layer j): ids for a checkpoint without it
+                       dspark_layer_ids=dspark_layer_ids(self.layers))
+        return out
+
+
+def dspark_layer_ids(layers: Sequence[int], hc_pre_from_prev_sublayer: bool = False) -> Optional[List[int]]:
+    """SGLang 0.5.23's `dspark_layers_to_capture` (a DSpark/EAGLE draft config's target_layer_ids for
+    DeepSeek-V4) that make SGLang serve a drafter on the rows of these layer ids (states entering layer i):
+    its standard path captures after layer j (id i -> j = i - 1), its hc_pre_from_prev_sublayer path before
+    layer j (j = i). None when a layer id has no SGLang id (id 0, the embedding, on the standard path)."""
+    ids = [i if hc_pre_from_prev_sublayer else i - 1 for i in layers]
+    return None if any(i < 0 for i in ids) else ids

@@ -95,6 +95,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # "pre-norm" (the final residual stream before the final norm, the input of HF model.model.norm) or
     # "both"; unset: none (capture_spec.parse_last).
     "SGLANG_HS_LAST": _str("SGLANG_HS_LAST"),
+    # DeepSeek-V4 (hyper-connections, --hs-hc-streams): "mean" (one row per layer id, the streams' mean,
+    # SGLang's DSpark convention) or "full" (hc_mult rows per layer id); unset: mean.
+    "SGLANG_HS_HC_STREAMS": _str("SGLANG_HS_HC_STREAMS"),
     # Bytes of the output ring of finished records, per writer.
     "SGLANG_HS_RING_SIZE": _int("SGLANG_HS_RING_SIZE", DEFAULT_RING_BYTES),
     # Seconds a request may be held by admission control (output ring full: the reader is behind)

@@ -16,11 +16,14 @@ import sys
 from typing import List, Optional, Tuple
 
 from sglang_hs.capture_spec import (
+    HC_ARCHITECTURES,
+    STREAMS_CHOICES,
     TEXT_CONFIG_WRAPPERS,
     CaptureConfigError,
     LAST_CHOICES,
     CaptureSpec,
     check_architecture,
+    hc_mult_of,
     last_choice,
     parse_layer_ids,
 )
@@ -62,6 +65,10 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                         "output_hidden_states[n], what SpecForge trains on), pre-norm (the final residual stream "
                         "before the final norm, what speculators trains on: it applies the norm itself) or both "
                         "(one more row per token)")
+    g.add_argument("--hs-hc-streams", default=None, choices=STREAMS_CHOICES,
+                   help="DeepSeek-V4 (hc_mult residual streams per token): mean (default; one row per layer, the "
+                        "streams' mean, what SGLang's DSpark/EAGLE drafters for V4 are served on) or full (hc_mult "
+                        "rows per layer, stream s = HF output_hidden_states[i][..., s, :])")
     g.add_argument("--hs-ring-size", default=None, metavar="SIZE",
                    help="bytes of the output ring of finished records per writer, e.g. 8GiB "
                         f"(default {envs.DEFAULT_RING_BYTES >> 30}GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode; grown to hold "
@@ -362,7 +369,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
-    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
+    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_HC_STREAMS", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
                 "SGLANG_HS_CAPTURE_MAX_BYTES"):
@@ -377,7 +384,13 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             print(f"[sglang-hs] {arch}: served text only (language_model_only): no image processor, chat "
                   "requests with images are refused, image data sent to /generate is ignored", file=sys.stderr)
         ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
-        spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"])
+        spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
+                                   hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
+        if arch in HC_ARCHITECTURES and env.get("SGLANG_HS_CPU_MODE"):
+            raise CaptureConfigError(f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (on the CPU engine "
+                                     "its load_weights stops at the mHC kernels' prewarm, a CUDA query in "
+                                     "mhc.prewarm_mhc_pre, and its attention is the FlashMLA dsv4 backend over "
+                                     "DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
         try:
             share_gid = fsutil.resolve_share_group(ns.hs_share_group) if ns.hs_share_group else None
             dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir, share_gid)
@@ -392,6 +405,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         if share_gid is not None:
             env["SGLANG_HS_SHARE_GID"] = str(share_gid)
         env["SGLANG_HS_LAYERS"] = ",".join(map(str, spec.layers))
+        if spec.hc_mult > 1:
+            env["SGLANG_HS_HC_STREAMS"] = spec.streams
         if spec.last:
             env["SGLANG_HS_LAST"] = last_choice(spec.finals)
         if ns.hs_copy:
@@ -413,8 +428,9 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
             or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \
             or ns.hs_capture_sample is not None or ns.hs_when_behind is not None \
-            or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None:
-        raise CaptureConfigError("--hs-layers/--hs-last/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
+            or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None \
+            or ns.hs_hc_streams is not None:
+        raise CaptureConfigError("--hs-layers/--hs-last/--hs-hc-streams/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
                                  "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
                                  "bytes/--hs-when-behind need "
                                  "--hs-dump-dir (where to write the capture)")

@@ -34,6 +34,23 @@ class PlanError(RuntimeError):
     pass
 
 
+# The row sizes of published checkpoints, so `--model-path ID` plans them offline (a folder or a config.json
+# is read instead). From their config.json: DeepSeek-V3.2 is V3's shape; DeepSeek-V4 ("Pro") 7168 x 61
+# layers and V4-Flash 4096 x 43, both with hc_mult 4 residual streams (MindFormers' and NeMo Automodel's
+# DeepseekV4Config defaults, which follow the released configs).
+KNOWN_CONFIGS = {
+    "deepseek-ai/DeepSeek-V3.2": {"architectures": ["DeepseekV32ForCausalLM"], "hidden_size": 7168,
+                                  "num_hidden_layers": 61, "max_position_embeddings": 163840,
+                                  "torch_dtype": "bfloat16", "index_topk": 2048},
+    "deepseek-ai/DeepSeek-V4-Pro": {"architectures": ["DeepseekV4ForCausalLM"], "hidden_size": 7168,
+                                    "num_hidden_layers": 61, "hc_mult": 4, "max_position_embeddings": 1048576,
+                                    "torch_dtype": "bfloat16"},
+    "deepseek-ai/DeepSeek-V4-Flash": {"architectures": ["DeepseekV4ForCausalLM"], "hidden_size": 4096,
+                                      "num_hidden_layers": 43, "hc_mult": 4, "max_position_embeddings": 1048576,
+                                      "torch_dtype": "bfloat16"},
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
     p.add_argument("--model-path", default=None, help="a checkpoint folder or its config.json (default: the "
@@ -44,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hs-last", default="post-norm", choices=("post-norm", "pre-norm", "both"),
                    help="the server's --hs-last (default: one final state, as the extraction CLI starts it; both: "
                         "one more row per token)")
+    p.add_argument("--hs-hc-streams", default=None, choices=("mean", "full"),
+                   help="DeepSeek-V4 (hyper-connections): the launcher's (default mean: one row per layer; full: "
+                        "hc_mult rows per layer)")
     p.add_argument("--data", default=None, metavar="FILE", help="the extraction's --data: tokens counted exactly")
     p.add_argument("--max-samples", type=int, default=None, metavar="N", help="with --data: the first N records")
     p.add_argument("--samples", type=int, default=None, metavar="N", help="without --data: this many samples")
@@ -68,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(model_path: Optional[str]) -> dict:
     from sglang_hs import tiny_model
 
+    if model_path in KNOWN_CONFIGS and not os.path.exists(model_path):
+        return dict(KNOWN_CONFIGS[model_path])
     path = model_path or tiny_model.ensure()
     if os.path.isfile(path):
         with open(path) as f:
@@ -163,7 +185,7 @@ def check_numbers(ns) -> None:
 
 
 def plan(ns) -> dict:
-    from sglang_hs.capture_spec import CaptureSpec, parse_layer_ids
+    from sglang_hs.capture_spec import CaptureSpec, hc_mult_of, parse_layer_ids
     from sglang_hs.launch_server import parse_size
     from sglang_hs.store.ring import HEADER_BYTES, _align, record_bytes
 
@@ -172,7 +194,7 @@ def plan(ns) -> dict:
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers else None
     try:
         spec = CaptureSpec.resolve(ids, None if ns.no_hs_last else ns.hs_last, cfg["num_hidden_layers"],
-                                   cfg["hidden_size"])
+                                   cfg["hidden_size"], hc_mult=hc_mult_of(cfg), streams=ns.hs_hc_streams)
     except ValueError as e:
         raise PlanError(str(e)) from None
     P, H = spec.rows_per_token, spec.hidden_size
@@ -214,7 +236,7 @@ def plan(ns) -> dict:
     files = {"specforge bf16": total("specforge"), "safetensors bf16": total("safetensors"),
              "safetensors fp8": total("fp8"), "safetensors fp8-per-layer": total("fp8-per-layer")}
     out = {"model": cfg.get("architectures", ["?"])[0], "layers": list(spec.layers), "last": spec.last,
-           "hidden_size": H, "dtype": dtype, "bytes_per_token": P * H * elem, "bytes_per_token_fp8": P * H + 4,
+           "hidden_size": H, "hc_mult": spec.hc_mult, "rows_per_layer": spec.rows_per_layer, "dtype": dtype, "bytes_per_token": P * H * elem, "bytes_per_token_fp8": P * H + 4,
            "context_length": int(ctx), "writers": writers, "kv_slots_per_writer": slots,
            "store_bytes_per_writer": store, "ring_bytes_per_writer": ring, "ring_needed_for_one_record": need,
            "ring_grown_to_context": ring_grown,
@@ -265,7 +287,9 @@ def problems(f: dict) -> List[str]:
 
 
 def render(f: dict) -> str:
-    L = [f"{f['model']}: layers {f['layers']}{' + the final state' if f['last'] else ''}, hidden {f['hidden_size']}, "
+    hc = (f" x {f['rows_per_layer']} streams each" if f.get("rows_per_layer", 1) > 1 else
+          f" (mean of {f['hc_mult']} streams)" if f.get("hc_mult", 1) > 1 else "")
+    L = [f"{f['model']}: layers {f['layers']}{hc}{' + the final state' if f['last'] else ''}, hidden {f['hidden_size']}, "
          f"{f['dtype']}: {f['bytes_per_token']:,} bytes per token ({f['bytes_per_token_fp8']:,} in FP8)",
          f"data: {f['samples']:,} samples, {f['tokens']:,} tokens ({'counted' if f['tokens_exact'] else 'estimated'})",
          f"dump dir {f['dump_dir']} ({_human(f['dump_dir_free'])} free), per writer x {f['writers']}:"]

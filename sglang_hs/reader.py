@@ -6,7 +6,9 @@
     for rec in reader: ...                              # finished records in completion order
 
 A record holds `input_ids` [T] (int32), `aux_hidden_states` [T, K, H] (the layers of
-`reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`), `last_hidden_state` [T, H] (the final
+`reader.manifest["layer_ids"]`, HF `output_hidden_states[i]`; DeepSeek-V4: the mean of its hc_mult streams,
+or with `--hs-hc-streams full` [T, K * hc_mult, H], stream s of the k-th id at row k * hc_mult + s, as
+`reader.manifest["rows_per_layer"]` and `["hc_convention"]` say), `last_hidden_state` [T, H] (the final
 post-norm state, HF `output_hidden_states[n]`) when the server runs with `--hs-last` (post-norm or both),
 and `last_pre_norm` [T, H] (the final residual stream before the final norm, the input of HF
 `model.model.norm`) with `--hs-last pre-norm` or `both`; each None when not captured
@@ -240,7 +242,9 @@ class HiddenStateReader:
                                         f"{self.manifest['num_writers']} writers it announces after {wait}s")
             time.sleep(0.05)
             self.manifest = read_manifest(path, uid)
-        self.num_aux = len(self.manifest["layer_ids"])
+        # DeepSeek-V4 with --hs-hc-streams full: hc_mult rows per layer id (stream s of id k at row k*hc_mult+s)
+        self.rows_per_layer = int(self.manifest.get("rows_per_layer", 1))
+        self.num_aux = len(self.manifest["layer_ids"]) * self.rows_per_layer
         self.finals = final_states(self.manifest)  # row order after the K layers
         self.has_last = "post-norm" in self.finals
         self.ack_mode = ack

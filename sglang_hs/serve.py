@@ -79,6 +79,10 @@ def check_server_args(cfg) -> None:
         and "--dcp-size > 1 (decode context parallel): KV slots are widened and split over ranks; use --tp",
         # Not a stale slot but an unnamed teacher: a request's rows would be those of the base model with
         # its adapter applied, and nothing in a record says which adapter (or none) that was.
+        getattr(cfg, "enable_decoder_swa_bounded_replay", False)
+        and "--enable-decoder-swa-bounded-replay (DeepSeek-V4.1; SGLang turns it on by default on CUDA): layers past "
+            "the last KV-source layer run over each request's last SWA window only, so earlier tokens get no rows; "
+            "turn it off",
         getattr(cfg, "enable_lora", False)
         and "--enable-lora: a record would not say which LoRA adapter computed its rows; serve the target without adapters",
     ]

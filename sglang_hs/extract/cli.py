@@ -242,8 +242,21 @@ def draft_config(manifest: dict) -> dict:
     else:
         ids, note = None, ("no EAGLE-3 id list makes SGLang capture a first layer of 1 (HF output_hidden_states"
                            "[1]): it adds 1 when the first id is 1; capture other layers to serve this draft")
+    out = {}
+    if manifest.get("hc_mult", 1) > 1:  # DeepSeek-V4: SGLang 0.5.23 serves DSpark drafters for it, not EAGLE-3
+        ids = None
+        note = ("SGLang 0.5.23 serves DeepSeek-V4 drafters through DSpark (DeepseekV4ForCausalLM has no "
+                "set_eagle3_layers_to_capture): dspark_config.target_layer_ids are its dspark_layers_to_capture, "
+                "captured after layer j (the state entering layer j+1, the stream mean), so they make SGLang "
+                f"capture exactly HF output_hidden_states {layers} (.mean(-2))")
+        if manifest.get("hc_streams") == "full":
+            note += ("; these files hold every stream (hc_mult rows per id), SGLang's DSpark capture serves their "
+                     "mean only")
+        out["dspark_config"] = {"target_layer_ids": manifest.get("dspark_layer_ids")}
+        out.update(hc_mult=manifest["hc_mult"], hc_streams=manifest.get("hc_streams", "mean"),
+                   rows_per_layer=manifest.get("rows_per_layer", 1))
     return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-            "target_hidden_size": manifest["hidden_size"], "sglang_id_convention": note,
+            **out, "target_hidden_size": manifest["hidden_size"], "sglang_id_convention": note,
             # `speculators train --target-layer-ids` takes the aux ids only (HF output_hidden_states
             # indices, space-separated): the final state is the file's last row, never one of these ids
             "speculators_layer_ids": list(layers)}
@@ -298,6 +311,8 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "hidden_size": m["hidden_size"], "num_hidden_layers": m["num_hidden_layers"], "layer_ids": m["layer_ids"],
         "last_hidden_state": m["last"], "hf_output_hidden_states_index": m["hf_output_hidden_states_index"],
         "convention": m["convention"], "draft_model_config": draft_config(m),
+        # DeepSeek-V4: how its hc_mult streams became rows (capture_spec.HC_CONVENTION)
+        **{k: m[k] for k in ("hc_mult", "hc_streams", "rows_per_layer", "hc_convention", "dspark_layer_ids") if k in m},
         "data": (os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data) if ns.data else None,
         "from_dump": os.path.abspath(ns.from_dump) if ns.from_dump else None,
         "save_dtype": ns.save_dtype, "stored_dtype": _stored_dtype(ns.save_dtype, m["dtype"]),

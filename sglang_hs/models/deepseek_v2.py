@@ -162,17 +162,7 @@ class _HiddenStateOverlay:
             if self.hs_check_architecture:  # a wrapper building this as its language model checks its own
                 check_architecture(getattr(config, "architectures", None), where="the served model's config",
                                    config=config)
-            self.hs_spec = CaptureSpec.resolve(
-                envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size
-            )
-            # Set on the model directly, before any CUDA-graph capture, never via
-            # set_eagle3_layers_to_capture (which shifts ids by one when the first is 1).
-            self.capture_aux_hidden_states = True
-            self.model.layers_to_capture = list(self.hs_spec.layers)
-            self.model.__class__ = _CapturingDeepseekModel
-            self.model.hs_spec = self.hs_spec
-            if self.hs_spec.pre_norm:
-                _pre_norm_capturing(self.model.norm)
+            self._hs_setup_capture(config)
             self.hs_status = OverlayStatus(dump_dir, type(self).__name__, self.hs_spec)
         _maybe_hang("load")
         self._hs_hang_in_warmup = envs.SGLANG_HS_TEST_HANG_PHASE in ("warmup", "warmup-busy")
@@ -184,6 +174,21 @@ class _HiddenStateOverlay:
             file=sys.stderr,
             flush=True,
         )
+
+    def _hs_setup_capture(self, config) -> None:
+        """Resolve `hs_spec` and make the inner model capture it (a subclass for another model family
+        overrides this alone)."""
+        self.hs_spec = CaptureSpec.resolve(
+            envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size
+        )
+        # Set on the model directly, before any CUDA-graph capture, never via
+        # set_eagle3_layers_to_capture (which shifts ids by one when the first is 1).
+        self.capture_aux_hidden_states = True
+        self.model.layers_to_capture = list(self.hs_spec.layers)
+        self.model.__class__ = _CapturingDeepseekModel
+        self.model.hs_spec = self.hs_spec
+        if self.hs_spec.pre_norm:
+            _pre_norm_capturing(self.model.norm)
 
     def set_eagle3_layers_to_capture(self, layer_ids=None):
         if self.hs_spec is not None:

@@ -44,6 +44,10 @@ Ledger (what / why / upstream status / removal plan):
 | dsa_cpu_server_   | DSA configs' server-argument resolution on   | CPU mode, HTTP   |
 | args              | CPU: no GPU capability query or FP8/DSA      | server process   |
 |                   | kernel defaults; torch_native, page size 1   | (serve.py)       |
+| hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
+|                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
+|                   | mean to write the streams into such a slot   | --hs-hc-streams  |
+|                   |                                              | full             |
 
 mla_torch_native
   why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
@@ -136,6 +140,16 @@ moe_native_ep
             on topk_ids; token_dispatcher/standard.py keeps -1); not reported upstream by us yet.
   removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's DP-attention
             + EP server fails at its warm-up without it.
+
+hc_full_streams
+  why:      DeepSeek-V4's residual is hc_mult streams per token; SGLang's DSpark capture (the V4 overlay's
+            default) stores their mean. --hs-hc-streams full keeps every stream for drafters that want them,
+            through the same capture sites (every V4 forward path calls mhc_stream_mean into a slot of the
+            packer made in the forward), so no upstream forward is copied. Original functions in ORIGINALS.
+  upstream: present in sglang 0.5.23 (srt/models/deepseek_v4.py DeepseekV4Model.forward and
+            _forward_layers_hc_pre_from_prev; kernels/ops/layernorm/mhc.py mhc_stream_mean).
+  removal:  when SGLang can capture the full streams itself; tests/unit/test_hc_streams.py checks the
+            packed layout against HF float32 streams, tests/gpu/test_v4_capture_gpu.py end to end.
 
 dsa_torch_native
   why:      DeepSeek-V3.2 (and any DeepSeek-family config carrying `index_topk`, which SGLang serves with DSA)

@@ -29,7 +29,8 @@ def _rows(T, K, H, dtype, last, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("K,H,last", [(1, 111, True), (2, 500, False), (3, 7168, True), (4, 257, True)])
+@pytest.mark.parametrize("K,H,last", [(1, 111, True), (2, 500, False), (3, 7168, True), (4, 257, True),
+                                      (3, 4096, True), (12, 4096, True)])  # V4-Flash: stream means, all 4 streams
 def test_kernel_matches_reference_on_device(dtype, K, H, last):
     T, S = 37, 128
     aux, fin = _rows(T, K, H, dtype, last, seed=K * 1000 + H)
@@ -221,3 +222,61 @@ def test_slots_outside_the_store_are_dropped_and_reported_after_graph_replays(ta
         if region is not None:
             pinned.unregister(region.buf)
             region.unlink()
+
+
+@pytest.mark.parametrize("streams", ["mean", "full"])
+def test_deepseek_v4_shaped_step_inside_cuda_graph_replays(streams):
+    """A stand-in DeepSeek-V4 step at V4-Flash's width (H 4096, hc_mult 4): per captured layer the residual
+    streams [bs, 4, H] (mixed from the input), captured as SGLang's V4 capture does (the streams' mean, or
+    with --hs-hc-streams full every stream: x.flatten(1) into a 4H-wide slot of one packed buffer), the final
+    state a collapse of the streams and a norm; the copy captured in the graph with them. Replays with new
+    inputs, slots and padding write every real row, stream rows in order, to its slot."""
+    K, HC, H, S = 3, 4, 4096, 1024
+    rows_per_layer = HC if streams == "full" else 1
+    P = K * rows_per_layer + 1
+    buckets = [1, 4, 8]
+    torch.manual_seed(0)
+    mix = torch.randn(K, HC, H, device=DEV, dtype=torch.bfloat16)
+    head = torch.randn(HC, device=DEV, dtype=torch.bfloat16).softmax(0)
+    store = torch.full((S, P, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+
+    def step(x):
+        packed = torch.empty(x.shape[0], K * rows_per_layer * H, device=DEV, dtype=torch.bfloat16)
+        for k in range(K):
+            xs = x[:, None, :] * mix[k]  # [bs, HC, H]
+            out = packed[:, k * rows_per_layer * H:(k + 1) * rows_per_layer * H]
+            out.copy_(xs.mean(dim=1) if streams == "mean" else xs.reshape(x.shape[0], HC * H))
+        last = torch.nn.functional.rms_norm((xs * head[None, :, None]).sum(1), (H,))
+        return packed, last
+
+    graphs = {}
+    for bs in buckets:
+        x = torch.zeros(bs, H, device=DEV, dtype=torch.bfloat16)
+        loc = torch.zeros(bs, device=DEV, dtype=torch.int64)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            aux, last = step(x)
+            copy_rows(aux, last, loc, store)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            aux, last = step(x)
+            copy_rows(aux, last, loc, store)
+        graphs[bs] = (g, x, loc, aux, last)
+    free = torch.randperm(S - 1) + 1
+    for i in range(12):
+        n = [1, 3, 4, 7, 8][i % 5]
+        bs = next(b for b in buckets if b >= n)
+        g, x, loc, aux, last = graphs[bs]
+        slots = free[i * 8:i * 8 + n]
+        x.copy_(torch.randn(bs, H, device=DEV, dtype=torch.bfloat16))
+        loc.copy_(torch.cat([slots, torch.full((bs - n,), PAD_SLOT)]).to(DEV))
+        g.replay()
+        torch.cuda.synchronize()
+        want_aux, want_last = step(x)  # eager: the same numbers the graph computed
+        want = torch.cat([want_aux.reshape(bs, K * rows_per_layer, H), want_last[:, None]], 1)[:n]
+        assert torch.equal(store[slots.to(DEV)], want), f"replay {i}: rows did not land at their slots"
+        if streams == "full":  # stream s of the k-th layer at row k*HC + s
+            xs = x[:n, None, :] * mix[2]
+            assert torch.equal(store[slots.to(DEV)][:, 2 * HC + 3], xs[:, 3])

@@ -134,3 +134,53 @@ def test_pack_puts_the_final_states_after_the_layers():
         rows, last = spec.pack(aux, post, pre)
         got = torch.cat([rows] + ([last] if last is not None else []), dim=1).view(T, spec.rows_per_token, H)
         assert torch.equal(got, torch.cat(want, dim=1).view(T, -1, H)), value
+
+
+# DeepSeek-V4 (hyper-connections): hc_mult streams per token; Kimi-K3 refused.
+V4_CONFIG = {"architectures": ["DeepseekV4ForCausalLM"], "hc_mult": 4, "hidden_size": 4096, "num_hidden_layers": 43,
+             "index_topk": 512}
+
+
+def test_v4_is_captured_and_its_index_topk_is_not_dsa():
+    # V4's index_topk is its own compressed sparse attention's indexer, not V3.2's DSA under another name
+    assert check_architecture(V4_CONFIG["architectures"], config=V4_CONFIG) == "DeepseekV4ForCausalLM"
+    with pytest.raises(CaptureConfigError, match="index_topk"):
+        check_architecture(["DeepseekV3ForCausalLM"], config={"index_topk": 512})
+
+
+def test_v4_default_is_the_stream_mean_one_row_per_layer():
+    from sglang_hs.capture_spec import hc_mult_of
+
+    hc = hc_mult_of(V4_CONFIG)
+    assert hc == 4 and hc_mult_of({"architectures": ["DeepseekV3ForCausalLM"], "hc_mult": 4}) == 1
+    spec = CaptureSpec.resolve(None, "both", 43, 4096, hc_mult=hc)
+    assert spec.streams == "mean" and spec.rows_per_layer == 1 and spec.num_aux == 3
+    assert spec.rows_per_token == 5
+    d = spec.describe()
+    assert d["hc_mult"] == 4 and d["hc_streams"] == "mean" and d["rows_per_layer"] == 1
+    assert "mean(-2)" in d["hc_convention"] and "hc_head" in d["hc_convention"]
+    # SGLang's dspark capture of layer j is the output of layer j: id i (entering layer i) is its j = i - 1
+    assert d["layer_ids"] == [2, 21, 40] and d["dspark_layer_ids"] == [1, 20, 39]
+
+
+def test_v4_full_streams_are_hc_mult_rows_per_layer():
+    spec = CaptureSpec.resolve([0, 5], "post-norm", 43, 4096, hc_mult=4, streams="full")
+    assert spec.rows_per_layer == 4 and spec.num_aux == 8 and spec.rows_per_token == 9
+    d = spec.describe()
+    assert d["rows_per_layer"] == 4 and "[..., s, :]" in d["hc_convention"]
+    assert d["dspark_layer_ids"] is None  # id 0 (the embedding) is no layer's output in SGLang's capture
+
+
+def test_hc_streams_bad_input_is_one_line():
+    with pytest.raises(CaptureConfigError, match="--hs-hc-streams: 'sum' is not one of mean, full"):
+        CaptureSpec.resolve(None, None, 43, 4096, hc_mult=4, streams="sum")
+    with pytest.raises(CaptureConfigError, match="--hs-hc-streams: only for models with hyper-connections") as e:
+        CaptureSpec.resolve(None, None, 61, 7168, hc_mult=1, streams="full")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["KimiK3ForConditionalGeneration", "KimiK3LinearForCausalLM"])
+def test_kimi_k3_is_refused_in_one_line_with_the_reason(arch):
+    with pytest.raises(CaptureConfigError, match=f"unsupported architecture '{arch}'.*Attention Residuals") as e:
+        check_architecture([arch], config={"architectures": [arch]})
+    assert "\n" not in str(e.value)

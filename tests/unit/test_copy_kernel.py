@@ -174,3 +174,22 @@ def test_slot_errors_accumulate_and_tensor_stores_share_a_default_counter():
     mod.copy_rows(aux[:1], None, torch.tensor([9]), store, errors=fresh)
     with pytest.raises(RuntimeError, match=r"dropped 1 row whose KV slot lay outside the store's \[0, 4\) \(e.g. slot 9\)"):
         fresh.check()
+
+
+@pytest.mark.parametrize("streams, K", [("mean", 3), ("full", 3 * 4)])
+def test_deepseek_v4_shaped_rows(copy_rows, streams, K):
+    """DeepSeek-V4's rows (hc_mult 4): three layer ids of the streams' mean, or of all four streams (12 aux
+    rows), plus the final state; H = 88 (odd against the kernel's blocks), as the aux the V4 overlay hands
+    the copy: a packer's [T, K*H] buffer (the stream capture writes x.flatten(1) into each id's slot)."""
+    T, H = 7, 88
+    g = torch.Generator().manual_seed(4)
+    streams_in = [torch.randn(T, 4, H, generator=g).bfloat16() for _ in range(3)]
+    aux = torch.cat([x.mean(1) if streams == "mean" else x.flatten(1) for x in streams_in], dim=1)
+    fin = torch.randn(T, H, generator=g).bfloat16()
+    loc = torch.randperm(63, generator=g)[:T] + 1
+    got, want = (torch.full((64, K + 1, H), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    copy_rows(aux, fin, loc, got)
+    copy_rows_ref(aux, fin, loc, want)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[loc], want[loc])
+    if streams == "full":  # stream s of the k-th id is row 4k + s of its slot
+        assert torch.equal(got[loc][:, 4 * 2 + 3], streams_in[2][:, 3])

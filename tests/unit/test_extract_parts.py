@@ -432,3 +432,19 @@ def test_an_interrupt_while_collecting_writes_leaves_no_file_unacked_or_counted_
     assert ext.reader.acked == [f"rec{i}" for i in range(5)]
     assert (ext.stats.done, ext.stats.bytes, ext.stats.tokens) == (5, sum(range(100, 105)), 50)
     assert [w[3] for w in ext.writes] == ["rec5"]  # still being written: neither acked nor counted
+
+
+@pytest.mark.parametrize("streams", ["mean", "full"])
+def test_draft_config_of_deepseek_v4_names_sglangs_dspark_ids(streams):
+    from sglang_hs.capture_spec import CaptureSpec
+
+    m = dict(CaptureSpec.resolve([2, 21, 40], True, 43, 4096, hc_mult=4, streams=streams).describe())
+    cfg = draft_config(m)
+    # SGLang 0.5.23 has no EAGLE-3 capture for V4; its DSpark capture of id j is layer j's output
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] is None
+    assert cfg["dspark_config"]["target_layer_ids"] == [1, 20, 39]
+    assert [j + 1 for j in cfg["dspark_config"]["target_layer_ids"]] == m["layer_ids"]
+    assert cfg["hc_mult"] == 4 and cfg["hc_streams"] == streams and cfg["rows_per_layer"] == (4 if streams == "full"
+                                                                                               else 1)
+    assert ("mean only" in cfg["sglang_id_convention"]) == (streams == "full")
+    assert cfg["speculators_layer_ids"] == [2, 21, 40]

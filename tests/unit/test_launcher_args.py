@@ -335,3 +335,36 @@ def test_a_bad_number_in_the_environment_names_the_variable(clean_env):
     os.environ["SGLANG_HS_RING_SIZE"] = "1GB"
     with pytest.raises(envs.EnvError, match=r"^SGLANG_HS_RING_SIZE='1GB': expected an integer$"):
         envs.SGLANG_HS_RING_SIZE
+
+
+def test_prepare_refuses_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env):
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8)
+    with pytest.raises(CaptureConfigError, match=r"^DeepseekV4ForCausalLM: SGLang 0.5.23 serves DeepSeek-V4 on CUDA "
+                                                 r"only .*FlashMLA") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs")])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("streams, rows", [(None, 3), ("full", 9)])
+def test_prepare_deepseek_v4_streams_reach_the_overlay(tmp_path, clean_env, streams, rows):
+    from sglang_hs.capture_spec import CaptureSpec
+
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8)
+    launch_server.prepare(["--model-path", model, "--device", "cuda", "--hs-dump-dir", str(tmp_path / "hs"),
+                           "--hs-layers", "1,3", "--hs-last", "--hs-ring-size", "64MiB"]
+                          + (["--hs-hc-streams", streams] if streams else []))
+    assert os.environ["SGLANG_HS_HC_STREAMS"] == (streams or "mean")
+    # what the overlay resolves in the server's processes
+    spec = CaptureSpec.resolve(envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, 8, 64, hc_mult=4,
+                               streams=envs.SGLANG_HS_HC_STREAMS)
+    assert spec.rows_per_token == rows
+
+
+def test_prepare_refuses_hc_streams_for_a_model_without_them(tmp_path, clean_env):
+    with pytest.raises(CaptureConfigError, match=r"^--hs-hc-streams: only for models with hyper-connections"):
+        launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", "--hs-dump-dir",
+                               str(tmp_path / "hs"), "--hs-hc-streams", "full"])
+    (tmp_path / "b").mkdir()
+    with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
+        launch_server.prepare(["--model-path", _model_dir(tmp_path / "b"), "--device", "cpu", "--hs-hc-streams",
+                               "mean"])

@@ -50,3 +50,56 @@ def test_registry_resolves_to_overlay():
                PYTHONPATH=os.pathsep.join(filter(None, [stubs_dir(), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+V4_SCRIPT = """
+import os, types
+import torch
+from sglang.srt.models.registry import ModelRegistry
+from sglang.srt.models import deepseek_v4 as upstream
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang_hs.capture_spec import CaptureConfigError
+from sglang_hs.models import deepseek_v4 as ours
+from sglang_hs.models.deepseek_v2 import _HiddenStateOverlay
+cls, name = ModelRegistry.resolve_model_cls(["DeepseekV4ForCausalLM"])
+assert cls is ours.DeepseekV4ForCausalLM, cls
+assert issubclass(cls, upstream.DeepseekV4ForCausalLM) and issubclass(cls, _HiddenStateOverlay), cls.__mro__
+
+# The capture set-up (upstream's constructor builds V4's CUDA-only attention: a bare instance instead).
+def bare(streams, lagged=False, layers="1,3"):
+    os.environ.update(SGLANG_HS_LAYERS=layers, SGLANG_HS_LAST="both", SGLANG_HS_HC_STREAMS=streams)
+    m = cls.__new__(cls); torch.nn.Module.__init__(m)
+    m.model = upstream.DeepseekV4Model.__new__(upstream.DeepseekV4Model); torch.nn.Module.__init__(m.model)
+    m.model.norm = RMSNorm(8)
+    cfg = types.SimpleNamespace(architectures=["DeepseekV4ForCausalLM"], num_hidden_layers=6, hidden_size=8,
+                                hc_mult=4, hc_pre_from_prev_sublayer=lagged)
+    m._hs_setup_capture(cfg)
+    return m
+m = bare("mean")
+# SGLang captures dspark id j after layer j: the state entering layer i is j = i - 1
+assert m.model.dspark_layers_to_capture == [0, 2] and type(m.model) is ours._CapturingDeepseekV4Model
+assert m.capture_aux_hidden_states and m.hs_spec.rows_per_token == 4 and m.hs_spec.streams == "mean"
+assert type(m.model.norm).__name__ == "PreNormCapturingRMSNorm"
+assert bare("mean", lagged=True).model.dspark_layers_to_capture == [1, 3]  # captured before layer j there
+m = bare("full")
+assert m.hs_spec.rows_per_token == 2 * 4 + 2
+assert upstream.AuxHiddenStatePacker.__name__ == "StreamsPacker"
+try:
+    bare("mean", layers="0,3")
+    raise SystemExit("id 0 was not refused")
+except CaptureConfigError as e:
+    assert "id 0 (the embedding)" in str(e) and "\\n" not in str(e), e
+try:
+    m.set_dspark_layers_to_capture([1])
+    raise SystemExit("a DSpark drafter's ids were taken")
+except RuntimeError as e:
+    assert "--hs-dump-dir" in str(e)
+print("OK")
+"""
+
+
+def test_registry_resolves_deepseek_v4_to_overlay_and_sets_sglangs_dspark_ids():
+    env = dict(os.environ, SGLANG_EXTERNAL_MODEL_PACKAGE="sglang_hs.models", SGLANG_USE_CPU_ENGINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [stubs_dir(), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", V4_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:] + r.stdout[-2000:]

@@ -85,3 +85,32 @@ def test_a_number_out_of_range_is_one_line_naming_the_flag(tmp_path, capsys, arg
     """inf gave an OverflowError traceback and a negative value printed negative sizes."""
     rc, err = _plan(tmp_path, capsys, *args)
     assert rc == 2 and err.strip() == f"python -m sglang_hs.plan: error: {message}", err
+
+
+@pytest.mark.parametrize("model, H, n, layers, rows", [
+    ("deepseek-ai/DeepSeek-V3.2", 7168, 61, [2, 30, 58], 1),
+    ("deepseek-ai/DeepSeek-V4-Pro", 7168, 61, [2, 30, 58], 1),
+    ("deepseek-ai/DeepSeek-V4-Flash", 4096, 43, [2, 21, 40], 1),
+])
+def test_published_v32_and_v4_row_sizes_offline(capsys, tmp_path, model, H, n, layers, rows):
+    rc = plan.main(["--model-path", model, "--device", "cpu", "--json", "--samples", "10", "--mean-tokens", "100",
+                    "--output", str(tmp_path), "--max-total-tokens", "1000"])
+    f = json.loads(capsys.readouterr().out)
+    assert rc == 0 and f["hidden_size"] == H and f["layers"] == layers
+    # three layers + the final state, bf16: V4's default is one row per layer (the mean of its 4 streams)
+    assert f["bytes_per_token"] == 4 * H * 2 and f["rows_per_layer"] == rows
+    assert f["hc_mult"] == (4 if "V4" in model else 1)
+
+
+def test_v4_full_streams_are_four_rows_per_layer(capsys, tmp_path):
+    rc = plan.main(["--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--device", "cpu", "--json", "--samples", "10",
+                    "--mean-tokens", "100", "--output", str(tmp_path), "--max-total-tokens", "1000",
+                    "--hs-hc-streams", "full"])
+    f = json.loads(capsys.readouterr().out)
+    assert rc == 0 and f["rows_per_layer"] == 4
+    assert f["bytes_per_token"] == (3 * 4 + 1) * 4096 * 2  # 3 layers x 4 streams + the final state
+    assert f["store_bytes_per_writer"] == 1001 * 13 * 4096 * 2
+    rc = plan.main(["--model-path", "deepseek-ai/DeepSeek-V3.2", "--device", "cpu", "--samples", "1",
+                    "--mean-tokens", "1", "--hs-hc-streams", "full"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--hs-hc-streams: only for models with hyper-connections" in err and err.count("\n") == 1

@@ -350,3 +350,23 @@ def test_discarding_another_clients_rid_takes_its_record_behind_its_marker_and_f
     reader.ack(rec)
     assert reader.unacked() == 0 and _free(dump) == dump.ring.capacity  # the whole ring is the server's again
     reader.close()
+
+
+@pytest.mark.parametrize("streams, rows_per_layer", [("mean", 1), ("full", 4)])
+def test_deepseek_v4_records_are_read_as_published(tmp_path, streams, rows_per_layer):
+    """DeepSeek-V4 (hc_mult 4): its records hold one row per layer id (the streams' mean) or, with
+    --hs-hc-streams full, four (stream s of the k-th id at row 4k + s); the reader's aux is every one of
+    them, the final states after, each exactly as published (a reader taking one row per id hands the
+    second stream out as the post-norm state)."""
+    spec = CaptureSpec.resolve([2], "both", 4, H, hc_mult=4, streams=streams)
+    P = spec.rows_per_token
+    assert P == rows_per_layer + 2
+    w = CaptureWriter(str(tmp_path), spec, 8, torch.bfloat16, 3 * ring.record_bytes(8, P, H, 2, 3))
+    reader = HiddenStateReader(str(tmp_path), wait=1)
+    assert reader.manifest["rows_per_layer"] == rows_per_layer and reader.manifest["hc_mult"] == 4
+    assert reader.manifest["hc_streams"] == streams and reader.num_aux == rows_per_layer
+    w.ring.publish("r1", _ids(1, 5), _rows(1, 5, P), timeout=5)
+    rec = reader.take("r1", timeout=5)
+    _assert_exact(rec, 1, 5, K=rows_per_layer, last="both")
+    reader.ack(rec)
+    reader.close()

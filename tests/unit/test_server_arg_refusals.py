@@ -41,6 +41,7 @@ REFUSED = [
     (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
     (["--enable-torch-compile"], "--enable-torch-compile"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"], "--enable-lora"),
+    (["--enable-decoder-swa-bounded-replay"], "--enable-decoder-swa-bounded-replay"),  # DeepSeek-V4.1
 ]
 
 # Audited and left allowed (see the comment in check_server_args): none puts KV into a slot without a
