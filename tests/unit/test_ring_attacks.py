@@ -51,7 +51,7 @@ def ids_of(i, T):
 
 # The member: plain os calls, one per line of stdin, each answered "ok" or the error's name.
 _MEMBER = """
-import os, struct, sys
+import mmap, os, struct, sys  # (imported before dropping to the member: the interpreter lives under /root)
 os.setgroups([int(sys.argv[3])]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))
 d = sys.argv[1]
 def do(cmd, arg):
@@ -64,6 +64,19 @@ def do(cmd, arg):
         fd = os.open(f"{d}/ring-w0.offset", os.O_WRONLY)
         os.pwrite(fd, struct.pack("<Q", int(arg)), 0); os.close(fd)
     elif cmd == "cut": os.truncate(f"{d}/ring-w0.offset", int(arg))
+    elif cmd == "open-for-writing": os.close(os.open(f"{d}/{arg}", os.O_WRONLY | os.O_NOFOLLOW))
+    elif cmd == "truncate": os.truncate(f"{d}/{arg}", 0)
+    elif cmd == "chmod": os.chmod(f"{d}/{arg}", 0o666)
+    elif cmd == "chown": os.chown(f"{d}/{arg}", os.getuid(), os.getgid())
+    elif cmd == "unlink": os.unlink(f"{d}/{arg}")
+    elif cmd == "rename": os.rename(f"{d}/{arg}", f"{d}/{arg}.moved")
+    elif cmd == "map-writable":
+        fd = os.open(f"{d}/{arg}", os.O_RDONLY)
+        try: mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally: os.close(fd)
+    elif cmd == "create": os.close(os.open(f"{d}/{arg}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    elif cmd == "symlink": os.symlink("/tmp", f"{d}/{arg}")
+    elif cmd == "mkdir": os.mkdir(f"{d}/{arg}")
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
     try:
@@ -324,6 +337,58 @@ def test_a_member_moving_the_read_offset_under_the_extraction_cli_gets_no_torn_f
     finally:
         if member is not None:
             member.close()
+        import shutil
+
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user of the share group")
+def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(monkeypatch):
+    """Every file a serving process puts in a shared dump dir (made here by the same calls: the launcher's
+    folder and lock, the writer's manifest, store, ring and offset file, the overlay's
+    status file): a member of the group can open for writing, truncate and write nothing but the ring's
+    offset file; it can change no mode or owner, map the ring writable, remove, rename or add anything.
+    So a member cannot forge a record (the ring's CRC, unkeyed, only detects corruption, and a member
+    cannot write the ring), and what it can do is what any reader of the group does: read every record
+    and consume it (README, Security)."""
+    from sglang_hs.overlay_status import OverlayStatus
+
+    parent = tempfile.mkdtemp(prefix="sglang-hs-attack-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    member = lock = None
+    try:
+        os.chmod(parent, 0o755)
+        monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(SHARE_GID))
+        d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), SHARE_GID)  # as launch_server does
+        lock = fsutil.lock_dump_dir(d)
+        spec = CaptureSpec.resolve([1], "both", 4, H)
+        w = CaptureWriter(d, spec, 8, torch.bfloat16, 1 << 16)
+        w.ring.publish("r0", ids_of(0, 4), rows_of(0, 4, P=3), timeout=1)
+        OverlayStatus(d, "DeepseekV3ForCausalLM", spec)
+        names = sorted(os.listdir(d))
+        assert {"manifest.json", "ring-w0.bin", "ring-w0.offset", "store-w0.bin", fsutil.LOCK_NAME} <= set(names) \
+            and any(n.startswith("overlay-") for n in names), names
+        member = Member(d)
+        for name in names:
+            writable = name == "ring-w0.offset"
+            for attack in ("open-for-writing", "truncate"):
+                assert member(f"{attack} {name}") == ("ok" if writable else "PermissionError"), (attack, name)
+            for attack in ("chmod", "chown", "unlink", "rename"):
+                assert member(f"{attack} {name}") == "PermissionError", (attack, name)
+        assert member("map-writable ring-w0.bin") == "PermissionError"
+        assert member("chmod .") == "PermissionError"
+        for attack in ("create", "symlink", "mkdir"):
+            assert member(f"{attack} planted") == "PermissionError", attack
+        assert sorted(os.listdir(d)) == names  # nothing added, removed or renamed
+        assert os.path.getsize(os.path.join(d, "ring-w0.offset")) == 0  # the one file it may write (and cut)
+        w.ring.publish("r1", ids_of(1, 4), rows_of(1, 4, P=3), timeout=1)  # the server goes on
+        reader = HiddenStateReader(d, wait=1)
+        assert [reader.next(timeout=5).rid for _ in range(2)] == ["r0", "r1"]
+        reader.close()
+    finally:
+        if member is not None:
+            member.close()
+        if lock is not None:
+            os.close(lock)
         import shutil
 
         shutil.rmtree(parent, ignore_errors=True)
