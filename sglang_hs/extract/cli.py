@@ -801,7 +801,9 @@ def prepare_output(out_dir: str, gid: Optional[int]) -> None:
 
 def model_vocab_size(model_path: str) -> Optional[int]:
     """The served checkpoint's vocabulary size (config.json, a wrapper's text_config, or Mistral's params.json);
-    None when it cannot be read (a hub name)."""
+    None when it cannot be read (a hub name, or no path: not the current folder's config.json)."""
+    if not model_path:
+        return None
     for name, keys in (("config.json", ("vocab_size",)), ("config.json", ("text_config", "vocab_size")),
                        ("params.json", ("vocab_size",))):
         try:
