@@ -14,20 +14,16 @@ import sys
 import pytest
 import torch
 
+from helpers import readers_path
 from sglang_hs import tiny_model
 from sglang_hs.extract import cli
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = [2, 4, 5]
 BF16_ROW_TOL = 0.02  # relative L2 per row of logits: bf16 states and weights (2^-8 each), a bf16 matmul
 
 
-def _readers_path():
-    path = os.environ.get("SGLANG_HS_READERS")
-    if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
-        path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
-    return path if path and os.path.isdir(path) else None
+_readers_path = readers_path
 
 
 def _readers():
