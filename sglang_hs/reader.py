@@ -45,12 +45,18 @@ those bytes (close() drops the records it holds and has not handed out). So fini
 (write the file, copy what you keep) before acking; ack() drops the record's tensors (they become None)
 so the record itself is not handed on stale, but a view you took from it yourself
 (`aux = rec.aux_hidden_states`) is not protected: do not use it after the ack. A view's storage is
-exactly that record's bytes (torch.save of it saves the record, not the ring):
+exactly that record's bytes (torch.save of it saves the record, not the ring). Someone else who may write
+the ring's read offset (a member of the server's --hs-share-group) can hand a record's bytes back to the
+server before your ack, and the server then writes over them while you read: `reader.intact(rec)`, asked
+once you are done with the views and before the ack, says whether every byte you read was the record's;
+when False, throw away what you made of them (the extraction CLI removes the file and fails the sample):
 
     with HiddenStateReader("/dev/shm/hs", ack=True, zero_copy=True) as reader:
         for rec in reader:
-            torch.save({"aux": rec.aux_hidden_states}, f"{rec.rid}.pt")   # one copy: ring -> file
-            reader.ack(rec)                                               # rec's tensors are gone now
+            torch.save({"aux": rec.aux_hidden_states}, f"{rec.rid}.pt.tmp")   # one copy: ring -> file
+            if reader.intact(rec):
+                os.rename(f"{rec.rid}.pt.tmp", f"{rec.rid}.pt")
+            reader.ack(rec)                                                   # rec's tensors are gone now
 
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
@@ -152,6 +158,7 @@ class HiddenStateRecord:
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
     last_pre_norm: Optional[torch.Tensor] = None  # the final state before the final norm (--hs-last pre-norm/both)
+    offset: int = field(default=-1, repr=False)  # where it starts in its writer's ring (HiddenStateReader.intact)
     _arrival: int = field(default=0, repr=False, compare=False)  # this reader's count of records and markers
 
     def drop_tensors(self) -> None:
@@ -383,6 +390,7 @@ class HiddenStateReader:
                     generation=self._generation,
                     prompt_len=rec.prompt_len,
                     next_token=rec.next_token,
+                    offset=rec.offset,
                     _arrival=self._arrivals,
                 )
                 if rec.rid in self._ready:
@@ -424,6 +432,21 @@ class HiddenStateReader:
                     del self._retired[key]
         if self.zero_copy:
             record.drop_tensors()
+
+    def intact(self, record: HiddenStateRecord) -> bool:
+        """Whether every byte of `record` read so far was the record's: always for a copied record (checked as
+        it was copied); for a zero-copy one, whether the server has not taken its ring bytes back yet. Only
+        this reader's ack gives them back, unless someone else writes the read offset (a member of the share
+        group may): the server then writes over the record's bytes, and views read meanwhile hold a torn mix.
+        Ask after using the views (writing the file) and before ack(); False: discard what was made of them.
+        A record acknowledged already, or of a closed reader, is not intact."""
+        if not self.zero_copy:
+            return True
+        if record.input_ids is None or not self._locks:  # acknowledged (its tensors dropped), or the reader closed
+            return False
+        ring = self._rings[record.writer] if record.generation == self._generation else \
+            self._retired.get((record.generation, record.writer))
+        return ring is not None and ring.holds(record.offset)
 
     def unacked(self) -> int:
         """Records brought in and not acknowledged yet (0 for an eager reader)."""

@@ -140,3 +140,13 @@ def run_launcher(args: List[str], env: Optional[dict] = None, timeout: float = 3
 
 def error_lines(text: str) -> List[str]:
     return [l for l in text.splitlines() if re.match(r"^sglang-hs: error: ", l)]
+
+
+def readers_path() -> Optional[str]:
+    """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None: the
+    SGLANG_HS_READERS folder, else the one scripts/ensure_env.sh recorded in .venv/.readers."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("SGLANG_HS_READERS")
+    if not path and os.path.exists(os.path.join(repo, ".venv", ".readers")):
+        path = open(os.path.join(repo, ".venv", ".readers")).read().strip()
+    return path if path and os.path.isdir(path) else None

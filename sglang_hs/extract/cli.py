@@ -44,6 +44,16 @@ class ExtractError(RuntimeError):
     """A one-line error for the user; the run exits non-zero after writing what it completed."""
 
 
+class RecordGivenBack(ExtractError):
+    """A zero-copy record's ring bytes went back to the server before its file was written: someone else
+    wrote the reader's read offset (HiddenStateReader.intact); what was read of them may be torn."""
+
+    def __init__(self, dump_dir: str) -> None:
+        super().__init__(f"its record's bytes in the output ring were given back to the server while they were "
+                         f"being read (someone else wrote the read offset of {dump_dir}: a member of the share "
+                         "group?), so they may be torn: not written, --resume redoes it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
                                 epilog="Any other flag goes to python -m sglang_hs.launch_server (without --server).")
@@ -421,7 +431,7 @@ class Extraction:
 
     # -- records --
     def _complete(self, sample, reply: dict, rec, verify: bool) -> None:
-        from sglang_hs.extract.verify import check
+        from sglang_hs.extract.verify import VerificationError, check
 
         output = reply.get("output_ids", [])
         mask = record_loss_mask(sample, output, rec)
@@ -429,22 +439,39 @@ class Extraction:
             meta = reply["meta_info"]
             entries = list(meta["input_token_logprobs"]) + list(meta.get("output_token_logprobs", []))
             temperature = self.ns.temperature if sample.prompt_len is not None else 0.0
-            diff = check(sample.index, sample.input_ids + output, rec.last_hidden_state, self.lm_head,
-                         [x[0] for x in entries], [x[1] for x in entries], temperature=temperature,
-                         sampled_from=len(sample.input_ids))
+            try:
+                diff = check(sample.index, sample.input_ids + output, rec.last_hidden_state, self.lm_head,
+                             [x[0] for x in entries], [x[1] for x in entries], temperature=temperature,
+                             sampled_from=len(sample.input_ids))
+            except VerificationError:
+                if not self.reader.intact(rec):  # rows changed under the check: torn, not the server's error
+                    raise RecordGivenBack(self.reader.dump_dir) from None
+                raise
             self.stats.verified += 1
             self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
         unwritten = [w[2] for w in self.writes if not w[2].done()]
         if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
         self.writes.append((sample.index, rec.num_tokens, self.write_pool.submit(
-            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, self.sink.final_of(rec), verify),
-            rec))
+            self._write, sample.index, rec.input_ids, mask, rec.aux_hidden_states, self.sink.final_of(rec), verify,
+            rec), rec))
 
-    def _write(self, index, input_ids, mask, aux, last, verify: bool) -> int:
+    def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None) -> int:
         """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
-        or within FP8's rounding bound), else it is removed and VerificationError raised."""
-        size = self.sink.write(index, input_ids, mask, aux, last)
+        or within FP8's rounding bound), else it is removed and VerificationError raised. `rec`: the reader's
+        record the tensors are views of; its file takes its name only if the ring bytes were still the
+        record's once written (HiddenStateReader.intact), else RecordGivenBack and no file."""
+        def still_the_records() -> None:
+            if rec is not None and not self.reader.intact(rec):
+                raise RecordGivenBack(self.reader.dump_dir)
+
+        try:
+            size = self.sink.write(index, input_ids, mask, aux, last, before_commit=still_the_records)
+        except RecordGivenBack:
+            raise
+        except Exception:  # e.g. FP8's non-finite rows: of torn bytes, say that instead (the sample is redone)
+            still_the_records()
+            raise
         if verify and self.sink.name == "safetensors":
             from sglang_hs.extract.verify import VerificationError, check_stored
 
@@ -452,6 +479,7 @@ class Extraction:
                 check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype)
             except VerificationError:
                 os.unlink(self.sink.path(index))
+                still_the_records()  # the rows changed under the read-back: torn, not the server's error
                 raise
         return size
 
@@ -788,7 +816,9 @@ def prepare_output(out_dir: str, gid: Optional[int]) -> None:
 
 def model_vocab_size(model_path: str) -> Optional[int]:
     """The served checkpoint's vocabulary size (config.json, a wrapper's text_config, or Mistral's params.json);
-    None when it cannot be read (a hub name)."""
+    None when it cannot be read (a hub name, or no path: not the current folder's config.json)."""
+    if not model_path:
+        return None
     for name, keys in (("config.json", ("vocab_size",)), ("config.json", ("text_config", "vocab_size")),
                        ("params.json", ("vocab_size",))):
         try:

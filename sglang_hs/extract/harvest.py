@@ -232,8 +232,8 @@ def _open_reader(ns):
 
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
-    from sglang_hs.extract.cli import (PROG, ExtractError, Stats, _print_summary, check_final_state, prepare_output,
-                                       write_manifest)
+    from sglang_hs.extract.cli import (PROG, ExtractError, Stats, _print_summary, check_final_state, model_vocab_size,
+                                       prepare_output, print_training_command, write_manifest)
     from sglang_hs.extract.sinks import SinkError
     from sglang_hs.reader import ServerRestarted
     from sglang_hs.store.ring import TornRecord
@@ -315,6 +315,9 @@ def run(ns, sink, out_dir: str) -> int:
             stats.t1, stats.cpu1 = time.monotonic(), time.process_time()
             _print_summary(stats, out_dir)
             write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
+            if rc == 0:  # as a --data run does: the trainer's command on these files (SpecForge: its run config)
+                print_training_command(out_dir, dict(manifest, vocab_size=model_vocab_size(manifest["model_path"])),
+                                       sink.name, ns.save_dtype)
     finally:
         if journal is not None:
             journal.close()  # after the manifest: no other harvester writes into --output before it is there

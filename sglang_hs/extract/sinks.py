@@ -43,7 +43,7 @@ import glob
 import os
 import re
 import shutil
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -105,8 +105,10 @@ class Sink:
         return len(stale)
 
     def write(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-              last: Optional[torch.Tensor]) -> int:
-        """Write one sample (aux [T, K, H], last [T, H]); returns the bytes written."""
+              last: Optional[torch.Tensor], before_commit: Optional[Callable[[], None]] = None) -> int:
+        """Write one sample (aux [T, K, H], last [T, H]); returns the bytes written. `before_commit` is called
+        once the bytes are in the temporary file, before it takes the sample's name: raising there leaves no
+        file (the extraction CLI checks a zero-copy record's ring bytes were still its own)."""
         from sglang_hs.fsutil import create_private_file, make_private_dirs, set_private_mode
 
         final = self.path(index)
@@ -118,6 +120,8 @@ class Sink:
             create_private_file(tmp, self.share_gid)  # its mode before any byte of it is written
             self._save(tmp, input_ids.long(), loss_mask.long(), aux, last)
             set_private_mode(tmp, self.share_gid)  # a writer that made a file of its own
+            if before_commit is not None:
+                before_commit()
             return _commit(tmp, final)
         except BaseException:
             if os.path.exists(tmp):

@@ -51,7 +51,10 @@ to seq once every record before it was released too): a reader killed before it 
 leaves it in the ring for the next reader. `read_ahead(copy=False)` copies nothing: a record's tensors are
 views of the ring's shared memory (their storage exactly that record's input_ids, and its rows), valid
 until it is released; a record never wraps, so its rows are one contiguous block. Released, its bytes
-are the writer's to overwrite: whoever holds such a view must be done with it before `release`.
+are the writer's to overwrite: whoever holds such a view must be done with it before `release`. Someone
+else who may write the offset file (a member of the share group) can give them back sooner: the writer
+then takes that offset and may write over the views while they are used, so a consumer asks
+`holds(record.offset)` once it is done with them and discards what it made from them when it is False.
 """
 from __future__ import annotations
 
@@ -177,6 +180,7 @@ class Record:
     skipped: int = 0  # a marker record: the request was served without capture (SKIP_REASONS); T = 0
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1 when nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one); -1: not recorded
+    offset: int = -1  # the logical offset it starts at (RingReader.holds)
 
     @property
     def num_tokens(self) -> int:
@@ -469,6 +473,16 @@ class RingReader:
             first = min(self._unreleased)
         self._store_tail(tail, last)
 
+    def holds(self, offset: int) -> bool:
+        """Whether the record starting at logical `offset` (read ahead, not released) is still unconsumed in
+        the writer's eyes: TAIL at most its start, so the writer has written none of its bytes over. Asked
+        after using a zero-copy record's views (RingReader docstring: someone else of the share group may
+        write the read offset past it, and the writer then takes it and reuses the bytes). The writer
+        store-releases TAIL before it writes any byte below TAIL + capacity, and this load comes after the
+        reads of the views in program order (x86 keeps loads in order; the copy-mode check in _records
+        relies on the same), so True means every byte read before the call was the record's."""
+        return self.r.load_acquire(OFF_TAIL) <= offset
+
     def unreleased(self) -> int:
         """Records read ahead and not released yet."""
         return len(self._unreleased)
@@ -542,6 +556,6 @@ class RingReader:
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} was given back to the writer "
                                  "before this reader read it (someone else wrote the read offset: another member of "
                                  "the share group?)")
-            tail += total
+            start, tail = tail, tail + total
             yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
-                         next_token=next_token), tail
+                         next_token=next_token, offset=start), tail

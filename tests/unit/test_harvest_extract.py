@@ -7,6 +7,7 @@ exactly once; bad flags get one line. The real server, SIGKILL and the trainers'
 tests/e2e/test_harvest.py."""
 import json
 import os
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +49,11 @@ def _publish(w, requests=REQUESTS, first_slot=0):
         w.publish_marker(f"unsampled-{i}", "not_sampled")
         out[rid] = tokens[:T], slots, p, tokens[T]
     return out
+
+
+def m_server(dump):
+    """The server's manifest, as the harvester reads it."""
+    return json.load(open(os.path.join(dump, "manifest.json")))
 
 
 def _run(dump, out, *flags):
@@ -101,6 +107,13 @@ def test_records_become_files_masked_on_the_generated_rows(tmp_path, fmt, capsys
     assert m["skipped"] == {"no_generated_rows": 1, "served_without_capture": 5}, m["skipped"]
     if fmt == "safetensors":  # finalized as a completed extraction run: speculators' dataset over the files
         assert m["speculators_dataset_rows"] == 4 and os.path.exists(tmp_path / "out" / "state.json")
+    said = capsys.readouterr().err  # the trainer's command on these files, as a --data run prints it
+    cmd = shlex.join(cli.training_command(str(tmp_path / "out"), m_server(tmp_path / "dump"), fmt, None))
+    trainer = "SpecForge 0.2.0" if fmt == "specforge" else "speculators 0.9.0"
+    assert f"[extract] train with {trainer}:\n  {cmd}\n" in said, said
+    if fmt == "specforge":  # the run config it names, beside the files
+        run = json.load(open(tmp_path / "out" / cli.SPECFORGE_CONFIG))
+        assert run["data"]["hidden_states_path"] == str(tmp_path / "out")
     assert w.ring.free_bytes() == w.ring.capacity  # every record acknowledged
     # more traffic later: a second run continues in the same folder, same ring numbering
     more = _publish(w, [("f", 3, 3)], first_slot=40)
