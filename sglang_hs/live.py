@@ -13,8 +13,8 @@ Each iteration reads the records of `data` (a JSON Lines path or Hugging Face da
 loss masks: sglang_hs/extract/dataset.py), sends each as one request with at most `concurrency` in
 flight, and yields one dict per sample in SpecForge's offline sample layout, built by the very function
 the CLI's `--format specforge` sink writes its files with (sinks.specforge_sample): `input_ids` [T] and
-`loss_mask` [T] int64, `hidden_state` [1, T, H] (final state) and `aux_hidden_state` [1, T, K*H], in the
-server's dtype. Samples come in dataset order (a sample waits for the ones before it), so a run over
+`loss_mask` [T] int64, `hidden_state` [1, T, H] (final state) and `aux_hidden_state` [1, T, K*H], in bf16
+(`dtype=`, as the files). Samples come in dataset order (a sample waits for the ones before it), so a run over
 the same data and server is reproducible. Records the extraction would skip (malformed, too long) are
 skipped and counted in `self.skipped` (of the process iterating); a request that fails raises
 LiveDatasetError.
@@ -61,12 +61,17 @@ class LiveDatasetError(RuntimeError):
 class LiveHiddenStates(torch.utils.data.IterableDataset):
     def __init__(self, data: Union[str, os.PathLike, Iterable], server: str, dump_dir: str, concurrency: int = 8,
                  max_samples: Optional[int] = None, request_timeout: float = 3600.0, reader_wait: float = 30.0,
-                 owner=None) -> None:
+                 owner=None, dtype: Optional[torch.dtype] = torch.bfloat16) -> None:
         """`data`: a path (JSON Lines, HF dataset) or an iterable of records, iterated anew each epoch.
         `server`: the URL of an sglang-hs server capturing into `dump_dir` with --hs-last. `owner`: the
-        server's user when it is not you (see HiddenStateReader)."""
+        server's user when it is not you (see HiddenStateReader). `dtype`: the states' dtype, bf16 by
+        default as `--format specforge` writes them (SpecForge's TargetHead reads bf16 only); None: the
+        server's dtype."""
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype: a floating-point torch.dtype or None, got {dtype!r}")
+        self.dtype = dtype
         self.data = os.fspath(data) if isinstance(data, (str, os.PathLike)) else data
         self.url = server.rstrip("/")
         self.dump_dir = str(dump_dir)
@@ -229,7 +234,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
                 except ExtractError as e:
                     raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
-                out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state)
+                out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
+                                      dtype=self.dtype)
                 del rec
                 yield out
         finally:

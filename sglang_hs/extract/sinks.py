@@ -163,13 +163,16 @@ def _without_crc32():
 
 
 def specforge_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-                     last: torch.Tensor, contiguous: bool = True) -> dict:
+                     last: torch.Tensor, contiguous: bool = True, dtype: Optional[torch.dtype] = None) -> dict:
     """One sample in SpecForge's offline layout, as its data_{i}.ckpt holds it (input_ids [T] and
     loss_mask [T] int64, hidden_state [1, T, H], aux_hidden_state [1, T, K*H]); also what
     sglang_hs.live yields, so files and live samples cannot drift apart. contiguous=False: the states
-    stay views of their rows where a view can hold them (the sink's shared rows)."""
+    stay views of their rows where a view can hold them (the sink's shared rows). `dtype`: cast the states
+    to it (None: as they come)."""
     T = input_ids.shape[0]
     hidden, aux = last.reshape(1, T, -1), aux.reshape(1, T, -1)
+    if dtype is not None:
+        hidden, aux = hidden.to(dtype), aux.to(dtype)
     if contiguous:
         hidden, aux = hidden.contiguous(), aux.contiguous()
     return {"input_ids": input_ids.long(), "loss_mask": loss_mask.long(), "hidden_state": hidden,

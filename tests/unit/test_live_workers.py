@@ -514,3 +514,31 @@ def test_a_meeting_folder_others_may_enter_is_refused(tmp_path):
 
 if __name__ == "__main__":
     print(json.dumps(scenario(sys.argv[1], sys.argv[2])))
+
+
+@pytest.mark.parametrize("dtype", ["default", None, torch.float16])
+def test_samples_come_in_the_files_dtype(tmp_path, dtype):
+    """A float32 server's records become bf16 samples by default, as `--format specforge` writes them (SpecForge's
+    TargetHead reads bf16 only), the values those of the record cast; `dtype=None` keeps the server's."""
+    from sglang_hs import HiddenStateReader
+    from sglang_hs.live import LiveHiddenStates
+
+    dump = str(tmp_path / "dump")
+    url, _ = fake_server(dump)
+    kw = {} if dtype == "default" else {"dtype": dtype}
+    ds = LiveHiddenStates(list(range(3)), server=url, dump_dir=dump, concurrency=2, reader_wait=5, **kw)
+    ds._preparer = Preparer()
+    samples = list(ds)
+    HiddenStateReader(dump, wait=0).close()
+    want = torch.bfloat16 if dtype == "default" else (torch.float32 if dtype is None else dtype)
+    assert [int(s["input_ids"][0]) - 1 for s in samples] == [0, 1, 2]
+    for s in samples:
+        assert s["hidden_state"].dtype == want and s["aux_hidden_state"].dtype == want, s["hidden_state"].dtype
+        assert s["input_ids"].dtype == torch.int64
+
+
+def test_a_dtype_that_is_not_floating_point_is_refused():
+    from sglang_hs.live import LiveHiddenStates
+
+    with pytest.raises(ValueError, match="dtype: a floating-point torch.dtype"):
+        LiveHiddenStates([], server="http://127.0.0.1:9", dump_dir="/nonexistent", dtype=torch.int32)
