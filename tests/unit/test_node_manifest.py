@@ -80,3 +80,39 @@ def test_a_node_with_two_groups_waits_for_both_and_names_the_missing_rank(tmp_pa
 def test_a_writer_outside_its_nodes_ranks_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match=r"writer of DP rank 1 on node 0, whose writers serve DP ranks \[0\]"):
         _writer(tmp_path, 1, [0], 0)
+
+
+class _Reader:
+    def __init__(self, ranks, dp_size, node, nnodes):
+        self.dp_ranks = ranks
+        self.manifest = {"writers": [{"id": r, "dp_rank": r} for r in ranks], "dp_size": dp_size, "nnodes": nnodes,
+                         "node_rank": node}
+
+
+@pytest.mark.parametrize("shard", [None, "1/3"])
+def test_extraction_per_node_splits_and_routes_deterministically(shard):
+    """The extraction CLI against one node of 2 (DP ranks [0, 1] and [2, 3] of 4): without --shard, node r
+    takes the samples whose index modulo 4 is one of its ranks and routes each to that rank; the nodes'
+    selections are disjoint and cover every sample. With --shard, that selection, routed to the node's
+    ranks in turn. Against a dump covering every rank, nothing is routed."""
+    from sglang_hs.extract import cli
+
+    taken = []
+    for node, ranks in enumerate(([0, 1], [2, 3])):
+        ns, _ = cli.parse_args(["--data", "x", "--output", "y", *(["--shard", shard] if shard else [])])
+        cli.node_route(ns, _Reader(ranks, 4, node, 2))
+        mine = [i for i in range(40) if cli.selected(ns, i)]
+        routes = [cli.routed_dp_rank(ns, i) for i in mine]
+        assert set(routes) <= set(ranks) and len(set(routes)) == 2
+        if shard is None:
+            assert ns.shard == f"DP ranks {ranks} of 4 (node {node} of 2)"
+            assert mine == [i for i in range(40) if i % 4 in ranks] and routes == [i % 4 for i in mine]
+        else:
+            assert mine == [i for i in range(40) if i % 3 == 1]
+        taken.append(mine)
+    if shard is None:
+        assert sorted(taken[0] + taken[1]) == list(range(40))
+    ns, _ = cli.parse_args(["--data", "x", "--output", "y"])
+    cli.node_route(ns, _Reader([0, 1], 2, 0, 1))
+    assert ns.route is None and ns.shard == "0/1" and cli.routed_dp_rank(ns, 3) is None
+    assert all(cli.selected(ns, i) for i in range(10))
