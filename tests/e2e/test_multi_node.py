@@ -210,3 +210,4 @@ def test_node_1_lost_mid_generation_node_0_reports_it(dp_nodes):
         assert not leftover_server_processes(nodes[0].output)
     finally:
         reader.close()
+
