@@ -306,7 +306,7 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "data": (os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data) if ns.data else None,
         "from_dump": os.path.abspath(ns.from_dump) if ns.from_dump else None,
         "save_dtype": ns.save_dtype, "stored_dtype": _stored_dtype(ns.save_dtype, m["dtype"]),
-        "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
+        "shard": ns.shard or "0/1", "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
     }
     if m["last"]:
@@ -671,7 +671,7 @@ def selected(ns, index: int) -> bool:
 def routed_dp_rank(ns, index: int) -> Optional[int]:
     """The DP rank sample `index` is sent to (None: SGLang chooses): with the node split its own rank,
     with --shard one of this node's ranks in turn."""
-    if ns.route is None:
+    if getattr(ns, "route", None) is None:
         return None
     ranks, dp_size = ns.route
     return index % dp_size if index % dp_size in ranks else ranks[(index // ns.shard_count) % len(ranks)]
