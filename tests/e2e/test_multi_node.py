@@ -1,8 +1,9 @@
 """Multi-node serving with SGLang's own --nnodes: two launchers on this machine as node ranks 0 and 1.
 
 Each "node" has its own dump dir, as two machines would (shared memory does not cross machines), and they
-meet at a loopback --dist-init-addr. One float32 pair: `--tp 2 --dp 2 --enable-dp-attention` across the
-two nodes, one DP attention group per node (the usual multi-node DeepSeek deployment). Each node's
+meet at a loopback --dist-init-addr. Two float32 pairs, one after the other: `--tp 2 --dp 2
+--enable-dp-attention` across the two nodes, one DP attention group per node (the usual multi-node
+DeepSeek deployment), then `--tp 2` across them (its one writer on node 0). Each node's
 manifest lists the writers on that node and the DP ranks they serve; a request routed with SGLang's
 `routed_dp_rank` to a group has its record in that group's node's dump, read there, and every row is
 judged against HF transformers float32 with the exact oracle (row_judge, as test_multi_rank.py).
@@ -211,3 +212,40 @@ def test_node_1_lost_mid_generation_node_0_reports_it(dp_nodes):
     finally:
         reader.close()
 
+
+# -- tensor parallel across the two nodes: `--tp 2 --nnodes 2`, TP rank 0 on node 0, rank 1 on node 1 --
+
+@pytest.fixture(scope="module")
+def tp_nodes(tmp_path_factory):
+    """([node 0, node 1], reader of node 0's dump) of `--tp 2` over two nodes. Comes after the DP pair's
+    tests (the last of which ends that pair): one pair runs at a time."""
+    nodes = _nodes(tmp_path_factory, "tp", ["--tp", "2"])
+    reader = None
+    try:
+        for node in (nodes[1], nodes[0]):
+            node.wait_ready(timeout=1500)
+        reader = HiddenStateReader(str(nodes[0].dump))
+        yield nodes, reader
+    finally:
+        if reader is not None:
+            reader.close()
+        _stop(nodes)
+
+
+def test_tp_across_nodes_writes_on_node_0_only_and_rows_are_exact(tp_nodes, hf):
+    """The one writer is TP rank 0, on node 0: its manifest says DP rank [0] of 1 on node 0 of 2, node 1's
+    dump dir holds no manifest, store or ring. Requests over chunk boundaries with decode steps: every row
+    exact against HF."""
+    nodes, reader = tp_nodes
+    m = reader.manifest
+    assert [w["dp_rank"] for w in m["writers"]] == [0] and (m["dp_size"], m["nnodes"], m["node_rank"]) == (1, 2, 0)
+    assert coverage(m) == "DP ranks [0] of 1 (node 0 of 2)"
+    assert not list(nodes[1].dump.glob("manifest.json")) and not list(nodes[1].dump.glob("*.bin")), \
+        list(nodes[1].dump.iterdir())
+    worst = 0.0
+    for i, text in enumerate(TEXTS):
+        ids = row_judge.prompt_ids(hf, text)[: 20 + 9 * i]
+        out = nodes[0].generate(input_ids=ids, rid=f"tpn-{i}", sampling_params={"max_new_tokens": 4 + i, **GREEDY})
+        rec = reader.take(f"tpn-{i}", timeout=300)
+        worst = max(worst, row_judge.assert_exact(rec, hf, (ids + out["output_ids"])[:-1], LAYERS, N_LAYERS, 256))
+    print(f"two nodes, --tp 2: 2 records, worst row {worst:.2e} (tolerance {row_judge.TOL})")
