@@ -296,3 +296,13 @@ def dspark_layer_ids(layers: Sequence[int], hc_pre_from_prev_sublayer: bool = Fa
     layer j (j = i). None when a layer id has no SGLang id (id 0, the embedding, on the standard path)."""
     ids = [i if hc_pre_from_prev_sublayer else i - 1 for i in layers]
     return None if any(i < 0 for i in ids) else ids
+
+
+def node_dp_ranks(tp_size: int, dp_size: int, nnodes: int, node_rank: int) -> List[int]:
+    """The DP attention ranks whose writer (attention-TP rank 0) runs on node `node_rank` of SGLang's
+    --nnodes: node r runs TP ranks [r * tp / nnodes, (r + 1) * tp / nnodes) (SGLang 0.5.23,
+    data_parallel_controller.launch_tensor_parallel_group, pp 1) and DP group d's writer is TP rank
+    d * tp / dp. Without DP attention (dp_size 1) the one writer is TP rank 0, on node 0."""
+    attn_tp = max(tp_size // max(dp_size, 1), 1)
+    per_node = max(tp_size // max(nnodes, 1), 1)
+    return [r // attn_tp for r in range(node_rank * per_node, (node_rank + 1) * per_node) if r % attn_tp == 0]

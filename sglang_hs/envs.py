@@ -156,6 +156,12 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Test-only (TEST_GATE): make the overlay module fail to import, as a broken install would.
     "SGLANG_HS_TEST_BREAK_OVERLAY": _test_only("SGLANG_HS_TEST_BREAK_OVERLAY", _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
                                                False),
+    # Test-only (TEST_GATE): several --nnodes "nodes" on one machine. A node of rank > 0 skips SGLang's
+    # pre-checks that the DP-attention ports (derived from --dist-init-addr) are free on its own host: node
+    # 0, on the same host, holds them; on separate machines they are free and the check passes
+    # (tests/e2e/test_multi_node.py).
+    "SGLANG_HS_TEST_SAME_HOST_NODES": _test_only("SGLANG_HS_TEST_SAME_HOST_NODES",
+                                                 _bool("SGLANG_HS_TEST_SAME_HOST_NODES"), False),
     # Cache of generated checkpoints (and, for the Makefile, the dependency venvs).
     "SGLANG_HS_CACHE": _str("SGLANG_HS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang-hs")),
 }

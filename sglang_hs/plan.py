@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hs-ring-size", default=None, metavar="SIZE", help="as the launcher's")
     p.add_argument("--dp-size", type=int, default=1, help="with --enable-dp-attention: writers")
     p.add_argument("--enable-dp-attention", action="store_true")
+    p.add_argument("--tp-size", "--tp", type=int, default=None, help="the server's (default: --dp-size); with "
+                                                                    "--nnodes, where the writers run")
+    p.add_argument("--nnodes", type=int, default=1, help="SGLang's --nnodes: /dev/shm is sized per node, for "
+                                                         "the node with the most writers")
     p.add_argument("--device", default=None, help="cpu for the CPU engine (default: cuda when torch sees one)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
@@ -172,7 +176,7 @@ def file_bytes(T: int, P: int, H: int, elem: int, kind: str) -> int:
 NUMBERS = (("--samples", "samples", 1, "samples"), ("--mean-tokens", "mean_tokens", 1, "tokens"),
            ("--max-samples", "max_samples", 0, "samples"), ("--context-length", "context_length", 1, "tokens"),
            ("--max-total-tokens", "max_total_tokens", 1, "KV slots"), ("--page-size", "page_size", 1, "tokens"),
-           ("--dp-size", "dp_size", 1, "ranks"))
+           ("--dp-size", "dp_size", 1, "ranks"), ("--tp-size", "tp_size", 1, "ranks"), ("--nnodes", "nnodes", 1, "nodes"))
 
 
 def check_numbers(ns) -> None:
@@ -182,6 +186,21 @@ def check_numbers(ns) -> None:
         v = getattr(ns, attr)
         if v is not None and not (math.isfinite(v) and v >= least):
             raise PlanError(f"{flag}: a number of {what} >= {least}, got {v}")
+
+
+def node_writers(ns) -> List[int]:
+    """Writers on each node of --nnodes (capture_spec.node_dp_ranks: a DP attention group's writer runs
+    where its attention-TP rank 0 does; without DP attention, one writer, on node 0)."""
+    from sglang_hs.capture_spec import node_dp_ranks
+
+    dp = ns.dp_size if ns.enable_dp_attention else 1
+    tp = ns.tp_size or dp
+    if ns.nnodes < 1 or tp % ns.nnodes:
+        raise PlanError(f"--nnodes {ns.nnodes}: must divide --tp-size ({tp}), as SGLang splits the TP ranks evenly "
+                        "over the nodes")
+    if dp < 1 or tp % dp:
+        raise PlanError(f"--dp-size {dp}: must divide --tp-size ({tp}) with --enable-dp-attention")
+    return [len(node_dp_ranks(tp, dp, ns.nnodes, r)) for r in range(ns.nnodes)]
 
 
 def plan(ns) -> dict:
@@ -203,7 +222,8 @@ def plan(ns) -> dict:
     ctx = ns.context_length or cfg.get("max_position_embeddings") or 4096
     gpus = _gpus() if ns.device != "cpu" else []
     cpu = not gpus
-    writers = ns.dp_size if ns.enable_dp_attention else 1
+    writers_by_node = node_writers(ns)
+    writers = max(writers_by_node)  # /dev/shm is per node: the node with the most writers
     pool = ns.max_total_tokens or (CPU_DEFAULT_SLOTS if cpu else None)
     slots = pool + ns.page_size if pool else None  # kv_index_translator.capture_token_capacity
     store = slots * P * H * elem if slots else None
@@ -236,8 +256,10 @@ def plan(ns) -> dict:
     files = {"specforge bf16": total("specforge"), "safetensors bf16": total("safetensors"),
              "safetensors fp8": total("fp8"), "safetensors fp8-per-layer": total("fp8-per-layer")}
     out = {"model": cfg.get("architectures", ["?"])[0], "layers": list(spec.layers), "last": spec.last,
-           "hidden_size": H, "hc_mult": spec.hc_mult, "rows_per_layer": spec.rows_per_layer, "dtype": dtype, "bytes_per_token": P * H * elem, "bytes_per_token_fp8": P * H + 4,
-           "context_length": int(ctx), "writers": writers, "kv_slots_per_writer": slots,
+           "hidden_size": H, "hc_mult": spec.hc_mult, "rows_per_layer": spec.rows_per_layer, "dtype": dtype,
+           "bytes_per_token": P * H * elem, "bytes_per_token_fp8": P * H + 4,
+           "context_length": int(ctx), "writers": writers, "nnodes": ns.nnodes, "writers_by_node": writers_by_node,
+           "kv_slots_per_writer": slots,
            "store_bytes_per_writer": store, "ring_bytes_per_writer": ring, "ring_needed_for_one_record": need,
            "ring_grown_to_context": ring_grown,
            "dump_dir": ns.hs_dump_dir, "dump_dir_free": _free(ns.hs_dump_dir),
@@ -292,7 +314,9 @@ def render(f: dict) -> str:
     L = [f"{f['model']}: layers {f['layers']}{hc}{' + the final state' if f['last'] else ''}, hidden {f['hidden_size']}, "
          f"{f['dtype']}: {f['bytes_per_token']:,} bytes per token ({f['bytes_per_token_fp8']:,} in FP8)",
          f"data: {f['samples']:,} samples, {f['tokens']:,} tokens ({'counted' if f['tokens_exact'] else 'estimated'})",
-         f"dump dir {f['dump_dir']} ({_human(f['dump_dir_free'])} free), per writer x {f['writers']}:"]
+         f"dump dir {f['dump_dir']} ({_human(f['dump_dir_free'])} free), per writer x {f['writers']}"
+         + (f" on each node with writers (writers per node: {f['writers_by_node']}; /dev/shm is per node)"
+            if f["nnodes"] > 1 else "") + ":"]
     if f["store_bytes_per_writer"] is None:
         L.append("  store: KV slots x bytes per token: SGLang sizes the KV pool from GPU memory at start; pass "
                  "--max-total-tokens to know it (1M slots: " + _human(1e6 * f["bytes_per_token"]) + ")")

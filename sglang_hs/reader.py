@@ -65,6 +65,13 @@ A restarted server makes a new ring (the old one is unlinked; its manifest names
 notices once it has read every record the old ring holds: by default poll()/next()/take() then raise
 ServerRestarted (one line); with `reattach=True` it attaches to the new ring as soon as the new server's
 manifest is there (the old ring's records read ahead can still be acknowledged; `restarts` counts).
+
+Several nodes (SGLang's --nnodes): each node's dump dir holds the writers on that node, one per data-
+parallel attention group served there; `reader.dp_ranks` are the DP ranks this reader covers (of
+`reader.manifest["dp_size"]`), a record's `dp_rank` the group that served it. A request served by a
+group of another node has its record in that node's dump dir: route requests with SGLang's
+`routed_dp_rank` to the ranks of the node whose dump you read. With `--tp` spread over nodes (no DP
+attention), the writer is TP rank 0, on node 0: the other nodes' dump dirs stay empty.
 """
 from __future__ import annotations
 
@@ -128,6 +135,18 @@ class ServerRestarted(RuntimeError):
 REATTACH_TRY_S = 0.1  # how often a reader whose server restarted looks for the new server's manifest
 
 
+def dp_rank_of(writer: dict) -> int:
+    """The data-parallel attention rank a manifest writer serves (its id, in a manifest before dp_rank)."""
+    return int(writer.get("dp_rank", writer["id"]))
+
+
+def coverage(manifest: dict) -> str:
+    """Which DP ranks a dump dir's writers serve, in words: "DP ranks [1] of 2 (node 1 of 2)"."""
+    ranks = sorted(dp_rank_of(w) for w in manifest["writers"])
+    where = f" (node {manifest['node_rank']} of {manifest['nnodes']})" if manifest.get("nnodes", 1) > 1 else ""
+    return f"DP ranks {ranks} of {manifest.get('dp_size', len(ranks))}{where}"
+
+
 def ring_ids(manifest: dict) -> list:
     """Each writer's ring_id: tells one server generation's rings from the next one's."""
     return [str(w.get("ring_id") or f"pid-{w.get('pid')}") for w in manifest["writers"]]
@@ -155,6 +174,7 @@ class HiddenStateRecord:
     writer: int = field(default=0, repr=False)  # index of that writer in manifest["writers"]
     ring_id: str = field(default="", repr=False)  # that writer's ring (manifest ring_id): which server run
     generation: int = field(default=0, repr=False)  # the reader's server generation it came from (restarts)
+    dp_rank: int = field(default=0, repr=False)  # the data-parallel attention group that served it
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1: nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one; -1: not recorded)
     last_pre_norm: Optional[torch.Tensor] = None  # the final state before the final norm (--hs-last pre-norm/both)
@@ -243,15 +263,18 @@ class HiddenStateReader:
         uid = self._uid = None if owner is None else owner_uid(owner)
         self.manifest = read_manifest(path, uid)
         while len(self.manifest["writers"]) < self.manifest.get("num_writers", 1):
-            # data-parallel attention: each group's writer adds itself to the manifest as it starts
+            # data-parallel attention: each group's writer on this node adds itself to the manifest as it starts
             if time.monotonic() > deadline:
+                have = sorted(dp_rank_of(w) for w in self.manifest["writers"])
                 raise FileNotFoundError(f"{path}: {len(self.manifest['writers'])} of the "
-                                        f"{self.manifest['num_writers']} writers it announces after {wait}s")
+                                        f"{self.manifest['num_writers']} writers it announces after {wait}s (DP "
+                                        f"ranks {have} of this node's {self.manifest.get('dp_ranks')})")
             time.sleep(0.05)
             self.manifest = read_manifest(path, uid)
         # DeepSeek-V4 with --hs-hc-streams full: hc_mult rows per layer id (stream s of id k at row k*hc_mult+s)
         self.rows_per_layer = int(self.manifest.get("rows_per_layer", 1))
         self.num_aux = len(self.manifest["layer_ids"]) * self.rows_per_layer
+        self.dp_ranks = sorted(dp_rank_of(w) for w in self.manifest["writers"])  # the DP groups this reader covers
         self.finals = final_states(self.manifest)  # row order after the K layers
         self.has_last = "post-norm" in self.finals
         self.ack_mode = ack
@@ -326,6 +349,7 @@ class HiddenStateReader:
             ring.close()
         self._rings, self._locks, self.manifest = rings, locks, manifest
         self._ring_ids = ring_ids(manifest)
+        self.dp_ranks = sorted(dp_rank_of(w) for w in manifest["writers"])
         self._generation += 1
         self.restarts += 1
 
@@ -386,6 +410,7 @@ class HiddenStateReader:
                     last_pre_norm=self._final(rec.rows, "pre-norm"),
                     seq=rec.seq,
                     writer=w,
+                    dp_rank=dp_rank_of(self.manifest["writers"][w]),
                     ring_id=self._ring_ids[w],
                     generation=self._generation,
                     prompt_len=rec.prompt_len,

@@ -91,6 +91,24 @@ def check_server_args(cfg) -> None:
             raise CaptureConfigError(f"unsupported with --hs-dump-dir: {message}")
 
 
+NODE_READY = "[sglang-hs] node {node} of {nnodes}: schedulers ready"
+
+
+def announce_node_ready(server_args) -> None:
+    """A node of rank > 0 (SGLang --nnodes) runs schedulers only, no HTTP server, and SGLang logs no
+    "ready" line for it: once its schedulers are ready (Engine._launch_subprocesses waits for them, then
+    starts the follower metadata server) say so, for the launcher's supervisor (supervisor.PHASES)."""
+    from sglang.srt.entrypoints import engine
+
+    original = engine.start_follower_grpc_server
+
+    def start_follower_grpc_server(*args, **kwargs):
+        print(NODE_READY.format(node=server_args.node_rank, nnodes=server_args.nnodes), file=sys.stderr, flush=True)
+        return original(*args, **kwargs)
+
+    engine.start_follower_grpc_server = start_follower_grpc_server
+
+
 def main(argv) -> int:
     from sglang.launch_server import run_server
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -113,11 +131,17 @@ def main(argv) -> int:
         parallel_sampling.apply()  # and the prefix request of an n > 1 request is tagged: no record
     server_args = prepare_server_args(argv)
     server_args.resolve_once()
+    if envs.SGLANG_HS_TEST_SAME_HOST_NODES and (server_args.node_rank or 0) > 0:
+        import sglang.srt.server_args as sa  # PortArgs.init_new checks node 0's ports on this same host
+
+        sa.wait_port_available = lambda *a, **k: True
     try:
         check_server_args(resolving_view(server_args))
     except CaptureConfigError as e:
         print(f"sglang-hs: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if (server_args.node_rank or 0) > 0:
+        announce_node_ready(server_args)
     try:
         run_server(server_args)
     finally:

@@ -48,6 +48,8 @@ PHASES = [
     (re.compile(rb"KV Cache is allocated|Memory pool end"), "graph capture and scheduler start"),
     (re.compile(rb"Uvicorn running on"), "server warm-up"),
     (re.compile(rb"fired up and ready to roll"), "ready"),
+    # a node of rank > 0 (--nnodes): no HTTP server; sglang_hs.serve.announce_node_ready says this instead
+    (re.compile(rb"\[sglang-hs\] node \d+ of \d+: schedulers ready"), "ready"),
 ]
 
 # Lines after which the server cannot come up. SGLang 0.5.23 would not exit by itself: when uvicorn
@@ -508,7 +510,9 @@ class Supervisor:
                 if not self.ready and time.monotonic() - self._snapshots[-1][0] >= self.report_every:
                     self._report_quiet_startup()
                 if self.ready and self.phase == "ready":
-                    log(f"server ready: {self.server_url()}")
+                    log(f"server ready: {self.server_url()}" if not self.node_rank() else
+                        f"server ready: node {self.node_rank()} (no HTTP server on this node: requests go to "
+                        f"node 0's, {self.server_url()} there)")
                     self.phase = "serving"
         finally:
             self._shutdown_group()
@@ -529,6 +533,11 @@ class Supervisor:
             log(f"server exited with status {rc} during '{self.phase}'")
             return rc if rc > 0 else 128 - rc  # negative: killed by signal -rc
         return 0
+
+    def node_rank(self) -> int:
+        from sglang_hs.launch_server import _flag_value
+
+        return int(_flag_value(self.cmd, "--node-rank") or 0)
 
     def server_url(self) -> str:
         from sglang_hs.launch_server import _flag_value

@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--hs-share-group, of which you are a member); default: you")
     p.add_argument("--max-samples", type=int, default=None, metavar="N",
                    help="only the first N records (--from-dump: stop after N files written)")
-    p.add_argument("--shard", default="0/1", metavar="I/N", help="only records whose index is I modulo N")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="only records whose index is I modulo N (default 0/1; against one node of a multi-node "
+                        "server: the records of the DP ranks on this node, index modulo the DP size)")
     p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default 8)")
     p.add_argument("--resume", action="store_true", help="skip samples whose file exists in --output")
     p.add_argument("--verify", type=float, default=0.0, metavar="FRACTION",
@@ -120,6 +122,9 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
             ns.output_gid = resolve_share_group(ns.output_group, "--output-group")
         except ValueError as e:
             raise ExtractError(str(e)) from None
+    ns.shard_given = ns.shard is not None
+    ns.shard = ns.shard or "0/1"
+    ns.route = None  # (this node's DP ranks, the DP size): set when the dump is one node's of several
     try:
         i, n = (int(x) for x in ns.shard.split("/"))
         assert n >= 1 and 0 <= i < n
@@ -326,7 +331,7 @@ def write_manifest(out_dir: str, server_manifest: dict, ns, stats: Stats, sink, 
         "data": (os.path.abspath(ns.data) if os.path.exists(ns.data) else ns.data) if ns.data else None,
         "from_dump": os.path.abspath(ns.from_dump) if ns.from_dump else None,
         "save_dtype": ns.save_dtype, "stored_dtype": _stored_dtype(ns.save_dtype, m["dtype"]),
-        "shard": ns.shard, "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
+        "shard": ns.shard or "0/1", "regenerate": ns.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
     }
     if m["last"]:
@@ -404,6 +409,9 @@ class Extraction:
 
     def _send(self, sample, verify: bool) -> dict:
         body = request_body(sample, self._rid(sample.index), self.ns)
+        rank = routed_dp_rank(self.ns, sample.index)
+        if rank is not None:  # its record lands in this node's dump (node_route)
+            body["routed_dp_rank"] = rank
         if verify:
             body.update(return_logprob=True, logprob_start_len=0)
         r = self._session().post(f"{self.url}/generate", json=body, timeout=self.ns.request_timeout)
@@ -674,8 +682,42 @@ def _samples(ns):
     for index, record in read_records(ns.data):
         if ns.max_samples is not None and index >= ns.max_samples:
             break
-        if index % ns.shard_count == ns.shard_index:
+        if selected(ns, index):
             yield index, record
+
+
+def node_route(ns, reader) -> None:
+    """Against one node of a multi-node server (SGLang --nnodes: each node's dump holds the records of the
+    DP attention groups on that node), every request is routed (routed_dp_rank) to a DP rank this reader
+    covers, and, unless --shard was given, the node takes the samples whose index modulo the DP size is
+    one of its ranks: one run per node, the same command everywhere, the shards merge by sample index."""
+    from sglang_hs.reader import coverage
+
+    m = reader.manifest
+    ranks, dp_size = list(reader.dp_ranks), int(m.get("dp_size", 1))
+    if len(ranks) >= dp_size:
+        return  # this dump covers every DP rank: SGLang's own balancing
+    ns.route = (ranks, dp_size)
+    if not ns.shard_given:
+        ns.shard = f"DP ranks {ranks} of {dp_size} (node {m.get('node_rank')} of {m.get('nnodes')})"
+    print(f"{PROG}: {coverage(m)} captured on this node: requests go to those ranks (routed_dp_rank)"
+          + ("" if ns.shard_given else ", and this run takes the samples whose index modulo "
+             f"{dp_size} is one of them"), file=sys.stderr)
+
+
+def selected(ns, index: int) -> bool:
+    if index % ns.shard_count != ns.shard_index:
+        return False
+    return ns.route is None or ns.shard_given or index % ns.route[1] in ns.route[0]
+
+
+def routed_dp_rank(ns, index: int) -> Optional[int]:
+    """The DP rank sample `index` is sent to (None: SGLang chooses): with the node split its own rank,
+    with --shard one of this node's ranks in turn."""
+    if getattr(ns, "route", None) is None:
+        return None
+    ranks, dp_size = ns.route
+    return index % dp_size if index % dp_size in ranks else ranks[(index // ns.shard_count) % len(ranks)]
 
 
 def _print_summary(stats: Stats, out_dir: str) -> None:
@@ -753,6 +795,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        zero_copy=True)
         except RuntimeError as e:  # another reader holds the dump dir
             raise ExtractError(f"--hs-dump-dir: {e}") from None
+        node_route(ns, reader)
         manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))
         check_final_state(ns.format, sink, manifest, f"the server at {url}")
         sink.layer_ids = list(manifest["layer_ids"])
@@ -765,7 +808,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         total = count_records(ns.data)
         if total is not None:
             total = min(total, ns.max_samples if ns.max_samples is not None else total)
-            total = max(0, math.ceil((total - ns.shard_index) / ns.shard_count))
+            total = sum(selected(ns, i) for i in range(total))
         extraction.run(_samples(ns), total)
         status, rc = ("complete", 0) if not extraction.stats.failed else ("complete with failures", 1)
         if manifest["last"]:

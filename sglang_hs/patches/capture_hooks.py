@@ -47,8 +47,8 @@ def _after_init_capturers(self) -> None:
         architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
         device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
-        # one writer per DP attention group
-        writer_id=getattr(par, "attn_dp_rank", 0), num_writers=getattr(par, "attn_dp_size", 1),
+        # one writer per DP attention group; the dump dir is this node's: it lists this node's writers
+        writer_id=getattr(par, "attn_dp_rank", 0), node=node_writers(par),
     )
     model.hs_writer = _writer
     from sglang_hs.store.admission import AdmissionControl
@@ -67,6 +67,16 @@ def _after_init_capturers(self) -> None:
 
         if metrics.enabled():
             status.listeners.append(metrics.CaptureMetrics(status.sources, _writer.ring.fill_ratio).refresh)
+
+
+def node_writers(par) -> dict:
+    """This node's share of the writers (SGLang --nnodes), the manifest's node fields: dp_ranks (the DP
+    attention groups whose writer runs on this node, capture_spec.node_dp_ranks), dp_size, nnodes, node_rank."""
+    from sglang_hs.capture_spec import node_dp_ranks
+
+    tp, dp, nnodes, node = (int(getattr(par, k, 0) or d) for k, d in
+                            (("tp_size", 1), ("attn_dp_size", 1), ("nnodes", 1), ("node_rank", 0)))
+    return {"dp_ranks": node_dp_ranks(tp, dp, nnodes, node), "dp_size": dp, "nnodes": nnodes, "node_rank": node}
 
 
 def _recorded_prompt_len(req):

@@ -71,8 +71,10 @@ def _write_manifest(dump_dir: str, manifest: dict, share_gid: Optional[int]) -> 
 class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
-                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0, num_writers: int = 1,
+                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0, node: Optional[dict] = None,
                  page_size: int = 1) -> None:
+        """`writer_id`: this writer's DP attention rank. `node`: this node's writers (capture_hooks.node_writers:
+        dp_ranks, dp_size, nnodes, node_rank); default a single node with one DP group."""
         from sglang_hs import envs
 
         if copy not in envs.COPY_STRATEGIES:
@@ -136,8 +138,16 @@ class CaptureWriter:
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
                          "store": f"store-w{writer_id}.bin", "num_slots": num_slots, "ring_id": os.urandom(8).hex()}],
         }
-        if num_writers > 1:  # one writer per data-parallel attention group; readers wait for all of them
-            manifest.update(num_writers=num_writers, session=os.getsid(0))
+        node = node or {"dp_ranks": [writer_id], "dp_size": 1, "nnodes": 1, "node_rank": 0}
+        if writer_id not in node["dp_ranks"]:
+            raise RuntimeError(f"sglang-hs: writer of DP rank {writer_id} on node {node['node_rank']}, whose writers "
+                               f"serve DP ranks {node['dp_ranks']}")
+        # The dump dir is this node's (shared memory does not cross machines): it lists the writers on this
+        # node, one per data-parallel attention group served here (dp_ranks of dp_size over nnodes nodes)
+        manifest.update(node)
+        manifest["writers"][0]["dp_rank"] = writer_id
+        if len(node["dp_ranks"]) > 1:  # readers wait for every writer of this node
+            manifest.update(num_writers=len(node["dp_ranks"]), session=os.getsid(0))
         if str(device).startswith("cuda") and copy == "direct":
             self._host_store()  # register now: never during CUDA-graph capture
         self.staging = None

@@ -114,3 +114,37 @@ def test_v4_full_streams_are_four_rows_per_layer(capsys, tmp_path):
                     "--mean-tokens", "1", "--hs-hc-streams", "full"])
     err = capsys.readouterr().err
     assert rc == 2 and "--hs-hc-streams: only for models with hyper-connections" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("layout, by_node", [
+    ([], [1]),
+    (["--dp-size", "8", "--enable-dp-attention"], [8]),
+    (["--tp", "16", "--nnodes", "2"], [1, 0]),  # TP over two nodes: the one writer is TP rank 0, on node 0
+    (["--tp", "16", "--dp-size", "16", "--enable-dp-attention", "--nnodes", "2"], [8, 8]),  # one rank per group
+    (["--tp", "16", "--dp-size", "2", "--enable-dp-attention", "--nnodes", "2"], [1, 1]),  # one group per node
+    (["--tp", "16", "--dp-size", "2", "--enable-dp-attention", "--nnodes", "4"], [1, 0, 1, 0]),  # a group on 2 nodes
+])
+def test_dev_shm_is_sized_per_node(tmp_path, capsys, layout, by_node):
+    """Each node's /dev/shm holds the writers on that node: a DP group's writer runs where its attention-TP
+    rank 0 does (SGLang gives node r the TP ranks [r*tp/nnodes, (r+1)*tp/nnodes))."""
+    rc, f = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "10", "--max-total-tokens", "100000", *layout)
+    assert rc == 0, f
+    assert f["writers_by_node"] == by_node and f["writers"] == max(by_node)
+    assert f["writers"] * (f["store_bytes_per_writer"] + f["ring_bytes_per_writer"]) == max(by_node) * (
+        (100000 + 1) * 57344 + f["ring_bytes_per_writer"])
+    rc = plan.main(["--model-path", str(tmp_path / "config.json"), "--device", "cpu", "--samples", "1",
+                    "--mean-tokens", "10", *layout])
+    text = capsys.readouterr().out
+    assert rc == 0 and (f"writers per node: {by_node}" in text) == (len(by_node) > 1), text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "16", "--nnodes", "3"], "--nnodes 3: must divide --tp-size (16), as SGLang splits the TP ranks evenly "
+                                      "over the nodes"),
+    (["--tp", "16", "--dp-size", "3", "--enable-dp-attention"], "--dp-size 3: must divide --tp-size (16) with "
+                                                                  "--enable-dp-attention"),
+    (["--nnodes", "0"], "--nnodes: a number of nodes >= 1, got 0"),
+])
+def test_bad_multi_node_layout_is_one_line(tmp_path, capsys, args, message):
+    rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "10", *args)
+    assert rc == 2 and err.strip() == f"python -m sglang_hs.plan: error: {message}", err
