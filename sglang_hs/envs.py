@@ -84,6 +84,10 @@ DEFAULT_GATHER_THREADS = 1
 # Provisional: one CPU thread streams ~5-10 GB/s into the store, a GPU's copy to host ~50; the GPU
 # benchmark (benchmarks/bench_gpu_copy.py, staging at 1-8 threads) is what should set it.
 DEFAULT_SCATTER_THREADS = 4
+# OMP_WAIT_POLICY the launcher gives SGLang's CPU engine when the environment does not set it: libgomp's
+# default spins each worker thread after a parallel region, which on cores shared with more runnable
+# threads takes the core the next op needs (benchmarks/bench_omp_wait.py measures it).
+CPU_OMP_WAIT_POLICY = "PASSIVE"
 
 env_variables: Dict[str, Callable[[], Any]] = {
     # Capture is on when this is set: the folder of the manifest, the store and the output rings.
@@ -137,6 +141,10 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "SGLANG_HS_GATHER_THREADS": _int("SGLANG_HS_GATHER_THREADS", DEFAULT_GATHER_THREADS),
     # gid of --hs-share-group: the dump dir, manifest and rings are shared with this group (fsutil.py).
     "SGLANG_HS_SHARE_GID": lambda: int(os.environ["SGLANG_HS_SHARE_GID"]) if os.environ.get("SGLANG_HS_SHARE_GID") else None,
+    # Not ours but read by the launcher in CPU mode (libgomp's own variable): unset, the launcher sets it to
+    # CPU_OMP_WAIT_POLICY for the server's processes; set empty, the launcher removes it (libgomp's default
+    # spin-wait); any other value is the user's and passed on as it is.
+    "OMP_WAIT_POLICY": lambda: os.environ.get("OMP_WAIT_POLICY"),
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
     # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was

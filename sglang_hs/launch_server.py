@@ -310,6 +310,23 @@ def cpu_threads_bind(argv: List[str]) -> Optional[str]:
                     else ",".join(map(str, g)) for g in groups)
 
 
+def cpu_omp_wait_policy(env) -> str:
+    """Give the CPU engine envs.CPU_OMP_WAIT_POLICY unless the environment sets OMP_WAIT_POLICY (an empty
+    value asks for libgomp's default and is removed: libgomp would warn about it); returns what was chosen
+    and by whom, for the CPU-mode line the launcher prints."""
+    from sglang_hs import envs
+
+    given = env.get("OMP_WAIT_POLICY")
+    if given is None:
+        env["OMP_WAIT_POLICY"] = envs.CPU_OMP_WAIT_POLICY
+        return (f"OMP_WAIT_POLICY={envs.CPU_OMP_WAIT_POLICY} (set by sglang-hs: libgomp's spin-wait slows decode "
+                "on shared cores; OMP_WAIT_POLICY= keeps libgomp's default)")
+    if not given.strip():
+        del env["OMP_WAIT_POLICY"]
+        return "OMP_WAIT_POLICY unset (empty in the environment: libgomp's default spin-wait)"
+    return f"OMP_WAIT_POLICY={given} (from the environment)"
+
+
 def text_only(argv: List[str]) -> List[str]:
     """Serve a vision-language wrapper as text only: `language_model_only` in the model config (through
     --json-model-override-args, merged with the user's). SGLang then builds no multimodal processor
@@ -366,6 +383,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         bind = cpu_threads_bind(sg_argv)
         if bind and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
             env["SGLANG_CPU_OMP_THREADS_BIND"] = bind  # SGLang asserts one NUMA node per rank otherwise
+        print(f"[sglang-hs] CPU mode (SGLang's CPU engine): {cpu_omp_wait_policy(env)}", file=sys.stderr)
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 

@@ -54,6 +54,29 @@ def exact_staging_server(tmp_path_factory):
                                     "--max-total-tokens", str(POOL)]))
 
 
+# The full-pool servers' flags (tests/e2e/test_full_pool.py): float32, a KV pool of POOL tokens that the
+# radix cache keeps full (every finished prefix stays until eviction makes room), chunked prefill of CHUNK
+# tokens, the overlap scheduler left on (SGLang's default, also in CPU mode), metrics on (SGLang's eviction
+# counter shows the pool was full), and the finish worker slowed as on the exact servers (_slow_finish).
+FULL_POOL_FLAGS = ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK), "--max-total-tokens",
+                   str(POOL), "--enable-metrics"]
+
+
+@pytest.fixture(scope="module")
+def full_pool_server(tmp_path_factory):
+    """A full KV pool, every request captured, --hs-copy direct."""
+    yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-full-pool") / "dump", FULL_POOL_FLAGS))
+
+
+@pytest.fixture(scope="module")
+def full_pool_opt_in_server(tmp_path_factory):
+    """A full KV pool under --hs-capture opt-in (uncaptured requests leave markers), --hs-copy staging with
+    an 8-row stage: between them the two full-pool servers take both copy strategies."""
+    yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-full-pool-opt-in") / "dump",
+                                   [*FULL_POOL_FLAGS, "--hs-capture", "opt-in", "--hs-copy", "staging",
+                                    "--hs-staging-rows", "8"]))
+
+
 @pytest.fixture(scope="module")
 def harvest_server(tmp_path_factory):
     """A float32 server harvesting like a production one (tests/e2e/test_harvest.py): only requests that

@@ -76,6 +76,25 @@ def test_prepare_cpu_mode_capture(tmp_path, clean_env):
     assert os.environ["PYTHONPATH"].endswith("/orig")
 
 
+@pytest.mark.parametrize("given, served, said", [
+    (None, envs.CPU_OMP_WAIT_POLICY, "OMP_WAIT_POLICY=PASSIVE (set by sglang-hs"),  # unset: the launcher's choice
+    ("", None, "OMP_WAIT_POLICY unset (empty in the environment: libgomp's default"),  # empty: libgomp's default
+    ("ACTIVE", "ACTIVE", "OMP_WAIT_POLICY=ACTIVE (from the environment)"),  # the user's: kept
+])
+def test_prepare_cpu_mode_omp_wait_policy(tmp_path, clean_env, capsys, given, served, said):
+    """CPU mode gives the server's processes OMP_WAIT_POLICY=PASSIVE unless the user set it (measured in
+    benchmarks/bench_omp_wait.py), plain or capturing, and its CPU-mode line says which and why."""
+    model = _model_dir(tmp_path)
+    for extra in ([], ["--hs-dump-dir", str(tmp_path / "hs")]):
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        if given is not None:
+            os.environ["OMP_WAIT_POLICY"] = given
+        launch_server.prepare(["--model-path", model, "--device", "cpu", *extra])
+        assert os.environ.get("OMP_WAIT_POLICY") == served and envs.OMP_WAIT_POLICY == served
+        line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[sglang-hs] CPU mode")]
+        assert len(line) == 1 and said in line[0], line
+
+
 @pytest.mark.parametrize("value, rows", [("pre-norm", 3), ("both", 4)])
 def test_prepare_hs_last_value_reaches_the_overlay(tmp_path, clean_env, value, rows, capsys):
     from sglang_hs.capture_spec import CaptureSpec
