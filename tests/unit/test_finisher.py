@@ -115,6 +115,19 @@ def _watch_waits(worker):
     return waits, began
 
 
+def _thread_then(event, fn, *args):
+    """Run fn(*args) on a thread that sets `event` when fn returns (as a wait that begins sets it)."""
+    def run():
+        try:
+            fn(*args)
+        finally:
+            event.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def _rows(value, n):
     """n new rows for the copy: aux [n, K*H] and last [n, H], every element `value`."""
     return torch.full((n, (P - 1) * H), float(value)), torch.full((n, H), float(value))
@@ -142,9 +155,8 @@ def test_the_allocator_is_sglangs_own_and_a_reused_slot_is_written_only_after_it
     assert everything is not None and set(slots.tolist()) <= set(everything.tolist())
     del worker._wait_for
     waits, began = _watch_waits(worker)
-    copier = threading.Thread(target=writer.copy, args=(*_rows(-1, 10), slots))
-    copier.start()
-    began.wait()  # the copy waits for gather 1, and has not written
+    copier = _thread_then(began, writer.copy, *_rows(-1, 10), slots)
+    began.wait()  # the copy waits for gather 1, and has not written (or it returned: the check below fails)
     assert waits == [1] and torch.equal(writer.store[slots, 0, 0], slots.float())
     assert released == [] and worker.pending_rids() == ["r0"]
     gate.open.set()
@@ -176,8 +188,7 @@ def test_a_write_waits_only_for_the_gathers_that_read_its_slots(writer, tmp_path
     assert (writer.store[a] == -1).all() and writer.stats["write_waits"] == 0
     del worker._wait_for
     waits, began = _watch_waits(worker)
-    copier = threading.Thread(target=writer.copy, args=(*_rows(-3, 1), shared))
-    copier.start()
+    copier = _thread_then(began, writer.copy, *_rows(-3, 1), shared)
     began.wait()
     assert waits == [2]
     gate.per_rid["b"].set()
@@ -255,7 +266,7 @@ def test_staging_scatter_waits_for_the_gather_and_the_scheduler_does_not(staged_
     gate.started["old"].wait()
     waits, began = _watch_waits(worker)
     w.copy(*_rows(-1, 3), old)  # a step that overwrites old's slots, shipped with gathers bound 1
-    began.wait()  # the scatter thread waits for gather 1 (the scheduler thread shipped and went on)
+    assert began.wait(TAKE_S)  # the scatter thread waits for gather 1 (the scheduler thread shipped and went on)
     assert waits == [1] and w.staging.shipped == 1
     worker.submit("new", [0, 0, 0], old)  # then a request reading those slots (the new rows), handed over
     gate.per_rid["new"].set()  # new's gather may run once old's is done and the chunk is in the store
