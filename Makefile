@@ -25,6 +25,7 @@ bench: setup
 	@SGLANG_HS_BENCH=1 bash scripts/ensure_env.sh >/dev/null
 	$(PY) benchmarks/bench_ring.py --out benchmarks/results
 	$(PY) benchmarks/bench_host_path.py --out benchmarks/results
+	$(PY) benchmarks/bench_full_pool.py --out benchmarks/results
 	$(PY) benchmarks/bench_extract.py --out benchmarks/results
 	$(PY) benchmarks/profile_capture.py --out benchmarks/results
 	$(PY) benchmarks/measure_fp8.py --out benchmarks/results

@@ -15,7 +15,7 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        buffer: how the finish path gathered before its C++ op                     baseline
   capture [variant]    scheduler-thread time for the step's finishing requests: what SGLang's scheduler
                        waits for (`sync`: CaptureWriter.finish of each request; `async`: the hand-over
-                       to the finish worker and the held KV frees)
+                       to the finish worker)
   scatter [N threads]  the staging strategy's host side (`--hs-copy staging`): the step's rows from a host
                        buffer into the store at their KV slots (csrc/copy_rows_cpu.cpp on N threads,
                        `--scatter-threads`, as the scatter thread runs it; on a GPU it must keep up
@@ -63,7 +63,7 @@ steps after `--warmup`; medians with min and max. Variants of the scheduler side
 by default, side by side in one run; each runs once per reader way, so capture and gather
 have two samples a step): `sync` (CaptureWriter.finish on the scheduler thread, the path of
 SGLANG_HS_SYNC_FINISH=1) and `async` (the finish worker, the default: the scheduler thread only hands
-over and holds the KV free). Each is a class in VARIANTS: step() returns once the scheduler's part is
+over). Each is a class in VARIANTS: step() returns once the scheduler's part is
 done, wait_published() once the records are in the ring. Everything under /dev/shm and the disk folder is removed at the end, on Ctrl-C and SIGTERM too.
 
     python benchmarks/bench_host_path.py --out benchmarks/results    # bench_host_path.csv, _summary.csv, .png
@@ -161,14 +161,10 @@ class SyncFinish:
         pass
 
 
-def _freed(slots) -> None:
-    pass  # the workload's allocator gets the step's slots back at the end of one_step
-
-
 class AsyncFinish:
     """The finish worker (sglang_hs/store/finisher.py), what the server runs by default: per request the
-    scheduler thread hands over the record (token ids, a host copy of the slot ids) and has its KV free
-    held, as SGLang frees a request's slots right after the hand-over; the gather and publish run on
+    scheduler thread hands over the record (token ids, a host copy of the slot ids, the slots' last
+    reader set); SGLang's free that follows is its own (writes wait instead: bench_full_pool.py); the gather and publish run on
     the worker thread, without the GIL in the copy. The scheduler-thread time counts both, and the
     worker's results taken at the next hand-over."""
     name = "async"
@@ -180,8 +176,7 @@ class AsyncFinish:
 
     def step(self, reqs) -> None:
         for rid, ids, slots in reqs:
-            self.worker.submit(rid, ids, slots)
-            self.worker.hold(_freed, (slots,), slots.shape[0])
+            self.worker.submit(rid, ids, slots)  # SGLang's free follows, untouched (finisher.py)
 
     def wait_published(self) -> None:
         self.worker.drain()

@@ -10,14 +10,17 @@ counters by the overlay's status thread (twice a second), never from the forward
     sglang_hs:bytes_published_total       record bytes written to the output ring
     sglang_hs:gather_seconds_total        time spent gathering and publishing records (the finish worker's
                                           thread; the scheduler's with SGLANG_HS_SYNC_FINISH=1)
-    sglang_hs:finish_wait_seconds_total   scheduler time spent waiting for the finish worker (a drain: idle
-                                          check, or an allocation that found the free list short)
-    sglang_hs:kv_frees_held_total         KV-allocator frees held while a gather was pending
+    sglang_hs:finish_wait_seconds_total   scheduler-thread time the CPU engine's forward copy waited for
+                                          gathers still reading the KV slots it overwrites (finisher.py)
+    sglang_hs:store_write_waits_total     forward copies (CPU engine) that waited so; on CUDA the wait is a
+                                          stream wait on the GPU and is not counted here
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
     sglang_hs:staged_rows_total           rows shipped through the staging buffer (--hs-copy staging)
     sglang_hs:scatter_seconds_total       scatter-thread time spent putting staged rows into the store
-    sglang_hs:stage_wait_seconds_total    time spent waiting for staged rows or a free host buffer (scheduler,
-                                          and the finish worker before a gather)
+    sglang_hs:stage_wait_seconds_total    scheduler-thread time waiting for a free staging host buffer
+    sglang_hs:store_wait_seconds_total    finish-worker time waiting for staged rows to reach the store
+    sglang_hs:scatter_wait_seconds_total  scatter-thread time waiting for gathers still reading the slots a
+                                          staged chunk overwrites
     sglang_hs:admission_waits_total       scheduler iterations that held requests back
     sglang_hs:admission_failed_total      held requests failed after --hs-admission-timeout
     sglang_hs:requests_not_captured_total{reason}  requests served without capture: not_opted_in,
@@ -27,7 +30,6 @@ counters by the overlay's status thread (twice a second), never from the forward
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
-    sglang_hs:kv_slots_held               KV slots freed by SGLang, held until the gathers reading them are done
     sglang_hs:output_ring_fill_ratio      unread bytes / capacity of the output ring
 """
 from __future__ import annotations
@@ -40,13 +42,16 @@ COUNTERS = {  # metric name -> (source, key, help)
     "rows_captured": ("writer", "rows", "Token rows in the published records."),
     "bytes_published": ("writer", "bytes", "Record bytes written to the output ring."),
     "gather_seconds": ("writer", "gather_s", "Time spent gathering and publishing records (finish worker)."),
-    "finish_wait_seconds": ("writer", "drain_s", "Scheduler time spent waiting for the finish worker."),
-    "kv_frees_held": ("writer", "frees_held", "KV-allocator frees held while a gather was pending."),
+    "finish_wait_seconds": ("writer", "write_wait_s",
+                            "Scheduler time the CPU forward copy waited for gathers reading the slots it writes."),
+    "store_write_waits": ("writer", "write_waits", "Forward copies (CPU engine) that waited for a pending gather."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),
     "scatter_seconds": ("writer", "scatter_s", "Scatter-thread time spent putting staged rows into the store."),
-    "stage_wait_seconds": ("writer", "stage_wait_s",
-                           "Time spent waiting for staged rows or a free staging host buffer."),
+    "stage_wait_seconds": ("writer", "stage_wait_s", "Scheduler time waiting for a free staging host buffer."),
+    "store_wait_seconds": ("writer", "store_wait_s", "Finish-worker time waiting for staged rows to reach the store."),
+    "scatter_wait_seconds": ("writer", "scatter_wait_s",
+                             "Scatter-thread time waiting for gathers reading the slots a chunk overwrites."),
     "admission_waits": ("admission", "admission_waits", "Scheduler iterations that held requests back."),
     "admission_failed": ("admission", "failed", "Held requests failed after the admission timeout."),
     "skip_markers_dropped": ("admission", "markers_dropped",
@@ -80,8 +85,6 @@ class CaptureMetrics:
                            list(labels), multiprocess_mode="mostrecent").labels(**labels)
         self._pending = Gauge("sglang_hs:finish_pending", "Finished requests handed to the finish worker, not yet "
                               "published.", list(labels), multiprocess_mode="mostrecent").labels(**labels)
-        self._slots_held = Gauge("sglang_hs:kv_slots_held", "KV slots held until the gathers reading them are done.",
-                                 list(labels), multiprocess_mode="mostrecent").labels(**labels)
         self._fill = Gauge("sglang_hs:output_ring_fill_ratio", "Unread bytes / capacity of the output ring.",
                            list(labels), multiprocess_mode="mostrecent").labels(**labels)
 
@@ -93,5 +96,4 @@ class CaptureMetrics:
                 self._seen[name] = value
         self._held.set(self.sources.get("admission", {}).get("held_now", 0))
         self._pending.set(self.sources.get("writer", {}).get("finish_pending", 0))
-        self._slots_held.set(self.sources.get("writer", {}).get("frees_held_now", 0))
         self._fill.set(self.ring_fill())

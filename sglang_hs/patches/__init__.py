@@ -78,11 +78,12 @@ capture_hooks
             there. A change of either method's name or signature fails `apply()` loudly (AttributeError
             at start-up) and the version gate refuses any sglang but 0.5.23.
 
-            Finished records are published by a worker thread (sglang_hs/store/finisher.py), so the
-            writer's KV allocator instance gets its frees held while a gather is pending (`free` or
-            paged `_release_page_ids`; `available_size` counts them as free; `alloc*` drain and retry;
-            `clear` drains), Scheduler.get_next_batch_to_run gives held frees back each iteration,
-            and Scheduler.on_idle / SchedulerInvariantChecker.self_check_during_busy drain first.
+            Finished records are published by a worker thread (sglang_hs/store/finisher.py); the KV
+            allocator is not touched: the next write of a slot into the store waits for the gathers
+            that read it (the CPU forward's copy, the staging scatter thread, or on CUDA with the
+            direct copy a stream wait issued in the ModelRunner.forward hook). Scheduler.
+            get_next_batch_to_run, Scheduler.on_idle and _pull_raw_reqs take the worker's results
+            without waiting for it.
 warmup_rid
   why:      SGLang's own warm-up request has no rid, so its record would reach readers like a user's.
   upstream: no way to name the warm-up request in 0.5.23.

@@ -2,9 +2,11 @@
 SGLang finishes a request, and hold new requests back while the output ring lacks room for them.
 
 The record itself is gathered and published by the finish worker (sglang_hs/store/finisher.py): the
-finish hook hands the request over, and the scheduler-side hooks below give back the KV frees the
-worker held (`get_next_batch_to_run`, every iteration) or wait for it first (`on_idle`'s leak check,
-`self_check_during_busy`). SGLANG_HS_SYNC_FINISH=1 publishes on the scheduler thread instead.
+finish hook hands the request over; the scheduler-side hooks below take the worker's results without
+waiting for it (`get_next_batch_to_run` every iteration, `on_idle`, request intake), and on CUDA with
+the direct copy order each step's writes into the store after the pending gathers, on the GPU
+(`ModelRunner.forward`). SGLang's KV allocator is not touched. SGLANG_HS_SYNC_FINISH=1 publishes on the
+scheduler thread instead.
 
 See the ledger in sglang_hs/patches/__init__.py. Each hook wraps an upstream method (the originals
 stay reachable as `ORIGINALS`) and calls it first, unchanged.
@@ -158,6 +160,8 @@ def _forward(self, forward_batch, *args, **kwargs):
         return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
     status = getattr(self.model, "hs_status", None)
     w = _writer if _writer is not None and _writer.staging is not None else None  # direct copy: no step work
+    if _finisher and w is None:
+        _finisher.order_device_writes()  # CUDA direct: the step's copy waits for pending gathers, on the GPU
     if w is None and status is None:
         return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
     # Read before the forward: an eager step may pad out_cache_loc in place to keep ranks' token counts
@@ -231,8 +235,8 @@ def _publish_marker(processor, rid: str, reason: str, marked: bool, ticket=None)
 
 def _finish_worker(processor):
     """The finish worker of this writer (sglang_hs/store/finisher.py), made on the first finish, once the
-    KV allocator whose frees it holds is known; None: the synchronous path (SGLANG_HS_SYNC_FINISH, or
-    an allocator whose frees cannot be held, said once in the log)."""
+    KV allocator is known; None: the synchronous path (SGLANG_HS_SYNC_FINISH, or an allocator the worker
+    is not checked with, said once in the log)."""
     global _finisher
     if _finisher is not None:
         return _finisher or None
@@ -241,40 +245,36 @@ def _finish_worker(processor):
     if envs.SGLANG_HS_SYNC_FINISH:
         _finisher = False
         return None
-    from sglang_hs.store.finisher import FinishWorker, hold_frees
+    from sglang_hs.store.finisher import FinishWorker, check_allocator
 
-    worker = FinishWorker(_writer, on_done=_admission.release_reservation)
-    why = hold_frees(processor.token_to_kv_pool_allocator, worker)
+    why = check_allocator(processor.token_to_kv_pool_allocator)
     if why is not None:
-        worker.close()
         logger.warning("sglang-hs: finished records are published on the scheduler thread: %s", why)
         _finisher = False
         return None
     import atexit
 
+    worker = FinishWorker(_writer, on_done=_admission.release_reservation)
     atexit.register(worker.close)  # shutdown publishes what was handed over
     _finisher = worker
     return worker
 
 
 def _get_next_batch_to_run(self, *args, **kwargs):
-    """Scheduler.get_next_batch_to_run, at the start of every iteration: take the worker's results and
-    give back the frees it is done with (without waiting for it)."""
+    """Scheduler.get_next_batch_to_run, at the start of every iteration: take the worker's results
+    (admission reservations of published records go back), without waiting for it."""
     if _finisher:
         _finisher.poll()
     return ORIGINALS["get_next_batch_to_run"](self, *args, **kwargs)
 
 
-def _drained(name):
-    """Wrap a method that counts free KV slots (SGLang's idle leak check, its busy self-check): every
-    held free is given back first."""
-    def wrapped(self, *args, **kwargs):
-        if _finisher:
-            _finisher.drain()
-        return ORIGINALS[name](self, *args, **kwargs)
-
-    wrapped.__name__ = name
-    return wrapped
+def _on_idle(self, *args, **kwargs):
+    """Scheduler.on_idle: take the worker's results without waiting for it. Nothing of the KV pool is
+    held (finisher.py), so SGLang's idle leak check (available + evictable == total) sees its own pool
+    as it is; a gather still running only delays its own record, not the intake of new requests."""
+    if _finisher:
+        _finisher.poll()
+    return ORIGINALS["on_idle"](self, *args, **kwargs)
 
 
 def _ingest_requests(self, *args, **kwargs):
@@ -304,6 +304,8 @@ def _known_rids():
 
 
 def _pull_raw_reqs(self):
+    if _finisher:  # reservations of records published meanwhile go back before admission decides
+        _finisher.poll()
     pulled = ORIGINALS["_pull_raw_reqs"](self)
     if _admission is None or pulled is None:
         return pulled
@@ -316,7 +318,6 @@ def apply():
         SchedulerBatchResultProcessor as BatchResultProcessor,
     )
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
     from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
     from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -330,7 +331,6 @@ def apply():
     ORIGINALS["alloc_memory_pool"] = ModelRunner.alloc_memory_pool
     ORIGINALS["get_next_batch_to_run"] = Scheduler.get_next_batch_to_run
     ORIGINALS["on_idle"] = Scheduler.on_idle
-    ORIGINALS["self_check_during_busy"] = SchedulerInvariantChecker.self_check_during_busy
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
@@ -338,6 +338,5 @@ def apply():
     ModelRunner.forward = _forward
     ModelRunner.alloc_memory_pool = _alloc_memory_pool
     Scheduler.get_next_batch_to_run = _get_next_batch_to_run
-    Scheduler.on_idle = _drained("on_idle")
-    SchedulerInvariantChecker.self_check_during_busy = _drained("self_check_during_busy")
+    Scheduler.on_idle = _on_idle
     return dict(ORIGINALS)

@@ -1,42 +1,68 @@
 """The finish path off the scheduler thread: a finished request's rows are gathered from the store into
-the output ring by a worker thread, while the KV slots they come from are kept from being reused.
+the output ring by a worker thread, and the NEXT WRITE into a slot a pending gather reads waits for it.
+SGLang's KV allocator, its radix cache and every scheduling decision are left exactly as they are.
 
     scheduler thread (result processing)            worker thread "sglang-hs-finish"
     submit(rid, token ids, slots):                  for each job, in hand-over order:
-      slots -> host: a CPU clone, or on CUDA a        wait for the job's event (the slot ids, and in
-        non_blocking copy into pinned memory on       direct mode the step's copy into the store, have
-        the current stream + a blocking-sync event    landed), then for the staging scatter;
+      slots -> host: a CPU clone (and the slots'      wait for the job's event (the slot ids, and in
+        "last reader" set to this job), or on CUDA    direct mode the step's copy into the store, have
+        a non_blocking copy into pinned memory on     landed), then for the staging scatter of the
+        the current stream + a blocking-sync event    chunks shipped before the hand-over;
         (no device sync on this thread)               gather store[slots] into the ring and publish
       queue the job; return                           (csrc/gather_rows_cpu.cpp: without the GIL)
-    release_kv_cache -> allocator frees: HELD         report done (seq, rid, error)
-    next step / next free / idle / a check:
-      poll(): results -> admission release, stats,
-      errors; held frees whose gathers are done are
-      given back to the allocator
+    release_kv_cache -> allocator frees: SGLang's     done = seq (and on CUDA into a pinned counter
+      own, at once                                      the GPU can wait on); report (seq, rid, error)
+    next step / idle / a check: poll(): results ->
+      admission release, stats, errors (no wait)
 
 Slot reuse: a slot is read by a gather after SGLang has released it (its request is finished, its KV
-row freed or put in the radix tree, whose eviction frees it later). While any gather is pending, EVERY
-free of the KV allocator (`free` of the token allocator, `_release_page_ids` of the paged one: what
-direct frees, `free_group_end`, `free_segment`/`free_page_ids` and radix-cache eviction all end in) is
-held, tagged with the latest job handed over, and given back once the worker is past that job. A free
-made inside a free group (result processing) is decided at the group's end, when every finish hook of
-that pass has handed its request over: a request's slots can be freed before its own hook runs (beam
-search frees a leader's decode slots in `commit_decode`), and tagged at the free they would go back
-while that request's gather is still queued. Which
-frees touch pending slots cannot be told without reading device tensors (a sync), so all are held;
-frees made while nothing is pending go through at once. Held frees are given back on the scheduler
-thread only (the allocator is not thread-safe): at the next free, at the start of every scheduler
-iteration, and by `drain()` (wait for the worker, then give everything back).
+row freed or put in the radix tree, whose eviction frees it later), so the allocator may hand it out
+and a later step may write a new row into it while the gather has not read the old one yet. Whatever
+writes rows into the store first orders itself after the gathers that read the slots it writes:
 
-Scheduling never sees the hold: `available_size()` counts held slots as free, so admission, eviction,
-decode-capacity checks (no retraction), SGLang's idle leak check (available + evictable == total) and
-its metrics come out exactly as without it, and with tensor parallelism (only attention-TP rank 0
-writes, and holds) every rank still makes the same decisions. Only the free list lacks them: an
-allocation that finds it short (`alloc`, `alloc_extend`, `alloc_decode` returning None) waits for the
-worker to pass the oldest held free, gets it back and is retried (again while short and anything is
-held): the one place the scheduler thread waits for the worker, and only as long as it must.
-`drain()` also runs before the idle leak check and the busy self-check (`Scheduler.on_idle`,
-`self_check_during_busy`: nothing is held while SGLang audits its pool) and `allocator.clear`.
+    --hs-copy direct, CPU engine   the forward's copy (CaptureWriter.copy, on the scheduler thread)
+                                   waits, before it writes, for the last gather that reads any slot of
+                                   the step (`wait_before_write`; the per-slot last reader is a host
+                                   array sized to the store, set at hand-over: with radix caching
+                                   most reused slots were gathered long ago, and the write waits for
+                                   nothing)
+    --hs-copy staging (any device) the scatter thread, before it scatters a chunk, waits for the last
+                                   gather that reads any slot of the chunk, capped at the last gather
+                                   handed over when the chunk was shipped (per slot on the CPU engine;
+                                   on CUDA, where the slot ids stay on the device at hand-over, for
+                                   every gather handed over by then)
+    --hs-copy direct, CUDA         the copy kernel writes the store from the GPU, inside the forward
+                                   (and its CUDA graph): before each step (ModelRunner.forward, outside
+                                   any graph) the forward stream waits (cuStreamWaitValue64, no host
+                                   sync) until the worker's pinned `done` counter reaches the last
+                                   gather handed over (`order_device_writes`); nothing is issued while
+                                   no gather is pending
+
+Why every write that can hit a read slot is ordered: a job reads only slots its request held at its
+finish; SGLang frees (or evicts) them only after that finish handed the job over, and a step writes
+only slots allocated for it, so any step that can overwrite a slot of job j was scheduled, and its
+rows copied or shipped, after j was handed over: "every gather handed over so far" is always enough,
+and the per-slot array narrows it. Marker jobs read no slot and never count as a gather: a request
+served without capture makes no write wait. No cycle: a gather waits (staging) only for chunks shipped
+before its hand-over, a chunk waits only for gathers handed over before it was shipped.
+
+Scheduling never sees any of this: no free is held or delayed, `available_size()`, eviction, the
+idle leak check and every rank's decisions (with tensor parallelism only attention-TP rank 0 writes)
+are SGLang's own. The scheduler thread waits only where the CPU engine's forward itself writes a slot
+a gather still reads (counted: `write_wait_s`, `write_waits`), and, with staging, when both host
+buffers are full (`stage_wait_s`).
+
+Counters (the writer's stats dict, read by the status thread, /metrics and the log line): each key is
+written by ONE thread, so `+=` never loses an update (a read from another thread may be a moment old):
+  scheduler thread   finish_pending, finish_failed, dropped; write_waits / write_wait_s (the CPU engine's
+                     forward copy waiting for gathers that read the slots it overwrites); staged_rows,
+                     stage_wait_s (staging: waiting for a free host buffer); drain_s (drain/close waiting
+                     for every gather: no serving path calls it)
+  finish worker      records, rows, bytes, gather_s, markers, reader_offsets_refused; store_wait_s (staging:
+                     waiting for the rows of chunks shipped before the hand-over to reach the store)
+  scatter thread     scatter_s; scatter_waits / scatter_wait_s (waiting for gathers that read the slots a
+                     chunk overwrites)
+With SGLANG_HS_SYNC_FINISH=1 the scheduler thread does the worker's part (and there is no worker).
 
 Errors: a record refused by the ring (ValueError: larger than the ring; TimeoutError: the ring stayed
 full) is counted in `dropped` and logged, as on the synchronous path. Any other failure of the worker
@@ -49,6 +75,8 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -59,6 +87,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 logger = logging.getLogger(__name__)
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
 
 
 @dataclass
@@ -73,33 +102,40 @@ class _Job:
     prompt_len: Optional[int] = None  # where the prompt ends in ids (None: all prompt)
     next_token: int = -1  # the token after the last row (the last generated one)
     ticket: Any = None  # the request's admission ticket, handed back to on_done: its reservation, exactly
+    shipped: int = 0  # staging: the last chunk shipped at hand-over (the gather needs none after it)
 
 
 class FinishWorker:
-    """One writer's asynchronous finish path (module docstring). Methods other than the worker loop run
-    on the scheduler thread."""
+    """One writer's asynchronous finish path (module docstring). Methods other than the worker loop and
+    `wait_before_write` (also the scatter thread's) run on the scheduler thread."""
 
     def __init__(self, writer, on_done: Optional[Callable[[str, Any], None]] = None) -> None:
         self.writer = writer
         # called with each job's rid and the ticket it was handed with, once the job is done (published or not)
         self.on_done = on_done
         self.stats = writer.stats
-        for key in ("finish_pending", "finish_failed", "frees_held", "frees_held_now", "drain_s"):
+        for key in ("finish_pending", "finish_failed", "write_waits"):
             self.stats.setdefault(key, 0)  # the writer has them from the start (the status thread reads them)
+        for key in ("drain_s", "write_wait_s", "store_wait_s"):
+            self.stats.setdefault(key, 0.0)
         self._q: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._handed = 0  # seq of the last job handed over (scheduler thread)
+        self._gathered = 0  # seq of the last job handed over that reads slots (not a marker)
         self._done = 0  # seq of the last job the worker finished (under _cv)
         self._results: Deque[Tuple[int, str, Optional[BaseException], Any]] = collections.deque()  # under _cv
         self._pending: Dict[int, str] = {}  # seq -> rid, handed over and not yet polled (scheduler thread)
-        self._held: Deque[Tuple[int, Callable, tuple, int]] = collections.deque()  # (tag, fn, args, tokens)
-        self.held_tokens = 0
+        # per store slot, the seq of the last job that reads it (set at hand-over when the slot ids are on the
+        # host; on CUDA they are not, and every write then waits for every gather handed over before it)
+        self._last_read = torch.zeros(writer.store.shape[0], dtype=torch.int64)
+        self._per_slot = True
+        self._done_dev: Optional[torch.Tensor] = None  # CUDA: pinned copy of _done the GPU waits on
         self._fatal: Optional[BaseException] = None
         self._closed = False
         self._device = None
         from sglang_hs import envs
 
-        self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window slots are held
+        self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name="sglang-hs-finish", daemon=True)
@@ -107,6 +143,9 @@ class FinishWorker:
         self._started.wait()
         if self._start_error is not None:
             raise RuntimeError(f"sglang-hs: the finish worker could not start: {self._start_error!r}")
+        writer.finisher = self  # the writer's copy (CPU direct) and its scatter thread order writes through it
+        if writer.staging is not None:
+            writer.staging.finisher = self
 
     # --- the scheduler's side --------------------------------------------------------------------
     def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
@@ -121,9 +160,13 @@ class FinishWorker:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
         ids = token_ids.to(torch.int32).clone() if torch.is_tensor(token_ids) else token_ids
         ready = errors = None
+        seq = self._handed + 1
         if slots.is_cuda:
             if self._device is None:
                 self._device = slots.device
+                self._done_dev = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+                self._done_dev[0] = self._done_now()
+            self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
             host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
             host.copy_(slots, non_blocking=True)  # on the current stream: after every write of the row
             w = self.writer
@@ -134,15 +177,22 @@ class FinishWorker:
             ready.record()  # after the step's copy into the store too (direct mode), as a stream sync was
         else:
             host = slots.clone()
-        self._handed += 1
-        self._pending[self._handed] = rid
+            if T:
+                self._last_read.index_fill_(0, host.long().clamp_(0, self._last_read.shape[0] - 1), seq)
+        staging = self.writer.staging
+        shipped = staging.shipped if staging is not None else 0
+        self._handed = seq
+        if T:
+            self._gathered = seq
+        self._pending[seq] = rid
         self.stats["finish_pending"] = len(self._pending)
-        self._enqueue(_Job(self._handed, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
-                           ticket=ticket))
+        self._enqueue(_Job(seq, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
+                           ticket=ticket, shipped=shipped))
 
     def submit_marker(self, rid: str, reason: str, ticket=None) -> None:
         """Hand over the marker record of a request served without capture (no rows, nothing to gather):
-        published in order with the records, on the worker thread (the ring has one writer thread)."""
+        published in order with the records, on the worker thread (the ring has one writer thread). It
+        reads no slot, so no write ever waits for it."""
         self.poll()
         self._handed += 1
         self._pending[self._handed] = rid
@@ -153,11 +203,10 @@ class FinishWorker:
         return list(self._pending.values())
 
     def poll(self) -> None:
-        """Take the worker's results and give back the frees no pending gather can read. Raises the
-        worker's error if it failed in an unexpected way."""
+        """Take the worker's results (never waits). Raises the worker's error if it failed in an
+        unexpected way."""
         with self._cv:
             results, self._results = self._results, collections.deque()
-            done = self._done
         for seq, rid, err, ticket in results:
             self._pending.pop(seq, None)
             if self.on_done is not None:
@@ -167,57 +216,69 @@ class FinishWorker:
                 self.stats["finish_failed"] += 1
                 logger.error("sglang-hs: record of request %s NOT published: %r", rid, err)
         self.stats["finish_pending"] = len(self._pending)
-        while self._held and self._held[0][0] <= done:
-            _, fn, args, n = self._held[0]
-            fn(*args)  # given back first: a free that raises stays held (and counted)
-            self._held.popleft()
-            self.held_tokens -= n
-        self.stats["frees_held_now"] = self.held_tokens
         if self._fatal is not None:
             err, self._fatal = self._fatal, None
             raise RuntimeError(f"sglang-hs: the finish worker failed: {err!r}") from err
 
     def drain(self) -> None:
-        """Wait until every job handed over is done, then give back every held free."""
+        """Wait until every job handed over is done (close, tests: no serving path calls it)."""
+        t0 = time.perf_counter()
         self._wait_for(self._handed)
+        self.stats["drain_s"] += time.perf_counter() - t0
         self.poll()
 
-    def give_back_oldest(self) -> None:
-        """Wait until the worker is past the gathers the oldest held free waits for, then give back what
-        it may (an allocation that found the free list short: wait no longer than it needs)."""
-        if self._held:
-            self._wait_for(self._held[0][0])
-        self.poll()
+    # --- ordering the store's writes after the gathers (module docstring) ---------------------------
+    def gathers_handed(self) -> int:
+        """The seq of the last gather handed over: a bound for any write issued now (staging records it
+        with each chunk it ships)."""
+        return self._gathered
+
+    def wait_before_write(self, loc: torch.Tensor, upto: Optional[int] = None) -> float:
+        """Called by the thread that writes store[loc] on the host (the CPU engine's forward copy; the
+        staging scatter thread, with `upto` = gathers_handed() when its chunk was shipped): return once no
+        pending gather reads any of those slots. Returns the seconds waited (0.0 almost always)."""
+        upto = self._gathered if upto is None else upto
+        if self._done_now() >= upto:
+            return 0.0
+        need = upto
+        if self._per_slot and not loc.is_cuda:
+            n = int(loc.shape[0])
+            if n == 0:
+                return 0.0
+            need = min(upto, int(self._last_read[loc.long().clamp(0, self._last_read.shape[0] - 1)].max()))
+            if self._done_now() >= need:
+                return 0.0
+        t0 = time.perf_counter()
+        self._wait_for(need)
+        return time.perf_counter() - t0
+
+    def order_device_writes(self) -> bool:
+        """CUDA, direct copy: make the current stream wait (on the GPU, no host sync) until the worker has
+        finished every gather handed over so far, before the step about to be launched writes the store.
+        Call before the forward, outside any graph capture. Returns whether a wait was issued."""
+        if self._done_dev is None or self._done_now() >= self._gathered:
+            return False
+        if torch.cuda.is_current_stream_capturing():  # never inside a graph: replays would wait on a stale value
+            raise RuntimeError("sglang-hs: order_device_writes called during CUDA-graph capture")
+        stream = torch.cuda.current_stream()
+        _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), self._gathered)
+        return True
 
     def _wait_for(self, seq: int) -> None:
         if self._done_now() >= seq:
             return
-        t0 = time.perf_counter()
         with self._cv:
             while self._done < seq and self._thread.is_alive():
                 self._cv.wait(timeout=1.0)
             gone = self._done < seq
-        self.stats["drain_s"] += time.perf_counter() - t0
-        if gone:  # never waits (or spins in an allocation's retry) on a worker that is not there
+        if gone:  # never waits on a worker that is not there
             raise RuntimeError("sglang-hs: the finish worker stopped with records handed over and not published")
 
     def idle(self) -> bool:
-        return not self._pending and not self._held
-
-    def hold(self, fn: Callable, args: tuple, tokens: int) -> None:
-        """A free of the KV allocator: done now if no gather is pending, else held (module docstring)."""
-        self.poll()
-        if self._handed == self._done_now() and not self._held:
-            fn(*args)
-            return
-        # Own the indices: the caller may pass a view of a row SGLang rewrites next (as free groups copy).
-        self._held.append((self._handed, fn, tuple(a.clone() if torch.is_tensor(a) else a for a in args), tokens))
-        self.held_tokens += tokens
-        self.stats["frees_held"] += 1
-        self.stats["frees_held_now"] = self.held_tokens
+        return not self._pending
 
     def close(self) -> None:
-        """Publish what was handed over, give back held frees, stop the worker."""
+        """Publish what was handed over, stop the worker."""
         if self._closed:
             return
         try:
@@ -228,8 +289,7 @@ class FinishWorker:
             self._thread.join(timeout=60)
 
     def _done_now(self) -> int:
-        with self._cv:
-            return self._done
+        return self._done  # one int, written under _cv by the worker: a read is atomic
 
     # --- the worker thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -267,6 +327,8 @@ class FinishWorker:
             self._fatal = self._fatal or e
         with self._cv:
             self._done = job.seq
+            if self._done_dev is not None:
+                self._done_dev[0] = job.seq  # after the gather: the GPU's waits see it (pinned, mapped)
             self._results.append((job.seq, job.rid, err, job.ticket))
             self._cv.notify_all()
 
@@ -286,7 +348,8 @@ class FinishWorker:
                     f"sglang-hs: the capture copy dropped {n} row(s) whose KV slot lay outside the store's "
                     f"[0, {S}) (e.g. slot {slot}): the store must hold every KV-cache slot the server hands out")
         if w.staging is not None:
-            w.staging.drain()  # every computed row is in the store
+            # every computed row shipped before the hand-over is in the store (later chunks may wait for us)
+            self.stats["store_wait_s"] += w.staging.drain(upto=job.shipped)
         ids = job.ids
         if not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
             ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32) if len(ids) else \
@@ -294,61 +357,32 @@ class FinishWorker:
         w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token)
 
 
-def hold_frees(allocator, worker: FinishWorker) -> Optional[str]:
-    """Route the KV allocator's frees through `worker.hold`, and drain before what needs them (module
-    docstring). Returns None when done, or why this allocator cannot be handled (the caller then keeps
-    the synchronous finish path)."""
+@functools.lru_cache(maxsize=None)
+def _cu_stream_wait_value64():
+    """libcuda's cuStreamWaitValue64 (the driver API: the runtime has no stream wait on a memory value)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuStreamWaitValue64_v2 if hasattr(lib, "cuStreamWaitValue64_v2") else lib.cuStreamWaitValue64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _stream_wait_value64(stream: int, addr: int, value: int) -> None:
+    """The stream waits until the 64-bit word at `addr` (pinned host memory: with unified addressing its
+    host address is its device address) is >= value. A failure is raised: never a write unordered."""
+    err = _cu_stream_wait_value64()(ctypes.c_void_p(stream), addr, value, _CU_STREAM_WAIT_VALUE_GEQ)
+    if err != 0:
+        raise RuntimeError(f"sglang-hs: cuStreamWaitValue64 failed with CUDA error {err}: the capture cannot order "
+                           "the store's writes after its gathers; use --hs-copy staging or SGLANG_HS_SYNC_FINISH=1")
+
+
+def check_allocator(allocator) -> Optional[str]:
+    """None when the finish worker can serve this KV allocator, or why not (the caller then keeps the
+    synchronous finish path). Nothing of the allocator is patched: the worker orders the store's writes
+    (module docstring), and a page allocator's slots are plain KV slots like a token allocator's."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    if getattr(allocator, "_sglang_hs_held", False):
+    if type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
         return None
-    if type(allocator) is TokenToKVPoolAllocator:
-        name, unit = "free", 1  # free_group_end and free_page_ids end here too
-    elif type(allocator) is PagedTokenToKVPoolAllocator:
-        name, unit = "_release_page_ids", allocator.page_size  # free, free_page_ids, free_group_end end here
-    else:
-        return f"{type(allocator).__name__} is not one of the KV allocators whose frees sglang-hs can hold"
-    original = getattr(allocator, name)
-
-    def held(*args):
-        if name == "free" and allocator.free_group is not None:
-            # Result processing frees in a group, and a request's slots may be freed before its own finish
-            # hook hands it over (beam search frees the leader's decode slots in commit_decode). Held now,
-            # such a free would wait only for the gathers handed over so far, not for that request's; the
-            # group's end frees it all again through here, after every hand-over of the pass.
-            return original(*args)
-        worker.hold(original, args, unit * sum(int(a.numel()) for a in args if torch.is_tensor(a)))
-
-    setattr(allocator, name, held)
-    available = allocator.available_size
-
-    def available_size():
-        return available() + worker.held_tokens  # held slots count as free: SGLang decides as if not held
-
-    allocator.available_size = available_size
-    for alloc_name in ("alloc", "alloc_extend", "alloc_decode"):
-        fn = getattr(allocator, alloc_name, None)
-        if fn is not None:
-            setattr(allocator, alloc_name, _retry_after_drain(fn, worker, lambda out: out is None))
-    clear = allocator.clear
-
-    def drained_clear(*a, **k):
-        worker.drain()
-        return clear(*a, **k)
-
-    allocator.clear = drained_clear
-    allocator._sglang_hs_held = True
-    return None
-
-
-def _retry_after_drain(fn, worker: FinishWorker, failed: Callable[[Any], bool]):
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        while failed(out) and worker.held_tokens:
-            worker.give_back_oldest()  # the slots were only held: give back the oldest, ask again
-            out = fn(*args, **kwargs)
-        return out
-
-    wrapped.__wrapped__ = fn
-    return wrapped
+    return f"{type(allocator).__name__} is not one of the KV allocators sglang-hs's finish worker is checked with"

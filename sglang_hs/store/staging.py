@@ -15,8 +15,14 @@ the device-to-device copy costs the next step about a tenth of a millisecond per
 rows; waiting for the PCIe copy would cost it ~50x more. Two pinned host buffers let the copy of one
 step land while the thread scatters the one before. The scatter runs on its own thread so that the
 scheduler loop does not spend host time proportional to the bytes captured; it waits only when it
-needs rows that are not in the store yet (`drain`) or when both host buffers are still full (`_ship`),
-and that waiting is counted (`stage_wait_s`).
+needs rows that are not in the store yet (`drain`: the finish worker, `store_wait_s`) or when both host
+buffers are still full (`_ship`: the scheduler thread, `stage_wait_s`).
+
+Slot reuse: a chunk may write a slot whose old row a pending gather of the finish worker still reads
+(SGLang freed it at the request's finish and handed it out again). Before it scatters a chunk, the
+thread waits for those gathers (`finisher.wait_before_write`, capped at the last gather handed over
+when the chunk was shipped: sglang_hs/store/finisher.py says why that bound holds and cannot cycle),
+counted in `scatter_waits` / `scatter_wait_s`.
 
 Where shipping happens: an eager forward ships its rows itself, in chunks of `rows` when it has more
 (each chunk waits on the previous one's `freed` on the GPU). A CUDA-graph replay runs no Python, so
@@ -25,7 +31,8 @@ refused when it is captured. Rows reach the store in the order the steps ran, so
 later step is never overwritten with an older step's row.
 
 `drain()` is what finish waits on: until every shipped chunk whose rows are computed (its `ready`
-event has fired) is in the store. It does not wait for chunks still being computed: such a step is
+event has fired) is in the store; the finish worker passes `upto`, the last chunk shipped when the
+request was handed over (its rows are in no later chunk). It does not wait for chunks still being computed: such a step is
 later than every step whose results are being processed, so the request being finished needs none
 of its rows.
 
@@ -129,6 +136,7 @@ class _Shipped(NamedTuple):
     n: int  # how many rows
     ready: object  # fired when the forward had computed the rows (compute stream)
     copied: object  # fired when the rows are in the host buffer (copy stream)
+    gathers: int  # the finish worker's last gather handed over when shipped: the most the scatter waits for
 
 
 def device_bytes(rows: int, P: int, H: int, elem: int) -> int:
@@ -159,7 +167,11 @@ class StagedCopy:
         self.host = [(torch.empty(rows, P, H, dtype=dt, pin_memory=self.cuda),
                       torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda)) for _ in range(HOST_BUFFERS)]
         self.shipped_in_forward = False  # set by an eager forward; a graph replay leaves it False
-        self.stats = {"staged_rows": 0, "scatter_s": 0.0, "stage_wait_s": 0.0}
+        # each key written by one thread (finisher.py): scheduler staged_rows, stage_wait_s; scatter thread
+        # scatter_s, scatter_waits, scatter_wait_s; the store_wait_s of drain() is its caller's to count
+        self.stats = {"staged_rows": 0, "scatter_s": 0.0, "stage_wait_s": 0.0, "scatter_waits": 0,
+                      "scatter_wait_s": 0.0}
+        self.finisher = None  # the FinishWorker whose gathers a scatter waits for (set when it starts)
         # Shared with the scatter thread, under _cv:
         self._cv = threading.Condition()
         self.free = deque(range(HOST_BUFFERS))
@@ -258,9 +270,10 @@ class StagedCopy:
             host[:n].copy_(self.stage[:n])
             host_loc[:n].copy_(self.stage_loc[:n])
             ready, copied = self._cpu_copy_events()
+        gathers = self.finisher.gathers_handed() if self.finisher is not None else 0
         with self._cv:
             self._shipped += 1
-            self.pending.append(_Shipped(self._shipped, buf, n, ready, copied))
+            self.pending.append(_Shipped(self._shipped, buf, n, ready, copied, gathers))
             self.stats["staged_rows"] += n
             self._cv.notify_all()
 
@@ -268,20 +281,28 @@ class StagedCopy:
         """(ready, copied) of a CPU step: its copies are synchronous. The tests hold some back."""
         return _FIRED, _FIRED
 
-    def drain(self) -> None:
-        """Return once every shipped chunk whose rows are computed is in the store (module docstring)."""
+    @property
+    def shipped(self) -> int:
+        """The seq of the last chunk shipped (scheduler thread)."""
+        return self._shipped
+
+    def drain(self, upto: Optional[int] = None) -> float:
+        """Return once every shipped chunk (up to seq `upto`) whose rows are computed is in the store
+        (module docstring). Returns the seconds waited, for the caller's own counter."""
+        waited = 0.0
         with self._cv:
             target = self._scattered
             for s in self.pending:  # in step order: stop at the first one still being computed
-                if not s.ready.query():
+                if (upto is not None and s.seq > upto) or not s.ready.query():
                     break
                 target = s.seq
             if self._scattered < target:
                 t0 = time.perf_counter()
                 self._wait(lambda: self._scattered >= target)
-                self.stats["stage_wait_s"] += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
             elif self._error is not None:
                 self._raise()
+        return waited
 
     def _wait(self, done) -> None:
         """Wait on _cv (held) until done(); a failed scatter thread is raised here instead."""
@@ -327,8 +348,14 @@ class StagedCopy:
                         return
                     s = self.pending[0]
                 self._await_copy(s)
-                t0 = time.perf_counter()
                 host, host_loc = self.host[s.buf]
+                finisher = self.finisher
+                if finisher is not None and s.gathers:  # gathers still reading slots this chunk overwrites
+                    waited = finisher.wait_before_write(host_loc[: s.n], upto=s.gathers)
+                    if waited:
+                        self.stats["scatter_waits"] += 1
+                        self.stats["scatter_wait_s"] += waited
+                t0 = time.perf_counter()
                 op(host[: s.n].view(s.n, P * H), None, host_loc[: s.n], self.store, self.scatter_threads)
                 with self._cv:
                     self.stats["scatter_s"] += time.perf_counter() - t0

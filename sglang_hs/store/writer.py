@@ -38,7 +38,8 @@ from sglang_hs.version import SGLANG_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-FINISH_STATS = ("finish_pending", "finish_failed", "frees_held", "frees_held_now")
+FINISH_STATS = ("finish_pending", "finish_failed", "write_waits")  # counts; the *_s ones are seconds
+FINISH_SECONDS = ("drain_s", "write_wait_s", "store_wait_s")
 MANIFEST = "manifest.json"
 
 
@@ -119,7 +120,8 @@ class CaptureWriter:
                       "reader_offsets_refused": 0}  # read offsets the ring refused (ring.py)
         self.ring.stats = self.stats
         # The finish worker's (sglang_hs/store/finisher.py), here from the start: the status thread reads this dict
-        self.stats.update({k: 0 for k in FINISH_STATS}, drain_s=0.0)
+        self.stats.update({k: 0 for k in FINISH_STATS}, **{k: 0.0 for k in FINISH_SECONDS})
+        self.finisher = None  # the FinishWorker (finisher.py) the store's writes are ordered after, once it runs
         manifest = {
             "format_version": FORMAT_VERSION,
             "sglang_hs_version": __version__,
@@ -185,6 +187,11 @@ class CaptureWriter:
         else:
             from sglang_hs._ext import ext
 
+            if self.finisher is not None:  # the CPU engine's forward: wait for gathers still reading these slots
+                waited = self.finisher.wait_before_write(loc)
+                if waited:
+                    self.stats["write_waits"] += 1
+                    self.stats["write_wait_s"] += waited
             ext().copy_rows_cpu(aux, last, loc, self.store)
 
     def before_step(self) -> None:
@@ -216,7 +223,7 @@ class CaptureWriter:
         if slots.shape[0] != T:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
         if self.staging is not None:
-            self.staging.drain()  # every computed row is in the store
+            self.stats["store_wait_s"] += self.staging.drain()  # every computed row is in the store
         elif slots.is_cuda:
             torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
             self._host_store().check()  # a row whose KV slot lay outside the store: stop with one clear error

@@ -10,7 +10,7 @@ from sglang_hs.supervisor import mapped_shm
 CHUNK = 16
 HARVEST_SAMPLE_KEY = "5eed" * 8  # harvest_server's --hs-capture-sample-key (a server draws one by default)
 POOL = 128  # KV slots of the float32 servers: freed slots are handed out again at once (test_exact_rows.py)
-FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: slots are held meanwhile
+FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: writes into its slots wait meanwhile
 # SGLang's admission reserves new_token_ratio x the remaining max_new_tokens of KV for each running
 # request's decode (0.7 at start, decaying to 0.1; the request being admitted reserves all of its own).
 # The float32 servers start at RETRACT_RATIO, and go back to it when idle: next to nothing is reserved

@@ -120,8 +120,8 @@ def test_full_ring_holds_requests_then_everything_arrives(small_ring_server):
     assert m["sglang_hs:bytes_published_total"] >= N * (PROMPT + NEW - 1) * 4 * 256 * 2, m
     assert m["sglang_hs:admission_held"] == 0 and m["sglang_hs:admission_failed_total"] == 0, m
     # the finish worker's own: present (its counters only grow; the gauges are 0 once all is published)
-    assert {"sglang_hs:finish_wait_seconds_total", "sglang_hs:kv_frees_held_total", "sglang_hs:finish_pending",
-            "sglang_hs:kv_slots_held"} <= set(m), m
+    assert {"sglang_hs:finish_wait_seconds_total", "sglang_hs:store_write_waits_total", "sglang_hs:finish_pending",
+            "sglang_hs:store_wait_seconds_total", "sglang_hs:scatter_wait_seconds_total"} <= set(m), m
 
 
 def test_requests_held_past_the_limit_fail_clearly_and_the_server_serves_on(small_ring_server):

@@ -42,7 +42,7 @@ class Admission:
 @pytest.fixture(params=["worker", "sync"])
 def hook(request, tmp_path, monkeypatch):
     """Both finish paths: the finish worker (the default: the scheduler hands over, a thread publishes,
-    the KV allocator's frees are held meanwhile) and SGLANG_HS_SYNC_FINISH=1."""
+    a write into a slot it reads waits for it meanwhile) and SGLANG_HS_SYNC_FINISH=1."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
     from sglang_hs.patches import capture_hooks

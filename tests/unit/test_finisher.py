@@ -1,11 +1,14 @@
-"""The finish worker (sglang_hs/store/finisher.py) with SGLang's real KV allocators on the CPU: slots a
-pending gather will read are not handed out again, they come back once it is done, the scheduler's
-accounting (available_size) is as if nothing were held, an allocation that finds the free list short
-waits for the worker instead of failing, a failed gather is reported, and closing publishes
-everything that was handed over.
+"""The finish worker (sglang_hs/store/finisher.py) with SGLang's real KV allocators on the CPU: the
+allocator is left as SGLang made it (a freed slot is free at once, a full pool allocates at once, no
+allocation ever waits), and instead the NEXT WRITE into a slot a pending gather reads waits for that
+gather, and only for it: the CPU engine's forward copy (CaptureWriter.copy) and the staging scatter
+thread. Records stay exact when their slots are reused at once; markers and the idle path never make
+anything wait; a failed gather is reported, and closing publishes everything handed over.
 
-The worker's gather is held at a gate (a threading.Event the test opens), so "pending" is a state the
-test controls, not a race it hopes to win."""
+The worker's gather is held at a gate (a threading.Event the test opens, per request when needed), so
+"pending" is a state the test controls, not a race it hopes to win. A write that must wait is run on a
+thread, and the test sees it blocked by the worker's own wait (a hook on `_wait_for`), never by a
+sleep."""
 import threading
 
 import pytest
@@ -16,6 +19,13 @@ from sglang_hs.reader import HiddenStateReader
 
 H, NUM_SLOTS = 8, 64
 SPEC = CaptureSpec.resolve([1], True, 3, H)
+P = SPEC.rows_per_token
+TAKE_S = 30  # a reader's take: only a hang ends there
+
+
+def _fill(writer):
+    s = torch.arange(NUM_SLOTS + 1, dtype=torch.float32)
+    writer.store.copy_(s[:, None, None] + torch.arange(H) / 64)  # row of slot s: s + h/64 in every part
 
 
 @pytest.fixture
@@ -23,22 +33,49 @@ def writer(tmp_path):
     from sglang_hs.store.writer import CaptureWriter
 
     w = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS + 1, dtype=torch.float32, ring_bytes=1 << 20)
-    s = torch.arange(NUM_SLOTS + 1, dtype=torch.float32)
-    w.store.copy_(s[:, None, None] + torch.arange(H) / 64)  # row of slot s: s + h/64 in every part
-    return w
+    _fill(w)
+    yield w
+    _teardown(w)
+
+
+@pytest.fixture
+def staged_writer(tmp_path):
+    from sglang_hs.store.writer import CaptureWriter
+
+    w = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS + 1, dtype=torch.float32, ring_bytes=1 << 20,
+                      copy="staging", staging_rows=16)
+    _fill(w)
+    yield w
+    _teardown(w)
+    w.staging.close()
+
+
+def _teardown(w):
+    """Open every gate a failed test left shut, so that closing the worker publishes and returns."""
+    for gate in getattr(w, "_test_gates", ()):
+        gate.set()
+    if w.finisher is not None:
+        w.finisher.__dict__.pop("_wait_for", None)
+        w.finisher.close()
 
 
 class Gate:
-    """Wraps writer.publish_gathered: each gather waits until the test opens the gate."""
+    """Wraps writer.publish_gathered: the gather of a request waits until the test opens its gate (one
+    gate for all requests, or one per rid named in `rids`)."""
 
-    def __init__(self, writer):
+    def __init__(self, writer, rids=()):
         self.open, self.entered = threading.Event(), threading.Event()
+        self.per_rid = {rid: threading.Event() for rid in rids}
+        self.started = {rid: threading.Event() for rid in rids}
+        writer.__dict__.setdefault("_test_gates", []).extend([self.open, *self.per_rid.values()])
         inner = writer.publish_gathered
 
-        def gated(*args, **kwargs):
+        def gated(rid, *args, **kwargs):
             self.entered.set()
-            self.open.wait()
-            return inner(*args, **kwargs)
+            if rid in self.started:
+                self.started[rid].set()
+            (self.per_rid.get(rid) or self.open).wait()
+            return inner(rid, *args, **kwargs)
 
         writer.publish_gathered = gated
 
@@ -49,142 +86,239 @@ def _token_allocator(size=NUM_SLOTS):
     return TokenToKVPoolAllocator(size, torch.float32, "cpu", None, need_sort=False)
 
 
-def _worker(writer, allocator, released=None):
-    from sglang_hs.store.finisher import FinishWorker, hold_frees
+def _worker(writer, released=None):
+    from sglang_hs.store.finisher import FinishWorker
 
-    worker = FinishWorker(writer, on_done=((lambda rid, ticket: released.append(rid)) if released is not None else None))
-    assert hold_frees(allocator, worker) is None
-    return worker
+    return FinishWorker(writer, on_done=((lambda rid, ticket: released.append(rid)) if released is not None else None))
+
+
+def _never_waits(worker):
+    """The worker's one wait raises instead: whatever runs next must not wait for a gather."""
+    def fail(seq):
+        raise AssertionError(f"waited for gather {seq}")
+
+    worker._wait_for = fail
+
+
+def _watch_waits(worker):
+    """Record each seq the worker is asked to wait for, and set an event once a wait has begun."""
+    waits, began = [], threading.Event()
+    inner = worker._wait_for
+
+    def watched(seq):
+        if worker._done_now() < seq:
+            waits.append(seq)
+            began.set()
+        inner(seq)
+
+    worker._wait_for = watched
+    return waits, began
+
+
+def _thread_then(event, fn, *args):
+    """Run fn(*args) on a thread that sets `event` when fn returns (as a wait that begins sets it)."""
+    def run():
+        try:
+            fn(*args)
+        finally:
+            event.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _rows(value, n):
+    """n new rows for the copy: aux [n, K*H] and last [n, H], every element `value`."""
+    return torch.full((n, (P - 1) * H), float(value)), torch.full((n, H), float(value))
 
 
 def _free_set(allocator):
     return set(allocator.free_pages.tolist()) | set(allocator.release_pages.tolist())
 
 
-def test_slots_of_a_pending_gather_are_not_handed_out_again_and_come_back_after(writer, tmp_path):
+def test_the_allocator_is_sglangs_own_and_a_reused_slot_is_written_only_after_its_gather(writer, tmp_path):
+    """A finished request's slots go back to the free list at once (SGLang's own allocator, nothing held,
+    available_size exact); a full pool allocates at once; the CPU forward's copy into a slot a pending
+    gather reads waits for that gather, and the record holds the OLD rows, the store the new ones."""
     alloc = _token_allocator()
     released = []
-    worker = _worker(writer, alloc, released)
+    worker = _worker(writer, released)
     gate = Gate(writer)
     slots = alloc.alloc(10)
-    other = alloc.alloc(5)
     worker.submit("r0", list(range(10)), slots)
     gate.entered.wait()
     alloc.free(slots)  # SGLang releases the finished request's KV right after the hand-over
-    alloc.free_group_begin()  # and frees in groups in result processing: held as well
-    alloc.free(other)
-    alloc.free_group_end()
-    held = set(slots.tolist()) | set(other.tolist())
-    assert not held & _free_set(alloc), "slots of a pending gather went back to the free list"
-    assert len(_free_set(alloc)) == NUM_SLOTS - 15 and worker.held_tokens == 15
-    assert alloc.available_size() == NUM_SLOTS  # what SGLang schedules by: as if nothing were held
-    rest = alloc.alloc(len(alloc.free_pages))  # everything the allocator will hand out now
-    assert not held & set(rest.tolist())
+    assert set(slots.tolist()) <= _free_set(alloc) and alloc.available_size() == NUM_SLOTS
+    _never_waits(worker)
+    everything = alloc.alloc(NUM_SLOTS)  # the whole pool, the pending gather's slots included: no wait
+    assert everything is not None and set(slots.tolist()) <= set(everything.tolist())
+    del worker._wait_for
+    waits, began = _watch_waits(worker)
+    copier = _thread_then(began, writer.copy, *_rows(-1, 10), slots)
+    began.wait()  # the copy waits for gather 1, and has not written (or it returned: the check below fails)
+    assert waits == [1] and torch.equal(writer.store[slots, 0, 0], slots.float())
     assert released == [] and worker.pending_rids() == ["r0"]
     gate.open.set()
-    worker.drain()
-    assert held <= _free_set(alloc) and worker.held_tokens == 0 and released == ["r0"]
-    alloc.free(rest)  # nothing pending: straight through
-    assert alloc.available_size() == NUM_SLOTS
+    copier.join()
+    assert (writer.store[slots] == -1).all()  # the new rows, after the gather
+    assert writer.stats["write_waits"] == 1 and writer.stats["write_wait_s"] > 0
     with HiddenStateReader(str(tmp_path)) as reader:
-        rec = reader.take("r0", timeout=5)
-    assert torch.equal(rec.aux_hidden_states[:, 0, 0], slots.float())  # each row from its own slot
-    worker.close()
+        rec = reader.take("r0", timeout=TAKE_S)
+    assert torch.equal(rec.aux_hidden_states[:, 0, 0], slots.float())  # each row from its own slot, old
+    worker.poll()
+    assert released == ["r0"]
 
 
-def test_frees_come_back_at_the_next_poll_once_the_worker_is_done(writer):
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
+def test_a_write_waits_only_for_the_gathers_that_read_its_slots(writer, tmp_path):
+    """Per-slot last reader: with gather a done and gather b pending, a write to a's slots (or to slots no
+    gather reads) goes straight through, a write to b's waits for b alone; a slot read by both waits
+    for the later."""
+    worker = _worker(writer)
+    gate = Gate(writer, rids=("a", "b"))
+    a, b, shared = torch.tensor([1, 2, 3]), torch.tensor([10, 11]), torch.tensor([20])
+    worker.submit("a", [0, 0, 0, 0], torch.cat([a, shared]))
+    worker.submit("b", [0, 0, 0], torch.cat([b, shared]))
+    gate.per_rid["a"].set()
+    gate.started["b"].wait()  # a is done (the worker is on b)
+    assert worker._done_now() == 1
+    _never_waits(worker)
+    writer.copy(*_rows(-1, 3), a)
+    writer.copy(*_rows(-2, 2), torch.tensor([40, 41]))
+    assert (writer.store[a] == -1).all() and writer.stats["write_waits"] == 0
+    del worker._wait_for
+    waits, began = _watch_waits(worker)
+    copier = _thread_then(began, writer.copy, *_rows(-3, 1), shared)
+    began.wait()
+    assert waits == [2]
+    gate.per_rid["b"].set()
+    copier.join()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("a", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [1, 2, 3, 20]
+        assert reader.take("b", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [10, 11, 20]
+
+
+def test_markers_make_no_write_wait(writer):
+    """A marker (a request served without capture) reads no slot: it is never a gather a write waits for,
+    even where writes wait for every gather handed over (CUDA: slot ids stay on the device). Before, a
+    marker held every KV free behind the whole queue."""
+    worker = _worker(writer)
+    gate = Gate(writer, rids=("r",))
+    marker_gate = threading.Event()
+    writer._test_gates.append(marker_gate)
+    inner = writer.publish_marker
+
+    def gated_marker(*a, **k):
+        marker_gate.wait()
+        return inner(*a, **k)
+
+    writer.publish_marker = gated_marker
+    worker.submit("r", [0, 0], torch.tensor([1, 2]))
+    worker.submit_marker("m", "not_sampled")
+    assert worker.gathers_handed() == 1
+    gate.per_rid["r"].set()
+    worker._wait_for(1)  # the gather is done; the marker is not published
+    worker.poll()
+    assert worker.pending_rids() == ["m"]
+    worker._per_slot = False  # as on CUDA: a write waits for every gather handed over
+    _never_waits(worker)
+    writer.copy(*_rows(-1, 2), torch.tensor([1, 2]))
+    assert worker.wait_before_write(torch.tensor([5])) == 0.0
+    marker_gate.set()
+    del worker._wait_for
+    worker.drain()
+    assert writer.stats["markers"] == 1
+
+
+def test_the_idle_path_and_intake_do_not_wait_for_gathers(writer, monkeypatch):
+    """Scheduler.on_idle (SGLang's idle leak check) and request intake take the worker's results without
+    waiting: the pool is SGLang's own, so there is nothing to give back first. Before, on_idle drained."""
+    from sglang_hs.patches import capture_hooks
+
+    worker = _worker(writer)
     gate = Gate(writer)
-    slots = alloc.alloc(4)
-    worker.submit("r1", [1, 2, 3, 4], slots)
+    worker.submit("r", [0], torch.tensor([1]))
     gate.entered.wait()
-    alloc.free(slots)
-    assert len(_free_set(alloc)) == NUM_SLOTS - 4
+    _never_waits(worker)
+    calls = []
+    monkeypatch.setattr(capture_hooks, "_finisher", worker)
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "on_idle", lambda self: calls.append("on_idle"))
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "get_next_batch_to_run", lambda self: calls.append("next"))
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "_pull_raw_reqs", lambda self: calls.append("pull"))
+    capture_hooks._on_idle(object())
+    capture_hooks._get_next_batch_to_run(object())
+    capture_hooks._pull_raw_reqs(object())
+    assert calls == ["on_idle", "next", "pull"] and worker.pending_rids() == ["r"]
     gate.open.set()
-    worker.drain()  # waits for the worker (the scheduler's idle point); poll() alone would not wait
-    assert alloc.available_size() == NUM_SLOTS
-    worker.close()
+    del worker._wait_for
+    worker.drain()
 
 
-def test_a_short_pool_waits_for_the_worker_instead_of_failing(writer, monkeypatch):
-    """Decisions are taken as if nothing were held (check_decode_capacity: no retraction), and an alloc()
-    that would fail only because slots are held drains the worker first and then succeeds (no 'out of
-    memory')."""
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
-    gate = Gate(writer)
-    wait_for = worker._wait_for
-    monkeypatch.setattr(worker, "_wait_for", lambda seq: (gate.open.set(), wait_for(seq)))  # done when waited for
-    slots = alloc.alloc(NUM_SLOTS)
-    worker.submit("r2", list(range(NUM_SLOTS)), slots)
-    gate.entered.wait()
-    alloc.free(slots)
-    assert len(_free_set(alloc)) == 0 and alloc.available_size() == NUM_SLOTS
-    assert alloc.check_decode_capacity(num_tokens=3, tree_cache=None)
-    assert worker.held_tokens == NUM_SLOTS  # deciding did not wait for the worker
-    again = alloc.alloc(NUM_SLOTS)
-    assert again is not None and sorted(again.tolist()) == sorted(slots.tolist())
-    worker.close()
+def test_staging_scatter_waits_for_the_gather_and_the_scheduler_does_not(staged_writer, tmp_path):
+    """--hs-copy staging: the scheduler thread ships the step (no wait), the scatter thread waits for the
+    gather reading the slots before it overwrites them; a gather handed over after a chunk was shipped
+    does not wait for that chunk (it would wait for its own gather: a cycle)."""
+    w = staged_writer
+    worker = _worker(w)
+    gate = Gate(w, rids=("old", "new"))
+    old = torch.tensor([1, 2, 3])
+    worker.submit("old", [0, 0, 0], old)
+    gate.started["old"].wait()
+    waits, began = _watch_waits(worker)
+    w.copy(*_rows(-1, 3), old)  # a step that overwrites old's slots, shipped with gathers bound 1
+    assert began.wait(TAKE_S)  # the scatter thread waits for gather 1 (the scheduler thread shipped and went on)
+    assert waits == [1] and w.staging.shipped == 1
+    worker.submit("new", [0, 0, 0], old)  # then a request reading those slots (the new rows), handed over
+    gate.per_rid["new"].set()  # new's gather may run once old's is done and the chunk is in the store
+    assert torch.equal(w.store[old, 0, 0], old.float())  # the scatter waits for old's gather
+    gate.per_rid["old"].set()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("old", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [1, 2, 3]
+        assert reader.take("new", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [-1, -1, -1]
+    assert w.stats["scatter_waits"] == 1 and w.stats["stage_wait_s"] == 0.0 and w.stats["write_waits"] == 0
 
 
-def test_alloc_drains_when_only_held_slots_would_satisfy_it(writer, monkeypatch):
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
-    gate = Gate(writer)
-    wait_for = worker._wait_for
-    monkeypatch.setattr(worker, "_wait_for", lambda seq: (gate.open.set(), wait_for(seq)))
-    slots = alloc.alloc(NUM_SLOTS - 2)
-    worker.submit("r3", list(range(NUM_SLOTS - 2)), slots)
-    gate.entered.wait()
-    alloc.free(slots)
-    out = alloc.alloc(10)
-    assert out is not None and len(out) == 10 and worker.held_tokens == 0
-    worker.close()
+def test_staging_gather_does_not_wait_for_chunks_shipped_after_its_hand_over(staged_writer, tmp_path):
+    """The cycle a plain drain() would make: gather g (pending) reads slot s; a step overwriting s is
+    shipped (its scatter waits for g); g must not wait for that chunk."""
+    w = staged_writer
+    worker = _worker(w)
+    waits = []
+    inner = w.staging.drain
+    w.staging.drain = lambda upto=None: waits.append(upto) or inner(upto)
+    gate = Gate(w, rids=("g",))
+    s = torch.tensor([5, 6])
+    w.copy(*_rows(7, 2), s)  # a step computing g's rows: shipped before g is handed over
+    worker.submit("g", [0, 0], s)
+    gate.started["g"].wait()
+    w.copy(*_rows(-1, 2), s)  # the next step overwrites them (chunk 2)
+    gate.per_rid["g"].set()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("g", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [7, 7]
+    assert waits == [1]
+    worker.drain()
+    w.staging.drain()
+    assert (w.store[s] == -1).all()
 
 
-def test_paged_allocator_holds_whole_pages(writer):
+def test_allocators_checked_and_unknown_ones_refused_with_the_reason():
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    from sglang_hs.store.finisher import FinishWorker, hold_frees
+    from sglang_hs.store.finisher import check_allocator
 
-    ps = 4
-    alloc = PagedTokenToKVPoolAllocator(NUM_SLOTS, ps, torch.float32, "cpu", None, need_sort=False)
-    worker = FinishWorker(writer)
-    assert hold_frees(alloc, worker) is None
-    gate = Gate(writer)
-    pages = alloc.free_pages[:3].clone()
-    alloc.free_pages = alloc.free_pages[3:]
-    slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
-    worker.submit("p0", list(range(len(slots))), slots)
-    gate.entered.wait()
-    alloc.free(slots[:5])  # pages 0 and 1 of the request
-    alloc.free_segment(slots[8:], start_pos=8)  # its page 2, through free_page_ids
-    assert not set(pages.tolist()) & set(alloc.free_pages.tolist())
-    assert worker.held_tokens == 3 * ps
-    gate.open.set()
-    worker.drain()
-    assert set(pages.tolist()) <= set(alloc.free_pages.tolist())
-    assert alloc.available_size() == NUM_SLOTS
-    worker.close()
-
-
-def test_unknown_allocators_are_refused_with_the_reason(writer):
-    from sglang_hs.store.finisher import FinishWorker, hold_frees
+    assert check_allocator(_token_allocator()) is None
+    assert check_allocator(PagedTokenToKVPoolAllocator(32, 4, torch.float32, "cpu", None, need_sort=False)) is None
 
     class Other:
         pass
 
-    worker = FinishWorker(writer)
-    why = hold_frees(Other(), worker)
+    why = check_allocator(Other())
     assert why and "Other" in why
-    worker.close()
 
 
 def test_a_refused_record_is_counted_logged_and_its_reservation_released(writer, caplog):
-    alloc = _token_allocator()
     released = []
-    worker = _worker(writer, alloc, released)
+    worker = _worker(writer, released)
     too_long = writer.ring.capacity // (writer.P * H * 4) + 1  # larger than the whole ring
     slots = torch.ones(too_long, dtype=torch.int64)
     worker.submit("big", [0] * too_long, slots)
@@ -193,18 +327,15 @@ def test_a_refused_record_is_counted_logged_and_its_reservation_released(writer,
     assert released == ["big", "ok"]
     assert writer.stats["dropped"] == 1 and writer.stats["finish_failed"] == 1 and writer.stats["records"] == 1
     assert "big NOT published" in caplog.text
-    worker.close()
 
 
 def test_each_job_hands_back_the_very_ticket_it_was_submitted_with(writer):
     """Admission releases a published request's reservation by the ticket the finish hook handed over with it
     (before: by rid order, so a request of the same rid handed over with no ticket released another's)."""
-    alloc = _token_allocator()
     done = []
-    from sglang_hs.store.finisher import FinishWorker, hold_frees
+    from sglang_hs.store.finisher import FinishWorker
 
     worker = FinishWorker(writer, on_done=lambda rid, ticket: done.append((rid, ticket)))
-    assert hold_frees(alloc, worker) is None
     first, marker = object(), object()
     worker.submit("x", [1, 2], torch.tensor([3, 4]), ticket=first)
     worker.submit("x", [5], torch.tensor([6]))  # a request of the same rid with no ticket left
@@ -212,12 +343,10 @@ def test_each_job_hands_back_the_very_ticket_it_was_submitted_with(writer):
     worker.drain()
     assert [rid for rid, _ in done] == ["x", "x", "x"]
     assert done[0][1] is first and done[1][1] is None and done[2][1] is marker
-    worker.close()
 
 
 def test_an_unexpected_worker_error_stops_the_scheduler_with_it(writer):
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
+    worker = _worker(writer)
 
     def broken(*a, **k):
         raise OSError("store unmapped")
@@ -227,199 +356,67 @@ def test_an_unexpected_worker_error_stops_the_scheduler_with_it(writer):
     with pytest.raises(RuntimeError, match="store unmapped"):
         worker.drain()
     assert writer.stats["finish_failed"] == 1
-    worker.close()
 
 
-def test_close_publishes_everything_handed_over_and_gives_back_held_frees(writer, tmp_path):
+def test_a_write_does_not_wait_forever_on_a_worker_that_is_gone(writer):
+    worker = _worker(writer)
+    gate = Gate(writer)
+    worker.submit("x", [1], torch.tensor([1]))
+    gate.entered.wait()
+    worker._thread.join(timeout=0)  # still alive: stop it the hard way by replacing it with a dead one
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    alive, worker._thread = worker._thread, dead
+    with pytest.raises(RuntimeError, match="finish worker stopped"):
+        writer.copy(*_rows(-1, 1), torch.tensor([1]))
+    worker._thread = alive
+    gate.open.set()
+
+
+def test_close_publishes_everything_handed_over(writer, tmp_path):
     alloc = _token_allocator()
-    worker = _worker(writer, alloc)
+    worker = _worker(writer)
     gate = Gate(writer)
     handed = []
     for i in range(5):
         s = alloc.alloc(3 + i)
         worker.submit(f"c{i}", list(range(3 + i)), s)
         handed.append((f"c{i}", s))
-    gate.entered.wait()
-    for _, s in handed:
         alloc.free(s)
-    assert len(_free_set(alloc)) < NUM_SLOTS
     gate.open.set()
     worker.close()
     assert alloc.available_size() == NUM_SLOTS and writer.stats["records"] == 5
     with HiddenStateReader(str(tmp_path)) as reader:
         for rid, s in handed:
-            assert torch.equal(reader.take(rid, timeout=5).aux_hidden_states[:, 0, 0], s.float())
+            assert torch.equal(reader.take(rid, timeout=TAKE_S).aux_hidden_states[:, 0, 0], s.float())
 
 
-def test_hand_over_and_held_frees_own_their_slot_ids(writer, tmp_path):
-    """SGLang hands over, and frees, views of a req_to_token row, which it rewrites for the next request
-    at once: the record and the held free keep the ids they were given."""
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
+def test_hand_over_owns_its_slot_ids(writer, tmp_path):
+    """SGLang hands over views of a req_to_token row, which it rewrites for the next request at once: the
+    record keeps the ids it was given, and so does the per-slot last reader."""
+    worker = _worker(writer)
     gate = Gate(writer)
     table = torch.zeros(2, 16, dtype=torch.int32)
-    table[0, :6] = alloc.alloc(6).to(torch.int32)
-    slots = table[0, :6].tolist()
-    worker.submit("v0", list(range(6)), table[0, :6])
+    table[0, :6] = torch.tensor([9, 8, 7, 6, 5, 4], dtype=torch.int32)
+    worker.submit("v", list(range(6)), table[0, :6])
     gate.entered.wait()
-    alloc.free(table[0, :6])
-    table[0, :] = 7  # the row of the next request
+    table[0, :6] = torch.tensor([30, 31, 32, 33, 34, 35], dtype=torch.int32)  # the row reused at once
+    assert worker._last_read[[9, 8, 7, 6, 5, 4]].tolist() == [1] * 6 and int(worker._last_read[30]) == 0
     gate.open.set()
     worker.drain()
-    assert set(slots) <= _free_set(alloc) and alloc.available_size() == NUM_SLOTS
     with HiddenStateReader(str(tmp_path)) as reader:
-        assert reader.take("v0", timeout=5).aux_hidden_states[:, 0, 0].tolist() == [float(s) for s in slots]
+        assert reader.take("v", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [9, 8, 7, 6, 5, 4]
+
+
+def test_a_finish_after_close_is_published_at_once(writer, tmp_path):
+    """atexit may close the worker before SGLang's last result processing: a later finish must not hang
+    and nothing is left pending (a write then never waits)."""
+    worker = _worker(writer)
     worker.close()
-
-
-def test_a_short_alloc_waits_only_for_the_oldest_held_free(writer, monkeypatch):
-    """The free list is short by less than the oldest held free gives back: the allocation waits for
-    the gather that free waits for, not for every gather still pending."""
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
-    gates = {"a": threading.Event(), "b": threading.Event()}
-    entered = {"a": threading.Event(), "b": threading.Event()}
-    inner = writer.publish_gathered
-
-    def gated(rid, *args, **kwargs):
-        entered[rid].set()
-        gates[rid].wait()
-        return inner(rid, *args, **kwargs)
-
-    writer.publish_gathered = gated
-    waited = []
-    wait_for = worker._wait_for
-
-    def wait_for_a(seq):  # gather 1 ("a") finishes when waited for; waiting for gather 2 would hang: fail
-        waited.append(seq)
-        assert seq == 1, f"a short alloc waited for gather {seq}; the oldest held free needs only gather 1"
-        gates["a"].set()
-        wait_for(seq)
-
-    monkeypatch.setattr(worker, "_wait_for", wait_for_a)
-    a, b = alloc.alloc(20), alloc.alloc(30)
-    worker.submit("a", list(range(20)), a)
-    entered["a"].wait()
-    alloc.free(a)  # held until gather 1 is done
-    worker.submit("b", list(range(30)), b)
-    alloc.free(b)  # held until gather 2 is done
-    rest = alloc.alloc(len(alloc.free_pages))
-    out = alloc.alloc(15)  # only a's slots can satisfy it
-    assert out is not None and set(out.tolist()) <= set(a.tolist())
-    assert waited == [1] and worker.held_tokens == 30 and worker.pending_rids() == ["b"]
-    monkeypatch.setattr(worker, "_wait_for", wait_for)
-    gates["b"].set()
-    worker.drain()
-    alloc.free(rest)
-    alloc.free(out)
-    assert alloc.available_size() == NUM_SLOTS and len(_free_set(alloc)) == NUM_SLOTS
-    worker.close()
-
-
-def test_a_finish_after_close_is_published_at_once_and_frees_are_not_held(writer, tmp_path):
-    """close() runs at exit; a request finishing after it (or a free) must neither wait on the stopped
-    worker nor leave its slots held for good (an allocation would retry forever)."""
-    alloc = _token_allocator(8)
-    worker = _worker(writer, alloc)
-    worker.close()
-    s = alloc.alloc(8)
-    worker.submit("late", list(range(8)), s)
-    alloc.free(s)
-    assert worker.held_tokens == 0 and worker.idle() and writer.stats["records"] == 1
-    assert alloc.alloc(8) is not None  # every slot is really free
+    worker.submit("late", [1, 2], torch.tensor([3, 4]))
+    assert worker.idle() and writer.stats["records"] == 1
+    _never_waits(worker)
+    writer.copy(*_rows(-1, 2), torch.tensor([3, 4]))
     with HiddenStateReader(str(tmp_path)) as reader:
-        assert torch.equal(reader.take("late", timeout=5).aux_hidden_states[:, 0, 0], s.float())
-
-
-def test_a_free_that_raises_stays_held(writer):
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
-    gate = Gate(writer)
-    s = alloc.alloc(4)
-    worker.submit("r", list(range(4)), s)
-    gate.entered.wait()
-    calls = []
-
-    def failing_free(*args):
-        calls.append(args)
-        raise AssertionError("double free")  # what SGLANG_DEBUG_MEMORY_POOL's check raises
-
-    worker.hold(failing_free, (s,), 4)
-    gate.open.set()
-    with pytest.raises(AssertionError):
-        worker.drain()
-    assert calls and worker.held_tokens == 4  # still counted: available_size stays what is really there
-    worker._held.clear()
-    worker.held_tokens = 0
-    worker.close()
-
-
-class RidGates:
-    """Wraps writer.publish_gathered: the gather of request `rid` waits until `open(rid)`."""
-
-    def __init__(self, writer):
-        self.events, self.entered = {}, {}
-        inner = writer.publish_gathered
-
-        def gated(rid, *args, **kwargs):
-            self.entered.setdefault(rid, threading.Event()).set()
-            self.events.setdefault(rid, threading.Event()).wait()
-            return inner(rid, *args, **kwargs)
-
-        writer.publish_gathered = gated
-
-    def open(self, rid):
-        self.events.setdefault(rid, threading.Event()).set()
-
-    def wait_entered(self, rid):
-        assert self.entered.setdefault(rid, threading.Event()).wait(10)
-
-
-def test_a_free_made_before_its_own_hand_over_waits_for_that_gather(writer, tmp_path):
-    """Result processing frees in a group, and a request's own slots can be freed before its finish hook
-    hands it over (SGLang's beam search frees a leader's decode slots in commit_decode, then runs the
-    hook). Such a free must wait for that request's gather, not only for the ones already handed over:
-    here r-old is pending when the free comes, r-new (which reads the freed slots) is handed over after
-    it in the same group; once r-old is done and r-new is not, the slots must still be held. (Tagged at
-    the free, they went back with r-old's gather: fails without the group rule in hold_frees.)"""
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
-    gates = RidGates(writer)
-    old, new = alloc.alloc(6), alloc.alloc(8)
-    worker.submit("r-old", list(range(6)), old)
-    gates.wait_entered("r-old")
-    alloc.free_group_begin()  # process_batch_result_decode
-    alloc.free(new)  # commit_decode -> _finish_group -> free_member_rows: before the leader's hook
-    worker.submit("r-new", list(range(8)), new)  # the leader's finish hook, in the same pass
-    alloc.free_group_end()
-    gates.open("r-old")
-    worker._wait_for(1)  # r-old's gather is done, r-new's is not
-    worker.poll()  # the next scheduler iteration gives back what no pending gather reads
-    assert not set(new.tolist()) & _free_set(alloc), "slots of r-new's pending gather went back to the free list"
-    assert alloc.available_size() == NUM_SLOTS - 6  # r-old's own slots were never freed here
-    gates.open("r-new")
-    worker.drain()
-    assert set(new.tolist()) <= _free_set(alloc) and worker.held_tokens == 0
-    with HiddenStateReader(str(tmp_path)) as reader:
-        rec = reader.take("r-new", timeout=5)
-    assert torch.equal(rec.aux_hidden_states[:, 0, 0], new.float())
-    worker.close()
-
-
-def test_a_free_in_a_group_with_nothing_pending_is_decided_at_the_groups_end(writer):
-    """Nothing pending when the group's free comes, the request handed over later in the same group: its
-    slots are held from the group's end until its gather is done."""
-    alloc = _token_allocator()
-    worker = _worker(writer, alloc)
-    gates = RidGates(writer)
-    slots = alloc.alloc(5)
-    alloc.free_group_begin()
-    alloc.free(slots)
-    worker.submit("r-late", list(range(5)), slots)
-    alloc.free_group_end()
-    worker.poll()
-    assert not set(slots.tolist()) & _free_set(alloc) and worker.held_tokens == 5
-    gates.open("r-late")
-    worker.drain()
-    assert set(slots.tolist()) <= _free_set(alloc)
-    worker.close()
+        assert reader.take("late", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [3, 4]
