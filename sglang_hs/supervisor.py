@@ -531,11 +531,11 @@ class Supervisor:
         return 0
 
     def server_url(self) -> str:
-        from sglang_hs.launch_server import _flag_value
+        from sglang_hs.argv import flag_value
 
         args = self.cmd
-        host = _flag_value(args, "--host") or "127.0.0.1"
-        port = _flag_value(args, "--port") or "30000"
+        host = flag_value(args, "--host") or "127.0.0.1"
+        port = flag_value(args, "--port") or "30000"
         return f"http://{host}:{port}"
 
 
