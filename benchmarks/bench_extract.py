@@ -36,7 +36,7 @@ import requests
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import machine, write_csv, _pyplot  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 LAYERS = [2, 4, 5]  # the tiny model's default EAGLE-3 ids (8 layers)
@@ -229,12 +229,10 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(files, ignore_errors=True)
     summary = summarise(rows)
-    write_csv(os.path.join(args.out, "bench_extract_summary.csv"), summary)
-    print(f"\nmedians ({machine()}):")
-    for s in summary:
-        print(f"L={s['prompt_len']:5d} conc={s['concurrency']:3d}: sglang-hs {s['a_tok_s']:>8,.0f}  json "
-              f"{s['b_tok_s']:>8,.0f}  plain {s['c_tok_s']:>8,.0f} tok/s   a/b {s['a_over_b']:.2f}  a/c {s['a_over_c']:.2f}"
-              f" (ceiling c/b {s['c_over_b']:.2f})  in-server capture cost {100 * s['in_server_capture_cost']:+.1f}%")
+    write_summary(args.out, "bench_extract", summary, f"\nmedians ({machine()}):", lambda s: (
+        f"L={s['prompt_len']:5d} conc={s['concurrency']:3d}: sglang-hs {s['a_tok_s']:>8,.0f}  json "
+        f"{s['b_tok_s']:>8,.0f}  plain {s['c_tok_s']:>8,.0f} tok/s   a/b {s['a_over_b']:.2f}  a/c {s['a_over_c']:.2f}"
+        f" (ceiling c/b {s['c_over_b']:.2f})  in-server capture cost {100 * s['in_server_capture_cost']:+.1f}%"))
     plot(summary, os.path.join(args.out, "bench_extract.png"))
     return 0
 
@@ -277,10 +275,7 @@ def plot(summary, path):
         ax.set_title(t)
         ax.axhline(1.0, color="#999", lw=0.8)
         ax.legend(fontsize=8)
-    fig.suptitle(f"aux hidden states (K=3) of the same prompts to files, tiny DeepSeek-V3; {machine()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, f"aux hidden states (K=3) of the same prompts to files, tiny DeepSeek-V3; {machine()}")
 
 
 if __name__ == "__main__":

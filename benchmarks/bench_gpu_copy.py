@@ -448,7 +448,7 @@ def main():
 
 
 def plot(rows: List[dict], path: str, gpu: str) -> None:
-    from benchmarks.common import _pyplot
+    from benchmarks.common import _pyplot, save_figure
 
     plt = _pyplot()
     if plt is None:
@@ -474,9 +474,7 @@ def plot(rows: List[dict], path: str, gpu: str) -> None:
     ax2.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="% of a forward step (compute stream held)")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, dpi=110)
     print(f"plot: {path}")
 
 

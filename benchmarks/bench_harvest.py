@@ -59,7 +59,7 @@ from typing import Callable, List, Optional
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 WAYS = ("a_off", "b_skip_drain", "c_skip_stopped", "d_hold_stopped")
@@ -434,10 +434,7 @@ def plot(summary, path, title) -> None:
     ax.set_ylabel("latency / a_off's (same repetition), median")
     ax.set_title("ratio to capture off")
     ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
 
 
 def main(argv=None) -> int:
@@ -521,12 +518,11 @@ def main(argv=None) -> int:
         else:
             print(f"server logs kept in {logs}", file=sys.stderr)
     summary = summarise(rows)
-    write_csv(os.path.join(args.out, "bench_harvest_summary.csv"), summary)
-    print(f"\nmedians over {args.reps} repetitions (min-max), ratio to a_off in the same repetition ({machine()}):")
-    for s in summary:
-        print(f"{s['way']:15s} " + "  ".join(
-            f"{k} p{p} {s[f'{k}_p{p}_ms']:.0f} ms ({s[f'{k}_p{p}_ms_range']}) x{s[f'{k}_p{p}_ms_vs_a']}"
-            for k in ("ttft", "total") for p in PCTS) + f"  {s['req_per_s']} req/s x{s['req_per_s_vs_a']}")
+    write_summary(args.out, "bench_harvest", summary,
+                  f"\nmedians over {args.reps} repetitions (min-max), ratio to a_off in the same repetition "
+                  f"({machine()}):", lambda s: f"{s['way']:15s} " + "  ".join(
+                      f"{k} p{p} {s[f'{k}_p{p}_ms']:.0f} ms ({s[f'{k}_p{p}_ms_range']}) x{s[f'{k}_p{p}_ms_vs_a']}"
+                      for k in ("ttft", "total") for p in PCTS) + f"  {s['req_per_s']} req/s x{s['req_per_s_vs_a']}")
     plot(summary, os.path.join(args.out, "bench_harvest.png"),
          f"user latency, capture off vs harvesting (sample {args.sample}, skip) with the reader draining / stopped, "
          f"vs hold; {args.requests} requests x {args.reps}, {args.concurrency} in flight; {machine()}")

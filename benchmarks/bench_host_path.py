@@ -90,7 +90,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 
 K, H = 3, 7168
 P = K + 1
@@ -717,10 +717,7 @@ def plot(summary, path: str, title: str) -> None:
     ax2.set_xticklabels([f"{s['measure'].replace('_', ' ')} [{s['variant']}]" for s in sched], fontsize=7,
                         rotation=45, ha="right")
     ax2.set_ylabel(f"ms per {sched[0]['tokens_per_step'] if sched else ''}-token step, scheduler thread (log)")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
 
 
 def main(argv=None) -> int:
@@ -847,17 +844,18 @@ def main(argv=None) -> int:
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
     summary = summarise(rows)
-    write_csv(os.path.join(args.out, "bench_host_path_summary.csv"), summary)
-    print(f"\nmedian of {args.steps} steps (min-max), {machine()}; {where}")
-    for s in summary:
+
+    def summary_line(s):
         v = "" if s["variant"] == "-" else f" [{s['variant']}]"
         if s["kind"] == "scheduler":
-            print(f"  {s['measure'] + v:>24}: {s['ms_median']:8.2f} ms   ({s['ms_min']:.2f}-{s['ms_max']:.2f})")
-        else:
-            cpu = f"; {s['cores_busy_median']:.2f} cores busy, {s['core_s_per_GB_median']:.3f} core-s/GB" \
-                if "cores_busy_median" in s else ""
-            print(f"  {s['measure'] + v:>24}: {s['GBps_median']:8.2f} GB/s ({s['GBps_min']:.2f}-{s['GBps_max']:.2f}) "
-                  f"= {s['of_memcpy']:.2f} of memcpy{cpu}")
+            return f"  {s['measure'] + v:>24}: {s['ms_median']:8.2f} ms   ({s['ms_min']:.2f}-{s['ms_max']:.2f})"
+        cpu = f"; {s['cores_busy_median']:.2f} cores busy, {s['core_s_per_GB_median']:.3f} core-s/GB" \
+            if "cores_busy_median" in s else ""
+        return (f"  {s['measure'] + v:>24}: {s['GBps_median']:8.2f} GB/s ({s['GBps_min']:.2f}-{s['GBps_max']:.2f}) "
+                f"= {s['of_memcpy']:.2f} of memcpy{cpu}")
+
+    write_summary(args.out, "bench_host_path", summary, f"\nmedian of {args.steps} steps (min-max), {machine()}; {where}",
+                  summary_line)
     print("targets (issue 16):")
     for line, met in targets(summary):
         print(f"  [{'met' if met else 'NOT met'}] {line}")

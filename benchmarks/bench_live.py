@@ -32,7 +32,7 @@ import time
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 VARIANTS = ("a_cli_bf16", "b_cli_fp8", "c_live", "d_live_2w")
@@ -136,12 +136,10 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(files, ignore_errors=True)
     summary = summarise(rows)
-    write_csv(os.path.join(args.out, "bench_live_summary.csv"), summary)
-    print(f"\nmedians [min..max] over {args.reps} reps ({machine()}):")
-    for s in summary:
-        print(f"L={s['prompt_len']:5d} {s['method']:11s} {s['samples_per_s']:8.2f} samples/s "
-              f"[{s['samples_per_s_min']:.2f}..{s['samples_per_s_max']:.2f}]  {s['mb_per_s']:8.1f} MB/s  "
-              f"{s['bytes_per_sample'] / 1e3:8.1f} KB/sample  x{s['samples_per_s_over_a']:.2f} of a")
+    write_summary(args.out, "bench_live", summary, f"\nmedians [min..max] over {args.reps} reps ({machine()}):",
+                  lambda s: f"L={s['prompt_len']:5d} {s['method']:11s} {s['samples_per_s']:8.2f} samples/s "
+                            f"[{s['samples_per_s_min']:.2f}..{s['samples_per_s_max']:.2f}]  {s['mb_per_s']:8.1f} MB/s  "
+                            f"{s['bytes_per_sample'] / 1e3:8.1f} KB/sample  x{s['samples_per_s_over_a']:.2f} of a")
     plot(summary, os.path.join(args.out, "bench_live.png"))
     return 0
 
@@ -183,11 +181,8 @@ def plot(summary, path):
         ax.set_ylabel("samples/s (median, min..max)")
         ax.set_title(f"prompts of {L} tokens")
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"hidden states of the same prompts: files (bf16, fp8) vs live dataset; tiny DeepSeek-V3; "
-                 f"{machine()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, f"hidden states of the same prompts: files (bf16, fp8) vs live dataset; tiny "
+                                f"DeepSeek-V3; {machine()}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Shared by the benchmarks: the machine's name, CSV output, and plots (when matplotlib is there)."""
+"""Shared by the benchmarks: the machine's name, CSV output, the summary block, and plots (when matplotlib
+is there)."""
 from __future__ import annotations
 
 import csv
 import os
 import platform
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 
 def machine() -> str:
@@ -50,6 +51,22 @@ def plot_bars(path: str, values: Dict[str, float], ylabel: str, title: str) -> N
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
+    save_figure(plt, fig, path)
+
+
+def save_figure(plt, fig, path: str, title: Optional[str] = None, dpi: int = 120) -> None:
+    """Every plot's tail: the figure's title (if any), laid out, written to `path`, closed."""
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def write_summary(out_dir: str, name: str, summary: List[dict], header: str, line: Callable[[dict], str]) -> None:
+    """Every benchmark's summary block: its rows to `<name>_summary.csv` in `out_dir`, then on stdout
+    `header` and `line(row)` for each row."""
+    write_csv(os.path.join(out_dir, f"{name}_summary.csv"), summary)
+    print(header)
+    for s in summary:
+        print(line(s))

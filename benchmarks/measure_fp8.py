@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv  # noqa: E402
 from sglang_hs import tiny_model  # noqa: E402
 from sglang_hs.capture_spec import default_layer_ids  # noqa: E402
 from sglang_hs.extract import fp8  # noqa: E402
@@ -164,10 +164,7 @@ def plot(path, rows):
     ax.set_xlabel("outlier channel in hf4, x the final state's max")
     ax.set_title("v3, a massive-activation channel added", fontsize=9)
     ax.legend(fontsize=7)
-    fig.suptitle("FP8 e4m3 (bf16 dequantized) vs the bf16 rows, per layer", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, "FP8 e4m3 (bf16 dequantized) vs the bf16 rows, per layer")
 
 
 def main():

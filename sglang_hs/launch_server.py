@@ -15,6 +15,8 @@ import re
 import sys
 from typing import List, Optional, Tuple
 
+# argv.py holds them (the supervisor reads flags too); the names here stay as the launcher has always called them
+from sglang_hs.argv import flag_value as _flag_value, has_flag as _has_flag
 from sglang_hs.capture_spec import (
     HC_ARCHITECTURES,
     STREAMS_CHOICES,
@@ -173,20 +175,6 @@ def print_help() -> None:
     add_hs_args(parser)
     ServerArgs.add_cli_args(parser)
     parser.print_help()
-
-
-def _flag_value(argv: List[str], *flags: str) -> Optional[str]:
-    for i, a in enumerate(argv):
-        for flag in flags:
-            if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
-def _has_flag(argv: List[str], *flags: str) -> bool:
-    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
 
 
 def cuda_available() -> bool:

@@ -53,9 +53,7 @@ from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
-
-class LiveDatasetError(RuntimeError):
-    """A one-line error: the server, its dump dir or a request did not do what the dataset needs."""
+from sglang_hs.live_workers import LiveDatasetError  # defined there, where the workers raise it too; public here
 
 
 class LiveHiddenStates(torch.utils.data.IterableDataset):
@@ -153,7 +151,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         or a worker's RoutedRecords), rids `ours` + index; closes `reader` when it ends."""
         import requests
 
-        from sglang_hs.extract.cli import RECORD_GRACE_S, ExtractError, make_preparer, record_loss_mask, request_body
+        from sglang_hs.extract.errors import ExtractError
+        from sglang_hs.extract.samples import RECORD_GRACE_S, make_preparer, record_loss_mask, request_body
         from sglang_hs.extract.dataset import SkipSample
         from sglang_hs.extract.sinks import specforge_sample
         from sglang_hs.capture_spec import final_states

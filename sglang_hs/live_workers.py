@@ -61,7 +61,10 @@ from typing import Dict, Optional
 
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory reductions of tensors on ForkingPickler
 
-from sglang_hs.live import LiveDatasetError
+
+class LiveDatasetError(RuntimeError):
+    """A one-line error: the server, its dump dir or a request did not do what the dataset needs (raised by
+    LiveHiddenStates, sglang_hs/live.py, and by its workers here; importable from either)."""
 
 
 def iteration_key(dataset_key: str, epoch: int) -> str:

@@ -199,12 +199,13 @@ def print_table(rows: List[Tuple[str, bool, dict]]) -> None:
 
 
 def configurations(sglang_args: List[str]) -> List[Tuple[str, List[str]]]:
-    from sglang_hs.launch_server import _flag_value, cuda_available
+    from sglang_hs.argv import flag_value
+    from sglang_hs.launch_server import cuda_available
 
     configs = [("chunked-16", ["--chunked-prefill-size", "16"]),
                ("plain-scheduler", ["--chunked-prefill-size", WHOLE_PROMPT_CHUNK, "--disable-radix-cache",
                                     "--disable-overlap-schedule"])]
-    if _flag_value(sglang_args, "--device") not in (None, "cuda") or not cuda_available():
+    if flag_value(sglang_args, "--device") not in (None, "cuda") or not cuda_available():
         return configs  # no CUDA graphs on the CPU engine
     return configs + [("no-cuda-graph", ["--disable-cuda-graph"])]
 
@@ -280,10 +281,11 @@ def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
 
 def _prompts_for(argv: List[str]) -> List[List[int]]:
     from sglang_hs import tiny_model
-    from sglang_hs.launch_server import _flag_value, _has_flag, read_model_config
+    from sglang_hs.argv import flag_value, has_flag
+    from sglang_hs.launch_server import read_model_config
 
-    model = _flag_value(argv, "--model-path", "--model") or tiny_model.ensure()
-    config = read_model_config(model, _has_flag(argv, "--trust-remote-code"))
+    model = flag_value(argv, "--model-path", "--model") or tiny_model.ensure()
+    config = read_model_config(model, has_flag(argv, "--trust-remote-code"))
     return make_prompts(int(config.get("vocab_size", 32000)))
 
 

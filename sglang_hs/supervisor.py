@@ -535,16 +535,16 @@ class Supervisor:
         return 0
 
     def node_rank(self) -> int:
-        from sglang_hs.launch_server import _flag_value
+        from sglang_hs.argv import flag_value
 
-        return int(_flag_value(self.cmd, "--node-rank") or 0)
+        return int(flag_value(self.cmd, "--node-rank") or 0)
 
     def server_url(self) -> str:
-        from sglang_hs.launch_server import _flag_value
+        from sglang_hs.argv import flag_value
 
         args = self.cmd
-        host = _flag_value(args, "--host") or "127.0.0.1"
-        port = _flag_value(args, "--port") or "30000"
+        host = flag_value(args, "--host") or "127.0.0.1"
+        port = flag_value(args, "--port") or "30000"
         return f"http://{host}:{port}"
 
 

@@ -310,13 +310,17 @@ def to_mistral_names(state: dict) -> dict:
                     out[f"layers.{layer}.experts.{e}.w1.weight"] = gate
                     out[f"layers.{layer}.experts.{e}.w3.weight"] = up
             continue
-        for pat, rep in _TO_MISTRAL:
-            if re.fullmatch(pat, name):
-                out[re.sub(pat, rep, name)] = t
-                break
-        else:
-            raise KeyError(f"no Mistral name for {name}")
+        out[_renamed(name, _TO_MISTRAL, "no Mistral name for")] = t
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _renamed(name: str, table, missing: str) -> str:
+    """`name` through the first (pattern, replacement) of `table` that matches all of it; KeyError
+    "`missing` `name`" when none does."""
+    for pat, rep in table:
+        if re.fullmatch(pat, name):
+            return re.sub(pat, rep, name)
+    raise KeyError(f"{missing} {name}")
 
 
 def from_mistral_names(tensors: dict, num_experts: int) -> dict:
@@ -329,12 +333,7 @@ def from_mistral_names(tensors: dict, num_experts: int) -> dict:
         if m:
             experts.setdefault(int(m.group(1)), {})[(int(m.group(2)), m.group(3))] = t
             continue
-        for pat, rep in inverse:
-            if re.fullmatch(pat, name):
-                out[re.sub(pat, rep, name)] = t
-                break
-        else:
-            raise KeyError(f"unknown Mistral weight {name}")
+        out[_renamed(name, inverse, "unknown Mistral weight")] = t
     import torch
 
     for layer, w in experts.items():

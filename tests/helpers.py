@@ -142,6 +142,30 @@ def error_lines(text: str) -> List[str]:
     return [l for l in text.splitlines() if re.match(r"^sglang-hs: error: ", l)]
 
 
+def killed_mid_generation(server, rid: str, max_new_tokens: int, decoding, kill, exit_timeout: float,
+                          join_timeout: float):
+    """One long request `rid` (`max_new_tokens`, ignore_eos) sent in a thread; `decoding(thread)` returns
+    once the server decodes it, then `kill()` (a SIGKILL to one of the server's processes). Returns the
+    launcher's exit status (waited up to `exit_timeout`) and the exceptions the client got (its thread
+    joined up to `join_timeout`)."""
+    errors = []
+
+    def long_request():
+        try:
+            server.generate(input_ids=list(range(5, 45)), rid=rid,
+                            sampling_params={"max_new_tokens": max_new_tokens, "ignore_eos": True})
+        except Exception as e:  # the server dies under it
+            errors.append(e)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    decoding(t)
+    kill()
+    rc = server.wait_exit(timeout=exit_timeout)
+    t.join(join_timeout)
+    return rc, errors
+
+
 def readers_path() -> Optional[str]:
     """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None: the
     SGLANG_HS_READERS folder, else the one scripts/ensure_env.sh recorded in .venv/.readers."""

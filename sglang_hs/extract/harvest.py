@@ -67,7 +67,7 @@ class Journal:
     def __init__(self, out_dir: str, share_gid: Optional[int] = None) -> None:
         import stat
 
-        from sglang_hs.extract.cli import ExtractError
+        from sglang_hs.extract.errors import ExtractError
 
         self.path = os.path.join(out_dir, JOURNAL)
         self.rings: dict = {}  # ring_id -> number
@@ -120,7 +120,7 @@ class Journal:
     def check_setup(self, setup: dict, out_dir: str) -> None:
         """The files already in --output were made with `setup`, or there are none yet (then it is written):
         files of another --format, --save-dtype or model (its layers, hidden size, dtype) are not one set."""
-        from sglang_hs.extract.cli import ExtractError
+        from sglang_hs.extract.errors import ExtractError
 
         before = self.setup
         if before is None:  # a journal of a version that wrote none: the last run's manifest says it
@@ -216,7 +216,7 @@ def setup_of(ns, manifest: dict) -> dict:
 
 
 def _open_reader(ns):
-    from sglang_hs.extract.cli import ExtractError
+    from sglang_hs.extract.errors import ExtractError
     from sglang_hs.reader import MANIFEST, HiddenStateReader
 
     dump = os.path.abspath(ns.from_dump)
@@ -232,8 +232,9 @@ def _open_reader(ns):
 
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
-    from sglang_hs.extract.cli import (PROG, ExtractError, Stats, _print_summary, check_final_state, model_vocab_size,
-                                       prepare_output, print_training_command, write_manifest)
+    from sglang_hs.extract.errors import PROG, ExtractError
+    from sglang_hs.extract.output import (Stats, check_final_state, model_vocab_size, prepare_output, print_summary,
+                                          print_training_command, write_manifest)
     from sglang_hs.extract.sinks import SinkError
     from sglang_hs.reader import ServerRestarted
     from sglang_hs.store.ring import TornRecord
@@ -313,7 +314,7 @@ def run(ns, sink, out_dir: str) -> int:
             stats = harvester.stats
             stats.skipped["served_without_capture"] += reader.markers
             stats.t1, stats.cpu1 = time.monotonic(), time.process_time()
-            _print_summary(stats, out_dir)
+            print_summary(stats, out_dir)
             write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
             if rc == 0:  # as a --data run does: the trainer's command on these files (SpecForge: its run config)
                 print_training_command(out_dir, dict(manifest, vocab_size=model_vocab_size(manifest["model_path"])),

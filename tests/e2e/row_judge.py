@@ -82,3 +82,30 @@ def concurrent_records(server, reader, hf, texts, rid_prefix, n, prompt_len, new
             input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], "temperature": 0}), jobs))
     return max(judge(reader.take(rid, timeout=timeout), hf, (ids + out["output_ids"])[:-1])
                for (rid, ids, _), out in zip(jobs, outs))
+
+
+def radix_requests(server, hf, long_text, rid_prefix, repeat=False):
+    """Requests whose rows the server takes from its prefix cache, sent one after another (5 greedy tokens
+    each): a and b sharing the first 32 tokens of `long_text`, with `repeat` a again, then a follow-up
+    turn of a (its prompt, reply and a question) whose cached prefix holds rows of a's decode steps. Checks
+    the cache served them (cached_tokens); returns [(rid, prompt ids, reply)] as sent, rids
+    f"{rid_prefix}-a", -b, -a-again, -turn."""
+    prefix = prompt_ids(hf, long_text)[:32]
+    a = prefix + prompt_ids(hf, " first ending about batches")[1:]
+    b = prefix + prompt_ids(hf, " a different ending entirely, longer than the first one")[1:]
+    sent = []
+
+    def send(name, ids):
+        out = server.generate(input_ids=ids, rid=f"{rid_prefix}-{name}",
+                              sampling_params={"max_new_tokens": 5, "temperature": 0})
+        sent.append((f"{rid_prefix}-{name}", ids, out))
+        return out
+
+    out_a, out_b = send("a", a), send("b", b)
+    out_a2 = send("a-again", a) if repeat else None
+    turn = a + out_a["output_ids"] + prompt_ids(hf, " and then a question")[1:]
+    out_t = send("turn", turn)
+    assert out_b["meta_info"]["cached_tokens"] >= 30, out_b["meta_info"]
+    assert out_a2 is None or out_a2["meta_info"]["cached_tokens"] >= len(a) - 1, out_a2["meta_info"]
+    assert out_t["meta_info"]["cached_tokens"] > len(a), out_t["meta_info"]  # generated rows from the cache
+    return sent

@@ -98,19 +98,7 @@ def test_radix_prefix_rows_prompt_and_generated(served, hf):
     prompt prefix, an exact repeat, and a follow-up turn whose cached prefix holds generated tokens
     (rows written by decode steps of an earlier request)."""
     server, reader = served
-    prefix = row_judge.prompt_ids(hf, LONG)[:32]
-    a = prefix + row_judge.prompt_ids(hf, " first ending about batches")[1:]
-    b = prefix + row_judge.prompt_ids(hf, " a different ending entirely, longer than the first one")[1:]
-    sp = {"max_new_tokens": 5, **GREEDY}
-    out_a = server.generate(input_ids=a, rid="x-radix-a", sampling_params=sp)
-    out_b = server.generate(input_ids=b, rid="x-radix-b", sampling_params=sp)
-    out_a2 = server.generate(input_ids=a, rid="x-radix-a-again", sampling_params=sp)
-    turn = a + out_a["output_ids"] + row_judge.prompt_ids(hf, " and then a question")[1:]
-    out_t = server.generate(input_ids=turn, rid="x-radix-turn", sampling_params=sp)
-    assert out_b["meta_info"]["cached_tokens"] >= 30 and out_a2["meta_info"]["cached_tokens"] >= len(a) - 1
-    assert out_t["meta_info"]["cached_tokens"] > len(a), out_t["meta_info"]  # generated rows from the cache
-    for rid, ids, out in (("x-radix-a", a, out_a), ("x-radix-b", b, out_b), ("x-radix-a-again", a, out_a2),
-                          ("x-radix-turn", turn, out_t)):
+    for rid, ids, out in row_judge.radix_requests(server, hf, LONG, "x-radix", repeat=True):
         assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1])
 
 

@@ -2,12 +2,11 @@
 a server killed outright leaves files that the next server on the same dump dir replaces."""
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
+from helpers import Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session
 from sglang_hs import HiddenStateReader
 from sglang_hs.server_process import scheduler_pid
 
@@ -20,21 +19,9 @@ def test_scheduler_killed_mid_generation(tmp_path):
     reader = HiddenStateReader(str(dump))
     server.generate(input_ids=list(range(5, 25)), rid="before", sampling_params={"max_new_tokens": 3})
     assert reader.take("before", timeout=30).num_tokens == 22
-    errors = []
-
-    def long_request():
-        try:
-            server.generate(input_ids=list(range(5, 45)), rid="killed",
-                            sampling_params={"max_new_tokens": 2000, "ignore_eos": True})
-        except Exception as e:  # the server dies under it
-            errors.append(e)
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    time.sleep(3)  # decoding by now
-    os.kill(scheduler_pid(processes_in_session(server_session(server.output))), signal.SIGKILL)
-    rc = server.wait_exit(timeout=120)
-    t.join(60)
+    rc, errors = killed_mid_generation(
+        server, "killed", 2000, lambda t: time.sleep(3),  # decoding by now
+        lambda: os.kill(scheduler_pid(processes_in_session(server_session(server.output))), signal.SIGKILL), 120, 60)
     assert rc != 0, server.tail()
     assert errors  # the client was not told a lie
     assert reader.poll() == 0  # nothing of the killed request, nothing torn

@@ -20,14 +20,13 @@ import glob
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 import row_judge
 from conftest import CHUNK
-from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
+from helpers import Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session
 from sglang_hs import HiddenStateReader
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
@@ -134,18 +133,8 @@ def test_radix_prefix_rows_prompt_and_generated(tp2, hf):
     """Rows served from the store by KV slot on the writer rank: a shared 32-token prefix, and a follow-up
     turn whose cached prefix holds rows written by decode steps of an earlier request."""
     server, reader = tp2
-    prefix = row_judge.prompt_ids(hf, LONG)[:32]
-    a = prefix + row_judge.prompt_ids(hf, " first ending about batches")[1:]
-    b = prefix + row_judge.prompt_ids(hf, " a different ending entirely, longer than the first one")[1:]
-    sp = {"max_new_tokens": 5, **GREEDY}
-    out_a = server.generate(input_ids=a, rid="tp-radix-a", sampling_params=sp)
-    out_b = server.generate(input_ids=b, rid="tp-radix-b", sampling_params=sp)
-    turn = a + out_a["output_ids"] + row_judge.prompt_ids(hf, " and then a question")[1:]
-    out_t = server.generate(input_ids=turn, rid="tp-radix-turn", sampling_params=sp)
-    assert out_b["meta_info"]["cached_tokens"] >= 30, out_b["meta_info"]
-    assert out_t["meta_info"]["cached_tokens"] > len(a), out_t["meta_info"]
     worst = 0.0
-    for rid, ids, out in (("tp-radix-a", a, out_a), ("tp-radix-b", b, out_b), ("tp-radix-turn", turn, out_t)):
+    for rid, ids, out in row_judge.radix_requests(server, hf, LONG, "tp-radix"):
         worst = max(worst, assert_exact(reader.take(rid, timeout=120), hf, (ids + out["output_ids"])[:-1]))
     print(f"tp2 radix: worst row {worst:.2e}")
 
@@ -187,24 +176,15 @@ def test_non_writer_rank_killed_mid_generation(tp2):
     reader._ready.clear()  # records a failed test above left behind
     victim = _scheduler(server, 1)
     before = _decode_steps(server.dump, victim)
-    errors = []
 
-    def long_request():
-        try:
-            server.generate(input_ids=list(range(5, 45)), rid="tp-killed",
-                            sampling_params={"max_new_tokens": 3000, "ignore_eos": True})
-        except Exception as e:  # the server dies under it
-            errors.append(e)
+    def decoding(t):
+        deadline = time.monotonic() + 300
+        while _decode_steps(server.dump, victim) < before + 8:  # rank 1 is decoding the request
+            assert time.monotonic() < deadline and t.is_alive(), server.tail()
+            time.sleep(FLUSH_INTERVAL_S)
 
-    t = threading.Thread(target=long_request)
-    t.start()
-    deadline = time.monotonic() + 300
-    while _decode_steps(server.dump, victim) < before + 8:  # rank 1 is decoding the request
-        assert time.monotonic() < deadline and t.is_alive(), server.tail()
-        time.sleep(FLUSH_INTERVAL_S)
-    os.kill(victim, signal.SIGKILL)
-    rc = server.wait_exit(timeout=300)
-    t.join(120)
+    rc, errors = killed_mid_generation(server, "tp-killed", 3000, decoding, lambda: os.kill(victim, signal.SIGKILL),
+                                       300, 120)
     assert rc != 0, server.tail()
     assert "[sglang-hs] server exited with status" in server.output, server.tail()  # rank 0's gloo read fails
     assert errors  # the client was not told a lie

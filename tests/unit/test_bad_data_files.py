@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from sglang_hs import tiny_model
-from sglang_hs.extract import cli
+from sglang_hs.extract import cli, output
 from sglang_hs.extract.dataset import Preparer, SkipSample, read_records
 from sglang_hs.extract.sinks import SafetensorsSink
 
@@ -124,16 +124,16 @@ def test_finalize_names_a_sample_file_cut_short_and_loses_nothing(tmp_path, caps
 
 
 def test_skips_are_reported_with_their_place_counted_all_and_listed_first():
-    stats = cli.Stats()
+    stats = output.Stats()
     lines = [stats.skip("invalid-utf8", "byte 0xe9 at character 46 is not UTF-8", f"sample {i} (line {i + 1} of d.jsonl)",
-                        sample=i, line=i + 1) for i in range(cli.SKIPS_PRINTED + 5)]
+                        sample=i, line=i + 1) for i in range(output.SKIPS_PRINTED + 5)]
     assert lines[0] == ("[extract] skipped sample 0 (line 1 of d.jsonl): invalid-utf8: byte 0xe9 at character 46 is "
                         "not UTF-8")
-    assert lines[cli.SKIPS_PRINTED - 1].endswith(f"(the next skips are only counted; manifest.json lists the first "
-                                                 f"{cli.SKIPS_LISTED})")
-    assert all(lines[:cli.SKIPS_PRINTED]) and not any(lines[cli.SKIPS_PRINTED:])
+    assert lines[output.SKIPS_PRINTED - 1].endswith(f"(the next skips are only counted; manifest.json lists the first "
+                                                 f"{output.SKIPS_LISTED})")
+    assert all(lines[:output.SKIPS_PRINTED]) and not any(lines[output.SKIPS_PRINTED:])
     s = stats.summary()
-    assert s["skipped"] == {"invalid-utf8": cli.SKIPS_PRINTED + 5}
+    assert s["skipped"] == {"invalid-utf8": output.SKIPS_PRINTED + 5}
     assert s["skipped_records"][7] == {"sample": 7, "line": 8, "reason": "invalid-utf8",
                                        "detail": "byte 0xe9 at character 46 is not UTF-8"}
 

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 import specforge_way
 from sglang_hs import tiny_model
-from sglang_hs.extract import cli
-from sglang_hs.extract.cli import draft_config
+from sglang_hs.extract import cli, output
 from sglang_hs.extract.dataset import Preparer, SkipSample
+from sglang_hs.extract.output import draft_config
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink, record_rows
 from sglang_hs.extract.verify import VerificationError, check
 
@@ -199,7 +199,8 @@ def test_draft_config_ids_make_sglang_capture_the_same_layers(layers, ids):
 def test_each_format_takes_its_trainers_final_state_and_refuses_the_other(fmt, finals, refused):
     """SpecForge applies lm_head to the state it reads (post-norm); speculators applies the verifier's norm
     first (pre-norm). A server that captured the other one is refused in one line naming --hs-last."""
-    from sglang_hs.extract.cli import ExtractError, check_final_state
+    from sglang_hs.extract.errors import ExtractError
+    from sglang_hs.extract.output import check_final_state
     from sglang_hs.extract.sinks import SINKS
 
     sink = SINKS[fmt]("/nonexistent")
@@ -231,7 +232,7 @@ def test_a_server_the_cli_starts_captures_what_its_format_needs(fmt, verify, wan
 
 
 def test_training_commands_name_the_aux_ids_and_the_files(tmp_path):
-    from sglang_hs.extract.cli import specforge_config, training_command
+    from sglang_hs.extract.output import specforge_config, training_command
 
     m = {"model_path": "/m/DeepSeek-V3", "layer_ids": [2, 30, 58], "num_hidden_layers": 61, "context_len": 4096}
     assert training_command(str(tmp_path), m, "safetensors", None) == [
@@ -243,8 +244,8 @@ def test_training_commands_name_the_aux_ids_and_the_files(tmp_path):
     assert training_command(str(tmp_path), dict(m, vocab_size=129280), "safetensors", None)[-2:] == [
         "--draft-vocab-size", "32000"]
     assert "--draft-vocab-size" not in training_command(str(tmp_path), dict(m, vocab_size=1024), "safetensors", None)
-    assert cli.model_vocab_size(tiny_model.ensure()) == 1024 and cli.model_vocab_size(str(tmp_path)) is None
-    assert cli.model_vocab_size(tiny_model.ensure("mistral-large-3")) == 1024
+    assert output.model_vocab_size(tiny_model.ensure()) == 1024 and output.model_vocab_size(str(tmp_path)) is None
+    assert output.model_vocab_size(tiny_model.ensure("mistral-large-3")) == 1024
     assert training_command(str(tmp_path), m, "specforge", "bf16") == [
         "specforge", "train", "--config", str(tmp_path / "specforge_train.json")]
     cfg = specforge_config(str(tmp_path), m)
@@ -421,7 +422,7 @@ def test_an_interrupt_while_collecting_writes_leaves_no_file_unacked_or_counted_
             pass
 
     ext = cli.Extraction.__new__(cli.Extraction)
-    ext.reader, ext.stats, ext.writes = Reader(), cli.Stats(), []
+    ext.reader, ext.stats, ext.writes = Reader(), output.Stats(), []
     for i in range(5):
         fut = cf.Future()
         fut.set_result(100 + i)

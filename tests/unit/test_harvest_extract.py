@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_hs.capture_spec import CaptureSpec
-from sglang_hs.extract import cli, harvest
+from sglang_hs.extract import cli, harvest, output
 from sglang_hs.store.writer import CaptureWriter
 
 H, SLOTS = 8, 64
@@ -108,11 +108,11 @@ def test_records_become_files_masked_on_the_generated_rows(tmp_path, fmt, capsys
     if fmt == "safetensors":  # finalized as a completed extraction run: speculators' dataset over the files
         assert m["speculators_dataset_rows"] == 4 and os.path.exists(tmp_path / "out" / "state.json")
     said = capsys.readouterr().err  # the trainer's command on these files, as a --data run prints it
-    cmd = shlex.join(cli.training_command(str(tmp_path / "out"), m_server(tmp_path / "dump"), fmt, None))
+    cmd = shlex.join(output.training_command(str(tmp_path / "out"), m_server(tmp_path / "dump"), fmt, None))
     trainer = "SpecForge 0.2.0" if fmt == "specforge" else "speculators 0.9.0"
     assert f"[extract] train with {trainer}:\n  {cmd}\n" in said, said
     if fmt == "specforge":  # the run config it names, beside the files
-        run = json.load(open(tmp_path / "out" / cli.SPECFORGE_CONFIG))
+        run = json.load(open(tmp_path / "out" / output.SPECFORGE_CONFIG))
         assert run["data"]["hidden_states_path"] == str(tmp_path / "out")
     assert w.ring.free_bytes() == w.ring.capacity  # every record acknowledged
     # more traffic later: a second run continues in the same folder, same ring numbering

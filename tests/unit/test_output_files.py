@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from sglang_hs.extract import cli, harvest
+from sglang_hs.extract import cli, harvest, output
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
 
 MANIFEST = {"model_path": "m", "architecture": "DeepseekV3ForCausalLM", "dtype": "bfloat16", "hidden_size": 8,
@@ -33,9 +33,9 @@ def _write_everything(out, gid):
     the manifest, made by the CLI's own code."""
     ns = cli.build_parser().parse_args(["--output", out, "--data", "x", "--format", "safetensors"])
     ns.output_gid = gid
-    cli.prepare_output(out, gid)
+    output.prepare_output(out, gid)
     rows = torch.randn(5, 3, 8, dtype=torch.bfloat16)
-    cli.prepare_output(os.path.join(out, "sf"), gid)
+    output.prepare_output(os.path.join(out, "sf"), gid)
     for sink in (SafetensorsSink(out), SpecForgeSink(os.path.join(out, "sf"))):
         sink.share_gid = gid
         sink.layer_ids = [1, 2]
@@ -47,7 +47,7 @@ def _write_everything(out, gid):
     journal = harvest.Journal(out, gid)
     journal.add_file({"index": 0, "rid": "r"})
     journal.close()
-    cli.write_manifest(out, MANIFEST, ns, cli.Stats(), st, "complete", {"rows": 2})
+    output.write_manifest(out, MANIFEST, ns, output.Stats(), st, "complete", {"rows": 2})
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -130,8 +130,8 @@ def test_an_output_group_that_does_not_exist_is_one_line(capsys):
 
 def test_the_manifest_is_written_private(tmp_path):
     out = str(tmp_path / "o")
-    cli.prepare_output(out, None)
+    output.prepare_output(out, None)
     ns = types.SimpleNamespace(data=None, from_dump=None, save_dtype=None, shard="0/1", regenerate=False)
-    cli.write_manifest(out, MANIFEST, ns, cli.Stats(), SpecForgeSink(out), "complete")
+    output.write_manifest(out, MANIFEST, ns, output.Stats(), SpecForgeSink(out), "complete")
     assert stat.S_IMODE(os.stat(os.path.join(out, "manifest.json")).st_mode) == 0o600
     assert json.load(open(os.path.join(out, "manifest.json")))["status"] == "complete"

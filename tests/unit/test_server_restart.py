@@ -255,14 +255,15 @@ def scenario(name: str, tmp: str) -> dict:
     """The live dataset across a restart of its server: each sample's rows as served, in dataset order."""
     from torch.utils.data import DataLoader
 
-    from sglang_hs.extract import cli
+    from sglang_hs.extract import samples
     from sglang_hs.live import LiveHiddenStates
 
-    cli.RECORD_GRACE_S = 3.0  # today's wait for a record that never comes, shortened
+    samples.RECORD_GRACE_S = 3.0  # today's wait for a record that never comes, shortened
     dump = os.path.join(tmp, "dump")
     os.mkdir(dump, 0o700)
     server = FakeServer(dump, restart_at=3)
-    ds = LiveHiddenStates(list(range(N)), server=server.url, dump_dir=dump, concurrency=1, reader_wait=5)
+    ds = LiveHiddenStates(list(range(N)), server=server.url, dump_dir=dump, concurrency=1, reader_wait=5,
+                          dtype=None)  # the stand-in server's float32 rows, compared exactly
     ds._preparer = Preparer()
     workers = {"one-process": 0, "two-workers": 2}[name]
     out = [[s["input_ids"].tolist(), s["aux_hidden_state"][0].tolist(), s["hidden_state"][0].tolist()]

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from sglang_hs.extract import cli
+from sglang_hs.extract import cli, output
 from sglang_hs.extract.sinks import SafetensorsSink, SinkError, SpecForgeSink
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -210,8 +210,8 @@ def test_specforge_run_config_the_cli_writes_is_valid_for_specforge(tmp_path):
     import json
 
     m = {"model_path": str(tmp_path / "model"), "layer_ids": [2, 4, 5], "num_hidden_layers": 8, "context_len": 512}
-    path = tmp_path / cli.SPECFORGE_CONFIG
-    path.write_text(json.dumps(cli.specforge_config(str(tmp_path), m)))
+    path = tmp_path / output.SPECFORGE_CONFIG
+    path.write_text(json.dumps(output.specforge_config(str(tmp_path), m)))
     cfg = load_config(str(path))
     assert cfg.mode == "offline" and cfg.data.hidden_states_path == str(tmp_path) and cfg.data.max_length == 512
     assert cfg.model.target_model_path == m["model_path"] and cfg.training.strategy == "eagle3"
@@ -222,7 +222,7 @@ def test_speculators_command_line_parses_in_speculators(tmp_path):
     with the aux ids as --target-layer-ids (the final state is not one of them)."""
     (resolution,) = _import_or_skip("speculators.train.config", ["resolution"])
     m = {"model_path": str(tmp_path / "model"), "layer_ids": [2, 4, 5], "num_hidden_layers": 8}
-    argv = cli.training_command(str(tmp_path), m, "safetensors", None)
+    argv = output.training_command(str(tmp_path), m, "safetensors", None)
     assert argv[:2] == ["speculators", "train"]
     ns = resolution.build_parser().parse_args(argv[2:])
     print(vars(ns))

@@ -16,7 +16,7 @@ import torch
 
 from helpers import readers_path
 from sglang_hs import tiny_model
-from sglang_hs.extract import cli
+from sglang_hs.extract import output
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
 
 LAYERS = [2, 4, 5]
@@ -127,7 +127,7 @@ def test_speculators_teacher_on_our_files_gives_hfs_logits(hf_rows, tmp_path):
         sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
     assert sink.finalize() == {"rows": len(rows)}
     manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8}
-    argv = cli.training_command(str(tmp_path), manifest, "safetensors", "bf16")[2:]
+    argv = output.training_command(str(tmp_path), manifest, "safetensors", "bf16")[2:]
     cfg = TrainConfig.resolve(argv + ["--draft-attn-impl", "sdpa"])  # CPU: no flex attention
     args = argparse.Namespace(**cfg.flatten())
     model = build_draft_model(args, Eagle3DraftModel, None, None, tiny_model.config()["vocab_size"])
@@ -165,7 +165,7 @@ def test_speculators_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_pat
         sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
     sink.finalize()
     manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8}
-    argv = cli.training_command(str(tmp_path), manifest, "safetensors", "bf16")[2:]
+    argv = output.training_command(str(tmp_path), manifest, "safetensors", "bf16")[2:]
     cfg = TrainConfig.resolve(argv + ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"])
     args = argparse.Namespace(**cfg.flatten())
     model = build_draft_model(args, Eagle3DraftModel, None, None, tiny_model.config()["vocab_size"])
@@ -248,7 +248,7 @@ def test_specforge_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path)
     for i, r in enumerate(rows):
         sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
     manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8, "context_len": 256}
-    (tmp_path / "run.json").write_text(json.dumps(cli.specforge_config(str(out), manifest)))
+    (tmp_path / "run.json").write_text(json.dumps(output.specforge_config(str(out), manifest)))
     env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
                PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _readers_path()) if p))
     proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(tmp_path / "run.json")], env=env,
