@@ -156,7 +156,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.extract.dataset import SkipSample
         from sglang_hs.extract.sinks import specforge_sample
         from sglang_hs.capture_spec import final_states
-        from sglang_hs.reader import ServerRestarted
+        from sglang_hs.reader import ServerRestarted, node_share
 
         session = requests.Session()
         pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="sglang-hs-live")
@@ -167,6 +167,9 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                                        "with --hs-last pre-norm); SpecForge's layout needs the post-norm final state")
             if self._preparer is None:
                 self._preparer = make_preparer(reader.manifest, url=self.url)
+            # one node of a multi-node server (--nnodes): this node's samples (index modulo the DP size is one
+            # of its DP ranks), each routed to its rank, so its record lands in this node's dump
+            share = node_share(reader.manifest)
             timeout = self.request_timeout
 
             def send(body):
@@ -189,13 +192,18 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                         break
                     if index % num_workers != worker:
                         continue
+                    if share is not None and index % share[1] not in share[0]:
+                        continue  # another node's sample
                     try:
                         sample = self._preparer(index, record)
                     except SkipSample as e:
                         self.skipped[e.reason] += 1
                         continue
                     rid = ours + str(index)
-                    pending[rid] = [sample, pool.submit(send, request_body(sample, rid)), None]
+                    body = request_body(sample, rid)
+                    if share is not None:
+                        body["routed_dp_rank"] = index % share[1]
+                    pending[rid] = [sample, pool.submit(send, body), None]
                 if not pending:
                     continue
                 rid, (sample, fut, t_reply) = next(iter(pending.items()))  # dataset order: the oldest first

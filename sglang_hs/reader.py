@@ -147,6 +147,15 @@ def coverage(manifest: dict) -> str:
     return f"DP ranks {ranks} of {manifest.get('dp_size', len(ranks))}{where}"
 
 
+def node_share(manifest: dict):
+    """(this dump's DP ranks, the DP size) when the dump is one node's of a multi-node server whose writers
+    serve only some DP ranks (a reader here gets only their records: requests must be routed to them with
+    SGLang's routed_dp_rank); None when it covers every DP rank."""
+    ranks = sorted(dp_rank_of(w) for w in manifest["writers"])
+    dp_size = int(manifest.get("dp_size", len(ranks)))
+    return None if len(ranks) >= dp_size else (ranks, dp_size)
+
+
 def ring_ids(manifest: dict) -> list:
     """Each writer's ring_id: tells one server generation's rings from the next one's."""
     return [str(w.get("ring_id") or f"pid-{w.get('pid')}") for w in manifest["writers"]]

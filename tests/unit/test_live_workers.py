@@ -152,13 +152,15 @@ class Preparer:
         return Sample(index, [index + 1, index + 2, index + 3], [0, 1, 1])
 
 
-def fake_server(dump: str):
-    """A capturing server's /generate and /abort_request; returns its URL and the rids it was sent."""
+def fake_server(dump: str, node=None, routes=None):
+    """A capturing server's /generate and /abort_request; returns its URL and the rids it was sent. `node`:
+    the writer's node (one node of a multi-node server, its one DP rank); `routes`: rid -> routed_dp_rank."""
     from sglang_hs.capture_spec import CaptureSpec
     from sglang_hs.store.writer import CaptureWriter
 
     os.mkdir(dump, 0o700)
-    writer = CaptureWriter(dump, CaptureSpec.resolve([1, 2], True, 4, 8), 64, torch.float32, 1 << 20)
+    writer = CaptureWriter(dump, CaptureSpec.resolve([1, 2], True, 4, 8), 64, torch.float32, 1 << 20,
+                           writer_id=node["dp_ranks"][0] if node else 0, node=node)
     lock, rids = threading.Lock(), []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -172,6 +174,8 @@ def fake_server(dump: str):
                 ids = body["input_ids"]
                 with lock:
                     rids.append(body["rid"])
+                    if routes is not None:
+                        routes[body["rid"]] = body.get("routed_dp_rank")
                     writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32), torch.arange(len(ids)))
                 out = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
             data = json.dumps(out).encode()
@@ -542,3 +546,35 @@ def test_a_dtype_that_is_not_floating_point_is_refused():
 
     with pytest.raises(ValueError, match="dtype: a floating-point torch.dtype"):
         LiveHiddenStates([], server="http://127.0.0.1:9", dump_dir="/nonexistent", dtype=torch.int32)
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_one_node_of_a_multi_node_server_takes_its_share_routed_to_its_rank(tmp_path, node_rank):
+    """Against one node's dump (SGLang --nnodes with DP attention: this node's writer serves DP rank
+    `node_rank` of 2), the live dataset sends the samples whose index modulo 2 is that rank, each routed there
+    (routed_dp_rank), so every record lands in the dump it reads; the two nodes' shares cover the data once."""
+    from sglang_hs import HiddenStateReader
+    from sglang_hs.live import LiveHiddenStates
+
+    dump, routes = str(tmp_path / "dump"), {}
+    url, rids = fake_server(dump, node={"dp_ranks": [node_rank], "dp_size": 2, "nnodes": 2, "node_rank": node_rank},
+                            routes=routes)
+    ds = LiveHiddenStates(list(range(7)), server=url, dump_dir=dump, concurrency=2, reader_wait=5)
+    ds._preparer = Preparer()
+    got = [int(s["input_ids"][0]) - 1 for s in ds]
+    HiddenStateReader(dump, wait=0).close()
+    assert got == [i for i in range(7) if i % 2 == node_rank], got
+    assert sorted(routes.values()) == [node_rank] * len(got) and len(rids) == len(got), routes
+
+
+def test_a_dump_of_every_dp_rank_is_not_routed(tmp_path):
+    from sglang_hs import HiddenStateReader
+    from sglang_hs.live import LiveHiddenStates
+
+    dump, routes = str(tmp_path / "dump"), {}
+    url, _ = fake_server(dump, routes=routes)
+    ds = LiveHiddenStates(list(range(4)), server=url, dump_dir=dump, concurrency=2, reader_wait=5)
+    ds._preparer = Preparer()
+    assert [int(s["input_ids"][0]) - 1 for s in ds] == [0, 1, 2, 3]
+    HiddenStateReader(dump, wait=0).close()
+    assert set(routes.values()) == {None}, routes
