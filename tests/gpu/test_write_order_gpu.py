@@ -1,0 +1,75 @@
+"""CUDA, --hs-copy direct: the next write of a slot waits, on the GPU, for the gather that still reads it
+(FinishWorker.order_device_writes: cuStreamWaitValue64 on the worker's pinned done counter), without SGLang.
+
+A stand-in step writes rows A into slots S; the request is handed over (its gather held back by a gate on
+the worker); the next step is ordered (order_device_writes) and overwrites S with rows B. While the gate is
+closed the overwrite must not have run (an event recorded after it stays pending: the stream is parked on
+the counter, not the host); once the gate opens the record read back holds A, row for row, and the store
+holds B. With nothing pending no wait is issued at all."""
+import os
+import shutil
+import tempfile
+import threading
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
+
+from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.reader import HiddenStateReader  # noqa: E402
+from sglang_hs.store.finisher import FinishWorker  # noqa: E402
+from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+LAYERS, N_LAYERS, H, SLOTS, T = [2, 4, 5], 8, 7168, 4096, 333  # DeepSeek-V3 width, an odd request length
+K = len(LAYERS)
+
+
+def _step(w, loc, g):
+    x = torch.randn(loc.shape[0], H, device="cuda", dtype=torch.bfloat16, generator=g)
+    aux = torch.cat([x * (k + 2) for k in range(K)], 1)
+    last = x * 0.5
+    w.before_step()
+    w.copy(aux, last, loc)
+    w.after_step(loc.shape[0], False)
+    return torch.cat([aux.view(-1, K, H), last.view(-1, 1, H)], 1)
+
+
+def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
+                          device="cuda", copy="direct")
+        worker = FinishWorker(w)
+        assert worker.order_device_writes() is False  # nothing handed over: nothing to wait for
+        gate, publish = threading.Event(), worker._publish
+
+        def gated(job):
+            assert gate.wait(timeout=300), "the test never opened the gate"
+            publish(job)
+
+        worker._publish = gated
+        g = torch.Generator(device="cuda").manual_seed(0)
+        loc = (torch.randperm(SLOTS - 1, device="cuda", generator=g)[:T] + 1).to(torch.int32)
+        rows_a = _step(w, loc, g)
+        worker.submit("a", list(range(T)), loc)
+        assert worker.order_device_writes() is True  # the gather of "a" is pending: the stream waits
+        rows_b = _step(w, loc, g)  # the same slots, overwritten by the next step
+        after = torch.cuda.Event()
+        after.record()
+        assert not after.query(), "the overwrite ran while the gather reading its slots was held back"
+        gate.set()
+        worker.drain()
+        after.synchronize()
+        with HiddenStateReader(d) as reader:
+            rec = reader.take("a", timeout=60)
+            got = torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
+        assert torch.equal(got, rows_a.cpu()), "the record holds rows written after its request finished"
+        store = w.store[loc.long().cpu()]
+        assert torch.equal(store, rows_b.cpu())
+        assert worker.order_device_writes() is False  # every gather done: no wait issued
+        worker.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
