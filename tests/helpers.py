@@ -142,6 +142,33 @@ def error_lines(text: str) -> List[str]:
     return [l for l in text.splitlines() if re.match(r"^sglang-hs: error: ", l)]
 
 
+def decode_steps(dump, pid: int) -> int:
+    """Decode forwards the scheduler `pid` has run, from its status file in the dump dir (0 before the first)."""
+    import json
+
+    try:
+        return json.load(open(os.path.join(dump, f"overlay-{pid}.json")))["forwards"].get("DECODE", 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def until_decoding(server, dump, pid: int, steps: int = 8, timeout: float = 300):
+    """A `decoding` for killed_mid_generation: returns once scheduler `pid` has run `steps` more decode
+    forwards than when it was made (its status file, flushed every FLUSH_INTERVAL_S), i.e. it decodes the
+    long request; fails if the request's thread ends first or `timeout` passes."""
+    from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+
+    before = decode_steps(dump, pid)
+
+    def decoding(thread):
+        deadline = time.monotonic() + timeout
+        while decode_steps(dump, pid) < before + steps:
+            assert time.monotonic() < deadline and thread.is_alive(), server.tail()
+            time.sleep(FLUSH_INTERVAL_S)
+
+    return decoding
+
+
 def killed_mid_generation(server, rid: str, max_new_tokens: int, decoding, kill, exit_timeout: float,
                           join_timeout: float):
     """One long request `rid` (`max_new_tokens`, ignore_eos) sent in a thread; `decoding(thread)` returns

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from helpers import Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session
+from helpers import (Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session,
+                     until_decoding)
 from sglang_hs import HiddenStateReader
 from sglang_hs.server_process import scheduler_pid
 
@@ -19,9 +20,9 @@ def test_scheduler_killed_mid_generation(tmp_path):
     reader = HiddenStateReader(str(dump))
     server.generate(input_ids=list(range(5, 25)), rid="before", sampling_params={"max_new_tokens": 3})
     assert reader.take("before", timeout=30).num_tokens == 22
-    rc, errors = killed_mid_generation(
-        server, "killed", 2000, lambda t: time.sleep(3),  # decoding by now
-        lambda: os.kill(scheduler_pid(processes_in_session(server_session(server.output))), signal.SIGKILL), 120, 60)
+    victim = scheduler_pid(processes_in_session(server_session(server.output)))
+    rc, errors = killed_mid_generation(server, "killed", 2000, until_decoding(server, str(dump), victim),
+                                       lambda: os.kill(victim, signal.SIGKILL), 120, 60)
     assert rc != 0, server.tail()
     assert errors  # the client was not told a lie
     assert reader.poll() == 0  # nothing of the killed request, nothing torn

@@ -20,15 +20,14 @@ import glob
 import json
 import os
 import signal
-import time
 
 import pytest
 
 import row_judge
 from conftest import CHUNK
-from helpers import Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session
+from helpers import (Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session,
+                     until_decoding)
 from sglang_hs import HiddenStateReader
-from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8
@@ -160,13 +159,6 @@ def test_launcher_binds_one_core_group_per_rank():
         assert cpu_threads_bind(["--tp-size=2", "--dp-size", "2"]).count("|") == 3
 
 
-def _decode_steps(dump, pid):
-    try:
-        return json.load(open(dump / f"overlay-{pid}.json"))["forwards"].get("DECODE", 0)
-    except (OSError, ValueError):
-        return 0
-
-
 def test_non_writer_rank_killed_mid_generation(tp2):
     """SIGKILL to TP rank 1's scheduler while a request decodes: the launcher reports the server's death
     and exits non-zero, the client gets an error, no record (torn or whole) of that request is emitted,
@@ -175,16 +167,8 @@ def test_non_writer_rank_killed_mid_generation(tp2):
     reader.poll()
     reader._ready.clear()  # records a failed test above left behind
     victim = _scheduler(server, 1)
-    before = _decode_steps(server.dump, victim)
-
-    def decoding(t):
-        deadline = time.monotonic() + 300
-        while _decode_steps(server.dump, victim) < before + 8:  # rank 1 is decoding the request
-            assert time.monotonic() < deadline and t.is_alive(), server.tail()
-            time.sleep(FLUSH_INTERVAL_S)
-
-    rc, errors = killed_mid_generation(server, "tp-killed", 3000, decoding, lambda: os.kill(victim, signal.SIGKILL),
-                                       300, 120)
+    rc, errors = killed_mid_generation(server, "tp-killed", 3000, until_decoding(server, str(server.dump), victim),
+                                       lambda: os.kill(victim, signal.SIGKILL), 300, 120)  # rank 1 decodes it
     assert rc != 0, server.tail()
     assert "[sglang-hs] server exited with status" in server.output, server.tail()  # rank 0's gloo read fails
     assert errors  # the client was not told a lie
