@@ -172,9 +172,13 @@ def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
     # The write ordering was exercised: steps wrote slots that gathers still pending were to read (freed at
     # finish or evicted, handed out again at once), as they must with 24 gathers of FINISH_DELAY each amid
-    # this traffic; the forward's copy (direct) or the scatter thread (staging) waited for them.
+    # this traffic. With --hs-copy direct the forward's copy runs right after the allocation, while the gather
+    # of a request finished a step before still sleeps FINISH_DELAY: it waits. With staging the scatter thread
+    # reaches a chunk whenever the machine lets it, often after the gather is done: its waits are counted and
+    # printed, not required (the suite run of 2026-12-02 saw none once), and the rows above are the proof.
     waits = lambda st: st["write_waits"] + st.get("scatter_waits", 0)  # noqa: E731
-    assert waits(after) > waits(before), after
+    if after.get("staged_rows", 0) == 0:
+        assert waits(after) > waits(before), after
     print(f"{len(jobs)} records, worst row {worst:.2e}, writes that waited for a gather {waits(after) - waits(before)}")
 
 

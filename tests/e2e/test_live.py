@@ -228,14 +228,14 @@ def test_specforge_trains_on_the_live_dataset(capture_server, dump_dir, tmp_path
     configuration only, in a process of its own: TRITON_INTERPRET=1, TORCHDYNAMO_DISABLE=1, sdpa, no FSDP):
     the loss is finite and falls, and SpecForge's teacher logits on the live samples are HF's, row by row."""
     from helpers import readers_path
-    from sglang_hs.extract import cli
+    from sglang_hs.extract import output
     from sglang_hs.reader import read_manifest
 
     if readers_path() is None:
         pytest.skip("requirements/readers.txt is not installed (run scripts/ensure_env.sh)")
     manifest = read_manifest(os.path.join(str(dump_dir), "manifest.json"))
     run = tmp_path / "run.json"
-    run.write_text(json.dumps(cli.specforge_config(str(tmp_path / "unused"), dict(manifest, context_len=512))))
+    run.write_text(json.dumps(output.specforge_config(str(tmp_path / "unused"), dict(manifest, context_len=512))))
     data = write_jsonl(tmp_path / "data.jsonl", conversations(4, seed=11))
     env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
                PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), readers_path()) if p))

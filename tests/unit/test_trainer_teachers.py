@@ -299,7 +299,7 @@ def test_the_printed_specforge_command_trains_on_the_cpu(hf_rows, tmp_path, caps
     manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8, "context_len": 256, "last": [1],
                 "vocab_size": tiny_model.config()["vocab_size"]}
     capsys.readouterr()
-    cli.print_training_command(str(out), manifest, "specforge", "bf16")
+    output.print_training_command(str(out), manifest, "specforge", "bf16")
     printed = capsys.readouterr().err.splitlines()
     assert printed[0] == "[extract] train with SpecForge 0.2.0:", printed
     argv = shlex.split(printed[1])
