@@ -255,6 +255,9 @@ def _finish_worker(processor):
     import atexit
 
     worker = FinishWorker(_writer, on_done=_admission.release_reservation)
+    allocator = processor.token_to_kv_pool_allocator
+    if str(getattr(allocator, "device", "cpu")).startswith("cuda"):
+        worker.watch_allocator(allocator)  # the GPU's waits narrowed to the gathers a step's slots may need
     atexit.register(worker.close)  # shutdown publishes what was handed over
     _finisher = worker
     return worker
