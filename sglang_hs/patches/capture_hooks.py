@@ -53,6 +53,10 @@ def _after_init_capturers(self) -> None:
         writer_id=getattr(par, "attn_dp_rank", 0), node=node_writers(par),
     )
     model.hs_writer = _writer
+    if str(self.device).startswith("cuda") and _writer.staging is None and not envs.SGLANG_HS_SYNC_FINISH:
+        from sglang_hs.store.finisher import check_stream_wait
+
+        check_stream_wait()  # the finish worker orders the store's writes with it: refused now, not mid-serving
     from sglang_hs.store.admission import AdmissionControl
 
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),

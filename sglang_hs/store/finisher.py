@@ -390,6 +390,15 @@ def _stream_wait_value64(stream: int, addr: int, value: int) -> None:
                            "the store's writes after its gathers; use --hs-copy staging or SGLANG_HS_SYNC_FINISH=1")
 
 
+def check_stream_wait() -> None:
+    """Start-up check for CUDA, --hs-copy direct: one stream wait on a value already reached, synchronised.
+    A driver that refuses cuStreamWaitValue64 stops start-up in one line instead of the first step after
+    the first finished request."""
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    _stream_wait_value64(torch.cuda.current_stream().cuda_stream, flag.data_ptr(), 0)
+    torch.cuda.current_stream().synchronize()
+
+
 def check_allocator(allocator) -> Optional[str]:
     """None when the finish worker can serve this KV allocator, or why not (the caller then keeps the
     synchronous finish path). Nothing of the allocator is patched: the worker orders the store's writes

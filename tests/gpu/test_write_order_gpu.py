@@ -42,6 +42,9 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
     try:
         w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
                           device="cuda", copy="direct")
+        from sglang_hs.store.finisher import check_stream_wait
+
+        check_stream_wait()  # the start-up check passes on this driver
         worker = FinishWorker(w)
         assert worker.order_device_writes() is False  # nothing handed over: nothing to wait for
         gate, publish = threading.Event(), worker._publish
