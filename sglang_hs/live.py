@@ -190,10 +190,14 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     except StopIteration:
                         exhausted = True
                         break
-                    if index % num_workers != worker:
+                    pos = index  # among the samples this node takes: each worker gets every num_workers-th
+                    if share is not None:
+                        ranks, dp_size = share
+                        if index % dp_size not in ranks:
+                            continue  # another node's sample
+                        pos = index // dp_size * len(ranks) + ranks.index(index % dp_size)
+                    if pos % num_workers != worker:
                         continue
-                    if share is not None and index % share[1] not in share[0]:
-                        continue  # another node's sample
                     try:
                         sample = self._preparer(index, record)
                     except SkipSample as e:

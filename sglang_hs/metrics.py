@@ -14,6 +14,8 @@ counters by the overlay's status thread (twice a second), never from the forward
                                           gathers still reading the KV slots it overwrites (finisher.py)
     sglang_hs:store_write_waits_total     forward copies (CPU engine) that waited so; on CUDA the wait is a
                                           stream wait on the GPU and is not counted here
+    sglang_hs:device_write_waits_total    CUDA, --hs-copy direct: steps whose forward stream was made to wait
+                                          on the GPU for gathers their KV slots may still be read by
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
     sglang_hs:staged_rows_total           rows shipped through the staging buffer (--hs-copy staging)
     sglang_hs:scatter_seconds_total       scatter-thread time spent putting staged rows into the store
@@ -45,6 +47,8 @@ COUNTERS = {  # metric name -> (source, key, help)
     "finish_wait_seconds": ("writer", "write_wait_s",
                             "Scheduler time the CPU forward copy waited for gathers reading the slots it writes."),
     "store_write_waits": ("writer", "write_waits", "Forward copies (CPU engine) that waited for a pending gather."),
+    "device_write_waits": ("writer", "device_write_waits",
+                           "CUDA direct: steps whose forward stream waited on the GPU for gathers of their slots."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),
     "scatter_seconds": ("writer", "scatter_s", "Scatter-thread time spent putting staged rows into the store."),

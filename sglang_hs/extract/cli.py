@@ -117,7 +117,7 @@ def parse_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
             ns.output_gid = resolve_share_group(ns.output_group, "--output-group")
         except ValueError as e:
             raise ExtractError(str(e)) from None
-    ns.shard_given = ns.shard is not None
+    ns.shard_given = ns.shard not in (None, "0/1")  # 0/1 (all) is the default, also when written out
     ns.shard = ns.shard or "0/1"
     ns.route = None  # (this node's DP ranks, the DP size): set when the dump is one node's of several
     try:

@@ -53,6 +53,10 @@ def _after_init_capturers(self) -> None:
         writer_id=getattr(par, "attn_dp_rank", 0), node=node_writers(par),
     )
     model.hs_writer = _writer
+    if str(self.device).startswith("cuda") and _writer.staging is None and not envs.SGLANG_HS_SYNC_FINISH:
+        from sglang_hs.store.finisher import check_stream_wait
+
+        check_stream_wait()  # the finish worker orders the store's writes with it: refused now, not mid-serving
     from sglang_hs.store.admission import AdmissionControl
 
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
@@ -255,6 +259,9 @@ def _finish_worker(processor):
     import atexit
 
     worker = FinishWorker(_writer, on_done=_admission.release_reservation)
+    allocator = processor.token_to_kv_pool_allocator
+    if str(getattr(allocator, "device", "cpu")).startswith("cuda"):
+        worker.watch_allocator(allocator)  # the GPU's waits narrowed to the gathers a step's slots may need
     atexit.register(worker.close)  # shutdown publishes what was handed over
     _finisher = worker
     return worker

@@ -34,9 +34,12 @@ writes rows into the store first orders itself after the gathers that read the s
     --hs-copy direct, CUDA         the copy kernel writes the store from the GPU, inside the forward
                                    (and its CUDA graph): before each step (ModelRunner.forward, outside
                                    any graph) the forward stream waits (cuStreamWaitValue64, no host
-                                   sync) until the worker's pinned `done` counter reaches the last
-                                   gather handed over (`order_device_writes`); nothing is issued while
-                                   no gather is pending
+                                   sync) until the worker's pinned `done` counter reaches the gathers
+                                   the step's slots may be read by (`order_device_writes`): counted
+                                   from the KV allocator's free-list order (free_list_order.py: which
+                                   frees the step's allocations took slots from, exact for SGLang's
+                                   token and page allocators, no device read); nothing is issued
+                                   while those gathers are done
 
 Why every write that can hit a read slot is ordered: a job reads only slots its request held at its
 finish; SGLang frees (or evicts) them only after that finish handed the job over, and a step writes
@@ -114,7 +117,7 @@ class FinishWorker:
         # called with each job's rid and the ticket it was handed with, once the job is done (published or not)
         self.on_done = on_done
         self.stats = writer.stats
-        for key in ("finish_pending", "finish_failed", "write_waits"):
+        for key in ("finish_pending", "finish_failed", "write_waits", "device_write_waits"):
             self.stats.setdefault(key, 0)  # the writer has them from the start (the status thread reads them)
         for key in ("drain_s", "write_wait_s", "store_wait_s"):
             self.stats.setdefault(key, 0.0)
@@ -130,6 +133,7 @@ class FinishWorker:
         self._last_read = torch.zeros(writer.store.shape[0], dtype=torch.int64)
         self._per_slot = True
         self._done_dev: Optional[torch.Tensor] = None  # CUDA: pinned copy of _done the GPU waits on
+        self._order = None  # CUDA: the KV allocator's free-list order (watch_allocator)
         self._fatal: Optional[BaseException] = None
         self._closed = False
         self._device = None
@@ -256,13 +260,23 @@ class FinishWorker:
         """CUDA, direct copy: make the current stream wait (on the GPU, no host sync) until the worker has
         finished every gather handed over so far, before the step about to be launched writes the store.
         Call before the forward, outside any graph capture. Returns whether a wait was issued."""
-        if self._done_dev is None or self._done_now() >= self._gathered:
+        upto = self._gathered if self._order is None else self._order.take_bound()
+        if self._done_dev is None or self._done_now() >= upto:
             return False
         if torch.cuda.is_current_stream_capturing():  # never inside a graph: replays would wait on a stale value
             raise RuntimeError("sglang-hs: order_device_writes called during CUDA-graph capture")
         stream = torch.cuda.current_stream()
-        _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), self._gathered)
+        _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), upto)
+        self.stats["device_write_waits"] += 1
         return True
+
+    def watch_allocator(self, allocator) -> None:
+        """CUDA: narrow order_device_writes' wait to the gathers that the slots allocated since the last step
+        may be read by, from the allocator's free-list order (sglang_hs/store/free_list_order.py), instead
+        of every gather handed over."""
+        from sglang_hs.store.free_list_order import FreeListOrder
+
+        self._order = FreeListOrder(allocator, self.gathers_handed)
 
     def _wait_for(self, seq: int) -> None:
         if self._done_now() >= seq:
@@ -374,6 +388,15 @@ def _stream_wait_value64(stream: int, addr: int, value: int) -> None:
     if err != 0:
         raise RuntimeError(f"sglang-hs: cuStreamWaitValue64 failed with CUDA error {err}: the capture cannot order "
                            "the store's writes after its gathers; use --hs-copy staging or SGLANG_HS_SYNC_FINISH=1")
+
+
+def check_stream_wait() -> None:
+    """Start-up check for CUDA, --hs-copy direct: one stream wait on a value already reached, synchronised.
+    A driver that refuses cuStreamWaitValue64 stops start-up in one line instead of the first step after
+    the first finished request."""
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    _stream_wait_value64(torch.cuda.current_stream().cuda_stream, flag.data_ptr(), 0)
+    torch.cuda.current_stream().synchronize()
 
 
 def check_allocator(allocator) -> Optional[str]:

@@ -42,6 +42,9 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
     try:
         w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
                           device="cuda", copy="direct")
+        from sglang_hs.store.finisher import check_stream_wait
+
+        check_stream_wait()  # the start-up check passes on this driver
         worker = FinishWorker(w)
         assert worker.order_device_writes() is False  # nothing handed over: nothing to wait for
         gate, publish = threading.Event(), worker._publish
@@ -70,6 +73,54 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
         store = w.store[loc.long().cpu()]
         assert torch.equal(store, rows_b.cpu())
         assert worker.order_device_writes() is False  # every gather done: no wait issued
+        worker.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait():
+    """FinishWorker.watch_allocator (free_list_order.py): with SGLang's token allocator on the GPU, a step
+    whose slots come from the free list's never-freed part issues no wait though a gather is pending; a step
+    that takes the slots freed after that gather's hand-over waits for it, and the record holds its rows."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
+                          device="cuda", copy="direct")
+        worker = FinishWorker(w)
+        alloc = TokenToKVPoolAllocator(2 * T, torch.bfloat16, "cuda", None, need_sort=False)
+        worker.watch_allocator(alloc)
+        gate, publish = threading.Event(), worker._publish
+
+        def gated(job):
+            assert gate.wait(timeout=300), "the test never opened the gate"
+            publish(job)
+
+        worker._publish = gated
+        g = torch.Generator(device="cuda").manual_seed(1)
+        loc_a = alloc.alloc(T)
+        assert worker.order_device_writes() is False  # nothing handed over yet
+        rows_a = _step(w, loc_a, g)
+        worker.submit("a", list(range(T)), loc_a)
+        alloc.free(loc_a)  # its request finished: SGLang frees (or evicts) its slots after the hand-over
+        loc_b = alloc.alloc(T)  # the rest of the never-used slots: no gather can read them
+        assert worker.order_device_writes() is False, "waited for a gather that reads none of the step's slots"
+        _step(w, loc_b, g)
+        loc_c = alloc.alloc(T)  # now the slots of "a", freed after its hand-over
+        assert torch.equal(loc_c.sort().values, loc_a.sort().values)
+        assert worker.order_device_writes() is True
+        _step(w, loc_c, g)
+        after = torch.cuda.Event()
+        after.record()
+        assert not after.query(), "the overwrite of a's slots ran while its gather was held back"
+        gate.set()
+        worker.drain()
+        after.synchronize()
+        with HiddenStateReader(d) as reader:
+            rec = reader.take("a", timeout=60)
+            got = torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
+        assert torch.equal(got, rows_a.cpu())
         worker.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -196,7 +196,9 @@ def scenario(name: str, tmp: str) -> dict:
     from sglang_hs.live import LiveHiddenStates
 
     dump = os.path.join(tmp, "dump")
-    url, rids = fake_server(dump)
+    # node-workers: one node of a multi-node server, its writer serving DP rank 1 of 2
+    url, rids = fake_server(dump, node={"dp_ranks": [1], "dp_size": 2, "nnodes": 2, "node_rank": 1}
+                            if name == "node-workers" else None)
     ds = LiveHiddenStates(list(range(16)), server=url, dump_dir=dump, concurrency=4, reader_wait=5)
     out = {"epochs": [], "rids": []}
 
@@ -214,6 +216,9 @@ def scenario(name: str, tmp: str) -> dict:
         loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
         for _ in range(2 if persistent else 1):
             epoch(loader)
+    elif name == "node-workers":
+        ds._preparer = Preparer()
+        epoch(DataLoader(ds, batch_size=None, num_workers=2))
     elif name == "reseeded":
         # the user seeds the DataLoader's generator alike each epoch: the same base seed in both
         ds._preparer = Preparer()
@@ -578,3 +583,13 @@ def test_a_dump_of_every_dp_rank_is_not_routed(tmp_path):
     assert [int(s["input_ids"][0]) - 1 for s in ds] == [0, 1, 2, 3]
     HiddenStateReader(dump, wait=0).close()
     assert set(routes.values()) == {None}, routes
+
+
+def test_two_workers_on_one_node_share_its_samples(tmp_path):
+    """The node's share (the odd indices, DP rank 1 of 2) is split between the DataLoader workers by
+    position within it: both workers send (a split by index first would give worker 0 only even indices,
+    all another node's, and leave it idle), and every sample of the node comes once, in order."""
+    out = run("node-workers", tmp_path)
+    assert out["epochs"] == [list(range(1, 16, 2))], out["epochs"]
+    workers = {r.rsplit("-", 2)[-2] for r in out["rids"][0]}
+    assert workers == {"0", "1"}, out["rids"]

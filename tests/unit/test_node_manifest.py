@@ -89,7 +89,7 @@ class _Reader:
                          "node_rank": node}
 
 
-@pytest.mark.parametrize("shard", [None, "1/3"])
+@pytest.mark.parametrize("shard", [None, "0/1", "1/3"])
 def test_extraction_per_node_splits_and_routes_deterministically(shard):
     """The extraction CLI against one node of 2 (DP ranks [0, 1] and [2, 3] of 4): without --shard, node r
     takes the samples whose index modulo 4 is one of its ranks and routes each to that rank; the nodes'
@@ -104,13 +104,13 @@ def test_extraction_per_node_splits_and_routes_deterministically(shard):
         mine = [i for i in range(40) if cli.selected(ns, i)]
         routes = [cli.routed_dp_rank(ns, i) for i in mine]
         assert set(routes) <= set(ranks) and len(set(routes)) == 2
-        if shard is None:
+        if shard in (None, "0/1"):  # 0/1 written out is the default: the node split, not every sample per node
             assert ns.shard == f"DP ranks {ranks} of 4 (node {node} of 2)"
             assert mine == [i for i in range(40) if i % 4 in ranks] and routes == [i % 4 for i in mine]
         else:
             assert mine == [i for i in range(40) if i % 3 == 1]
         taken.append(mine)
-    if shard is None:
+    if shard in (None, "0/1"):
         assert sorted(taken[0] + taken[1]) == list(range(40))
     ns, _ = cli.parse_args(["--data", "x", "--output", "y"])
     cli.node_route(ns, _Reader([0, 1], 2, 0, 1))
