@@ -38,7 +38,7 @@ from sglang_hs.version import SGLANG_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-FINISH_STATS = ("finish_pending", "finish_failed", "write_waits")  # counts; the *_s ones are seconds
+FINISH_STATS = ("finish_pending", "finish_failed", "write_waits", "device_write_waits")  # counts; the *_s ones are seconds
 FINISH_SECONDS = ("drain_s", "write_wait_s", "store_wait_s")
 MANIFEST = "manifest.json"
 
