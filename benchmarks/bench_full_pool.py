@@ -47,7 +47,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 
 K, H = 3, 7168
 P = K + 1
@@ -327,13 +327,14 @@ def main(argv=None) -> int:
             median_rows_per_step=statistics.median(r["rows_gathered"] for r in rows if r["design"] == design),
             median_hit_tokens=statistics.median(r["prefix_hit_tokens"] for r in rows if r["design"] == design),
             machine=machine()))
-    write_csv(os.path.join(args.out, "bench_full_pool_summary.csv"), summary)
-    for s in summary:
+    def line(s):
         ok = s["median_ms"] < TARGETS["median_ms"] and s["p99_ms"] < TARGETS["p99_ms"]
-        print(f"{s['design']}: median {s['median_ms']} ms, p99 {s['p99_ms']} ms per {args.step_tokens}-token step "
-              f"(target < 1 / < 2: {'met' if ok else 'NOT met'}); alloc waits {s['alloc_waits']} "
-              f"({s['alloc_waits_evictable']} with evictable tokens); bad rows {s['bad_rows']} of "
-              f"{s['rows_checked']} in {s['records']} records")
+        return (f"{s['design']}: median {s['median_ms']} ms, p99 {s['p99_ms']} ms per {args.step_tokens}-token step "
+                f"(target < 1 / < 2: {'met' if ok else 'NOT met'}); alloc waits {s['alloc_waits']} "
+                f"({s['alloc_waits_evictable']} with evictable tokens); bad rows {s['bad_rows']} of "
+                f"{s['rows_checked']} in {s['records']} records")
+
+    write_summary(args.out, "bench_full_pool", summary, "summary:", line)
     plt = _pyplot()
     if plt is not None:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -356,9 +357,7 @@ def main(argv=None) -> int:
         a2.legend(fontsize=7)
         fig.suptitle(f"full KV pool ({args.slots} slots, DeepSeek-V3 rows), {args.step_tokens}-token steps; "
                      f"{machine()}", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_full_pool.png"), dpi=120)
-        plt.close(fig)
+        save_figure(plt, fig, os.path.join(args.out, "bench_full_pool.png"))
     return 0 if all(s["bad_rows"] == 0 for s in summary if s["design"] == "new") else 1
 
 

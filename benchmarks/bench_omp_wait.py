@@ -32,7 +32,7 @@ from typing import Dict, List
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, write_csv  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 POLICIES = {"default": "", "passive": "PASSIVE"}  # "": the launcher keeps libgomp's default
@@ -102,10 +102,7 @@ def plot(summary: List[dict], path: str, title: str) -> None:
         ax.set_xticklabels([f"{s['config']}\n(x{s[key + '_ratio_default_over_passive_median']})" for s in summary])
         ax.set_ylabel(f"{label}: seconds (median)")
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
 
 
 def main(argv=None) -> int:
@@ -157,9 +154,7 @@ def main(argv=None) -> int:
                       f"load {row['loadavg_1m']}", flush=True)
                 write_csv(os.path.join(args.out, "bench_omp_wait.csv"), rows)
         summary = summarise(rows)
-        write_csv(os.path.join(args.out, "bench_omp_wait_summary.csv"), summary)
-        for s in summary:
-            print(s)
+        write_summary(args.out, "bench_omp_wait", summary, "summary:", str)
         plot(summary, os.path.join(args.out, "bench_omp_wait.png"),
              f"launcher CPU mode, tiny DeepSeek-V3, {args.new} new tokens; {machine()}")
         ok = True
