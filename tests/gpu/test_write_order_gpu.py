@@ -37,6 +37,25 @@ def _step(w, loc, g):
     return torch.cat([aux.view(-1, K, H), last.view(-1, 1, H)], 1)
 
 
+def _gate(worker) -> threading.Event:
+    """Hold the worker's gathers back until the returned event is set."""
+    gate, publish = threading.Event(), worker._publish
+
+    def gated(job):
+        assert gate.wait(timeout=300), "the test never opened the gate"
+        publish(job)
+
+    worker._publish = gated
+    return gate
+
+
+def _record_rows(d, rid):
+    """Record `rid`'s rows, layers then the final state: [T, K + 1, H]."""
+    with HiddenStateReader(d) as reader:
+        rec = reader.take(rid, timeout=60)
+        return torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
+
+
 def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
@@ -47,13 +66,7 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
         check_stream_wait()  # the start-up check passes on this driver
         worker = FinishWorker(w)
         assert worker.order_device_writes() is False  # nothing handed over: nothing to wait for
-        gate, publish = threading.Event(), worker._publish
-
-        def gated(job):
-            assert gate.wait(timeout=300), "the test never opened the gate"
-            publish(job)
-
-        worker._publish = gated
+        gate = _gate(worker)
         g = torch.Generator(device="cuda").manual_seed(0)
         loc = (torch.randperm(SLOTS - 1, device="cuda", generator=g)[:T] + 1).to(torch.int32)
         rows_a = _step(w, loc, g)
@@ -66,9 +79,7 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
         gate.set()
         worker.drain()
         after.synchronize()
-        with HiddenStateReader(d) as reader:
-            rec = reader.take("a", timeout=60)
-            got = torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
+        got = _record_rows(d, "a")
         assert torch.equal(got, rows_a.cpu()), "the record holds rows written after its request finished"
         store = w.store[loc.long().cpu()]
         assert torch.equal(store, rows_b.cpu())
@@ -91,13 +102,7 @@ def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait():
         worker = FinishWorker(w)
         alloc = TokenToKVPoolAllocator(2 * T, torch.bfloat16, "cuda", None, need_sort=False)
         worker.watch_allocator(alloc)
-        gate, publish = threading.Event(), worker._publish
-
-        def gated(job):
-            assert gate.wait(timeout=300), "the test never opened the gate"
-            publish(job)
-
-        worker._publish = gated
+        gate = _gate(worker)
         g = torch.Generator(device="cuda").manual_seed(1)
         loc_a = alloc.alloc(T)
         assert worker.order_device_writes() is False  # nothing handed over yet
@@ -117,9 +122,7 @@ def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait():
         gate.set()
         worker.drain()
         after.synchronize()
-        with HiddenStateReader(d) as reader:
-            rec = reader.take("a", timeout=60)
-            got = torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
+        got = _record_rows(d, "a")
         assert torch.equal(got, rows_a.cpu())
         worker.close()
     finally:
