@@ -101,68 +101,82 @@ class Member:
         self.p.wait(30)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user of the share group")
-def test_a_share_group_member_can_neither_stop_the_server_nor_hand_a_reader_a_bad_record(monkeypatch):
+@pytest.fixture
+def shared_dump(monkeypatch):
+    """(parent folder, dump dir, new_member): a dump dir made as launch_server makes it with
+    --hs-share-group, in a folder others may enter; new_member() starts a Member of the group on it. The
+    members are closed and the folder removed after the test."""
+    import shutil
+
     parent = tempfile.mkdtemp(prefix="sglang-hs-attack-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    member = None
+    members = []
+
+    def new_member():
+        members.append(Member(d))
+        return members[-1]
+
     try:
         os.chmod(parent, 0o755)
         monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(SHARE_GID))
-        d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), SHARE_GID)
-        T = 4
-        one = ring.record_bytes(T, 2, H, 2, 2)
-        w = CaptureWriter(d, CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 6 * one)  # six records
-        published = 0
-
-        def publish():
-            nonlocal published
-            try:
-                w.ring.publish(f"r{published}", ids_of(published, T), rows_of(published, T), timeout=0.05)
-                published += 1
-            except TimeoutError:  # no room: the only way a publish may fail here
-                pass
-
-        for _ in range(3):
-            publish()
-        member = Member(d)
-        assert member("read-ring") == "ok"  # the group reads the ring...
-        for attack in ("open-ring-for-writing", "truncate-ring", "replace-ring", "open-store"):
-            assert member(attack) == "PermissionError", attack  # ...and cannot write, cut or swap it, nor see the store
-        bad = [lambda h: 2**63, lambda h: 2**64 - 1, lambda h: h + 64, lambda h: h + one, lambda h: 64,
-               lambda h: 32, lambda h: one - 64, lambda h: 2 * one + 8]  # of the writer's HEAD at the time
-        for n, value in enumerate(bad, 1):
-            assert member(f"offset {value(w.ring.head)}") == "ok"
-            assert w.ring.free_bytes() == w.ring.capacity - w.ring.head  # refused: nothing was consumed
-            assert w.ring.offsets_refused == n and w.ring.consumed == 0
-            publish()  # the server goes on
-        for size in (0, 4):
-            assert member(f"cut {size}") == "ok"  # the member may cut the offset file short...
-            publish()  # ...and the writer, which only reads it with pread, goes on
-            assert w.ring.consumed == 0
-        assert w.ring.offsets_refused == len(bad) + 1  # a file cut short counts once, however short
-        assert w.stats["reader_offsets_refused"] == len(bad) + 1  # in the status file
-        assert published == 6  # the ring is full: the rest waits for a reader, the server is not stopped
-        publish()
-        assert published == 6
-        # a valid offset is what any reader of the group may write: it consumes r0, the writer takes it
-        assert member(f"offset {one}") == "ok"
-        assert w.ring.free_bytes() == one and w.ring.consumed == one and w.ring.consumed_seq == 1
-        reader = HiddenStateReader(d, wait=1, ack=True)  # the server's user: starts after what was consumed
-        for i in range(1, 12):
-            rec = reader.next(timeout=5)
-            assert rec.rid == f"r{i}" and torch.equal(rec.input_ids, ids_of(i, T)), rec
-            assert torch.equal(rec.aux_hidden_states, rows_of(i, T)[:, :1]), i
-            assert torch.equal(rec.last_hidden_state, rows_of(i, T)[:, 1]), i
-            reader.ack(rec)
-            publish()  # room again as the reader acks
-            assert published == 6 + i
-        reader.close()
+        d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), SHARE_GID)  # as launch_server does
+        yield parent, d, new_member
     finally:
-        if member is not None:
-            member.close()
-        import shutil
-
+        for m in members:
+            m.close()
         shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user of the share group")
+def test_a_share_group_member_can_neither_stop_the_server_nor_hand_a_reader_a_bad_record(shared_dump):
+    _, d, new_member = shared_dump
+    T = 4
+    one = ring.record_bytes(T, 2, H, 2, 2)
+    w = CaptureWriter(d, CaptureSpec.resolve([1], True, 4, H), 8, torch.bfloat16, 6 * one)  # six records
+    published = 0
+
+    def publish():
+        nonlocal published
+        try:
+            w.ring.publish(f"r{published}", ids_of(published, T), rows_of(published, T), timeout=0.05)
+            published += 1
+        except TimeoutError:  # no room: the only way a publish may fail here
+            pass
+
+    for _ in range(3):
+        publish()
+    member = new_member()
+    assert member("read-ring") == "ok"  # the group reads the ring...
+    for attack in ("open-ring-for-writing", "truncate-ring", "replace-ring", "open-store"):
+        assert member(attack) == "PermissionError", attack  # ...and cannot write, cut or swap it, nor see the store
+    bad = [lambda h: 2**63, lambda h: 2**64 - 1, lambda h: h + 64, lambda h: h + one, lambda h: 64,
+           lambda h: 32, lambda h: one - 64, lambda h: 2 * one + 8]  # of the writer's HEAD at the time
+    for n, value in enumerate(bad, 1):
+        assert member(f"offset {value(w.ring.head)}") == "ok"
+        assert w.ring.free_bytes() == w.ring.capacity - w.ring.head  # refused: nothing was consumed
+        assert w.ring.offsets_refused == n and w.ring.consumed == 0
+        publish()  # the server goes on
+    for size in (0, 4):
+        assert member(f"cut {size}") == "ok"  # the member may cut the offset file short...
+        publish()  # ...and the writer, which only reads it with pread, goes on
+        assert w.ring.consumed == 0
+    assert w.ring.offsets_refused == len(bad) + 1  # a file cut short counts once, however short
+    assert w.stats["reader_offsets_refused"] == len(bad) + 1  # in the status file
+    assert published == 6  # the ring is full: the rest waits for a reader, the server is not stopped
+    publish()
+    assert published == 6
+    # a valid offset is what any reader of the group may write: it consumes r0, the writer takes it
+    assert member(f"offset {one}") == "ok"
+    assert w.ring.free_bytes() == one and w.ring.consumed == one and w.ring.consumed_seq == 1
+    reader = HiddenStateReader(d, wait=1, ack=True)  # the server's user: starts after what was consumed
+    for i in range(1, 12):
+        rec = reader.next(timeout=5)
+        assert rec.rid == f"r{i}" and torch.equal(rec.input_ids, ids_of(i, T)), rec
+        assert torch.equal(rec.aux_hidden_states, rows_of(i, T)[:, :1]), i
+        assert torch.equal(rec.last_hidden_state, rows_of(i, T)[:, 1]), i
+        reader.ack(rec)
+        publish()  # room again as the reader acks
+        assert published == 6 + i
+    reader.close()
 
 
 # -- the writer's side, fuzzed: one ring, a reader, and someone else writing the offset file --
@@ -267,7 +281,7 @@ def test_no_reader_offset_stops_the_writer_or_tears_a_record(tmp_path_factory, o
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user of the share group")
-def test_a_member_moving_the_read_offset_under_the_extraction_cli_gets_no_torn_file_written(monkeypatch):
+def test_a_member_moving_the_read_offset_under_the_extraction_cli_gets_no_torn_file_written(shared_dump):
     """The CLI writes a file straight from a record's views of the ring and acks it once the file is in
     place. A member writes the end of that record as the read offset meanwhile (a valid one: the writer
     takes it) and the server writes the next record over those bytes while the file is being written: the
@@ -279,71 +293,60 @@ def test_a_member_moving_the_read_offset_under_the_extraction_cli_gets_no_torn_f
     from sglang_hs.extract.sinks import SafetensorsSink
     from safetensors.torch import load_file
 
-    parent = tempfile.mkdtemp(prefix="sglang-hs-attack-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    member = None
-    try:
-        os.chmod(parent, 0o755)
-        monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(SHARE_GID))
-        d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), SHARE_GID)
-        T = 4
-        one = ring.record_bytes(T, 2, H, 2, 2)
-        w = CaptureWriter(d, CaptureSpec.resolve([1], "pre-norm", 4, H), 8, torch.bfloat16, 2 * one)  # two records
-        for i in range(2):
-            w.ring.publish(f"r{i}", ids_of(i, T), rows_of(i, T), timeout=1)
-        member = Member(d)
-        reader = HiddenStateReader(d, wait=1, ack=True, zero_copy=True)
-        r0, r1 = reader.next(timeout=5), reader.next(timeout=5)
-        assert (r0.rid, r1.rid) == ("r0", "r1") and reader.intact(r0) and reader.intact(r1)
+    parent, d, new_member = shared_dump
+    T = 4
+    one = ring.record_bytes(T, 2, H, 2, 2)
+    w = CaptureWriter(d, CaptureSpec.resolve([1], "pre-norm", 4, H), 8, torch.bfloat16, 2 * one)  # two records
+    for i in range(2):
+        w.ring.publish(f"r{i}", ids_of(i, T), rows_of(i, T), timeout=1)
+    member = new_member()
+    reader = HiddenStateReader(d, wait=1, ack=True, zero_copy=True)
+    r0, r1 = reader.next(timeout=5), reader.next(timeout=5)
+    assert (r0.rid, r1.rid) == ("r0", "r1") and reader.intact(r0) and reader.intact(r1)
 
-        attacked = []
+    attacked = []
 
-        class Sink(SafetensorsSink):
-            def _save(self, tmp, input_ids, loss_mask, aux, last):
-                if not attacked:  # while sample 0's views are being read: the member, then the server
-                    assert member(f"offset {one}") == "ok"
-                    w.ring.publish("r2", ids_of(2, T), rows_of(2, T), timeout=1)  # over r0's bytes
-                    attacked.append(True)
-                super()._save(tmp, input_ids, loss_mask, aux, last)
+    class Sink(SafetensorsSink):
+        def _save(self, tmp, input_ids, loss_mask, aux, last):
+            if not attacked:  # while sample 0's views are being read: the member, then the server
+                assert member(f"offset {one}") == "ok"
+                w.ring.publish("r2", ids_of(2, T), rows_of(2, T), timeout=1)  # over r0's bytes
+                attacked.append(True)
+            super()._save(tmp, input_ids, loss_mask, aux, last)
 
-        class Bar:
-            lines = []
+    class Bar:
+        lines = []
 
-            def write(self, line, file=None):
-                self.lines.append(line)
+        def write(self, line, file=None):
+            self.lines.append(line)
 
-            def update(self, n):
-                pass
+        def update(self, n):
+            pass
 
-        out = os.path.join(parent, "out")
-        ext = cli.Extraction(SimpleNamespace(), "http://unused", reader, Sink(out), None, None)
-        for index, rec in enumerate((r0, r1)):
-            fut = ext.write_pool.submit(ext._write, index, rec.input_ids, torch.ones(T), rec.aux_hidden_states,
-                                        rec.last_pre_norm, False, rec)
-            fut.exception()  # one at a time (waits): the attack happens during sample 0's write
-            ext.writes.append((index, T, fut, rec))
-        ext.write_pool.shutdown(wait=True)
-        assert attacked and w.ring.consumed == one  # the writer took the member's offset and wrote r2 over r0
-        assert torch.equal(r0.input_ids, ids_of(2, T))  # r0's views now show r2: what a file of them would hold
-        assert not reader.intact(r0) and reader.intact(r1)
-        assert ext._collect_writes(Bar()) == 2
-        assert not ext.sink.done(0) and not [p for p in os.listdir(out) if "tmp" in p], os.listdir(out)
-        assert len(ext.stats.failed) == 1 and ext.stats.failed[0][0] == 0, ext.stats.failed
-        assert "given back to the server" in ext.stats.failed[0][1] and d in ext.stats.failed[0][1]
-        assert Bar.lines == [f"[extract] sample 0 failed: {ext.stats.failed[0][1]}"]
-        got = load_file(ext.sink.path(1))  # the record nobody touched: exactly what the server published
-        assert torch.equal(got["token_ids"], ids_of(1, T).long()) and torch.equal(got["hidden_states"], rows_of(1, T))
-        assert r1.input_ids is None and not reader.intact(r1)  # acked: its tensors dropped, nothing to vouch for
-        reader.close()
-    finally:
-        if member is not None:
-            member.close()
-        import shutil
-
-        shutil.rmtree(parent, ignore_errors=True)
+    out = os.path.join(parent, "out")
+    ext = cli.Extraction(SimpleNamespace(), "http://unused", reader, Sink(out), None, None)
+    for index, rec in enumerate((r0, r1)):
+        fut = ext.write_pool.submit(ext._write, index, rec.input_ids, torch.ones(T), rec.aux_hidden_states,
+                                    rec.last_pre_norm, False, rec)
+        fut.exception()  # one at a time (waits): the attack happens during sample 0's write
+        ext.writes.append((index, T, fut, rec))
+    ext.write_pool.shutdown(wait=True)
+    assert attacked and w.ring.consumed == one  # the writer took the member's offset and wrote r2 over r0
+    assert torch.equal(r0.input_ids, ids_of(2, T))  # r0's views now show r2: what a file of them would hold
+    assert not reader.intact(r0) and reader.intact(r1)
+    assert ext._collect_writes(Bar()) == 2
+    assert not ext.sink.done(0) and not [p for p in os.listdir(out) if "tmp" in p], os.listdir(out)
+    assert len(ext.stats.failed) == 1 and ext.stats.failed[0][0] == 0, ext.stats.failed
+    assert "given back to the server" in ext.stats.failed[0][1] and d in ext.stats.failed[0][1]
+    assert Bar.lines == [f"[extract] sample 0 failed: {ext.stats.failed[0][1]}"]
+    got = load_file(ext.sink.path(1))  # the record nobody touched: exactly what the server published
+    assert torch.equal(got["token_ids"], ids_of(1, T).long()) and torch.equal(got["hidden_states"], rows_of(1, T))
+    assert r1.input_ids is None and not reader.intact(r1)  # acked: its tensors dropped, nothing to vouch for
+    reader.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user of the share group")
-def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(monkeypatch):
+def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(shared_dump):
     """Every file a serving process puts in a shared dump dir (made here by the same calls: the launcher's
     folder and lock, the writer's manifest, store, ring and offset file, the overlay's
     status file): a member of the group can open for writing, truncate and write nothing but the ring's
@@ -353,12 +356,9 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
     and consume it (README, Security)."""
     from sglang_hs.overlay_status import OverlayStatus
 
-    parent = tempfile.mkdtemp(prefix="sglang-hs-attack-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    member = lock = None
+    _, d, new_member = shared_dump
+    lock = None
     try:
-        os.chmod(parent, 0o755)
-        monkeypatch.setenv("SGLANG_HS_SHARE_GID", str(SHARE_GID))
-        d = fsutil.ensure_private_dir(os.path.join(parent, "hs"), SHARE_GID)  # as launch_server does
         lock = fsutil.lock_dump_dir(d)
         spec = CaptureSpec.resolve([1], "both", 4, H)
         w = CaptureWriter(d, spec, 8, torch.bfloat16, 1 << 16)
@@ -367,7 +367,7 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
         names = sorted(os.listdir(d))
         assert {"manifest.json", "ring-w0.bin", "ring-w0.offset", "store-w0.bin", fsutil.LOCK_NAME} <= set(names) \
             and any(n.startswith("overlay-") for n in names), names
-        member = Member(d)
+        member = new_member()
         for name in names:
             writable = name == "ring-w0.offset"
             for attack in ("open-for-writing", "truncate"):
@@ -385,10 +385,5 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
         assert [reader.next(timeout=5).rid for _ in range(2)] == ["r0", "r1"]
         reader.close()
     finally:
-        if member is not None:
-            member.close()
         if lock is not None:
             os.close(lock)
-        import shutil
-
-        shutil.rmtree(parent, ignore_errors=True)
