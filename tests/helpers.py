@@ -142,6 +142,25 @@ def error_lines(text: str) -> List[str]:
     return [l for l in text.splitlines() if re.match(r"^sglang-hs: error: ", l)]
 
 
+def writer_status(server) -> dict:
+    """The writer's part of the server's status file in its dump dir (overlay-<pid>.json)."""
+    import glob
+    import json
+
+    return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
+
+
+def status_after(server, records: int, timeout: float = 30) -> dict:
+    """The writer's status once it counts `records` records and no gather is pending (or at the timeout)."""
+    from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+
+    deadline = time.monotonic() + timeout
+    while ((status := writer_status(server))["records"] < records or status["finish_pending"]) \
+            and time.monotonic() < deadline:
+        time.sleep(FLUSH_INTERVAL_S)
+    return status
+
+
 def decode_steps(dump, pid: int) -> int:
     """Decode forwards the scheduler `pid` has run, from its status file in the dump dir (0 before the first)."""
     import json

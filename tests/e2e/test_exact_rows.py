@@ -21,14 +21,13 @@ model.model.norm, each judged per row the same way), and reserve next to nothing
 retract requests. Every test runs on both.
 """
 import concurrent.futures as cf
-import glob
-import json
 import re
 import time
 
 import pytest
 
 import row_judge
+from helpers import status_after, writer_status
 from conftest import CHUNK, POOL, RETRACT_RATIO
 from sglang_hs import HiddenStateReader
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
@@ -115,31 +114,18 @@ def test_staging_counters_grow_by_the_rows_shipped(staging_pair, hf):
     """The staging server really stages: its counters (status file, log line and /metrics read them)
     grow by at least the rows a new request forwards, and the record is exact."""
     server, reader = staging_pair
-    status = lambda: json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]  # noqa: E731
     time.sleep(2 * FLUSH_INTERVAL_S)
-    before = status()
+    before = writer_status(server)
     ids = row_judge.prompt_ids(hf, "A prompt of its own, so that no prefix of it is cached by the radix tree.")
     out = server.generate(input_ids=ids, rid="x-stage-count", sampling_params={"max_new_tokens": 3, **GREEDY})
     rec = reader.take("x-stage-count", timeout=60)
     forwarded = len(ids) - out["meta_info"]["cached_tokens"] + len(out["output_ids"]) - 1
     deadline = time.monotonic() + 30
-    while (after := status())["records"] <= before["records"] and time.monotonic() < deadline:
+    while (after := writer_status(server))["records"] <= before["records"] and time.monotonic() < deadline:
         time.sleep(FLUSH_INTERVAL_S)
     assert after["staged_rows"] - before["staged_rows"] >= forwarded and after["scatter_s"] > before["scatter_s"]
     assert_exact(rec, hf, (ids + out["output_ids"])[:-1])
 
-
-def _writer_status(server):
-    return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
-
-
-def _status_after(server, records, timeout=30):
-    """The writer's status once it counts `records` records and no gather is pending (or at the timeout)."""
-    deadline = time.monotonic() + timeout
-    while ((status := _writer_status(server))["records"] < records or status["finish_pending"]) \
-            and time.monotonic() < deadline:
-        time.sleep(FLUSH_INTERVAL_S)
-    return status
 
 
 def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
@@ -151,7 +137,7 @@ def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     once, about 950 tokens in all (over 7x the pool), in prefix-sharing groups (radix hits), 1 to 8
     generated tokens; every row of every record is judged, and nothing is dropped or left pending."""
     server, reader = served
-    before = _writer_status(server)
+    before = writer_status(server)
     texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
              "Shared memory lets one process write and another read without copying through the kernel."]
     jobs = []
@@ -167,7 +153,7 @@ def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     worst = 0.0
     for (rid, ids, _), out in zip(jobs, outs):
         worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
-    after = _status_after(server, before["records"] + len(jobs))
+    after = status_after(server, before["records"] + len(jobs))
     assert after["records"] >= before["records"] + len(jobs) and after["finish_pending"] == 0
     assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
     # The write ordering was exercised: steps wrote slots that gathers still pending were to read (freed at
@@ -190,9 +176,9 @@ def test_rows_exact_through_decode_retraction(served, hf):
     decoding 64 tokens each (a context of ~80: two already fill the POOL-token pool) outgrow it: SGLang
     must retract (its log says so)."""
     server, reader = served
-    _status_after(server, 0)  # the status file settled: earlier tests' records all counted
+    status_after(server, 0)  # the status file settled: earlier tests' records all counted
     time.sleep(2 * FLUSH_INTERVAL_S)
-    before, retractions = _writer_status(server), len(_retracted(server))
+    before, retractions = writer_status(server), len(_retracted(server))
     jobs = []
     for i in range(8):
         ids = row_judge.prompt_ids(hf, f"Request {i} of the retraction test asks for a long answer")
@@ -206,7 +192,7 @@ def test_rows_exact_through_decode_retraction(served, hf):
     worst = 0.0
     for (rid, ids), out in zip(jobs, outs):
         worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
-    after = _status_after(server, before["records"] + len(jobs))
+    after = status_after(server, before["records"] + len(jobs))
     assert after["records"] == before["records"] + len(jobs), (before, after)  # once each, retracted or not
     assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
     print(f"{len(jobs)} records, worst row {worst:.2e}, {retracted} requests retracted")

@@ -15,18 +15,15 @@ radix cache evicting many times over, so the tests cannot pass on an idle pool.
   are not captured (each leaves a marker, reason not_opted_in), a few opt in and are judged row by row.
 """
 import concurrent.futures as cf
-import glob
-import json
 import re
-import time
 
 import pytest
 import requests
 
 import row_judge
+from helpers import status_after, writer_status
 from conftest import POOL
 from sglang_hs import HiddenStateReader, NotCaptured
-from sglang_hs.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8
@@ -58,18 +55,6 @@ def _metric(server, name):
     text = requests.get(f"{server.url}/metrics", timeout=60).text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
-
-def _writer_status(server):
-    return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
-
-
-def _status_after(server, records, timeout=30):
-    """The writer's status once it counts `records` records and no gather is pending (or at the timeout)."""
-    deadline = time.monotonic() + timeout
-    while ((status := _writer_status(server))["records"] < records or status["finish_pending"]) \
-            and time.monotonic() < deadline:
-        time.sleep(FLUSH_INTERVAL_S)
-    return status
 
 
 def _run(server, hf, opted_in):
@@ -116,10 +101,10 @@ def test_every_record_exact_with_the_pool_full(full_pool_server, hf):
     reader = HiddenStateReader(str(server.dump))
     try:
         assert reader.manifest["dtype"] == "float32" and reader.manifest["copy"] == "direct"
-        before = _writer_status(server)
+        before = writer_status(server)
         done = _run(server, hf, opted_in=set())
         worst = max(_judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]) for rid, ids, out in done)
-        after = _status_after(server, before["records"] + len(done))
+        after = status_after(server, before["records"] + len(done))
         assert after["records"] == before["records"] + len(done) and after["finish_pending"] == 0, after
         assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0, after
         print(f"{len(done)} records exact, worst row {worst:.2e}")
@@ -134,7 +119,7 @@ def test_opt_in_markers_and_the_few_captured_exact_with_the_pool_full(full_pool_
     reader = HiddenStateReader(str(server.dump))
     try:
         assert reader.manifest["copy"] == "staging"
-        before = _writer_status(server)
+        before = writer_status(server)
         opted_in = {rid for w, wave in enumerate(_workload(hf)) for rid, _ in wave[w % 3::PER_WAVE]}
         done = _run(server, hf, opted_in)
         assert 0 < len(opted_in) < len(done) / 4
@@ -147,7 +132,7 @@ def test_opt_in_markers_and_the_few_captured_exact_with_the_pool_full(full_pool_
                     reader.take(rid, timeout=60)
                 assert e.value.reason == "not_opted_in", (rid, e.value.reason)
         assert not [r for r in reader.ready_rids() if r.startswith("fp-")]
-        after = _status_after(server, before["records"] + len(opted_in))
+        after = status_after(server, before["records"] + len(opted_in))
         assert after["records"] == before["records"] + len(opted_in) and after["finish_pending"] == 0, after
         assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0, after
         print(f"{len(opted_in)} captured records exact (worst row {worst:.2e}), "
