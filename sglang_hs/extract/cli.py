@@ -506,13 +506,14 @@ def node_route(ns, reader) -> None:
     DP attention groups on that node), every request is routed (routed_dp_rank) to a DP rank this reader
     covers, and, unless --shard was given, the node takes the samples whose index modulo the DP size is
     one of its ranks: one run per node, the same command everywhere, the shards merge by sample index."""
-    from sglang_hs.reader import coverage
+    from sglang_hs.reader import coverage, node_share
 
     m = reader.manifest
-    ranks, dp_size = list(reader.dp_ranks), int(m.get("dp_size", 1))
-    if len(ranks) >= dp_size:
+    share = node_share(m)
+    if share is None:
         return  # this dump covers every DP rank: SGLang's own balancing
-    ns.route = (ranks, dp_size)
+    ns.route = share
+    ranks, dp_size = share
     if not ns.shard_given:
         ns.shard = f"DP ranks {ranks} of {dp_size} (node {m.get('node_rank')} of {m.get('nnodes')})"
     print(f"{PROG}: {coverage(m)} captured on this node: requests go to those ranks (routed_dp_rank)"
