@@ -220,3 +220,16 @@ def readers_path() -> Optional[str]:
     if not path and os.path.exists(os.path.join(repo, ".venv", ".readers")):
         path = open(os.path.join(repo, ".venv", ".readers")).read().strip()
     return path if path and os.path.isdir(path) else None
+
+
+class ProgressLines:
+    """A stand-in for the extraction's progress bar (tqdm's write and update): keeps the lines written."""
+
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line, file=None):
+        self.lines.append(line)
+
+    def update(self, n):
+        pass
