@@ -215,11 +215,19 @@ def killed_mid_generation(server, rid: str, max_new_tokens: int, decoding, kill,
 def readers_path() -> Optional[str]:
     """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None: the
     SGLANG_HS_READERS folder, else the one scripts/ensure_env.sh recorded in .venv/.readers."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.environ.get("SGLANG_HS_READERS")
-    if not path and os.path.exists(os.path.join(repo, ".venv", ".readers")):
-        path = open(os.path.join(repo, ".venv", ".readers")).read().strip()
+    if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
+        path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
     return path if path and os.path.isdir(path) else None
+
+
+def trainer_env(**extra) -> dict:
+    """The environment of a subprocess that runs a trainer's own code on the CPU: the readers' folder (the
+    trainers) and tests/ (specforge_train) on its path, Triton interpreted (SpecForge's Triton loss; read
+    at import, hence a process of its own), TorchDynamo off; `extra` on top."""
+    path = (os.environ.get("PYTHONPATH"), readers_path(), os.path.join(REPO, "tests"))
+    return dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
+                PYTHONPATH=os.pathsep.join(p for p in path if p), **extra)
 
 
 class ProgressLines:
