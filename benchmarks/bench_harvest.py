@@ -7,8 +7,9 @@ on the reader? Four ways to serve the same request stream, side by side in ONE r
   c_skip_stopped  the same server, the reader process SIGSTOPped once a quarter of the requests are
                   served; a ring small enough (--ring) that its unread records fill it, so requests
                   the sample picks afterwards find no room: they must be served anyway, without
-                  capture, counted as reader_behind (read from /metrics, README "Monitoring"); the
-                  reader is SIGCONTed after the run and must catch up with every record, none torn
+                  capture, counted as reader_behind (read from /metrics,
+                  docs/monitoring.md#when-requests-are-not-captured); the reader is SIGCONTed
+                  after the run and must catch up with every record, none torn
   d_hold_stopped  --hs-capture all --hs-when-behind hold (the extraction default) with the reader stopped
                   the same way: requests are held in SGLang's queue once the ring is full. Bounded:
                   `--hold-deadline` seconds after the stop no new request is sent; the requests held
@@ -225,7 +226,7 @@ class ReaderProcess:
             self.proc.join(10)
 
 
-# -- the server's counters (README "Monitoring") --
+# -- the server's counters (docs/monitoring.md#metrics) --
 def hs_metrics(url: str) -> Counter:
     """sglang_hs:* figures from /metrics, summed over writers; not-captured ones keyed by reason."""
     out: Counter = Counter()

@@ -10,6 +10,9 @@ command they show runs a module, script or make target that exists, with flags i
   argparse parser adds (read from its source: importing a benchmark costs seconds); every `make X` is a
   Makefile target, every `scripts/X` exists; every `from sglang_hs... import name` in a python block
   imports.
+- Code: every `docs/page.md` or `docs/page.md#heading` a comment or docstring of the code names (sglang_hs,
+  tests, benchmarks, scripts, docker, setup.py, Makefile) is a page, and the heading one of its headings; a
+  `README "Section"` or `(README, Section)` names a heading the README still has (sections moved to docs/).
 
 No server: the one slow part is the launcher's --help (it imports SGLang for its flags), run once.
 """
@@ -234,6 +237,44 @@ def command_errors(page: Path, text: str, help_flags=module_help_flags) -> List[
     return errors
 
 
+CODE_DIRS = ("sglang_hs", "tests", "benchmarks", "scripts", "docker", "csrc")
+CODE_FILES = ("setup.py", "Makefile")
+CODE_SUFFIXES = {".py", ".sh", ".cpp", ".h", ".cu", ".cuh"}
+DOCS_REF = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
+README_SECTION = re.compile(r"\bREADME(?:\.md)?,?\s+\"([^\"]{1,80})\"|\(README(?:\.md)?,\s+([A-Z][\w /-]*)\)")
+
+
+def code_files() -> List[Path]:
+    """The repository's code that may cite the docs (not this file: its synthetic cases cite broken ones)."""
+    out = [ROOT / name for name in CODE_FILES if (ROOT / name).is_file()]
+    for d in CODE_DIRS:
+        out += [p for p in sorted((ROOT / d).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+                and (p.suffix in CODE_SUFFIXES or p.name == "Dockerfile") and p != Path(__file__).resolve()]
+    return out
+
+
+def code_reference_errors(path: Path, text: str, readme: Set[str] = None) -> List[str]:
+    """A docs page or heading the code names that is not there; a README section the README (its anchors:
+    `readme`, else README.md's) no longer has."""
+    errors = []
+    where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    for m in DOCS_REF.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        page = ROOT / "docs" / m.group(1)
+        if not page.is_file():
+            errors.append(f"{where}:{line}: docs/{m.group(1)}: no such page")
+        elif m.group(2) and m.group(2) not in anchors(page.read_text(encoding="utf-8")):
+            errors.append(f"{where}:{line}: docs/{m.group(1)}#{m.group(2)}: no such heading")
+    if readme is None:
+        readme = anchors((ROOT / "README.md").read_text(encoding="utf-8"))
+    for m in README_SECTION.finditer(text):
+        section = " ".join((m.group(1) or m.group(2)).split())
+        if github_slug(section) not in readme:
+            line = text.count("\n", 0, m.start()) + 1
+            errors.append(f"{where}:{line}: README section {section!r}: not in README.md (moved to docs/?)")
+    return errors
+
+
 # -- the docs as they stand -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -246,6 +287,13 @@ def test_links_resolve(page):
 def test_commands_exist(page):
     errors = command_errors(page, page.read_text(encoding="utf-8"))
     assert not errors, "commands that would not run:\n" + "\n".join(errors)
+
+
+def test_code_cites_docs_that_exist():
+    files = code_files()
+    assert any(p.name == "ring.py" for p in files) and any(p.name == "Dockerfile" for p in files), files
+    errors = [e for p in files for e in code_reference_errors(p, p.read_text(encoding="utf-8", errors="replace"))]
+    assert not errors, "code comments that cite what the docs do not hold:\n" + "\n".join(errors)
 
 
 def test_every_page_is_linked_and_starts_with_a_command():
@@ -276,6 +324,21 @@ def test_checker_finds_a_broken_link_and_anchor():
     assert len(errors) == 2, errors
     assert "no such file docs/no-such-page.md" in errors[0]
     assert "no heading #no-such-heading" in errors[1]
+
+
+def test_checker_finds_broken_docs_references_in_code():
+    text = ('"""Fine: docs/security.md#the-network, docs/harvest.md, (see docs/serving.md#sizing-devshm).\n'
+            "Broken: docs/no-such-page.md and docs/security.md#no-such-heading.\n"
+            '(README "Security") and (README,\nSecurity) moved; README "Two commands" is still there."""\n'
+            "# a comment: docs/reading.md#zero-copy, docs/reading.md#zero_copy\n")
+    errors = code_reference_errors(ROOT / "sglang_hs" / "x.py", text, readme={"two-commands", "install"})
+    assert errors == [
+        "sglang_hs/x.py:2: docs/no-such-page.md: no such page",
+        "sglang_hs/x.py:2: docs/security.md#no-such-heading: no such heading",
+        "sglang_hs/x.py:5: docs/reading.md#zero_copy: no such heading",
+        "sglang_hs/x.py:3: README section 'Security': not in README.md (moved to docs/?)",
+        "sglang_hs/x.py:3: README section 'Security': not in README.md (moved to docs/?)",
+    ], errors
 
 
 def test_github_slugs():

@@ -1,10 +1,11 @@
-"""What a member of --hs-share-group can do to the server through the ring, and what it cannot (README,
-Security). The ring is the writer's alone (0640 of the group): a member can neither write nor truncate it,
-nor open the store. What it can write is the read offset, in the ring's offset file (0660): every value
-there is checked by the writer (at or after what it accepted, at most what it published, the end of a
-record it wrote); a bad one, or the file cut short, is refused and counted and the server goes on as with
-no reader: it never stops, never writes outside the ring, and a reader's records stay whole and exact.
-A member that writes a valid offset consumes records, as any reader of the group may.
+"""What a member of --hs-share-group can do to the server through the ring, and what it cannot
+(docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do). The ring is the writer's alone (0640 of
+the group): a member can neither write nor truncate it, nor open the store. What it can write is the read
+offset, in the ring's offset file (0660): every value there is checked by the writer (at or after what it
+accepted, at most what it published, the end of a record it wrote); a bad one, or the file cut short, is
+refused and counted and the server goes on as with no reader: it never stops, never writes outside the ring,
+and a reader's records stay whole and exact. A member that writes a valid offset consumes records, as any
+reader of the group may.
 
 The member runs as another uid (root starts it; the test skips elsewhere). The writer's side is also
 fuzzed (hypothesis): random publishes, reads, reader restarts, offsets and truncations of the offset
@@ -346,7 +347,8 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
     offset file; it can change no mode or owner, map the ring writable, remove, rename or add anything.
     So a member cannot forge a record (the ring's CRC, unkeyed, only detects corruption, and a member
     cannot write the ring), and what it can do is what any reader of the group does: read every record
-    and consume it (README, Security)."""
+    and consume it
+    (docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do)."""
     from sglang_hs.overlay_status import OverlayStatus
 
     _, d, new_member = shared_dump
