@@ -308,6 +308,38 @@ def test_every_page_is_linked_and_starts_with_a_command():
         assert body[1].lstrip().startswith("```"), f"{page.name}: does not start with the command a user runs"
 
 
+# -- the README as PyPI shows it ------------------------------------------------------------------------------
+
+def test_pypi_description_writes_out_the_relative_links(monkeypatch):
+    """The package's long description, from setuptools' own metadata generation (`build`, not isolated: no
+    network), is README.md with each relative link, which PyPI cannot resolve, written out as its text and
+    its target in code; web links stay; every other line is the README's; a closing note says what the
+    paths are."""
+    build_util = pytest.importorskip("build.util", reason="`build` is not installed (requirements/pinned.txt)")
+    monkeypatch.setenv("SGLANG_HS_SKIP_EXT_BUILD", "1")  # metadata only: setup.py then skips torch's build_ext
+    meta = build_util.project_wheel_metadata(str(ROOT), isolated=False)
+    assert meta["Description-Content-Type"] == "text/markdown"
+    desc = meta.get_payload()
+    body, sep, note = desc.rpartition("\n\n---\n\n")
+    assert sep and "docs/install.md" in note, desc[-300:]
+    prose, _ = split_code(body)
+    prose = INLINE_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
+    left = [m.group(0) for m in LINK.finditer(prose) if not re.match(r"^[a-z][a-z0-9+.-]*:", m.group(1), re.I)]
+    assert not left, f"relative links PyPI cannot resolve: {left}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").rstrip("\n").split("\n")
+    lines = body.split("\n")
+    assert len(lines) == len(readme)
+    relative = 0
+    for want, got in zip(readme, lines):
+        links = [m for m in LINK.finditer(want) if not re.match(r"^[a-z][a-z0-9+.-]*:", m.group(1), re.I)]
+        relative += len(links)
+        for m in links:  # in order, each as its text and its target in code
+            text = re.match(r"!?\[(.*)\]", m.group(0), re.S).group(1)
+            want = want.replace(m.group(0), f"{text} `{m.group(1)}`", 1)
+        assert got == want, (want, got)
+    assert relative > 20, relative  # the README's links into docs/ and tests/
+
+
 # -- the checker catches what it is for (synthetic pages) ----------------------------------------------------
 
 def _fake_flags(module):
