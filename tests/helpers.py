@@ -1,6 +1,8 @@
 """Shared test helpers: run the real launcher, wait for it, talk to it, stop it."""
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import re
 import signal
@@ -241,3 +243,35 @@ class ProgressLines:
 
     def update(self, n):
         pass
+
+
+# What a stand-in server's /generate answers: one token, finished by length.
+ONE_TOKEN_REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
+
+
+def json_server(post, get: bool = False):
+    """A stand-in HTTP server on 127.0.0.1, in a thread of this process: each POST's JSON body goes to
+    post(path, body), whose dict is the JSON reply; with `get`, a GET is answered 200 with no body (a health
+    check), else 501. Returns (the server, its URL)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            data = json.dumps(post(self.path, body)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        if get:
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_port}"
