@@ -46,7 +46,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -60,7 +59,7 @@ from typing import Callable, List, Optional
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 WAYS = ("a_off", "b_skip_drain", "c_skip_stopped", "d_hold_stopped")
@@ -511,13 +510,7 @@ def main(argv=None) -> int:
     finally:
         for r in readers.values():
             r.close()
-        for s in servers.values():
-            s.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if ok:
-            shutil.rmtree(logs, ignore_errors=True)
-        else:
-            print(f"server logs kept in {logs}", file=sys.stderr)
+        stop_servers(servers, work, logs, ok)
     summary = summarise(rows)
     write_summary(args.out, "bench_harvest", summary,
                   f"\nmedians over {args.reps} repetitions (min-max), ratio to a_off in the same repetition "
