@@ -11,8 +11,10 @@ command they show runs a module, script or make target that exists, with flags i
   Makefile target, every `scripts/X` exists; every `from sglang_hs... import name` in a python block
   imports.
 - Code: every `docs/page.md` or `docs/page.md#heading` a comment or docstring of the code names (sglang_hs,
-  tests, benchmarks, scripts, docker, setup.py, Makefile) is a page, and the heading one of its headings; a
-  `README "Section"` or `(README, Section)` names a heading the README still has (sections moved to docs/).
+  tests, benchmarks, scripts, docker, csrc, setup.py, Makefile) is a page, and the heading one of its
+  headings; a `README "Section"` or `(README, Section)` names a heading the README still has (sections moved
+  to docs/).
+- PyPI: the long description setuptools generates is the README with its relative links written out.
 
 No server: the one slow part is the launcher's --help (it imports SGLang for its flags), run once.
 """
