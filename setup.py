@@ -1,4 +1,5 @@
-"""Build of the sglang_hs._C extension (csrc/). Metadata lives in pyproject.toml.
+"""Build of the sglang_hs._C extension (csrc/), and the long description PyPI shows (README.md with its
+relative links written out, see _long_description). Other metadata lives in pyproject.toml.
 
 Switches (environment):
   SGLANG_HS_SKIP_CUDA_BUILD=1   build the CPU extension only, even where a CUDA toolkit exists
@@ -11,6 +12,7 @@ Build without isolation so the installed torch is used: `pip install --no-build-
 This file never imports sglang_hs.
 """
 import os
+import re
 import warnings
 
 from setuptools import setup
@@ -73,5 +75,37 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+# A markdown link or image: [text](target) / ![alt](target), as tests/unit/test_docs_links.py reads them.
+_LINK = re.compile(r"(!?)\[((?:[^\]\[]|\[[^\]]*\])*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_PYPI_NOTE = ("\n\n---\n\n*This is the README of the sglang-hs source repository. A name followed by a path in "
+              "code, such as install `docs/install.md`, is a link there to that file of the repository "
+              "(docs/, tests/, benchmarks/), which this package does not hold.*\n")
+
+
+def _plain_link(m: "re.Match") -> str:
+    text, target = m.group(2), m.group(3)
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+        return m.group(0)  # http(s), mailto: resolves anywhere
+    return f"{text} `{target}`"
+
+
+def _long_description() -> str:
+    """README.md for PyPI. Its links into the repository (docs/, tests/, benchmarks/) are relative, which
+    PyPI cannot resolve, and the project has no repository URL to make them absolute: each becomes its
+    text followed by its target in code, `[install](docs/install.md)` -> install `docs/install.md`, and
+    a closing note says what those paths are. Web links, fenced blocks and inline code stay as they are."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines, fence = f.read().rstrip("\n").split("\n"), None
+    for i, line in enumerate(lines):
+        m = re.match(r"^\s*(```|~~~)", line)
+        if m and fence in (None, m.group(1)):
+            fence = None if fence else m.group(1)
+        elif fence is None:  # outside code blocks; a span in backticks is code too
+            lines[i] = "".join(part if part.startswith("`") else _LINK.sub(_plain_link, part)
+                               for part in re.split(r"(`+[^`]*`+)", line))
+    return "\n".join(lines) + _PYPI_NOTE
+
+
 ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass=cmdclass, long_description=_long_description(),
+      long_description_content_type="text/markdown")

@@ -67,7 +67,8 @@ def peak_mb(pids) -> float:
 def cpu_s(pids) -> float:
     """CPU seconds (user + system) the processes have used so far. The scheduler's intra-op threads
     spin while they wait, so on these two cores this tracks wall time; a view of where the CPU went,
-    not a steadier measure (the in-server cost is best read from a py-spy profile, see the README)."""
+    not a steadier measure (the in-server cost is best read from a py-spy profile:
+    docs/benchmarks.md#in-server-cost-profiled)."""
     total = 0
     for pid in pids:
         try:

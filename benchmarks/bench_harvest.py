@@ -7,8 +7,9 @@ on the reader? Four ways to serve the same request stream, side by side in ONE r
   c_skip_stopped  the same server, the reader process SIGSTOPped once a quarter of the requests are
                   served; a ring small enough (--ring) that its unread records fill it, so requests
                   the sample picks afterwards find no room: they must be served anyway, without
-                  capture, counted as reader_behind (read from /metrics, README "Monitoring"); the
-                  reader is SIGCONTed after the run and must catch up with every record, none torn
+                  capture, counted as reader_behind (read from /metrics,
+                  docs/monitoring.md#when-requests-are-not-captured); the reader is SIGCONTed
+                  after the run and must catch up with every record, none torn
   d_hold_stopped  --hs-capture all --hs-when-behind hold (the extraction default) with the reader stopped
                   the same way: requests are held in SGLang's queue once the ring is full. Bounded:
                   `--hold-deadline` seconds after the stop no new request is sent; the requests held
@@ -45,7 +46,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -59,7 +59,7 @@ from typing import Callable, List, Optional
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 WAYS = ("a_off", "b_skip_drain", "c_skip_stopped", "d_hold_stopped")
@@ -225,7 +225,7 @@ class ReaderProcess:
             self.proc.join(10)
 
 
-# -- the server's counters (README "Monitoring") --
+# -- the server's counters (docs/monitoring.md#metrics) --
 def hs_metrics(url: str) -> Counter:
     """sglang_hs:* figures from /metrics, summed over writers; not-captured ones keyed by reason."""
     out: Counter = Counter()
@@ -510,13 +510,7 @@ def main(argv=None) -> int:
     finally:
         for r in readers.values():
             r.close()
-        for s in servers.values():
-            s.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if ok:
-            shutil.rmtree(logs, ignore_errors=True)
-        else:
-            print(f"server logs kept in {logs}", file=sys.stderr)
+        stop_servers(servers, work, logs, ok)
     summary = summarise(rows)
     write_summary(args.out, "bench_harvest", summary,
                   f"\nmedians over {args.reps} repetitions (min-max), ratio to a_off in the same repetition "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -32,7 +31,7 @@ from typing import Dict, List
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
+from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
 from sglang_hs.server_process import ServerProcess  # noqa: E402
 
 POLICIES = {"default": "", "passive": "PASSIVE"}  # "": the launcher keeps libgomp's default
@@ -159,13 +158,7 @@ def main(argv=None) -> int:
              f"launcher CPU mode, tiny DeepSeek-V3, {args.new} new tokens; {machine()}")
         ok = True
     finally:
-        for s in servers.values():
-            s.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if ok:
-            shutil.rmtree(logs, ignore_errors=True)
-        else:
-            print(f"server logs kept in {logs}")
+        stop_servers(servers, work, logs, ok)
     return 0
 
 

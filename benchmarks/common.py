@@ -1,10 +1,12 @@
-"""Shared by the benchmarks: the machine's name, CSV output, the summary block, and plots (when matplotlib
-is there)."""
+"""Shared by the benchmarks: the machine's name, CSV output, the summary block, plots (when matplotlib
+is there), and the end of a run that started servers."""
 from __future__ import annotations
 
 import csv
 import os
 import platform
+import shutil
+import sys
 from typing import Callable, Dict, List, Optional
 
 
@@ -70,3 +72,16 @@ def write_summary(out_dir: str, name: str, summary: List[dict], header: str, lin
     print(header)
     for s in summary:
         print(line(s))
+
+
+def stop_servers(servers: Dict[str, object], work: str, logs: str, ok: bool) -> None:
+    """The end of a benchmark that started servers (name -> ServerProcess), whatever happened: each server
+    stopped, its `work` folder (dump dirs) removed, and its `logs` folder removed after a run that completed
+    (`ok`), else named on stderr."""
+    for s in servers.values():
+        s.stop()
+    shutil.rmtree(work, ignore_errors=True)
+    if ok:
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
+        print(f"server logs kept in {logs}", file=sys.stderr)

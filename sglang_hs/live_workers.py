@@ -8,16 +8,16 @@ named after the iteration, so every worker finds it unasked; records travel pick
 ForkingPickler, as DataLoader batches do: their tensors go through shared memory, only handles through the
 socket.
 
-Security (issue 31, item 1; README "Security"): another local user must not reach the trainer through this
-socket. Four layers, each enough against another uid: (1) the socket lies in the private folder, so other
-users can neither connect to it nor bind its name first (an abstract-namespace name, as before, was
-visible in /proc/net/unix, repeated across iterations and could be bound by anyone); (2) each end checks the
-other's uid (SO_PEERCRED): the router accepts only this user's workers, a worker only this user's router;
-(3) the handshake proves to each side that the other holds the dataset's key (32 random bytes only the
-dataset's copies hold) and cannot be reflected or relayed: each side's MAC binds its role, both nonces,
-the worker id and both pids as the kernel reports them (SO_PEERCRED), so a MAC made for one connection
-proves nothing on another; (4) nothing a peer sends is unpickled before both MACs are checked (the hello
-and the MACs are plain bytes of fixed length).
+Security (issue 31, item 1; docs/security.md#live-dataset-workers): another local user must not reach the
+trainer through this socket. Four layers, each enough against another uid: (1) the socket lies in the private
+folder, so other users can neither connect to it nor bind its name first (an abstract-namespace name, as
+before, was visible in /proc/net/unix, repeated across iterations and could be bound by anyone); (2) each end
+checks the other's uid (SO_PEERCRED): the router accepts only this user's workers, a worker only this user's
+router; (3) the handshake proves to each side that the other holds the dataset's key (32 random bytes only the
+dataset's copies hold) and cannot be reflected or relayed: each side's MAC binds its role, both nonces, the
+worker id and both pids as the kernel reports them (SO_PEERCRED), so a MAC made for one connection proves
+nothing on another; (4) nothing a peer sends is unpickled before both MACs are checked (the hello and the MACs
+are plain bytes of fixed length).
 
 Messages after the handshake (tuples): worker -> router `("ask", rid)` (a reply came and its record did
 not: tell me if a marker says it never will), `("done",)`; router -> worker `("manifest", manifest, nonce)`,

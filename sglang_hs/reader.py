@@ -209,7 +209,7 @@ class HiddenStateRecord:
     def positions(self) -> torch.Tensor:
         """[T] int32 0..T-1, derived, not captured: the ring holds no positions, since row t is position t
         by construction (the server gathers a request's rows through req_to_token in position order and
-        checks their count). Kept because the README shows it; nothing to check in it: whether row t
+        checks their count). Kept because docs/reading.md shows it; nothing to check in it: whether row t
         really is position t shows only in its values (e.g. against HF transformers)."""
         return torch.arange(self.num_tokens, dtype=torch.int32)
 

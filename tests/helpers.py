@@ -1,6 +1,8 @@
 """Shared test helpers: run the real launcher, wait for it, talk to it, stop it."""
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import re
 import signal
@@ -215,8 +217,61 @@ def killed_mid_generation(server, rid: str, max_new_tokens: int, decoding, kill,
 def readers_path() -> Optional[str]:
     """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None: the
     SGLANG_HS_READERS folder, else the one scripts/ensure_env.sh recorded in .venv/.readers."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.environ.get("SGLANG_HS_READERS")
-    if not path and os.path.exists(os.path.join(repo, ".venv", ".readers")):
-        path = open(os.path.join(repo, ".venv", ".readers")).read().strip()
+    if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
+        path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
     return path if path and os.path.isdir(path) else None
+
+
+def trainer_env(**extra) -> dict:
+    """The environment of a subprocess that runs a trainer's own code on the CPU: the readers' folder (the
+    trainers) and tests/ (specforge_train) on its path, Triton interpreted (SpecForge's Triton loss; read
+    at import, hence a process of its own), TorchDynamo off; `extra` on top."""
+    path = (os.environ.get("PYTHONPATH"), readers_path(), os.path.join(REPO, "tests"))
+    return dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
+                PYTHONPATH=os.pathsep.join(p for p in path if p), **extra)
+
+
+class ProgressLines:
+    """A stand-in for the extraction's progress bar (tqdm's write and update): keeps the lines written."""
+
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line, file=None):
+        self.lines.append(line)
+
+    def update(self, n):
+        pass
+
+
+# What a stand-in server's /generate answers: one token, finished by length.
+ONE_TOKEN_REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
+
+
+def json_server(post, get: bool = False):
+    """A stand-in HTTP server on 127.0.0.1, in a thread of this process: each POST's JSON body goes to
+    post(path, body), whose dict is the JSON reply; with `get`, a GET is answered 200 with no body (a health
+    check), else 501. Returns (the server, its URL)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            data = json.dumps(post(self.path, body)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        if get:
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_port}"

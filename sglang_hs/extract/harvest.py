@@ -1,8 +1,8 @@
 """python -m sglang_hs.extract --from-dump DIR --output OUT: training files from a harvesting server.
 
-A server harvesting live traffic (--hs-capture opt-in, --hs-capture-sample P; README "Harvesting from live
-traffic") publishes one record per captured request: its prompt and the tokens it generated, with their
-rows, and where the prompt ends. This attaches to its dump dir as the acknowledging reader
+A server harvesting live traffic (--hs-capture opt-in, --hs-capture-sample P; docs/harvest.md) publishes
+one record per captured request: its prompt and the tokens it generated, with their rows, and where the
+prompt ends. This attaches to its dump dir as the acknowledging reader
 (HiddenStateReader(ack=True)) and turns each record into one training file with the extraction CLI's
 sinks (--format specforge or safetensors, --save-dtype with its FP8), loss mask 1 on the generated rows
 (rows >= the record's prompt_len), without running the model again.

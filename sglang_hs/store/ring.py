@@ -303,7 +303,9 @@ class RingWriter:
         except struct.error as e:
             raise ValueError(f"record of request {rid[:200]!r} cannot be encoded ({e}): T={T}, P={P}, H={H}") from None
         trailer = _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), seq, total)
-        head = self.head  # the writer's own, never read back from the ring file (README "Security")
+        # the writer's own, never read back from the ring file:
+        # docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do
+        head = self.head
         pos = head % self.capacity
         if pos + total > self.capacity:  # does not fit before the end: skip to 0
             skip = self.capacity - pos

@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -66,6 +67,32 @@ def test_wheel_contents(wheel):
     assert f"Requires-Dist: sglang=={SGLANG_VERSION}" in meta
     eps = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "sglang-hs-server = sglang_hs.launch_server:main" in eps
+
+
+def test_sdist_holds_every_file_the_extension_includes(tmp_path):
+    """`python -m build --sdist` (not isolated: this setuptools and torch) of the tracked build files holds
+    every csrc/ file the extension's sources include by name: setuptools adds the .cpp sources setup.py lists
+    on its own, not the headers they include, and pip compiles the sdist where no wheel fits."""
+    pytest.importorskip("build", reason="`build` is not installed (requirements/pinned.txt)")
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in ("pyproject.toml", "setup.py", "README.md", "MANIFEST.in"):
+        shutil.copy(os.path.join(REPO, path), src / path)
+    for path in ("csrc", "sglang_hs"):
+        shutil.copytree(os.path.join(REPO, path), src / path, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    r = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--skip-dependency-check",
+                        "--outdir", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != "SGLANG_HS_SKIP_EXT_BUILD"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (sdist,) = (tmp_path / "dist").glob("sglang[-_]hs-*.tar.gz")  # the name per setuptools version
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    sources = sorted(n for n in names if n.startswith("csrc/") and n.endswith(".cpp"))
+    assert sources, sorted(names)
+    included = {f"csrc/{h}" for c in sources
+                for h in re.findall(r'^#include "([^"]+)"', open(os.path.join(REPO, c)).read(), re.M)}
+    print("sdist: sources", sources, "includes", sorted(included))
+    assert included and included <= names, f"missing from the sdist: {sorted(included - names)}"
 
 
 def test_wheel_serves_from_a_fresh_venv(wheel, tmp_path):

@@ -164,57 +164,41 @@ def test_killed_consumer_leaves_server_serving(capture_server, dump_dir, workers
     assert s["input_ids"].tolist() == ids and s["hidden_state"].shape == (1, 21, 256)
 
 
-# SpecForge 0.2.0's own EAGLE-3 training step fed from the live dataset (no files): each sample becomes
-# SpecForge's item by its offline reader's own process_data, then a TrainBatch for Eagle3TrainStrategy's
-# forward_loss, as tests/unit/test_trainer_teachers.py runs it on files. Its teacher, TargetHead (lm_head
-# only, bf16) of the sample's target, is compared row by row with HF float32's logits of the same tokens.
+# SpecForge 0.2.0's own EAGLE-3 training step (tests/specforge_train.py, as tests/unit/test_trainer_teachers.py
+# runs it on files) fed from the live dataset (no files): each sample becomes SpecForge's item by its offline
+# reader's own process_data. Its teacher, TargetHead (lm_head only, bf16) of the sample's target, is compared
+# row by row with HF float32's logits of the same tokens.
 LIVE_SPECFORGE = """
 import json, sys
 import torch
-from specforge.algorithms.eagle3 import providers
-from specforge.config.schema import load_config
 from specforge.data.preprocessing import OfflineEagle3Dataset
 from specforge.modeling.target.target_head import TargetHead
-from specforge.runtime.contracts import TrainBatch
-from specforge.training.model_loading import resolve_draft_config
 from transformers import AutoModelForCausalLM
 from sglang_hs.live import LiveHiddenStates
+from specforge_train import Eagle3Training
 
 run, url, dump, data = sys.argv[1:5]
-cfg = load_config(run, ["training.attention_backend=sdpa", "training.ttt_length=2"])
-reg = providers.algorithm_providers()
-draft_config = resolve_draft_config(cfg, provider=reg.model.draft_config)
-draft_config.draft_vocab_size = draft_config.vocab_size  # its default, 32000, exceeds the tiny vocabulary
-torch.manual_seed(0)
-draft = reg.model.build_draft(cfg, draft_config)
-parts = reg.model.build_training_model(cfg, draft, draft_config, None, None)
-step = providers.build_step(parts.model, target_head=parts.target_head, **providers.step_options(cfg))
-opt = torch.optim.AdamW([p for p in parts.model.parameters() if p.requires_grad], lr=1e-3)
-hf = AutoModelForCausalLM.from_pretrained(cfg.model.target_model_path, dtype=torch.float32).eval()
-head = TargetHead.from_pretrained(cfg.model.target_model_path)
+t = Eagle3Training(run)
+hf = AutoModelForCausalLM.from_pretrained(t.cfg.model.target_model_path, dtype=torch.float32).eval()
+head = TargetHead.from_pretrained(t.cfg.model.target_model_path)
 ds = LiveHiddenStates(data, url, dump, concurrency=4)
-losses, errs, agree, dtypes = [], [], [], set()
-for epoch in range(3):
-    total = 0.0
-    for j, sample in enumerate(ds):
-        item = OfflineEagle3Dataset.process_data(sample, cfg.data.max_length)
+errs, agree, dtypes = [], [], set()
+
+
+def items(epoch):
+    for sample in ds:
+        item = OfflineEagle3Dataset.process_data(sample, t.cfg.data.max_length)
         dtypes.add(str(item["target"].dtype))
         if epoch == 0:
             with torch.no_grad():
                 got = head(item["target"])[0].double()
                 ref = hf(sample["input_ids"][None]).logits[0].double()
-            errs += ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
-            agree += (got.argmax(-1) == ref.argmax(-1)).tolist()
-        batch = TrainBatch(sample_ids=[str(j)], strategy="eagle3", metadata={"target_repr": "hidden_state"},
-                           tensors={k: item[k] for k in ("input_ids", "attention_mask", "loss_mask", "hidden_state",
-                                                         "target")})
-        loss = step.forward_loss(batch).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), cfg.training.max_grad_norm)
-        opt.step()
-        total += loss.item()
-    losses.append(total)
+            errs.extend(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist())
+            agree.extend((got.argmax(-1) == ref.argmax(-1)).tolist())
+        yield item
+
+
+losses = t.epochs(3, items)
 print("RESULT", json.dumps({"losses": losses, "errs": errs, "agree": agree, "dtypes": sorted(dtypes)}))
 """
 # The capture server computes in bf16 (the checkpoint's dtype): its final state carries bf16 rounding
@@ -227,7 +211,7 @@ def test_specforge_trains_on_the_live_dataset(capture_server, dump_dir, tmp_path
     """Three epochs of SpecForge's own training step on LiveHiddenStates' samples (no files; CPU by
     configuration only, in a process of its own: TRITON_INTERPRET=1, TORCHDYNAMO_DISABLE=1, sdpa, no FSDP):
     the loss is finite and falls, and SpecForge's teacher logits on the live samples are HF's, row by row."""
-    from helpers import readers_path
+    from helpers import readers_path, trainer_env
     from sglang_hs.extract import output
     from sglang_hs.reader import read_manifest
 
@@ -237,10 +221,8 @@ def test_specforge_trains_on_the_live_dataset(capture_server, dump_dir, tmp_path
     run = tmp_path / "run.json"
     run.write_text(json.dumps(output.specforge_config(str(tmp_path / "unused"), dict(manifest, context_len=512))))
     data = write_jsonl(tmp_path / "data.jsonl", conversations(4, seed=11))
-    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), readers_path()) if p))
     proc = subprocess.run([sys.executable, "-c", LIVE_SPECFORGE, str(run), capture_server.url, str(dump_dir), data],
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=trainer_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     errs, losses = torch.tensor(result["errs"]), result["losses"]

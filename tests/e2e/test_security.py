@@ -1,8 +1,8 @@
 """Request ids never become paths, and nothing listens beyond loopback when the server binds 127.0.0.1,
 but for one known upstream exception: torch.distributed's rendezvous store (SGLang's process-group
 init on its `nccl_port`, chosen below the ephemeral port range) binds the wildcard address; torch has
-no option to bind it elsewhere (README, Security). The test pins that to exactly that one socket, so any
-new exposure fails it."""
+no option to bind it elsewhere (docs/security.md#the-network). The test pins that to exactly that one
+socket, so any new exposure fails it."""
 import os
 
 import pytest

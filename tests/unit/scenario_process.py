@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_scenario(script: str, name: str, tmp_path, limit_s: float) -> dict:
     """`script`'s scenario `name`; a hang past `limit_s` (only a hang reaches it) kills the group and fails."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    path = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]  # tests/: helpers
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.Popen([sys.executable, os.path.abspath(script), name, str(tmp_path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from helpers import ProgressLines
 from sglang_hs import tiny_model
 from sglang_hs.extract import cli, output
 from sglang_hs.extract.dataset import Preparer, SkipSample, read_records
@@ -149,15 +150,7 @@ def test_an_extracted_sample_with_inf_or_nan_rows_is_skipped_not_failed(tmp_path
         def ack(self, rec):
             self.acked.append(rec)
 
-    class Bar:
-        lines = []
-
-        def write(self, line, file=None):
-            self.lines.append(line)
-
-        def update(self, n):
-            pass
-
+    bar = ProgressLines()
     ns = SimpleNamespace(data=str(tmp_path / "d.jsonl"))
     ext = cli.Extraction(ns, "http://unused", Reader(), SafetensorsSink(str(tmp_path / "out"), "fp8"), None, None)
     rows = torch.randn(2, 6, 4, 16).bfloat16()
@@ -167,8 +160,8 @@ def test_an_extracted_sample_with_inf_or_nan_rows_is_skipped_not_failed(tmp_path
                                     rows[index, :, 3], False)
         ext.writes.append((index, 6, fut, f"record {index}"))
     ext.write_pool.shutdown(wait=True)
-    assert ext._collect_writes(Bar()) == 2
+    assert ext._collect_writes(bar) == 2
     assert (ext.stats.done, dict(ext.stats.skipped), ext.stats.failed) == (1, {"non_finite_rows": 1}, [])
     assert Reader.acked == ["record 0", "record 1"] and ext.sink.done(0) and not ext.sink.done(1)
-    assert Bar.lines == ["[extract] skipped sample 1: non_finite_rows: its hidden states hold inf or NaN, which "
+    assert bar.lines == ["[extract] skipped sample 1: non_finite_rows: its hidden states hold inf or NaN, which "
                          "--save-dtype fp8 cannot store"]

@@ -10,6 +10,11 @@ command they show runs a module, script or make target that exists, with flags i
   argparse parser adds (read from its source: importing a benchmark costs seconds); every `make X` is a
   Makefile target, every `scripts/X` exists; every `from sglang_hs... import name` in a python block
   imports.
+- Code: every `docs/page.md` or `docs/page.md#heading` a comment or docstring of the code names (sglang_hs,
+  tests, benchmarks, scripts, docker, csrc, setup.py, Makefile) is a page, and the heading one of its
+  headings; a `README "Section"` or `(README, Section)` names a heading the README still has (sections moved
+  to docs/).
+- PyPI: the long description setuptools generates is the README with its relative links written out.
 
 No server: the one slow part is the launcher's --help (it imports SGLang for its flags), run once.
 """
@@ -234,6 +239,44 @@ def command_errors(page: Path, text: str, help_flags=module_help_flags) -> List[
     return errors
 
 
+CODE_DIRS = ("sglang_hs", "tests", "benchmarks", "scripts", "docker", "csrc")
+CODE_FILES = ("setup.py", "Makefile")
+CODE_SUFFIXES = {".py", ".sh", ".cpp", ".h", ".cu", ".cuh"}
+DOCS_REF = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
+README_SECTION = re.compile(r"\bREADME(?:\.md)?,?\s+\"([^\"]{1,80})\"|\(README(?:\.md)?,\s+([A-Z][\w /-]*)\)")
+
+
+def code_files() -> List[Path]:
+    """The repository's code that may cite the docs (not this file: its synthetic cases cite broken ones)."""
+    out = [ROOT / name for name in CODE_FILES if (ROOT / name).is_file()]
+    for d in CODE_DIRS:
+        out += [p for p in sorted((ROOT / d).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+                and (p.suffix in CODE_SUFFIXES or p.name == "Dockerfile") and p != Path(__file__).resolve()]
+    return out
+
+
+def code_reference_errors(path: Path, text: str, readme: Set[str] = None) -> List[str]:
+    """A docs page or heading the code names that is not there; a README section the README (its anchors:
+    `readme`, else README.md's) no longer has."""
+    errors = []
+    where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    for m in DOCS_REF.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        page = ROOT / "docs" / m.group(1)
+        if not page.is_file():
+            errors.append(f"{where}:{line}: docs/{m.group(1)}: no such page")
+        elif m.group(2) and m.group(2) not in anchors(page.read_text(encoding="utf-8")):
+            errors.append(f"{where}:{line}: docs/{m.group(1)}#{m.group(2)}: no such heading")
+    if readme is None:
+        readme = anchors((ROOT / "README.md").read_text(encoding="utf-8"))
+    for m in README_SECTION.finditer(text):
+        section = " ".join((m.group(1) or m.group(2)).split())
+        if github_slug(section) not in readme:
+            line = text.count("\n", 0, m.start()) + 1
+            errors.append(f"{where}:{line}: README section {section!r}: not in README.md (moved to docs/?)")
+    return errors
+
+
 # -- the docs as they stand -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -248,6 +291,13 @@ def test_commands_exist(page):
     assert not errors, "commands that would not run:\n" + "\n".join(errors)
 
 
+def test_code_cites_docs_that_exist():
+    files = code_files()
+    assert any(p.name == "ring.py" for p in files) and any(p.name == "Dockerfile" for p in files), files
+    errors = [e for p in files for e in code_reference_errors(p, p.read_text(encoding="utf-8", errors="replace"))]
+    assert not errors, "code comments that cite what the docs do not hold:\n" + "\n".join(errors)
+
+
 def test_every_page_is_linked_and_starts_with_a_command():
     """Every docs page is reachable from the docs index, and its first block (after the title) is code."""
     index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
@@ -258,6 +308,38 @@ def test_every_page_is_linked_and_starts_with_a_command():
         body = [b for b in page.read_text(encoding="utf-8").split("\n\n") if b.strip()]
         assert body[0].startswith("# "), f"{page.name}: no title"
         assert body[1].lstrip().startswith("```"), f"{page.name}: does not start with the command a user runs"
+
+
+# -- the README as PyPI shows it ------------------------------------------------------------------------------
+
+def test_pypi_description_writes_out_the_relative_links(monkeypatch):
+    """The package's long description, from setuptools' own metadata generation (`build`, not isolated: no
+    network), is README.md with each relative link, which PyPI cannot resolve, written out as its text and
+    its target in code; web links stay; every other line is the README's; a closing note says what the
+    paths are."""
+    build_util = pytest.importorskip("build.util", reason="`build` is not installed (requirements/pinned.txt)")
+    monkeypatch.setenv("SGLANG_HS_SKIP_EXT_BUILD", "1")  # metadata only: setup.py then skips torch's build_ext
+    meta = build_util.project_wheel_metadata(str(ROOT), isolated=False)
+    assert meta["Description-Content-Type"] == "text/markdown"
+    desc = meta.get_payload()
+    body, sep, note = desc.rpartition("\n\n---\n\n")
+    assert sep and "docs/install.md" in note, desc[-300:]
+    prose, _ = split_code(body)
+    prose = INLINE_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
+    left = [m.group(0) for m in LINK.finditer(prose) if not re.match(r"^[a-z][a-z0-9+.-]*:", m.group(1), re.I)]
+    assert not left, f"relative links PyPI cannot resolve: {left}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").rstrip("\n").split("\n")
+    lines = body.split("\n")
+    assert len(lines) == len(readme)
+    relative = 0
+    for want, got in zip(readme, lines):
+        links = [m for m in LINK.finditer(want) if not re.match(r"^[a-z][a-z0-9+.-]*:", m.group(1), re.I)]
+        relative += len(links)
+        for m in links:  # in order, each as its text and its target in code
+            text = re.match(r"!?\[(.*)\]", m.group(0), re.S).group(1)
+            want = want.replace(m.group(0), f"{text} `{m.group(1)}`", 1)
+        assert got == want, (want, got)
+    assert relative > 20, relative  # the README's links into docs/ and tests/
 
 
 # -- the checker catches what it is for (synthetic pages) ----------------------------------------------------
@@ -276,6 +358,21 @@ def test_checker_finds_a_broken_link_and_anchor():
     assert len(errors) == 2, errors
     assert "no such file docs/no-such-page.md" in errors[0]
     assert "no heading #no-such-heading" in errors[1]
+
+
+def test_checker_finds_broken_docs_references_in_code():
+    text = ('"""Fine: docs/security.md#the-network, docs/harvest.md, (see docs/serving.md#sizing-devshm).\n'
+            "Broken: docs/no-such-page.md and docs/security.md#no-such-heading.\n"
+            '(README "Security") and (README,\nSecurity) moved; README "Two commands" is still there."""\n'
+            "# a comment: docs/reading.md#zero-copy, docs/reading.md#zero_copy\n")
+    errors = code_reference_errors(ROOT / "sglang_hs" / "x.py", text, readme={"two-commands", "install"})
+    assert errors == [
+        "sglang_hs/x.py:2: docs/no-such-page.md: no such page",
+        "sglang_hs/x.py:2: docs/security.md#no-such-heading: no such heading",
+        "sglang_hs/x.py:5: docs/reading.md#zero_copy: no such heading",
+        "sglang_hs/x.py:3: README section 'Security': not in README.md (moved to docs/?)",
+        "sglang_hs/x.py:3: README section 'Security': not in README.md (moved to docs/?)",
+    ], errors
 
 
 def test_github_slugs():

@@ -5,7 +5,6 @@ within LIMIT_S: a hang fails the test instead of stalling the suite.
 
 Run as a script (`python test_live_workers.py SCENARIO DIR`), it runs one scenario and prints its outcome as
 JSON on the last line."""
-import http.server
 import json
 import os
 import socket
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import scenario_process
+from helpers import ONE_TOKEN_REPLY, json_server
 
 LIMIT_S = 120  # a generous bound on a scenario of a few seconds: only a hang reaches it
 
@@ -163,30 +163,18 @@ def fake_server(dump: str, node=None, routes=None):
                            writer_id=node["dp_ranks"][0] if node else 0, node=node)
     lock, rids = threading.Lock(), []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def post(path, body):
+        if path != "/generate":
+            return {}
+        ids = body["input_ids"]
+        with lock:
+            rids.append(body["rid"])
+            if routes is not None:
+                routes[body["rid"]] = body.get("routed_dp_rank")
+            writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32), torch.arange(len(ids)))
+        return ONE_TOKEN_REPLY
 
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            out = {}
-            if self.path == "/generate":
-                ids = body["input_ids"]
-                with lock:
-                    rids.append(body["rid"])
-                    if routes is not None:
-                        routes[body["rid"]] = body.get("routed_dp_rank")
-                    writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32), torch.arange(len(ids)))
-                out = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
-            data = json.dumps(out).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{srv.server_port}", rids
+    return json_server(post)[1], rids
 
 
 def scenario(name: str, tmp: str) -> dict:

@@ -1,10 +1,11 @@
-"""What a member of --hs-share-group can do to the server through the ring, and what it cannot (README,
-Security). The ring is the writer's alone (0640 of the group): a member can neither write nor truncate it,
-nor open the store. What it can write is the read offset, in the ring's offset file (0660): every value
-there is checked by the writer (at or after what it accepted, at most what it published, the end of a
-record it wrote); a bad one, or the file cut short, is refused and counted and the server goes on as with
-no reader: it never stops, never writes outside the ring, and a reader's records stay whole and exact.
-A member that writes a valid offset consumes records, as any reader of the group may.
+"""What a member of --hs-share-group can do to the server through the ring, and what it cannot
+(docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do). The ring is the writer's alone (0640 of
+the group): a member can neither write nor truncate it, nor open the store. What it can write is the read
+offset, in the ring's offset file (0660): every value there is checked by the writer (at or after what it
+accepted, at most what it published, the end of a record it wrote); a bad one, or the file cut short, is
+refused and counted and the server goes on as with no reader: it never stops, never writes outside the ring,
+and a reader's records stay whole and exact. A member that writes a valid offset consumes records, as any
+reader of the group may.
 
 The member runs as another uid (root starts it; the test skips elsewhere). The writer's side is also
 fuzzed (hypothesis): random publishes, reads, reader restarts, offsets and truncations of the offset
@@ -29,6 +30,7 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
+from helpers import ProgressLines  # noqa: E402
 from sglang_hs import fsutil  # noqa: E402
 from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
@@ -314,15 +316,7 @@ def test_a_member_moving_the_read_offset_under_the_extraction_cli_gets_no_torn_f
                 attacked.append(True)
             super()._save(tmp, input_ids, loss_mask, aux, last)
 
-    class Bar:
-        lines = []
-
-        def write(self, line, file=None):
-            self.lines.append(line)
-
-        def update(self, n):
-            pass
-
+    bar = ProgressLines()
     out = os.path.join(parent, "out")
     ext = cli.Extraction(SimpleNamespace(), "http://unused", reader, Sink(out), None, None)
     for index, rec in enumerate((r0, r1)):
@@ -334,11 +328,11 @@ def test_a_member_moving_the_read_offset_under_the_extraction_cli_gets_no_torn_f
     assert attacked and w.ring.consumed == one  # the writer took the member's offset and wrote r2 over r0
     assert torch.equal(r0.input_ids, ids_of(2, T))  # r0's views now show r2: what a file of them would hold
     assert not reader.intact(r0) and reader.intact(r1)
-    assert ext._collect_writes(Bar()) == 2
+    assert ext._collect_writes(bar) == 2
     assert not ext.sink.done(0) and not [p for p in os.listdir(out) if "tmp" in p], os.listdir(out)
     assert len(ext.stats.failed) == 1 and ext.stats.failed[0][0] == 0, ext.stats.failed
     assert "given back to the server" in ext.stats.failed[0][1] and d in ext.stats.failed[0][1]
-    assert Bar.lines == [f"[extract] sample 0 failed: {ext.stats.failed[0][1]}"]
+    assert bar.lines == [f"[extract] sample 0 failed: {ext.stats.failed[0][1]}"]
     got = load_file(ext.sink.path(1))  # the record nobody touched: exactly what the server published
     assert torch.equal(got["token_ids"], ids_of(1, T).long()) and torch.equal(got["hidden_states"], rows_of(1, T))
     assert r1.input_ids is None and not reader.intact(r1)  # acked: its tensors dropped, nothing to vouch for
@@ -353,7 +347,8 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
     offset file; it can change no mode or owner, map the ring writable, remove, rename or add anything.
     So a member cannot forge a record (the ring's CRC, unkeyed, only detects corruption, and a member
     cannot write the ring), and what it can do is what any reader of the group does: read every record
-    and consume it (README, Security)."""
+    and consume it
+    (docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do)."""
     from sglang_hs.overlay_status import OverlayStatus
 
     _, d, new_member = shared_dump

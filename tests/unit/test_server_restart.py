@@ -9,7 +9,6 @@ sample. Every row is checked against what the writer of its generation held.
 
 Run as a script (`python test_server_restart.py SCENARIO DIR`), it runs one DataLoader scenario in its own
 process (killed if it hangs) and prints its outcome as JSON on the last line."""
-import http.server
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader, ServerRestarted  # noqa: E402
 from sglang_hs.store.writer import CaptureWriter  # noqa: E402
 import scenario_process  # noqa: E402
+from helpers import ONE_TOKEN_REPLY, json_server  # noqa: E402
 
 H, SLOTS = 8, 64
 LIMIT_S = 120  # a scenario in its own process: only a hang reaches this
@@ -168,41 +168,21 @@ class FakeServer:
         self.generation, self.served = 0, 0
         self.generation_of = {}  # rid -> the generation that served it
         self.writer = start_writer(dump, 0)
-        lock = threading.Lock()
-        srv = self
+        self.lock = threading.Lock()
+        self.http, self.url = json_server(self.post, get=True)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                out = {}
-                if self.path == "/generate":
-                    with lock:
-                        if srv.served == srv.restart_at:
-                            srv.generation += 1
-                            srv.writer = start_writer(srv.dump, srv.generation)
-                        srv.served += 1
-                        srv.generation_of[body["rid"]] = srv.generation
-                        ids = body["input_ids"]
-                        srv.writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32),
-                                                    torch.arange(len(ids)))
-                    out = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
-                data = json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_port}"
+    def post(self, path, body):
+        if path != "/generate":
+            return {}
+        with self.lock:
+            if self.served == self.restart_at:
+                self.generation += 1
+                self.writer = start_writer(self.dump, self.generation)
+            self.served += 1
+            self.generation_of[body["rid"]] = self.generation
+            ids = body["input_ids"]
+            self.writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32), torch.arange(len(ids)))
+        return ONE_TOKEN_REPLY
 
 
 class Preparer:

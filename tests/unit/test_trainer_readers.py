@@ -11,20 +11,11 @@ import sys
 import pytest
 import torch
 
+from helpers import readers_path
 from sglang_hs.extract import cli, output
 from sglang_hs.extract.sinks import SafetensorsSink, SinkError, SpecForgeSink
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _readers_path():
-    path = os.environ.get("SGLANG_HS_READERS")
-    if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
-        path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
-    return path if path and os.path.isdir(path) else None
-
-
-_path = _readers_path()
+_path = readers_path()
 if _path and _path not in sys.path:
     sys.path.append(_path)  # after the venv: the readers' own dependencies come from the pinned environment
 _NO_READERS = "requirements/readers.txt is not installed (run scripts/ensure_env.sh, or set SGLANG_HS_READERS)"

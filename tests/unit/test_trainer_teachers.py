@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import readers_path
+from helpers import readers_path, trainer_env
 from sglang_hs import tiny_model
 from sglang_hs.extract import output
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
@@ -195,39 +195,11 @@ def test_speculators_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_pat
 
 SPECFORGE_STEPS = """
 import json, sys
-import torch
-from specforge.algorithms.eagle3 import providers
-from specforge.config.schema import load_config
 from specforge.data.preprocessing import build_offline_eagle3_dataset
-from specforge.runtime.contracts import TrainBatch
-from specforge.training.model_loading import resolve_draft_config
-
-cfg = load_config(sys.argv[1], ["training.attention_backend=sdpa", "training.ttt_length=2"])
-reg = providers.algorithm_providers()
-draft_config = resolve_draft_config(cfg, provider=reg.model.draft_config)
-draft_config.draft_vocab_size = draft_config.vocab_size  # its default, 32000, exceeds the tiny vocabulary
-torch.manual_seed(0)
-draft = reg.model.build_draft(cfg, draft_config)
-parts = reg.model.build_training_model(cfg, draft, draft_config, None, None)
-step = providers.build_step(parts.model, target_head=parts.target_head, **providers.step_options(cfg))
-ds = build_offline_eagle3_dataset(cfg.data.hidden_states_path, max_len=cfg.data.max_length)
-opt = torch.optim.AdamW([p for p in parts.model.parameters() if p.requires_grad], lr=1e-3)
-losses = []
-for epoch in range(3):
-    total = 0.0
-    for j in range(len(ds)):
-        item = ds[j]
-        batch = TrainBatch(sample_ids=[str(j)], strategy="eagle3", metadata={"target_repr": "hidden_state"},
-                           tensors={k: item[k] for k in ("input_ids", "attention_mask", "loss_mask", "hidden_state",
-                                                         "target")})
-        loss = step.forward_loss(batch).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), cfg.training.max_grad_norm)
-        opt.step()
-        total += loss.item()
-    losses.append(total)
-print("LOSSES", json.dumps(losses))
+from specforge_train import Eagle3Training
+t = Eagle3Training(sys.argv[1])
+ds = build_offline_eagle3_dataset(t.cfg.data.hidden_states_path, max_len=t.cfg.data.max_length)
+print("LOSSES", json.dumps(t.epochs(3, lambda epoch: (ds[j] for j in range(len(ds))))))
 """
 
 
@@ -249,9 +221,7 @@ def test_specforge_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path)
         sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
     manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8, "context_len": 256}
     (tmp_path / "run.json").write_text(json.dumps(output.specforge_config(str(out), manifest)))
-    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _readers_path()) if p))
-    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(tmp_path / "run.json")], env=env,
+    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(tmp_path / "run.json")], env=trainer_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads(proc.stdout.split("LOSSES", 1)[1])
@@ -304,8 +274,7 @@ def test_the_printed_specforge_command_trains_on_the_cpu(hf_rows, tmp_path, caps
     assert printed[0] == "[extract] train with SpecForge 0.2.0:", printed
     argv = shlex.split(printed[1])
     assert argv[:2] == ["specforge", "train"], argv
-    env = dict(os.environ, SPECFORGE_DEVICE="cpu", TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _readers_path()) if p))
+    env = trainer_env(SPECFORGE_DEVICE="cpu")
     run_config = argv[argv.index("--config") + 1]
     draft = tmp_path / "draft.json"
     proc = subprocess.run([sys.executable, "-c", SPECFORGE_DRAFT_CONFIG, run_config, str(draft)], env=env,
