@@ -94,6 +94,20 @@ def check_final_state(fmt: str, sink, manifest: dict, server: str) -> None:
               "server with --hs-last", file=sys.stderr, flush=True)
 
 
+def check_streams(fmt: str, manifest: dict, server: str) -> None:
+    """Refuse DeepSeek-V4's full hyper-connection streams (--hs-hc-streams full: hc_mult rows per layer id) for
+    the EAGLE-3 trainers' formats. Both size the draft's fc from the layer count and the target's hidden size
+    (SpecForge 0.2.0: 3 x target_hidden_size; speculators 0.9.0: len(--target-layer-ids) x hidden_size), so
+    files of K x hc_mult x H per token load and then fail at the first step; and SGLang 0.5.23 serves V4
+    drafters on the streams' mean (its DSpark capture), which the default convention stores."""
+    per = int(manifest.get("rows_per_layer", 1))
+    if per != 1:
+        raise ExtractError(f"--format {fmt}: {server} captures DeepSeek-V4's full hyper-connection streams "
+                           f"(--hs-hc-streams full, {per} rows of {manifest['hidden_size']} per layer id), and the "
+                           f"EAGLE-3 trainers take one row per layer id (SGLang serves V4 drafters on the streams' "
+                           f"mean): restart it with --hs-hc-streams mean, or read the streams with HiddenStateReader")
+
+
 def draft_config(manifest: dict) -> dict:
     """Draft-model config fields for these layers, in SGLang's EAGLE-3 id convention."""
     layers = manifest["layer_ids"]
