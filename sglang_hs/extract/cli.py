@@ -650,7 +650,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
         if rc == 0:
-            print_training_command(out_dir, manifest, sink.name, ns.save_dtype)
+            print_training_command(out_dir, manifest, sink.name, ns.save_dtype, ns.output_gid)
     return rc
 
 

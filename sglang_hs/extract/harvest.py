@@ -320,7 +320,7 @@ def run(ns, sink, out_dir: str) -> int:
             write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
             if rc == 0:  # as a --data run does: the trainer's command on these files (SpecForge: its run config)
                 print_training_command(out_dir, dict(manifest, vocab_size=model_vocab_size(manifest["model_path"])),
-                                       sink.name, ns.save_dtype)
+                                       sink.name, ns.save_dtype, getattr(ns, "output_gid", None))
     finally:
         if journal is not None:
             journal.close()  # after the manifest: no other harvester writes into --output before it is there
