@@ -237,8 +237,13 @@ def write_speculators_verifier(out_dir: str, model_path: str, gid: Optional[int]
     from sglang_hs.fsutil import make_private_dirs
 
     final = os.path.join(out_dir, SPECULATORS_VERIFIER)
-    if os.path.exists(os.path.join(final, "model.safetensors")):
-        return final
+    source = os.path.abspath(model_path)
+    try:  # a resumed run's, of the same checkpoint: kept
+        with safe_open(os.path.join(final, "model.safetensors"), "pt") as f:
+            if (f.metadata() or {}).get("source") == source:
+                return final
+    except Exception:  # noqa: BLE001 - none yet, or cut short: made again
+        pass
     tmp = final + f".{os.getpid()}.tmp"
     make_private_dirs(tmp, gid)
     try:
@@ -250,7 +255,7 @@ def write_speculators_verifier(out_dir: str, model_path: str, gid: Optional[int]
     for ours, theirs in renames.items():
         with safe_open(os.path.join(model_path, where.get(theirs, "model.safetensors")), "pt") as f:
             tensors[ours] = f.get_tensor(theirs).contiguous()
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "source": source})
     for name in os.listdir(model_path):  # config, tokenizer, generation config, remote code
         if name.endswith((".json", ".model", ".py", ".txt", ".tiktoken")) and name != "model.safetensors.index.json":
             os.symlink(os.path.abspath(os.path.join(model_path, name)), os.path.join(tmp, name))

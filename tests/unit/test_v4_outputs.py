@@ -8,6 +8,7 @@ trainers' formats and the live dataset refuse full streams in one line (tests/un
 trains on the default convention). Dumps are written by the real CaptureWriter with the spec and manifest
 fields the V4 overlay gives it (sglang_hs/models/deepseek_v4.py); SGLang's V4 forward cannot run here."""
 import json
+import os
 import re
 import types
 
@@ -161,3 +162,56 @@ def test_the_live_dataset_refuses_full_streams_in_one_line(tmp_path):
                        r"DeepSeek-V4's full hyper-connection streams .*--hs-hc-streams mean$"):
         list(ds._samples(reader, "x-", 0, 1, 1))
     assert closed == [1]
+
+
+def _checkpoint(path, names, seed):
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    g = torch.Generator().manual_seed(seed)
+    save_file({n: torch.randn(6, 4, generator=g) if "norm" not in n else torch.randn(4, generator=g) for n in names},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"architectures": [V4]}))
+    (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+def test_speculators_verifier_renames_v4s_tensors_and_is_remade_for_another_checkpoint(tmp_path):
+    """speculators 0.9.0 finds no lm_head.weight in DeepSeek-V4's layout (head.weight, embed.weight) and takes the
+    embedding for it (tests/unit/test_v4_trainers.py measures the teacher); the extraction's verifier folder
+    holds them under speculators' names, is kept for the same checkpoint and remade for another."""
+    from safetensors import safe_open
+
+    from sglang_hs.extract import output
+
+    v3 = _checkpoint(tmp_path / "v3", ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"], 0)
+    assert output.speculators_renames(v3) == {} and output.write_speculators_verifier(str(tmp_path), v3) is None
+    assert output.training_command(str(tmp_path), {"model_path": v3, "layer_ids": [1]}, "safetensors", None)[5] == v3
+    a = _checkpoint(tmp_path / "a", ["embed.weight", "head.weight", "norm.weight", "layers.0.attn_norm.weight"], 1)
+    assert output.speculators_renames(a) == {"model.embed_tokens.weight": "embed.weight",
+                                             "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight"}
+    out = tmp_path / "out"
+    out.mkdir()
+    shim = output.write_speculators_verifier(str(out), a)
+    assert shim == str(out / output.SPECULATORS_VERIFIER)
+    assert output.training_command(str(out), {"model_path": a, "layer_ids": [1]}, "safetensors", None)[5] == shim
+
+    def tensors(folder):
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    src = tensors(a)
+    got = tensors(shim)
+    assert set(got) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    assert torch.equal(got["lm_head.weight"], src["head.weight"]) and torch.equal(got["model.norm.weight"], src["norm.weight"])
+    assert os.path.realpath(os.path.join(shim, "config.json")) == os.path.join(a, "config.json")
+    assert os.path.islink(os.path.join(shim, "tokenizer.json"))
+    mtime = os.stat(os.path.join(shim, "model.safetensors")).st_mtime_ns
+    assert output.write_speculators_verifier(str(out), a) == shim  # the same checkpoint: kept
+    assert os.stat(os.path.join(shim, "model.safetensors")).st_mtime_ns == mtime
+    b = _checkpoint(tmp_path / "b", ["model.embed_tokens.weight", "head.weight", "model.norm.weight"], 2)
+    assert output.speculators_renames(b)["lm_head.weight"] == "head.weight"
+    output.write_speculators_verifier(str(out), b)  # another checkpoint: remade from it
+    assert torch.equal(tensors(shim)["lm_head.weight"], tensors(b)["head.weight"])
+    assert os.path.realpath(os.path.join(shim, "config.json")) == os.path.join(b, "config.json")
+    assert sorted(os.listdir(out)) == [output.SPECULATORS_VERIFIER]  # no temporary folder left
