@@ -247,21 +247,24 @@ def write_speculators_verifier(out_dir: str, model_path: str, gid: Optional[int]
     tmp = final + f".{os.getpid()}.tmp"
     make_private_dirs(tmp, gid)
     try:
-        with open(os.path.join(model_path, "model.safetensors.index.json")) as f:
-            where = json.load(f)["weight_map"]
-    except OSError:
-        where = {}
-    tensors = {}
-    for ours, theirs in renames.items():
-        with safe_open(os.path.join(model_path, where.get(theirs, "model.safetensors")), "pt") as f:
-            tensors[ours] = f.get_tensor(theirs).contiguous()
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "source": source})
-    for name in os.listdir(model_path):  # config, tokenizer, generation config, remote code
-        if name.endswith((".json", ".model", ".py", ".txt", ".tiktoken")) and name != "model.safetensors.index.json":
-            os.symlink(os.path.abspath(os.path.join(model_path, name)), os.path.join(tmp, name))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        try:
+            with open(os.path.join(model_path, "model.safetensors.index.json")) as f:
+                where = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError):
+            where = {}
+        tensors = {}
+        for ours, theirs in renames.items():
+            with safe_open(os.path.join(model_path, where.get(theirs, "model.safetensors")), "pt") as f:
+                tensors[ours] = f.get_tensor(theirs).contiguous()
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "source": source})
+        for name in os.listdir(model_path):  # config, tokenizer, generation config, remote code
+            if name.endswith((".json", ".model", ".py", ".txt", ".tiktoken")) and name != "model.safetensors.index.json":
+                os.symlink(os.path.abspath(os.path.join(model_path, name)), os.path.join(tmp, name))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -292,10 +295,16 @@ def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: O
     if fmt == "specforge":
         with open(os.path.join(out_dir, SPECFORGE_CONFIG), "w") as f:
             json.dump(specforge_config(out_dir, manifest), f, indent=1)
-    elif write_speculators_verifier(out_dir, manifest["model_path"], gid):
-        print(f"[extract] {manifest['model_path']} names its lm_head (head.weight) or embedding as DeepSeek-V4 "
-              f"does, which speculators 0.9.0 does not find (it would take the embedding as lm_head): its verifier is "
-              f"{os.path.join(out_dir, SPECULATORS_VERIFIER)}, those tensors renamed", file=sys.stderr, flush=True)
+    else:
+        shim = os.path.join(out_dir, SPECULATORS_VERIFIER)
+        try:
+            if write_speculators_verifier(out_dir, manifest["model_path"], gid):
+                print(f"[extract] {manifest['model_path']} names its lm_head (head.weight) or embedding as DeepSeek-V4 "
+                      "does, which speculators 0.9.0 does not find (it would take the embedding as lm_head): its "
+                      f"verifier is {shim}, those tensors renamed", file=sys.stderr, flush=True)
+        except OSError as e:  # a full disk: the files are complete, the trainer's verifier is not
+            print(f"[extract] warning: cannot write {shim} ({e}), which the command below names as speculators' "
+                  "verifier: free space and rerun the extraction with --resume", file=sys.stderr, flush=True)
     cmd = " ".join(shlex.quote(a) for a in training_command(out_dir, manifest, fmt, save_dtype))
     trainer = "SpecForge 0.2.0" if fmt == "specforge" else "speculators 0.9.0"
     print(f"[extract] train with {trainer}:\n  {cmd}", file=sys.stderr, flush=True)
