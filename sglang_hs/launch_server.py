@@ -338,6 +338,13 @@ def text_only(argv: List[str]) -> List[str]:
     return out + [flag, json.dumps(dict(overrides, language_model_only=True))]
 
 
+def v4_on_cpu(arch: str) -> str:
+    """Why a hyper-connection model (DeepSeek-V4) does not serve on the CPU engine, in one line."""
+    return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (on the CPU engine its load_weights stops at "
+            "the mHC kernels' prewarm, a CUDA query in mhc.prewarm_mhc_pre, and its attention is the FlashMLA dsv4 "
+            "backend over DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -393,10 +400,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
                                    hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
         if arch in HC_ARCHITECTURES and env.get("SGLANG_HS_CPU_MODE"):
-            raise CaptureConfigError(f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (on the CPU engine "
-                                     "its load_weights stops at the mHC kernels' prewarm, a CUDA query in "
-                                     "mhc.prewarm_mhc_pre, and its attention is the FlashMLA dsv4 backend over "
-                                     "DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
+            raise CaptureConfigError(v4_on_cpu(arch))
         try:
             share_gid = fsutil.resolve_share_group(ns.hs_share_group) if ns.hs_share_group else None
             dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir, share_gid)

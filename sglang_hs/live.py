@@ -165,6 +165,10 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
             if "post-norm" not in final_states(reader.manifest):
                 raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} runs without --hs-last (or "
                                        "with --hs-last pre-norm); SpecForge's layout needs the post-norm final state")
+            if int(reader.manifest.get("rows_per_layer", 1)) != 1:  # as the extraction's check_streams
+                raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} captures DeepSeek-V4's full "
+                                       "hyper-connection streams (--hs-hc-streams full); SpecForge's layout takes one "
+                                       "row per layer id: restart it with --hs-hc-streams mean")
             if self._preparer is None:
                 self._preparer = make_preparer(reader.manifest, url=self.url)
             # one node of a multi-node server (--nnodes): this node's samples (index modulo the DP size is one

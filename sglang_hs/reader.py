@@ -161,8 +161,10 @@ def ring_ids(manifest: dict) -> list:
     return [str(w.get("ring_id") or f"pid-{w.get('pid')}") for w in manifest["writers"]]
 
 
-# what a reattaching reader requires of the restarted server: records of the same shape and meaning
-SAME_SETUP = ("model_path", "architecture", "dtype", "hidden_size", "layer_ids", "last")
+# what a reattaching reader requires of the restarted server: records of the same shape and meaning (the
+# final states and DeepSeek-V4's rows per layer id set where each row of a record is: num_aux, finals)
+SAME_SETUP = ("model_path", "architecture", "dtype", "hidden_size", "layer_ids", "last", "last_states",
+              "rows_per_layer")
 
 
 class NotCaptured(LookupError):

@@ -32,8 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 from sglang_hs.capture_spec import final_states
 from sglang_hs.extract.errors import PROG, ExtractError
-from sglang_hs.extract.output import (Stats, check_final_state, model_vocab_size, prepare_output, print_summary,
-                                      print_training_command, write_manifest)
+from sglang_hs.extract.output import (Stats, check_final_state, check_streams, model_vocab_size, prepare_output,
+                                      print_summary, print_training_command, write_manifest)
 from sglang_hs.extract.samples import RECORD_GRACE_S, make_preparer, record_loss_mask, request_body
 
 WRITERS = 4  # threads writing and fsyncing files: fsync waits on the disk, not the CPU, so it overlaps serving
@@ -605,7 +605,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         node_route(ns, reader)
         manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))
         check_final_state(ns.format, sink, manifest, f"the server at {url}")
+        check_streams(ns.format, manifest, f"the server at {url}")
         sink.layer_ids = list(manifest["layer_ids"])
+        sink.rows_per_layer = int(manifest.get("rows_per_layer", 1))
         if ns.verify and "post-norm" not in final_states(manifest):
             raise ExtractError("--verify needs the post-norm final state (it checks lm_head of it against the "
                                "server's logprobs): run the server with --hs-last both (or --hs-last for --format "
@@ -648,7 +650,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_summary(extraction.stats, out_dir)
         write_manifest(out_dir, manifest, ns, extraction.stats, sink, status, dataset)
         if rc == 0:
-            print_training_command(out_dir, manifest, sink.name, ns.save_dtype)
+            print_training_command(out_dir, manifest, sink.name, ns.save_dtype, ns.output_gid)
     return rc
 
 

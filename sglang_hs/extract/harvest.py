@@ -233,8 +233,8 @@ def _open_reader(ns):
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
     from sglang_hs.extract.errors import PROG, ExtractError
-    from sglang_hs.extract.output import (Stats, check_final_state, model_vocab_size, prepare_output, print_summary,
-                                          print_training_command, write_manifest)
+    from sglang_hs.extract.output import (Stats, check_final_state, check_streams, model_vocab_size, prepare_output,
+                                          print_summary, print_training_command, write_manifest)
     from sglang_hs.extract.sinks import SinkError
     from sglang_hs.reader import ServerRestarted
     from sglang_hs.store.ring import TornRecord
@@ -260,8 +260,10 @@ def run(ns, sink, out_dir: str) -> int:
         reader = _open_reader(ns)
         manifest = reader.manifest
         check_final_state(ns.format, sink, manifest, f"the server of {ns.from_dump}")
+        check_streams(ns.format, manifest, f"the server of {ns.from_dump}")
         journal.check_setup(setup_of(ns, manifest), out_dir)
         sink.layer_ids = list(manifest["layer_ids"])
+        sink.rows_per_layer = int(manifest.get("rows_per_layer", 1))
         harvester = Harvester(reader, sink, journal, Stats())
         print(f"[extract] harvesting {ns.from_dump} into {out_dir} (--format {ns.format}); stop with Ctrl-C or "
               "SIGTERM", file=sys.stderr, flush=True)
@@ -318,7 +320,7 @@ def run(ns, sink, out_dir: str) -> int:
             write_manifest(out_dir, manifest, ns, stats, sink, status, dataset)
             if rc == 0:  # as a --data run does: the trainer's command on these files (SpecForge: its run config)
                 print_training_command(out_dir, dict(manifest, vocab_size=model_vocab_size(manifest["model_path"])),
-                                       sink.name, ns.save_dtype)
+                                       sink.name, ns.save_dtype, getattr(ns, "output_gid", None))
     finally:
         if journal is not None:
             journal.close()  # after the manifest: no other harvester writes into --output before it is there

@@ -94,6 +94,20 @@ def check_final_state(fmt: str, sink, manifest: dict, server: str) -> None:
               "server with --hs-last", file=sys.stderr, flush=True)
 
 
+def check_streams(fmt: str, manifest: dict, server: str) -> None:
+    """Refuse DeepSeek-V4's full hyper-connection streams (--hs-hc-streams full: hc_mult rows per layer id) for
+    the EAGLE-3 trainers' formats. Both size the draft's fc from the layer count and the target's hidden size
+    (SpecForge 0.2.0: 3 x target_hidden_size; speculators 0.9.0: len(--target-layer-ids) x hidden_size), so
+    files of K x hc_mult x H per token load and then fail at the first step; and SGLang 0.5.23 serves V4
+    drafters on the streams' mean (its DSpark capture), which the default convention stores."""
+    per = int(manifest.get("rows_per_layer", 1))
+    if per != 1:
+        raise ExtractError(f"--format {fmt}: {server} captures DeepSeek-V4's full hyper-connection streams "
+                           f"(--hs-hc-streams full, {per} rows of {manifest['hidden_size']} per layer id), and the "
+                           f"EAGLE-3 trainers take one row per layer id (SGLang serves V4 drafters on the streams' "
+                           f"mean): restart it with --hs-hc-streams mean, or read the streams with HiddenStateReader")
+
+
 def draft_config(manifest: dict) -> dict:
     """Draft-model config fields for these layers, in SGLang's EAGLE-3 id convention."""
     layers = manifest["layer_ids"]
@@ -142,14 +156,126 @@ def specforge_config(out_dir: str, manifest: dict) -> dict:
            "output_dir": out_dir.rstrip(os.sep) + "-specforge"}
     if manifest.get("context_len"):
         cfg["data"]["max_length"] = int(manifest["context_len"])
+    cfg["model"].update(checkpoint_keys(manifest["model_path"]))
     return cfg
+
+
+# SpecForge reads the target's embedding and lm_head by these names (its ModelConfig defaults first); DeepSeek-V4's
+# checkpoints name them in DeepSeek's own layout (transformers 5.19's conversion_mapping: embed.weight,
+# head.weight; HF's save_pretrained of DeepseekV4ForCausalLM writes head.weight too)
+CHECKPOINT_KEYS = {"embedding_key": ("model.embed_tokens.weight", "embed.weight", "model.embed.weight"),
+                   "lm_head_key": ("lm_head.weight", "head.weight", "model.head.weight")}
+
+
+def checkpoint_keys(model_path: str) -> dict:
+    """SpecForge's model.embedding_key / model.lm_head_key for a local checkpoint whose weights are not named as
+    its defaults are ({} when they are, or when the checkpoint cannot be read: a hub name)."""
+    names = _weight_names(model_path)
+    out = {}
+    for key, candidates in CHECKPOINT_KEYS.items():
+        found = [c for c in candidates if c in names]
+        if found and found[0] != candidates[0]:
+            out[key] = found[0]
+    return out
+
+
+def _weight_names(model_path: str) -> set:
+    """The tensor names of a local safetensors checkpoint (its index, or its one file); empty when unreadable."""
+    try:
+        with open(os.path.join(model_path, "model.safetensors.index.json")) as f:
+            return set(json.load(f)["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(model_path, "model.safetensors"), "pt") as f:
+            return set(f.keys())
+    except Exception:  # noqa: BLE001 - a hub name, no checkpoint here
+        return set()
+
+
+# speculators 0.9.0 (speculators/utils/loading.py) finds the verifier's tensors by name, a suffix of a name, or an
+# alias: with no `lm_head.weight` it takes the embedding as lm_head (tied), silently, and with no `embed_tokens.weight`
+# it stops with a KeyError. DeepSeek-V4 names them head.weight and embed.weight (transformers 5.19's
+# conversion_mapping; HF's save_pretrained writes head.weight): its teacher would be the embedding's logits.
+SPECULATORS_VERIFIER = "speculators_verifier"
+# speculators' name -> the names it finds it by (a key equal to or ending with one), then DeepSeek-V4's own
+SPECULATORS_NAMES = {"model.embed_tokens.weight": (("embed_tokens.weight", "tok_embeddings.weight"), "embed.weight"),
+                     "lm_head.weight": (("lm_head.weight", "output.weight", "llm.unembed.weight"), "head.weight"),
+                     "model.norm.weight": (("model.norm.weight",), "norm.weight")}
+
+
+def speculators_renames(model_path: str) -> dict:
+    """{speculators' name: the checkpoint's} when a local checkpoint names its embedding or lm_head as DeepSeek-V4
+    does (embed.weight, head.weight), which speculators does not find; {} when it finds them by its own rules,
+    or the checkpoint cannot be read."""
+    names = _weight_names(model_path)
+    out, renamed = {}, False
+    for ours, (its, v4) in SPECULATORS_NAMES.items():
+        found = sorted((n for n in names if n.endswith(its)), key=len)
+        if found:
+            out[ours] = found[0]
+        elif v4 in names:
+            out[ours], renamed = v4, True
+    return out if renamed and len(out) == len(SPECULATORS_NAMES) else {}
+
+
+def write_speculators_verifier(out_dir: str, model_path: str, gid: Optional[int] = None) -> Optional[str]:
+    """For a checkpoint speculators would misread (speculators_renames): DIR/speculators_verifier, the checkpoint's
+    config, tokenizer and other small files linked, and model.safetensors holding its embedding, lm_head and
+    final norm under speculators' names (the vocabulary x hidden twice: ~2.1 GB for DeepSeek-V4-Flash in bf16).
+    Returns its path (None: not needed). Written under a temporary name and renamed."""
+    renames = speculators_renames(model_path)
+    if not renames:
+        return None
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sglang_hs.fsutil import make_private_dirs
+
+    final = os.path.join(out_dir, SPECULATORS_VERIFIER)
+    source = os.path.abspath(model_path)
+    try:  # a resumed run's, of the same checkpoint: kept
+        with safe_open(os.path.join(final, "model.safetensors"), "pt") as f:
+            if (f.metadata() or {}).get("source") == source:
+                return final
+    except Exception:  # noqa: BLE001 - none yet, or cut short: made again
+        pass
+    tmp = final + f".{os.getpid()}.tmp"
+    make_private_dirs(tmp, gid)
+    try:
+        try:
+            with open(os.path.join(model_path, "model.safetensors.index.json")) as f:
+                where = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError):
+            where = {}
+        tensors = {}
+        for ours, theirs in renames.items():
+            with safe_open(os.path.join(model_path, where.get(theirs, "model.safetensors")), "pt") as f:
+                tensors[ours] = f.get_tensor(theirs).contiguous()
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "source": source})
+        for name in os.listdir(model_path):  # config, tokenizer, generation config, remote code
+            if name.endswith((".json", ".model", ".py", ".txt", ".tiktoken")) and name != "model.safetensors.index.json":
+                os.symlink(os.path.abspath(os.path.join(model_path, name)), os.path.join(tmp, name))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optional[str]) -> List[str]:
     """The trainer's command line for the files of this run (argv; SpecForge's reads SPECFORGE_CONFIG)."""
     if fmt == "specforge":
         return ["specforge", "train", "--config", os.path.join(out_dir, SPECFORGE_CONFIG)]
-    cmd = ["speculators", "train", "--speculator-type", "eagle3", "--verifier-name-or-path", manifest["model_path"],
+    verifier = manifest["model_path"]
+    if speculators_renames(verifier):  # written beside the files by print_training_command
+        verifier = os.path.join(out_dir, SPECULATORS_VERIFIER)
+    cmd = ["speculators", "train", "--speculator-type", "eagle3", "--verifier-name-or-path", verifier,
            "--data-path", out_dir, "--target-layer-ids", *map(str, manifest["layer_ids"]),
            "--hidden-states-backend", "fp8" if (save_dtype or "").startswith("fp8") else "file",
            "--hidden-states-dtype", "bfloat16"]
@@ -159,7 +285,8 @@ def training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optiona
     return cmd
 
 
-def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optional[str]) -> None:
+def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optional[str],
+                           gid: Optional[int] = None) -> None:
     """Say how to train on the files just written (SpecForge: with the run config written beside them)."""
     import shlex
 
@@ -168,6 +295,16 @@ def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: O
     if fmt == "specforge":
         with open(os.path.join(out_dir, SPECFORGE_CONFIG), "w") as f:
             json.dump(specforge_config(out_dir, manifest), f, indent=1)
+    else:
+        shim = os.path.join(out_dir, SPECULATORS_VERIFIER)
+        try:
+            if write_speculators_verifier(out_dir, manifest["model_path"], gid):
+                print(f"[extract] {manifest['model_path']} names its lm_head (head.weight) or embedding as DeepSeek-V4 "
+                      "does, which speculators 0.9.0 does not find (it would take the embedding as lm_head): its "
+                      f"verifier is {shim}, those tensors renamed", file=sys.stderr, flush=True)
+        except OSError as e:  # a full disk: the files are complete, the trainer's verifier is not
+            print(f"[extract] warning: cannot write {shim} ({e}), which the command below names as speculators' "
+                  "verifier: free space and rerun the extraction with --resume", file=sys.stderr, flush=True)
     cmd = " ".join(shlex.quote(a) for a in training_command(out_dir, manifest, fmt, save_dtype))
     trainer = "SpecForge 0.2.0" if fmt == "specforge" else "speculators 0.9.0"
     print(f"[extract] train with {trainer}:\n  {cmd}", file=sys.stderr, flush=True)

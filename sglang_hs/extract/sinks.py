@@ -10,7 +10,9 @@ fsync), so a crash never leaves a file that looks done and `--resume` can trust 
                 norm, which speculators takes as the verifier's last hidden state and normalises itself:
                 `verifier_lm_head(verifier_norm(...))` in speculators/models/eagle3/core.py, as vLLM's
                 extraction stores it), token_ids [T] int64 and loss_mask [T] int64, and header metadata
-                (final_state "pre-norm", num_aux_layers, layer_ids). When the run
+                (final_state "pre-norm", num_aux_layers: the layer ids, layer_ids; rows_per_layer where a
+                layer id has more than one row: DeepSeek-V4's full hyper-connection streams, which finalize
+                refuses). When the run
                 completes, finalize() makes the folder what `speculators.train.data.ArrowDataset(max_len,
                 DIR)` reads: a `datasets` dataset saved with save_to_disk in DIR (columns input_ids,
                 loss_mask, seq_len as speculators' prepare_data writes them, plus sample_index; torch
@@ -79,6 +81,19 @@ class Sink:
         self.save_dtype = save_dtype
         self.share_gid: Optional[int] = None  # --output-group: files 0640 and folders 0750 of it (else 0600/0700)
         self.layer_ids: Optional[List[int]] = None  # recorded in the files where the format has room
+        # aux rows per layer id: DeepSeek-V4 with --hs-hc-streams full captures hc_mult (the manifest's
+        # rows_per_layer); aux [T, K * rows_per_layer, H] then holds stream s of the k-th id at row k*hc_mult+s
+        self.rows_per_layer = 1
+
+    def aux_layers(self, aux: torch.Tensor) -> int:
+        """The layer ids `aux` [T, R, H] holds: R / rows_per_layer (SinkError when R does not fit this sink's
+        layer ids and rows per layer)."""
+        R, per = int(aux.shape[1]), int(self.rows_per_layer)
+        K = R // per if per >= 1 and R % per == 0 else None
+        if K is None or (self.layer_ids is not None and K != len(self.layer_ids)):
+            want = f"{len(self.layer_ids)} layer ids x " if self.layer_ids is not None else "a multiple of "
+            raise SinkError(f"aux holds {R} rows per token, expected {want}{per} rows per layer id")
+        return K
 
     def finalize(self) -> Optional[dict]:
         """What a completed run adds beside the sample files; None when the format needs nothing."""
@@ -106,10 +121,13 @@ class Sink:
 
     def write(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
               last: Optional[torch.Tensor], before_commit: Optional[Callable[[], None]] = None) -> int:
-        """Write one sample (aux [T, K, H], last [T, H]); returns the bytes written. `before_commit` is called
-        once the bytes are in the temporary file, before it takes the sample's name: raising there leaves no
-        file (the extraction CLI checks a zero-copy record's ring bytes were still its own)."""
+        """Write one sample (aux [T, K * rows_per_layer, H], last [T, H]); returns the bytes written.
+        `before_commit` is called once the bytes are in the temporary file, before it takes the sample's name:
+        raising there leaves no file (the extraction CLI checks a zero-copy record's ring bytes were still its
+        own)."""
         from sglang_hs.fsutil import create_private_file, make_private_dirs, set_private_mode
+
+        self.aux_layers(aux)  # rows that do not fit the layer ids: refused before any file is made
 
         final = self.path(index)
         make_private_dirs(os.path.dirname(final), self.share_gid)
@@ -216,7 +234,9 @@ class SafetensorsSink(Sink):
         rows = record_rows(aux, last) if self.share_rows else None
         states = rows if rows is not None else aux if last is None else torch.cat([aux, last[:, None]], dim=1)
         meta = {"format": "sglang-hs", "final_state": self.final_state if last is not None else "false",
-                "num_aux_layers": str(aux.shape[1]), "fp8_scale": "none"}
+                "num_aux_layers": str(self.aux_layers(aux)), "fp8_scale": "none"}
+        if self.rows_per_layer != 1:  # absent: one row per layer id (every file before hc streams)
+            meta["rows_per_layer"] = str(self.rows_per_layer)
         if self.layer_ids is not None:
             meta["layer_ids"] = ",".join(str(i) for i in self.layer_ids)
         tensors = {"token_ids": input_ids.contiguous(), "loss_mask": loss_mask.contiguous()}
@@ -262,7 +282,7 @@ class SafetensorsSink(Sink):
                     meta = f.metadata() or {}
                     hs = f.get_slice("hidden_states")
                     sig = (tuple(hs.get_shape()[1:]), hs.get_dtype(), meta.get("num_aux_layers"),
-                           meta.get("layer_ids"), meta.get("fp8_scale", "none"))
+                           meta.get("layer_ids"), meta.get("fp8_scale", "none"), meta.get("rows_per_layer", "1"))
                     f.get_slice("token_ids"), f.get_slice("loss_mask")
             except Exception as e:  # noqa: BLE001 - SafetensorError (cut short, not safetensors), a tensor missing
                 unreadable.append((p, f"{type(e).__name__}: {e}"))
@@ -271,6 +291,10 @@ class SafetensorsSink(Sink):
                 raise SinkError(f"{p} holds the final state after the final norm, which speculators normalises "
                                 "again (it trains on the pre-norm state): extract it again from a server with "
                                 "--hs-last pre-norm; no speculators dataset written")
+            if meta.get("rows_per_layer", "1") != "1":
+                raise SinkError(f"{p} holds {meta['rows_per_layer']} rows per layer id (DeepSeek-V4's hyper-connection "
+                                "streams, --hs-hc-streams full); speculators' EAGLE-3 takes one row per layer id: "
+                                "no speculators dataset written")
             if meta.get("final_state") != self.final_state:
                 raise SinkError(f"{p} holds no final hidden state (its server ran without --hs-last), which "
                                 "speculators trains on: no speculators dataset written")
@@ -278,7 +302,7 @@ class SafetensorsSink(Sink):
                 ref = (sig, p)
             elif sig != ref[0]:
                 raise SinkError(f"{p} holds rows {sig} but {ref[1]} holds {ref[0]} (shape, dtype, aux layers, "
-                                "layer ids, FP8 scale): files of different captures cannot form one dataset")
+                                "layer ids, FP8 scale, rows per layer id): files of different captures cannot form one dataset")
 
         if unreadable:  # a copy cut short (a --shard output copied in): nothing is removed, the old dataset stays
             (p, why), others = unreadable[0], [os.path.basename(q) for q, _ in unreadable[1:]]

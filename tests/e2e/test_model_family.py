@@ -23,6 +23,8 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   path); reference: HF transformers' DeepseekV32ForCausalLM float32. Also judged under concurrency
   (requests of several lengths sharing prefill and decode steps), since the indexer and the sparse
   attention select keys per request.
+- "v32-tp2": the same V3.2 checkpoint served with `--tp 2` (one server, every test above against the same
+  HF float32 rows; the checkpoint test checks both ranks built the overlay and rank 0 alone writes).
 
 See sglang_hs/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
 time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
@@ -64,7 +66,11 @@ FAMILIES = {
     "kimi-k25": ["--context-length", "4096"],
     # DeepSeek-V3.2: SGLang's DSA on the CPU engine through the dsa_torch_native patch (torch_native, token pages).
     "v32": [],
+    # The same V3.2 checkpoint on two ranks (--tp 2: attention heads and experts split over both, each rank's
+    # indexer over its own copy of the indexer weights), judged by the same tests against the same HF rows.
+    "v32-tp2": ["--tp", "2"],
 }
+CHECKPOINT_OF = {"v32-tp2": "v32"}  # a configuration of another family's checkpoint: its tests and HF reference
 BF16_SERVED = {"mistral-large-3"}  # see judge_bf16
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "
         "proposes several tokens ahead, the large target model checks all of them in one forward pass, and "
@@ -74,15 +80,16 @@ LONG = ("Speculative decoding makes generation faster without changing its resul
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(variant, server, reader, hf) for one shape: its float32 capturing server and its HF reference."""
-    variant = request.param
+    config, variant = request.param, CHECKPOINT_OF.get(request.param, request.param)
     ckpt = tiny_model.ensure(variant)
     hf = _hf_reference(ckpt, variant)
     t0 = time.monotonic()
-    gen = _serve(tmp_path_factory.mktemp(f"hs-{variant}") / "dump",
-                 ["--model-path", ckpt, *FAMILIES[variant], "--dtype", "float32", "--hs-last", "both",
+    gen = _serve(tmp_path_factory.mktemp(f"hs-{config}") / "dump",
+                 ["--model-path", ckpt, *FAMILIES[config], "--dtype", "float32", "--hs-last", "both",
                   "--hs-layers", ",".join(map(str, LAYERS)), "--chunked-prefill-size", str(CHUNK)])
     server = next(gen)
-    print(f"{variant}: server ready in {time.monotonic() - t0:.1f}s")
+    server.parallel = FAMILIES[config]
+    print(f"{config}: server ready in {time.monotonic() - t0:.1f}s")
     reader = HiddenStateReader(str(server.dump))
     try:
         yield variant, server, reader, hf
@@ -184,6 +191,13 @@ def test_checkpoint_has_the_family_shape(family):
             "kimi-k25": "KimiK25ForConditionalGeneration", "v32": "DeepseekV32ForCausalLM"}.get(
         variant, "DeepseekV3ForCausalLM")
     assert reader.manifest["architecture"] == arch
+    if "--tp" in server.parallel:  # both ranks built the overlay (each reports its status); rank 0 alone writes
+        import glob
+        import json
+
+        status = [json.load(open(p)) for p in glob.glob(str(server.dump / "overlay-*.json"))]
+        assert len(status) == 2 and sum("writer" in st for st in status) == 1, status
+        assert [w["id"] for w in reader.manifest["writers"]] == [0]
     if variant == "kimi-k25":
         assert cfg["architectures"] == [arch] and cfg["text_config"]["model_type"] == "kimi_k2"
         assert hf.config.n_group == 1 and hf.config.routed_scaling_factor == 2.827

@@ -157,3 +157,56 @@ def test_the_users_hs_flags_reach_every_run_and_the_staging_ones_only_staging_ru
                              "2", "--hs-ring-size", "1GiB", "--hs-gather-threads", "3"]
     assert _hs_flags(ns, copy="direct") == ["--hs-last", "post-norm", "--hs-copy", "direct", "--hs-ring-size", "1GiB",
                                             "--hs-gather-threads", "3"]
+
+
+def test_hs_hc_streams_reaches_every_run():
+    """--hs-hc-streams full (DeepSeek-V4) was dropped: every configuration would have captured the mean."""
+    from sglang_hs.launch_server import split_argv
+    from sglang_hs.selftest import _hs_flags
+
+    ns, _ = split_argv(["--model-path", "m", "--hs-hc-streams", "full", "--hs-last", "both"])
+    assert _hs_flags(ns) == ["--hs-last", "both", "--hs-hc-streams", "full"]
+    assert _hs_flags(ns, copy="staging")[:4] == ["--hs-last", "both", "--hs-hc-streams", "full"]
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """The self-test's servers, recorded instead of started: a refusal must come before any."""
+    import sglang_hs.selftest as st
+
+    started = []
+
+    def run_capture(name, *a, **kw):
+        started.append(name)
+        raise RuntimeError("a server was started")
+
+    monkeypatch.setattr(st, "run_capture", run_capture)
+    return started
+
+
+def _v4_folder(tmp_path):
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 8,
+           "hidden_size": 88, "hc_mult": 4, "vocab_size": 300}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("streams", [[], ["--hs-hc-streams", "full"]])
+def test_v4_on_the_cpu_engine_is_refused_in_one_line_before_any_server(tmp_path, capsys, no_server, streams):
+    from sglang_hs.selftest import main
+
+    assert main(["--model-path", _v4_folder(tmp_path), "--device", "cpu", *streams]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sglang-hs selftest: error: DeepseekV4ForCausalLM: SGLang 0.5.23 "
+                                               "serves DeepSeek-V4 on CUDA only"), err
+    assert err[0].endswith("run the self-test on a GPU node") and no_server == []
+
+
+def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(capsys, no_server):
+    from sglang_hs.selftest import main
+
+    assert main(["--hs-hc-streams", "full", "--device", "cpu"]) == 2  # the embedded DeepSeek-V3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["sglang-hs selftest: error: --hs-hc-streams: only for models with hyper-connections "
+                   "(DeepseekV4ForCausalLM, hc_mult > 1); this model has one residual stream"], err
+    assert no_server == []
