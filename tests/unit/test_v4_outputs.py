@@ -182,18 +182,19 @@ def test_speculators_verifier_renames_v4s_tensors_and_is_remade_for_another_chec
     holds them under speculators' names, is kept for the same checkpoint and remade for another."""
     from safetensors import safe_open
 
-    from sglang_hs.extract import output
+    from sglang_hs.extract import checkpoint_names, output
 
     v3 = _checkpoint(tmp_path / "v3", ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"], 0)
-    assert output.speculators_renames(v3) == {} and output.write_speculators_verifier(str(tmp_path), v3) is None
+    assert checkpoint_names.speculators_renames(v3) == {}
+    assert checkpoint_names.write_speculators_verifier(str(tmp_path), v3) is None
     assert output.training_command(str(tmp_path), {"model_path": v3, "layer_ids": [1]}, "safetensors", None)[5] == v3
     a = _checkpoint(tmp_path / "a", ["embed.weight", "head.weight", "norm.weight", "layers.0.attn_norm.weight"], 1)
-    assert output.speculators_renames(a) == {"model.embed_tokens.weight": "embed.weight",
+    assert checkpoint_names.speculators_renames(a) == {"model.embed_tokens.weight": "embed.weight",
                                              "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight"}
     out = tmp_path / "out"
     out.mkdir()
-    shim = output.write_speculators_verifier(str(out), a)
-    assert shim == str(out / output.SPECULATORS_VERIFIER)
+    shim = checkpoint_names.write_speculators_verifier(str(out), a)
+    assert shim == str(out / checkpoint_names.SPECULATORS_VERIFIER)
     assert output.training_command(str(out), {"model_path": a, "layer_ids": [1]}, "safetensors", None)[5] == shim
 
     def tensors(folder):
@@ -207,11 +208,11 @@ def test_speculators_verifier_renames_v4s_tensors_and_is_remade_for_another_chec
     assert os.path.realpath(os.path.join(shim, "config.json")) == os.path.join(a, "config.json")
     assert os.path.islink(os.path.join(shim, "tokenizer.json"))
     mtime = os.stat(os.path.join(shim, "model.safetensors")).st_mtime_ns
-    assert output.write_speculators_verifier(str(out), a) == shim  # the same checkpoint: kept
+    assert checkpoint_names.write_speculators_verifier(str(out), a) == shim  # the same checkpoint: kept
     assert os.stat(os.path.join(shim, "model.safetensors")).st_mtime_ns == mtime
     b = _checkpoint(tmp_path / "b", ["model.embed_tokens.weight", "head.weight", "model.norm.weight"], 2)
-    assert output.speculators_renames(b)["lm_head.weight"] == "head.weight"
-    output.write_speculators_verifier(str(out), b)  # another checkpoint: remade from it
+    assert checkpoint_names.speculators_renames(b)["lm_head.weight"] == "head.weight"
+    checkpoint_names.write_speculators_verifier(str(out), b)  # another checkpoint: remade from it
     assert torch.equal(tensors(shim)["lm_head.weight"], tensors(b)["head.weight"])
     assert os.path.realpath(os.path.join(shim, "config.json")) == os.path.join(b, "config.json")
-    assert sorted(os.listdir(out)) == [output.SPECULATORS_VERIFIER]  # no temporary folder left
+    assert sorted(os.listdir(out)) == [checkpoint_names.SPECULATORS_VERIFIER]  # no temporary folder left

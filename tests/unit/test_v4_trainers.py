@@ -27,11 +27,11 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from helpers import readers_path  # noqa: E402
+from helpers import readers_path, trainer_env  # noqa: E402
 from reference import hc_rows_ref  # noqa: E402
 from sglang_hs import tiny_model  # noqa: E402
 from sglang_hs.capture_spec import CaptureSpec, hc_mult_of  # noqa: E402
-from sglang_hs.extract import cli, output  # noqa: E402
+from sglang_hs.extract import checkpoint_names, cli, output  # noqa: E402
 from sglang_hs.store.writer import CaptureWriter  # noqa: E402
 from test_trainer_teachers import BF16_ROW_TOL, SPECFORGE_STEPS, rel  # noqa: E402
 
@@ -172,7 +172,7 @@ def test_speculators_reads_v4_files_and_its_teacher_gives_hfs_logits_and_trains(
     # speculators would take V4's embedding as its lm_head (it finds no lm_head.weight in head.weight's checkpoint:
     # its teacher was 1.4 off HF's logits, relative L2): the printed command names a verifier with them renamed
     verifier = argv[argv.index("--verifier-name-or-path") + 1]
-    assert verifier == str(out / output.SPECULATORS_VERIFIER)
+    assert verifier == str(out / checkpoint_names.SPECULATORS_VERIFIER)
     from safetensors.torch import load_file
 
     shim = load_file(os.path.join(verifier, "model.safetensors"))
@@ -218,13 +218,11 @@ def test_speculators_reads_v4_files_and_its_teacher_gives_hfs_logits_and_trains(
 def test_specforge_trains_a_step_on_v4_files(v4):
     """SpecForge's own offline EAGLE-3 step (test_trainer_teachers.SPECFORGE_STEPS: its run config, draft
     config resolved from the V4 target, TargetHead, forward_loss, AdamW) on the extracted files."""
-    path = _readers()
+    _readers()
     out, m = _extract(v4, "specforge")
     run = json.load(open(out / output.SPECFORGE_CONFIG))
     assert run["model"]["target_model_path"] == v4["ckpt"] and run["data"]["hidden_states_path"] == str(out)
-    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), path) if p))
-    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(out / output.SPECFORGE_CONFIG)], env=env,
+    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(out / output.SPECFORGE_CONFIG)], env=trainer_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads(proc.stdout.split("LOSSES", 1)[1])
