@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from sglang_hs.fsutil import LOCK_NAME
+from sglang_hs.fsutil import LOCK_NAME, NO_WRITER
 
 # (pattern in SGLang 0.5.23's start-up log, phase entered). Any output also counts as progress.
 PHASES = [
@@ -459,7 +459,8 @@ class Supervisor:
             return
         patterns = ["overlay-*.json", "store-*.bin", LOCK_NAME]  # this process's lock: it exits next
         if not self.ready:
-            patterns += ["ring-*.bin", "ring-*.offset", "manifest.json"]  # the offset file: its reader's (ring.py)
+            # the offset file: its reader's (ring.py); NO_WRITER: a node without writers says so (launch_server)
+            patterns += ["ring-*.bin", "ring-*.offset", "manifest.json", NO_WRITER]
         for path in (p for pat in patterns for p in glob.glob(os.path.join(self.dump_dir, pat))):
             try:
                 os.unlink(path)
