@@ -377,13 +377,30 @@ def node0():
         conn.close()
 
 
-def _node1(what, node0, probe_every, stdin=None):
+@pytest.fixture
+def started():
+    """What the test started: supervisors and the stand-ins' pids; any still alive when it ends (a failed test)
+    is killed."""
+    procs, pids = [], []
+    yield procs, pids
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _node1(what, node0, probe_every, started, stdin=None):
     """The supervisor of a stand-in node 1 (NODE), once it reported the node ready; (process, stderr so far,
     the stand-in's pids)."""
     addr = "127.0.0.1:%d" % node0[0].getsockname()[1]
     sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_NODE, NODE, what, str(probe_every), addr],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True)
+    started[0].append(sup)
     pids = [int(p) for p in sup.stdout.readline().split()]
+    started[1].extend(pids)
     err = ""
     while "server ready: node 1" not in err:
         line = sup.stderr.readline()
@@ -392,10 +409,10 @@ def _node1(what, node0, probe_every, stdin=None):
     return sup, err, pids
 
 
-def test_node_1_stopped_alone_stops_at_once_and_leaves_nothing(node0):
+def test_node_1_stopped_alone_stops_at_once_and_leaves_nothing(node0, started):
     """SIGTERM to node 1's launcher: SGLang's node-1 main process ignores SIGTERM (it waits for node 0's
     ShutdownReq); the launcher sends it SIGQUIT, which it honours, instead of waiting out the 300 s grace."""
-    sup, err, pids = _node1("sleep", node0, 600)
+    sup, err, pids = _node1("sleep", node0, 600, started)
     sup.send_signal(signal.SIGTERM)
     _, rest = sup.communicate(timeout=120)  # a hang guard: without SIGQUIT it takes the 300 s grace
     err += rest
@@ -404,7 +421,7 @@ def test_node_1_stopped_alone_stops_at_once_and_leaves_nothing(node0):
     assert not any(_alive(p) for p in pids), err
 
 
-def test_node_0_unreachable_while_node_1_serves_stops_node_1(node0):
+def test_node_0_unreachable_while_node_1_serves_stops_node_1(node0, started):
     """SGLang on node 1 does not notice node 0 going away (nothing of it waits on node 0 then): the launcher
     finds node 0's --dist-init-addr unreachable 3 times in a row, says so in one line naming node 0, stops its
     server and exits with EXIT_NODE0_LOST."""
@@ -412,7 +429,7 @@ def test_node_0_unreachable_while_node_1_serves_stops_node_1(node0):
 
     server, _ = node0
     port = server.getsockname()[1]
-    sup, err, pids = _node1("sleep", node0, 0.2)
+    sup, err, pids = _node1("sleep", node0, 0.2, started)
     server.close()  # node 0 goes away
     _, rest = sup.communicate(timeout=120)
     err += rest
@@ -424,7 +441,7 @@ def test_node_0_unreachable_while_node_1_serves_stops_node_1(node0):
     assert not any(_alive(p) for p in pids), err
 
 
-def test_node_1_server_failing_after_node_0_went_away_names_node_0(node0):
+def test_node_1_server_failing_after_node_0_went_away_names_node_0(node0, started):
     """SGLang's node-1 scheduler fails when node 0 goes away (its collective's connection closes), and its main
     process kills the tree (SIGKILL): the launcher, finding node 0 unreachable, names node 0 rather than the
     server's status alone."""
@@ -432,7 +449,7 @@ def test_node_1_server_failing_after_node_0_went_away_names_node_0(node0):
 
     server, accepted = node0
     port = server.getsockname()[1]
-    sup, err, pids = _node1("node0", node0, 600)
+    sup, err, pids = _node1("node0", node0, 600, started)
     accepted.append(server.accept()[0])  # the "scheduler"'s connection
     server.close()
     accepted.pop().close()  # node 0 goes away: the scheduler's connection closes
@@ -445,11 +462,11 @@ def test_node_1_server_failing_after_node_0_went_away_names_node_0(node0):
     assert not any(_alive(p) for p in pids), err
 
 
-def test_node_1_failing_with_node_0_there_is_its_own_failure(node0):
+def test_node_1_failing_with_node_0_there_is_its_own_failure(node0, started):
     """Node 0 answers every probe (the watcher connects; the fixture accepts them): no node-0 report; node 1's
     server failing by itself is reported as the server's exit."""
     server, accepted = node0
-    sup, err, pids = _node1("stdin", node0, 0.1, stdin=subprocess.PIPE)
+    sup, err, pids = _node1("stdin", node0, 0.1, started, stdin=subprocess.PIPE)
     while len(accepted) < 5:  # more probes than make node 0 gone, all answered
         accepted.append(server.accept()[0])
     sup.stdin.close()  # the "scheduler" exits with status 1; the stand-in then kills its tree
