@@ -14,6 +14,9 @@ import uuid
 from typing import Optional
 
 LOCK_NAME = ".lock"
+# In the dump dir of a node that hosts no writer (SGLang --nnodes, e.g. --tp 2 over 2 nodes: the one writer is
+# TP rank 0, on node 0), written by that node's launcher instead of a manifest: readers refuse it in one line.
+NO_WRITER = "no-writer.json"
 
 
 def resolve_share_group(text: str, flag: str = "--hs-share-group") -> int:

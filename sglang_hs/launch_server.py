@@ -345,6 +345,45 @@ def v4_on_cpu(arch: str) -> str:
             "backend over DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
 
 
+def node_without_writers(argv: List[str]) -> Optional[dict]:
+    """What fsutil.NO_WRITER says when this node of a multi-node server (SGLang --nnodes) hosts no writer (a
+    writer is the attention-TP rank 0 of each DP attention group: capture_spec.node_dp_ranks), else None."""
+    from sglang_hs.capture_spec import node_dp_ranks
+
+    try:
+        nnodes = int(_flag_value(argv, "--nnodes") or 1)
+        node = int(_flag_value(argv, "--node-rank") or 0)
+        tp = int(_flag_value(argv, "--tp-size", "--tp") or 1)
+        dp = int(_flag_value(argv, "--dp-size", "--dp") or 1) if _has_flag(argv, "--enable-dp-attention") else 1
+    except ValueError:  # SGLang's parser refuses it with its own message
+        return None
+    if nnodes <= 1 or node_dp_ranks(tp, dp, nnodes, node):
+        return None
+    layout = f"--tp {tp}" + (f" --dp {dp} --enable-dp-attention" if dp > 1 else "") + f" over {nnodes} nodes"
+    return {"nnodes": nnodes, "node_rank": node, "layout": layout,
+            "writer_nodes": [n for n in range(nnodes) if node_dp_ranks(tp, dp, nnodes, n)]}
+
+
+def mark_node_writers(dump_dir: str, argv: List[str], share_gid: Optional[int]) -> None:
+    """In the dump dir of a node without writers, fsutil.NO_WRITER (readers there fail at once, naming the nodes
+    whose dumps get the records, instead of waiting for a manifest that never comes); elsewhere a stale one
+    of an earlier server goes."""
+    from sglang_hs import fsutil
+
+    marker = node_without_writers(argv)
+    if marker is None:
+        try:
+            os.unlink(os.path.join(dump_dir, fsutil.NO_WRITER))
+        except FileNotFoundError:
+            pass
+        return
+    fsutil.write_private_file(dump_dir, fsutil.NO_WRITER, json.dumps(marker, indent=1).encode(), share_gid)
+    nodes = ", ".join(map(str, marker["writer_nodes"]))
+    print(f"[sglang-hs] node {marker['node_rank']} of {marker['nnodes']} hosts no writer ({marker['layout']}): the "
+          f"records land in node {nodes}'s dump; {dump_dir}/{fsutil.NO_WRITER} says so to readers here",
+          file=sys.stderr, flush=True)
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -406,6 +445,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir, share_gid)
             global _dump_dir_lock
             _dump_dir_lock = fsutil.lock_dump_dir(dump_dir)  # held until this process exits
+            mark_node_writers(dump_dir, sg_argv, share_gid)
         except (OSError, ValueError) as e:
             raise CaptureConfigError(str(e)) from None
         if fs_type(dump_dir) not in ("tmpfs", "ramfs"):

@@ -71,7 +71,8 @@ parallel attention group served there; `reader.dp_ranks` are the DP ranks this r
 `reader.manifest["dp_size"]`), a record's `dp_rank` the group that served it. A request served by a
 group of another node has its record in that node's dump dir: route requests with SGLang's
 `routed_dp_rank` to the ranks of the node whose dump you read. With `--tp` spread over nodes (no DP
-attention), the writer is TP rank 0, on node 0: the other nodes' dump dirs stay empty.
+attention), the writer is TP rank 0, on node 0: the other nodes' dump dirs hold no manifest but the launcher's
+no-writer.json, and a reader there fails at once (NoWriterHere) instead of waiting for a manifest.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ from typing import Iterator, Optional
 import torch
 
 from sglang_hs.capture_spec import final_states
-from sglang_hs.fsutil import check_private_file, owner_uid
+from sglang_hs.fsutil import NO_WRITER, check_private_file, owner_uid
 from sglang_hs.store.ring import SKIP_REASONS, RingReader
 from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
 
@@ -216,6 +217,32 @@ class HiddenStateRecord:
         return torch.arange(self.num_tokens, dtype=torch.int32)
 
 
+class NoWriterHere(FileNotFoundError):
+    """The dump dir is that of a node hosting no writer of a multi-node server (SGLang --nnodes): its
+    launcher says so there (fsutil.NO_WRITER); the records land in another node's dump dir."""
+
+
+def no_writer_here(dump_dir: str) -> Optional[str]:
+    """Why `dump_dir` will never hold records (one line naming it and the nodes whose dumps do), or None when
+    its launcher did not mark it as a node without writers."""
+    path = os.path.join(dump_dir, NO_WRITER)
+    try:
+        os.stat(path)
+    except OSError:  # not there, or a dump dir closed to this user (the manifest's wait says so)
+        return None
+    try:
+        with open(path) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):  # unreadable: still the mark of a node without writers
+        marker = {}
+    marker = marker if isinstance(marker, dict) else {}
+    nodes = marker.get("writer_nodes") or [0]
+    where = "node " + ", ".join(map(str, nodes)) + "'s dump" + ("s" if len(nodes) > 1 else "")
+    return (f"{dump_dir}: this node hosts no writer (node {marker.get('node_rank', '?')} of "
+            f"{marker.get('nnodes', '?')}, {marker.get('layout', 'a multi-node server')}): records of this server "
+            f"land in {where}; read them there")
+
+
 def _exists(path: str) -> bool:
     """Whether the manifest is there yet; a dump dir closed to this user is an error, not a wait."""
     try:
@@ -266,7 +293,12 @@ class HiddenStateReader:
         self.poll_interval = poll_interval
         path = os.path.join(self.dump_dir, MANIFEST)
         deadline = time.monotonic() + wait
-        while not _exists(path):
+        while True:
+            why = no_writer_here(self.dump_dir)  # first: a stale manifest of an earlier server may still be there
+            if why is not None:
+                raise NoWriterHere(why)
+            if _exists(path):
+                break
             if time.monotonic() > deadline:
                 raise FileNotFoundError(f"{path}: no manifest after {wait}s; is a server capturing into "
                                         f"--hs-dump-dir {self.dump_dir}?")

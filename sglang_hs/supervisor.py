@@ -15,6 +15,14 @@ phases from it. Start-up fails (non-zero exit, nothing left running) when:
   - the server says it cannot come up (FATAL below: e.g. its HTTP port is taken).
 After start-up it relays output until the server exits; SIGINT/SIGTERM stop the whole group (after
 `stop_grace` seconds, or at a second signal, by killing it).
+A node of rank > 0 (SGLang --nnodes) is stopped with SIGQUIT once it serves: SGLang 0.5.23's main process there
+(entrypoints/engine.py, node_rank >= 1) replaces SIGTERM's action with a handler that only logs and waits for
+node 0's ShutdownReq broadcast, which never comes when node 1 is stopped alone; its launch-phase SIGQUIT
+handler (the one its schedulers use to report a failure) kills its process tree.
+Such a node also watches node 0 (--dist-init-addr: the TCP store of global rank 0, there while node 0
+serves): unreachable NODE0_LOST_AFTER times in a row, or unreachable when the server exits by itself (SGLang's
+schedulers there fail once their collectives lose node 0), the launcher stops with one line naming node 0
+(EXIT_NODE0_LOST).
 On the way out it kills what is left of the group and removes the files the server left in the dump dir,
 and the `/dev/shm/sglang_loads_*.shm` segments SGLang 0.5.23 creates at start-up and never unlinks
 (16 KB each; upstream sweeps them only in its own CI), when no live process maps them any more.
@@ -37,7 +45,7 @@ import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from sglang_hs.fsutil import LOCK_NAME
+from sglang_hs.fsutil import LOCK_NAME, NO_WRITER
 
 # (pattern in SGLang 0.5.23's start-up log, phase entered). Any output also counts as progress.
 PHASES = [
@@ -62,6 +70,10 @@ FATAL = [
 EXIT_STALL = 3
 EXIT_NO_OVERLAY = 4
 EXIT_FATAL = 5
+EXIT_NODE0_LOST = 6  # a node of rank > 0 whose node 0 went away
+NODE0_PROBE_EVERY_S = 5.0  # a node of rank > 0 serving: how often it connects to node 0's --dist-init-addr
+NODE0_PROBE_TIMEOUT_S = 5.0  # the wait for one such connection (a machine that is down answers nothing)
+NODE0_LOST_AFTER = 3  # failed connections in a row that make node 0 gone
 STOP_GRACE_S = 60.0  # after SIGTERM/SIGINT, how long SGLang may take to stop before its processes are killed
 SHUTDOWN_GRACE_S = 15.0  # then: SIGTERM to the main process, then the group, each half of this, then SIGKILL
 KILL_WAIT_S = 10.0  # how long the exit waits for the SIGKILLed group to be gone
@@ -234,6 +246,7 @@ class Supervisor:
         self._sems_lock = threading.Lock()  # _server_sems: noted by the noter and at signals, read by cleanup
         self._stop_noting = threading.Event()
         self._server_started_ticks: Optional[int] = None
+        self.node0_lost: Optional[str] = None  # why node 0 is gone (a node of rank > 0 watching it), set by _watch_node0
 
     # -- output relay and phase tracking (reader thread) --
     def _relay(self) -> None:
@@ -287,12 +300,49 @@ class Supervisor:
         self._terminate_server()
 
     def _terminate_server(self) -> None:
-        # The server's main process first: SGLang then stops its own children in order.
+        # The server's main process first: SGLang then stops its own children in order. On a serving node of
+        # rank > 0 SGLang ignores SIGTERM (module docstring): SIGQUIT, which it honours there.
         self._note_semaphores_soon()
         try:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGQUIT if self.ready and self.node_rank() > 0 else signal.SIGTERM)
         except (ProcessLookupError, AttributeError):
             pass
+
+    # -- node 0, seen from a node of rank > 0 --
+    def node0_address(self) -> Optional[Tuple[str, int]]:
+        """(host, port) of --dist-init-addr on a node of rank > 0, else None."""
+        from sglang_hs.argv import flag_value
+
+        addr = flag_value(self.cmd, "--dist-init-addr")
+        if self.node_rank() <= 0 or not addr or ":" not in addr:
+            return None
+        host, port = addr.rsplit(":", 1)
+        try:
+            return host.strip("[]"), int(port)
+        except ValueError:
+            return None
+
+    def node0_reachable(self, address: Tuple[str, int]) -> bool:
+        import socket
+
+        try:
+            socket.create_connection(address, timeout=NODE0_PROBE_TIMEOUT_S).close()
+            return True
+        except OSError:
+            return False
+
+    def _node0_gone(self, address: Tuple[str, int], how: str) -> str:
+        return (f"node 0 (--dist-init-addr {address[0]}:{address[1]}) went away ({how}): node {self.node_rank()} "
+                "cannot serve without it; stopping (the records completed here stay readable in its dump)")
+
+    def _watch_node0(self, address: Tuple[str, int]) -> None:
+        failed = 0
+        while not self._stop_noting.wait(NODE0_PROBE_EVERY_S):
+            failed = 0 if self.node0_reachable(address) else failed + 1
+            if failed >= NODE0_LOST_AFTER:
+                self.node0_lost = self._node0_gone(address, f"unreachable {failed} times in a row, "
+                                                            f"{NODE0_PROBE_EVERY_S:g}s apart")
+                return
 
     def _signal_group(self, sig: int) -> None:
         self._note_semaphores_soon()
@@ -409,7 +459,8 @@ class Supervisor:
             return
         patterns = ["overlay-*.json", "store-*.bin", LOCK_NAME]  # this process's lock: it exits next
         if not self.ready:
-            patterns += ["ring-*.bin", "ring-*.offset", "manifest.json"]  # the offset file: its reader's (ring.py)
+            # the offset file: its reader's (ring.py); NO_WRITER: a node without writers says so (launch_server)
+            patterns += ["ring-*.bin", "ring-*.offset", "manifest.json", NO_WRITER]
         for path in (p for pat in patterns for p in glob.glob(os.path.join(self.dump_dir, pat))):
             try:
                 os.unlink(path)
@@ -487,6 +538,10 @@ class Supervisor:
                             f"{signal.Signals(self.stop_signal).name}; killing its processes")
                         break
                     continue
+                if self.node0_lost is not None:
+                    log(self.node0_lost)
+                    code = EXIT_NODE0_LOST
+                    break
                 if self.fatal is not None:
                     log(f"error: {self.fatal}; stopping the server")
                     code = EXIT_FATAL
@@ -514,6 +569,10 @@ class Supervisor:
                         f"server ready: node {self.node_rank()} (no HTTP server on this node: requests go to "
                         f"node 0's, {self.server_url()} there)")
                     self.phase = "serving"
+                    node0 = self.node0_address()
+                    if node0 is not None:
+                        threading.Thread(target=self._watch_node0, args=(node0,), name="watch-node0",
+                                         daemon=True).start()
         finally:
             self._shutdown_group()
             self._stop_noting.set()
@@ -529,6 +588,10 @@ class Supervisor:
             log(f"stopped by {signal.Signals(self.stop_signal).name}; all server processes are gone")
             return 128 + self.stop_signal
         rc = self.proc.returncode
+        node0 = self.node0_address() if self.ready else None
+        if node0 is not None and not self.node0_reachable(node0):  # SGLang's schedulers here lost node 0
+            log(self._node0_gone(node0, f"unreachable as this node's server exited with status {rc}"))
+            return EXIT_NODE0_LOST
         if rc != 0:
             log(f"server exited with status {rc} during '{self.phase}'")
             return rc if rc > 0 else 128 - rc  # negative: killed by signal -rc

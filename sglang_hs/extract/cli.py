@@ -594,13 +594,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             server = _start_server(ns, launcher_args)  # assigned before the wait: Ctrl-C then stops it too
             url, dump_dir = server.url, server.dump_dir
             _wait_ready(server)
-        from sglang_hs.reader import HiddenStateReader
+        from sglang_hs.reader import HiddenStateReader, NoWriterHere
 
         try:
             # zero-copy: a record goes from the ring straight into its file, acked once the file is in place
             reader = HiddenStateReader(dump_dir, wait=30, recycle_memory=True, owner=ns.hs_owner, ack=True,
                                        zero_copy=True)
-        except RuntimeError as e:  # another reader holds the dump dir
+        except (RuntimeError, NoWriterHere) as e:  # another reader holds the dump dir; a node without writers
             raise ExtractError(f"--hs-dump-dir: {e}") from None
         node_route(ns, reader)
         manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))

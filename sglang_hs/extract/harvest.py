@@ -217,11 +217,14 @@ def setup_of(ns, manifest: dict) -> dict:
 
 def _open_reader(ns):
     from sglang_hs.extract.errors import ExtractError
-    from sglang_hs.reader import MANIFEST, HiddenStateReader
+    from sglang_hs.reader import MANIFEST, HiddenStateReader, no_writer_here
 
     dump = os.path.abspath(ns.from_dump)
     if not os.path.isdir(dump):
         raise ExtractError(f"--from-dump: {dump} is not a folder")
+    why = no_writer_here(dump)  # a node of a multi-node server hosting no writer: nothing to harvest here
+    if why is not None:
+        raise ExtractError(f"--from-dump: {why}")
     if not os.path.exists(os.path.join(dump, MANIFEST)):
         raise ExtractError(f"--from-dump: {dump} holds no {MANIFEST} (is a server running with --hs-dump-dir {dump}?)")
     try:

@@ -7,6 +7,8 @@ DeepSeek deployment), then `--tp 2` across them (its one writer on node 0). Each
 manifest lists the writers on that node and the DP ranks they serve; a request routed with SGLang's
 `routed_dp_rank` to a group has its record in that group's node's dump, read there, and every row is
 judged against HF transformers float32 with the exact oracle (row_judge, as test_multi_rank.py).
+Each pair ends with a node going away: the DP pair loses node 0 (node 1 reports it, its dump stays whole),
+the TP pair has node 1 stopped alone (it stops at once; node 0 reports it). Keep the order of the tests.
 
 On one machine node 1 would refuse to start: SGLang pre-checks that the DP-attention ports derived from
 --dist-init-addr are free on its own host, and node 0 holds them. The test-only switch
@@ -26,7 +28,8 @@ from conftest import CHUNK
 from helpers import Launcher, free_port, leftover_server_processes, server_session
 from sglang_hs import HiddenStateReader
 from sglang_hs.overlay_status import FLUSH_INTERVAL_S
-from sglang_hs.reader import coverage
+from sglang_hs.reader import NoWriterHere, coverage
+from sglang_hs.supervisor import EXIT_NODE0_LOST
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8
@@ -49,7 +52,7 @@ def _nodes(tmp_path_factory, name, parallel):
             node = Launcher(["--hs-dump-dir", str(dump), "--hs-ring-size", "64MiB", "--dtype", "float32", *parallel,
                              "--hs-last", "--chunked-prefill-size", str(CHUNK), "--nnodes", "2", "--node-rank",
                              str(rank), "--dist-init-addr", f"127.0.0.1:{dist}"], env=SAME_HOST)
-            node.dump = dump
+            node.dump, node.dist = dump, dist
             nodes.append(node)
     finally:
         if bind is not None:
@@ -97,6 +100,7 @@ def test_each_node_describes_its_own_writers(dp_nodes):
         assert reader.dp_ranks == [rank]
         assert coverage(m) == f"DP ranks [{rank}] of 2 (node {rank} of 2)"
         assert sorted(p.name for p in node.dump.glob("ring-*.bin")) == [f"ring-w{rank}.bin"]
+        assert not (node.dump / "no-writer.json").exists()
     assert "server ready: node 1 (no HTTP server on this node" in nodes[1].output, nodes[1].tail()
 
 
@@ -167,6 +171,68 @@ def test_extraction_once_per_node_merges_into_every_sample(dp_nodes, hf, tmp_pat
           f"tolerance {row_judge.BF16_TOL})")
 
 
+def test_harvester_on_each_node_harvests_what_its_node_served(dp_nodes, hf, tmp_path):
+    """`python -m sglang_hs.extract --from-dump` on each node's dump (after the module's readers are closed),
+    then two requests routed to each DP rank: each node's harvester writes exactly the files of the requests
+    its node served (its journal's rids), every row within one bf16 rounding of HF's float32 row and the loss
+    mask on the generated tokens."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import specforge_way
+
+    nodes, _ = dp_nodes
+    procs, logs = [], []
+    try:
+        for rank, node in enumerate(nodes):
+            log = tmp_path / f"harvest{rank}.log"
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "sglang_hs.extract", "--from-dump", str(node.dump),
+                                           "--output", str(tmp_path / f"harvest{rank}"), "--format", "specforge",
+                                           "--max-samples", "2"], stdout=subprocess.DEVNULL, stderr=open(log, "w")))
+        for proc, log in zip(procs, logs):
+            deadline = time.monotonic() + 300
+            while "[extract] harvesting" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        sent = {}
+        for i, text in enumerate(TEXTS * 2):
+            ids = row_judge.prompt_ids(hf, text)[: 15 + 6 * i]
+            rid = f"harvest-dp{i % 2}-{i}"
+            out = nodes[0].generate(input_ids=ids, rid=rid, routed_dp_rank=i % 2,
+                                    sampling_params={"max_new_tokens": 4, "ignore_eos": True, **GREEDY})
+            sent[rid] = (ids, out["output_ids"])
+        for proc, log in zip(procs, logs):
+            assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    worst = 0.0
+    for rank in (0, 1):
+        out = tmp_path / f"harvest{rank}"
+        entries = [json.loads(x) for x in open(out / "harvest.jsonl") if "index" in json.loads(x)]
+        assert sorted(e["rid"] for e in entries) == [f"harvest-dp{rank}-{i}" for i in (rank, rank + 2)], entries
+        for e in entries:
+            ids, generated = sent[e["rid"]]
+            (path,) = out.glob(f"rows_*/data_{e['index']}.ckpt")
+            s = specforge_way.load_sample(str(path))
+            tokens = s["input_ids"][0].tolist()
+            assert tokens == ids + generated[:-1] and e["prompt_len"] == len(ids) and e["next_token"] == generated[-1]
+            assert torch.load(path)["loss_mask"].tolist() == [0] * len(ids) + [1] * (len(tokens) - len(ids))
+            hs = hf(tokens)
+            aux = s["hidden_state"][0].view(len(tokens), len(LAYERS), -1)
+            for got, ref in [(aux[:, k], hs[lid]) for k, lid in enumerate(LAYERS)] + [(s["target"][0], hs[N_LAYERS])]:
+                err = row_judge.rel(got, ref)
+                worst = max(worst, err.max().item())
+                assert (err <= row_judge.BF16_TOL).all(), (e["rid"], err.max().item())
+    print(f"two nodes, one harvester per node: 2 + 2 requests, each harvested on its node, worst row {worst:.2e} "
+          f"(bf16 files, tolerance {row_judge.BF16_TOL})")
+
+
 def _decode_steps(dump, pid):
     try:
         return json.load(open(dump / f"overlay-{pid}.json"))["forwards"].get("DECODE", 0)
@@ -174,41 +240,56 @@ def _decode_steps(dump, pid):
         return 0
 
 
-def test_node_1_lost_mid_generation_node_0_reports_it(dp_nodes):
-    """Node 1 lost (its launcher and every server process SIGKILLed, as a machine going down) while node 0
-    decodes a request routed to its own DP rank: node 0's launcher reports the server's exit and exits
-    non-zero, the client gets an error, no record of the request (torn or whole) is emitted, nothing is
-    left running. Ends the module's pair: keep it last."""
+def _long_request(node, rid, dp_rank, errors):
+    """A request decoding for long (3000 tokens), routed to `dp_rank` (None: not routed); the error that ends
+    it goes into `errors`."""
+    route = {} if dp_rank is None else {"routed_dp_rank": dp_rank}
+
+    def run():
+        try:
+            node.generate(input_ids=list(range(5, 45)), rid=rid, sampling_params={"max_new_tokens": 3000,
+                                                                                  "ignore_eos": True}, **route)
+        except Exception as e:  # the server dies under it
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _until_decoding(node, dump, writer, before, t):
+    deadline = time.monotonic() + 300
+    while _decode_steps(dump, writer) < before + 8:
+        assert time.monotonic() < deadline and t.is_alive(), node.tail()
+        time.sleep(FLUSH_INTERVAL_S)
+
+
+def test_node_0_lost_mid_generation_node_1_reports_it_and_its_dump_stays_whole(dp_nodes):
+    """Node 0 lost (its launcher and every server process SIGKILLed, as a machine going down) while node 1
+    decodes a request routed to its DP rank: node 1's launcher says in one line that node 0 (its
+    --dist-init-addr) went away and exits with EXIT_NODE0_LOST, leaving no process; a reader of node 1's dump
+    sees no record of the request, torn or whole (poll raises on a torn one). Ends the module's DP pair: keep
+    it last of the DP tests."""
     nodes, _ = dp_nodes
-    reader = HiddenStateReader(str(nodes[0].dump))
+    reader = HiddenStateReader(str(nodes[1].dump))
     try:
         writer = reader.manifest["writers"][0]["pid"]
-        before = _decode_steps(nodes[0].dump, writer)
         errors = []
-
-        def long_request():
-            try:
-                nodes[0].generate(input_ids=list(range(5, 45)), rid="node-lost", routed_dp_rank=0,
-                                  sampling_params={"max_new_tokens": 3000, "ignore_eos": True})
-            except Exception as e:  # the server dies under it
-                errors.append(e)
-
-        t = threading.Thread(target=long_request)
-        t.start()
-        deadline = time.monotonic() + 300
-        while _decode_steps(nodes[0].dump, writer) < before + 8:  # node 0 is decoding it
-            assert time.monotonic() < deadline and t.is_alive(), nodes[0].tail()
-            time.sleep(FLUSH_INTERVAL_S)
-        session = server_session(nodes[1].output)
-        nodes[1].proc.kill()
+        t = _long_request(nodes[0], "node0-lost", 1, errors)
+        _until_decoding(nodes[1], nodes[1].dump, writer, _decode_steps(nodes[1].dump, writer), t)
+        session = server_session(nodes[0].output)
+        nodes[0].proc.kill()
         os.killpg(session, signal.SIGKILL)
-        rc = nodes[0].wait_exit(timeout=600)
+        rc = nodes[1].wait_exit(timeout=600)
         t.join(120)
-        assert rc != 0, nodes[0].tail()
-        assert "[sglang-hs] server exited with status" in nodes[0].output, nodes[0].tail()
+        assert rc == EXIT_NODE0_LOST, nodes[1].tail()
+        lines = [x for x in nodes[1].output.splitlines() if "went away" in x]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"[sglang-hs] node 0 (--dist-init-addr 127.0.0.1:{nodes[1].dist}) went away ("), nodes[1].tail()
+        print(lines[0])
         assert errors
-        assert reader.poll() == 0 and "node-lost" not in reader.ready_rids() and not reader.not_captured("node-lost")
-        assert not leftover_server_processes(nodes[0].output)
+        assert reader.poll() == 0 and "node0-lost" not in reader.ready_rids() and not reader.not_captured("node0-lost")
+        assert not leftover_server_processes(nodes[1].output) and not leftover_server_processes(nodes[0].output)
     finally:
         reader.close()
 
@@ -234,14 +315,16 @@ def tp_nodes(tmp_path_factory):
 
 def test_tp_across_nodes_writes_on_node_0_only_and_rows_are_exact(tp_nodes, hf):
     """The one writer is TP rank 0, on node 0: its manifest says DP rank [0] of 1 on node 0 of 2, node 1's
-    dump dir holds no manifest, store or ring. Requests over chunk boundaries with decode steps: every row
-    exact against HF."""
+    dump dir holds no manifest, store or ring, only its launcher's no-writer.json. Requests over chunk
+    boundaries with decode steps: every row exact against HF."""
     nodes, reader = tp_nodes
     m = reader.manifest
     assert [w["dp_rank"] for w in m["writers"]] == [0] and (m["dp_size"], m["nnodes"], m["node_rank"]) == (1, 2, 0)
     assert coverage(m) == "DP ranks [0] of 1 (node 0 of 2)"
     assert not list(nodes[1].dump.glob("manifest.json")) and not list(nodes[1].dump.glob("*.bin")), \
         list(nodes[1].dump.iterdir())
+    assert json.load(open(nodes[1].dump / "no-writer.json"))["writer_nodes"] == [0]
+    assert "[sglang-hs] node 1 of 2 hosts no writer (--tp 2 over 2 nodes)" in nodes[1].output, nodes[1].tail()
     worst = 0.0
     for i, text in enumerate(TEXTS):
         ids = row_judge.prompt_ids(hf, text)[: 20 + 9 * i]
@@ -249,3 +332,52 @@ def test_tp_across_nodes_writes_on_node_0_only_and_rows_are_exact(tp_nodes, hf):
         rec = reader.take(f"tpn-{i}", timeout=300)
         worst = max(worst, row_judge.assert_exact(rec, hf, (ids + out["output_ids"])[:-1], LAYERS, N_LAYERS, 256))
     print(f"two nodes, --tp 2: 2 records, worst row {worst:.2e} (tolerance {row_judge.TOL})")
+
+
+def test_a_reader_the_cli_and_the_harvester_on_node_1_say_it_hosts_no_writer(tp_nodes, tmp_path):
+    """On node 1's dump dir (no writer there) a reader, the extraction CLI and the harvester fail at once, in
+    one line naming the dir and node 0's dump, instead of waiting for a manifest that never comes."""
+    import subprocess
+    import sys
+
+    nodes, _ = tp_nodes
+    why = (f"{nodes[1].dump}: this node hosts no writer (node 1 of 2, --tp 2 over 2 nodes): records of this server "
+           "land in node 0's dump; read them there")
+    with pytest.raises(NoWriterHere) as e:
+        HiddenStateReader(str(nodes[1].dump), wait=120)  # it fails at once: NoWriterHere, not a wait that ran out
+    assert str(e.value) == why
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(5, 20))}) + "\n")
+    for flag, args in (("--hs-dump-dir", ["--data", str(data), "--server", nodes[0].url, "--hs-dump-dir"]),
+                       ("--from-dump", ["--from-dump"])):
+        proc = subprocess.run([sys.executable, "-m", "sglang_hs.extract", "--no-progress", *args, str(nodes[1].dump),
+                               "--output", str(tmp_path / flag[2:]), "--format", "specforge"], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode != 0 and f"error: {flag}: {why}\n" in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+
+
+def test_node_1_stopped_alone_mid_generation_stops_at_once_and_node_0_reports_it(tp_nodes):
+    """SIGTERM to node 1's launcher while node 0 decodes a request (TP rank 1 is on node 1): SGLang's node-1
+    process ignores SIGTERM (it waits for node 0's ShutdownReq), the launcher stops it with SIGQUIT, which it
+    honours: node 1's launcher stops without waiting out its grace, nothing left running. Node 0, its TP peer
+    gone, reports the server's exit and exits non-zero, the client gets an error, and no record of the request
+    (torn or whole) is emitted. Ends the module's TP pair: keep it last."""
+    nodes, reader = tp_nodes
+    writer = reader.manifest["writers"][0]["pid"]
+    errors = []
+    t = _long_request(nodes[0], "node1-stopped", None, errors)
+    _until_decoding(nodes[0], nodes[0].dump, writer, _decode_steps(nodes[0].dump, writer), t)
+    nodes[1].proc.send_signal(signal.SIGTERM)
+    rc1 = nodes[1].wait_exit(timeout=600)
+    assert rc1 == 128 + signal.SIGTERM, nodes[1].tail()
+    assert "did not stop within" not in nodes[1].output, nodes[1].tail()
+    assert "stopped by SIGTERM; all server processes are gone" in nodes[1].output, nodes[1].tail()
+    assert not leftover_server_processes(nodes[1].output)
+    rc0 = nodes[0].wait_exit(timeout=600)
+    t.join(120)
+    assert rc0 != 0, nodes[0].tail()
+    assert "[sglang-hs] server exited with status" in nodes[0].output, nodes[0].tail()
+    assert errors
+    assert reader.poll() == 0 and "node1-stopped" not in reader.ready_rids() and not reader.not_captured("node1-stopped")
+    assert not leftover_server_processes(nodes[0].output)

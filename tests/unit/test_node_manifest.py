@@ -116,3 +116,82 @@ def test_extraction_per_node_splits_and_routes_deterministically(shard):
     cli.node_route(ns, _Reader([0, 1], 2, 0, 1))
     assert ns.route is None and ns.shard == "0/1" and cli.routed_dp_rank(ns, 3) is None
     assert all(cli.selected(ns, i) for i in range(10))
+
+
+# -- a node hosting no writer (--tp over nodes without DP attention): its launcher marks its dump dir --
+
+@pytest.mark.parametrize("argv, marker", [
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "1"],
+     {"nnodes": 2, "node_rank": 1, "layout": "--tp 2 over 2 nodes", "writer_nodes": [0]}),
+    (["--tp-size=16", "--dp", "2", "--enable-dp-attention", "--nnodes", "4", "--node-rank", "3"],
+     {"nnodes": 4, "node_rank": 3, "layout": "--tp 16 --dp 2 --enable-dp-attention over 4 nodes",
+      "writer_nodes": [0, 2]}),
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "0"], None),  # node 0 hosts TP rank 0's writer
+    (["--tp", "2", "--dp", "2", "--enable-dp-attention", "--nnodes", "2", "--node-rank", "1"], None),
+    (["--tp", "2"], None),
+])
+def test_the_launcher_knows_which_nodes_host_no_writer(argv, marker):
+    from sglang_hs.launch_server import node_without_writers
+
+    assert node_without_writers(argv) == marker
+
+
+def _mark(path, argv):
+    from sglang_hs.launch_server import mark_node_writers
+
+    os.makedirs(path, exist_ok=True)
+    mark_node_writers(str(path), argv, None)
+
+
+def test_a_reader_of_a_node_without_writers_fails_at_once_naming_node_0(tmp_path):
+    """Node 1 of `--tp 2 --nnodes 2`: no manifest will ever come; a reader fails at once (wait=3600) in one
+    line naming the dir and node 0, also over a stale manifest of an earlier server there. Before: it waited
+    `wait` seconds for a manifest, then said no server was capturing there."""
+    from sglang_hs.reader import NoWriterHere
+
+    _writer(tmp_path, 0, [0], 0, dp_size=1)  # an earlier server's manifest and ring, left in the dir
+    _mark(tmp_path, ["--tp", "2", "--nnodes", "2", "--node-rank", "1"])
+    assert oct(os.stat(tmp_path / "no-writer.json").st_mode & 0o777) == "0o600"
+    with pytest.raises(NoWriterHere) as e:
+        HiddenStateReader(str(tmp_path), wait=3600)
+    assert str(e.value) == (f"{tmp_path}: this node hosts no writer (node 1 of 2, --tp 2 over 2 nodes): records of "
+                            "this server land in node 0's dump; read them there")
+    assert isinstance(e.value, FileNotFoundError)  # what a missing manifest raised: callers' handling holds
+
+
+def test_a_node_hosting_a_writer_again_drops_the_mark(tmp_path):
+    _mark(tmp_path, ["--tp", "2", "--nnodes", "2", "--node-rank", "1"])
+    _mark(tmp_path, ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--nnodes", "2", "--node-rank", "1"])
+    assert not (tmp_path / "no-writer.json").exists()
+    _writer(tmp_path, 1, [1], 1)
+    with HiddenStateReader(str(tmp_path), wait=0) as reader:
+        assert reader.dp_ranks == [1]
+
+
+@pytest.mark.parametrize("how", ["harvest", "extract", "live"])
+def test_the_harvester_extraction_cli_and_live_dataset_on_a_node_without_writers_fail_in_one_line(tmp_path, how):
+    import json
+    import subprocess
+    import sys
+
+    dump = tmp_path / "dump"
+    _mark(dump, ["--tp", "2", "--nnodes", "2", "--node-rank", "1"])
+    why = f"{dump}: this node hosts no writer (node 1 of 2, --tp 2 over 2 nodes): records of this server land in " \
+          "node 0's dump; read them there"
+    if how == "live":
+        from sglang_hs.live import LiveHiddenStates
+        from sglang_hs.live_workers import LiveDatasetError
+
+        with pytest.raises(LiveDatasetError) as e:
+            next(iter(LiveHiddenStates([[1, 2, 3]], "http://127.0.0.1:9", str(dump))))
+        assert str(e.value) == f"LiveHiddenStates: {why}"
+        return
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    args = ["--from-dump", str(dump)] if how == "harvest" else \
+        ["--data", str(data), "--server", "http://127.0.0.1:9", "--hs-dump-dir", str(dump)]
+    proc = subprocess.run([sys.executable, "-m", "sglang_hs.extract", "--no-progress", *args, "--output",
+                           str(tmp_path / "out"), "--format", "specforge"], capture_output=True, text=True, timeout=300)
+    flag = "--from-dump" if how == "harvest" else "--hs-dump-dir"
+    assert proc.returncode != 0 and f"error: {flag}: {why}\n" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -324,3 +324,154 @@ def test_a_failed_cleanup_step_leaves_the_servers_exit_status(monkeypatch, capsy
         for sig, h in handlers.items():
             signal.signal(sig, h)
     assert "warning: cleanup_sglang_shm failed: FileNotFoundError" in capsys.readouterr().err
+
+
+# -- a node of rank > 0 (SGLang --nnodes): stopped alone, and node 0 going away --
+
+# SGLang 0.5.23's main process on a node of rank >= 1 once its schedulers are ready (entrypoints/engine.py): its
+# launch-phase SIGQUIT handler kills its process tree (kill_process_tree: SIGKILL to the children, then to
+# itself), SIGTERM only logs and waits for node 0's ShutdownReq broadcast; it waits on its scheduler, a child.
+# argv[1]: what the "scheduler" does: sleep (SGLang not noticing anything), or node0 (it blocks on a connection
+# to node 0 and fails when that closes, as a collective does: its main process then kills the tree), or stdin
+# (it exits with status 1 at the end of its stdin, a failure of this node's own).
+NODE = r"""
+import os, signal, socket, subprocess, sys
+what = sys.argv[1]
+if what == "node0":
+    host, port = [a for a in sys.argv if a.count(":") == 1][0].rsplit(":", 1)
+    code = "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); sys.exit(s.recv(1) == b'')"
+    child = subprocess.Popen([sys.executable, "-c", code, host, port])
+elif what == "stdin":
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(1)"])
+else:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+def kill_tree(signum, frame):
+    child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.signal(signal.SIGQUIT, kill_tree)
+print(os.getpid(), child.pid, flush=True)
+print("[sglang-hs] overlay ready", flush=True)
+print("[sglang-hs] node 1 of 2: schedulers ready", flush=True)
+signal.signal(signal.SIGTERM, lambda s, f: print("SIGTERM received on node_rank 1; waiting for the rank-0 "
+                                                 "ShutdownReq broadcast", flush=True))
+child.wait()
+if child.returncode not in (0, None):
+    kill_tree(None, None)
+"""
+SUPERVISE_NODE = ("import sys; from sglang_hs import supervisor as s; s.NODE0_PROBE_EVERY_S = float(sys.argv[3]); "
+                  "s.NODE0_PROBE_TIMEOUT_S = 2; "
+                  "sys.exit(s.Supervisor([sys.executable, '-c', sys.argv[1], sys.argv[2], '--nnodes', '2', "
+                  "'--node-rank', '1', '--dist-init-addr', sys.argv[4]], 300, None, stop_grace=300).run())")
+
+
+@pytest.fixture
+def node0():
+    """A listening socket standing for node 0's --dist-init-addr (its TCP store); accepted connections kept."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    yield server, accepted
+    server.close()
+    for conn in accepted:
+        conn.close()
+
+
+@pytest.fixture
+def started():
+    """What the test started: supervisors and the stand-ins' pids; any still alive when it ends (a failed test)
+    is killed."""
+    procs, pids = [], []
+    yield procs, pids
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _node1(what, node0, probe_every, started, stdin=None):
+    """The supervisor of a stand-in node 1 (NODE), once it reported the node ready; (process, stderr so far,
+    the stand-in's pids)."""
+    addr = "127.0.0.1:%d" % node0[0].getsockname()[1]
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE_NODE, NODE, what, str(probe_every), addr],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True)
+    started[0].append(sup)
+    pids = [int(p) for p in sup.stdout.readline().split()]
+    started[1].extend(pids)
+    err = ""
+    while "server ready: node 1" not in err:
+        line = sup.stderr.readline()
+        assert line, err
+        err += line
+    return sup, err, pids
+
+
+def test_node_1_stopped_alone_stops_at_once_and_leaves_nothing(node0, started):
+    """SIGTERM to node 1's launcher: SGLang's node-1 main process ignores SIGTERM (it waits for node 0's
+    ShutdownReq); the launcher sends it SIGQUIT, which it honours, instead of waiting out the 300 s grace."""
+    sup, err, pids = _node1("sleep", node0, 600, started)
+    sup.send_signal(signal.SIGTERM)
+    _, rest = sup.communicate(timeout=120)  # a hang guard: without SIGQUIT it takes the 300 s grace
+    err += rest
+    assert sup.returncode == 128 + signal.SIGTERM, err
+    assert "did not stop within" not in err and "stopped by SIGTERM; all server processes are gone" in err, err
+    assert not any(_alive(p) for p in pids), err
+
+
+def test_node_0_unreachable_while_node_1_serves_stops_node_1(node0, started):
+    """SGLang on node 1 does not notice node 0 going away (nothing of it waits on node 0 then): the launcher
+    finds node 0's --dist-init-addr unreachable 3 times in a row, says so in one line naming node 0, stops its
+    server and exits with EXIT_NODE0_LOST."""
+    from sglang_hs.supervisor import EXIT_NODE0_LOST
+
+    server, _ = node0
+    port = server.getsockname()[1]
+    sup, err, pids = _node1("sleep", node0, 0.2, started)
+    server.close()  # node 0 goes away
+    _, rest = sup.communicate(timeout=120)
+    err += rest
+    assert sup.returncode == EXIT_NODE0_LOST, err
+    lines = [x for x in err.splitlines() if "went away" in x]
+    assert lines == [f"[sglang-hs] node 0 (--dist-init-addr 127.0.0.1:{port}) went away (unreachable 3 times in "
+                     "a row, 0.2s apart): node 1 cannot serve without it; stopping (the records completed here "
+                     "stay readable in its dump)"], err
+    assert not any(_alive(p) for p in pids), err
+
+
+def test_node_1_server_failing_after_node_0_went_away_names_node_0(node0, started):
+    """SGLang's node-1 scheduler fails when node 0 goes away (its collective's connection closes), and its main
+    process kills the tree (SIGKILL): the launcher, finding node 0 unreachable, names node 0 rather than the
+    server's status alone."""
+    from sglang_hs.supervisor import EXIT_NODE0_LOST
+
+    server, accepted = node0
+    port = server.getsockname()[1]
+    sup, err, pids = _node1("node0", node0, 600, started)
+    accepted.append(server.accept()[0])  # the "scheduler"'s connection
+    server.close()
+    accepted.pop().close()  # node 0 goes away: the scheduler's connection closes
+    _, rest = sup.communicate(timeout=120)
+    err += rest
+    assert sup.returncode == EXIT_NODE0_LOST, err
+    assert (f"[sglang-hs] node 0 (--dist-init-addr 127.0.0.1:{port}) went away (unreachable as this node's server "
+            f"exited with status -{signal.SIGKILL}): node 1 cannot serve") in err, err
+    assert "[sglang-hs] server exited with status" not in err
+    assert not any(_alive(p) for p in pids), err
+
+
+def test_node_1_failing_with_node_0_there_is_its_own_failure(node0, started):
+    """Node 0 answers every probe (the watcher connects; the fixture accepts them): no node-0 report; node 1's
+    server failing by itself is reported as the server's exit."""
+    server, accepted = node0
+    sup, err, pids = _node1("stdin", node0, 0.1, started, stdin=subprocess.PIPE)
+    while len(accepted) < 5:  # more probes than make node 0 gone, all answered
+        accepted.append(server.accept()[0])
+    sup.stdin.close()  # the "scheduler" exits with status 1; the stand-in then kills its tree
+    sup.wait(timeout=120)
+    err += sup.stderr.read()
+    assert "went away" not in err and f"server exited with status -{signal.SIGKILL} during 'serving'" in err, err
+    assert sup.returncode == 128 + signal.SIGKILL, err
+    assert not any(_alive(p) for p in pids), err
