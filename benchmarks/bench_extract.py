@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
-from sglang_hs.server_process import ServerProcess  # noqa: E402
+from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 LAYERS = [2, 4, 5]  # the tiny model's default EAGLE-3 ids (8 layers)
 

@@ -7,7 +7,7 @@ code, INCLUDING any wait in allocation; the two designs side by side in one run,
         (available_size counts held slots as free, so eviction frees only need - available_size());
         an allocation that finds the free list short waits for the worker (give_back_oldest) and
         retries; a held free is POISONED (its store rows overwritten) when it is given back
-  new   sglang_hs/store/finisher.py now: frees go straight to SGLang's allocator; the next write into
+  new   sglang_hs/server/store/finisher.py now: frees go straight to SGLang's allocator; the next write into
         a slot (CaptureWriter.copy: the CPU engine's forward copy) waits only for the gathers that
         read it; a rewrite is itself the poison
 
@@ -54,10 +54,10 @@ P = K + 1
 TARGETS = {"median_ms": 1.0, "p99_ms": 2.0}
 
 
-# -- the old design, reproduced for comparison (sglang_hs/store/finisher.py before issue 32) -------------
+# -- the old design, reproduced for comparison (sglang_hs/server/store/finisher.py before issue 32) -------------
 def old_worker(writer):
     """A FinishWorker with the old hold mechanics: hold(), give_back_oldest(), held frees given back at poll."""
-    from sglang_hs.store.finisher import FinishWorker
+    from sglang_hs.server.store.finisher import FinishWorker
 
     class HoldingWorker(FinishWorker):
         def __init__(self, writer) -> None:
@@ -148,9 +148,9 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.finisher import FinishWorker
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.finisher import FinishWorker
+    from sglang_hs.server.store.writer import CaptureWriter
 
     dump = tempfile.mkdtemp(prefix="hs-full-pool-", dir="/dev/shm")
     ctx = mp.get_context("spawn")

@@ -4,7 +4,7 @@ DeepSeek-V3-sized capture: K = 3 aux layers + the final state, H = 7168, bf16 (5
 512, 2048 and 8192 tokens, into a store of realistic size (--store-gib, 16 by default: ~300k KV slots),
 each step at fresh random slots spread over the whole store, so page-table and TLB effects show.
 
-The strategies of `--hs-copy`, as the server runs them (sglang_hs/ops/copy_rows.py, store/staging.py):
+The strategies of `--hs-copy`, as the server runs them (sglang_hs/server/ops/copy_rows.py, store/staging.py):
   direct_eager    the Triton copy kernel writes straight into the registered (pinned, mapped) store;
                   the compute stream is held for the whole copy
   direct_graph    the same launch captured in a CUDA graph, replayed with new slots each step
@@ -138,13 +138,13 @@ def forward_step_ms(T: int) -> float:
 def open_store(gib: float):
     """A [S, P, H] store of `gib` GiB in /dev/shm (as the server maps it) when it fits there, else in
     plain host memory; registered for the GPU. Returns (host view, device pointer, cleanup, where, register_s)."""
-    from sglang_hs.store import pinned
+    from sglang_hs.server.store import pinned
 
     S = int(gib * 2**30) // ROW_BYTES
     nbytes = S * ROW_BYTES
     region, d = None, None
     try:
-        from sglang_hs.store.shm import SharedRegion
+        from sglang_hs.server.store.shm import SharedRegion
 
         if shutil.disk_usage("/dev/shm").free < nbytes + (1 << 30):
             raise RuntimeError(f"/dev/shm has {shutil.disk_usage('/dev/shm').free / 2**30:.1f} GiB free")
@@ -225,7 +225,7 @@ def capture(body: Callable[[], None], warm: Optional[Callable[[], None]] = None)
 
 
 def run_direct(case: Case, store, graph: bool, reps: int) -> dict:
-    from sglang_hs.ops.copy_rows import copy_rows
+    from sglang_hs.server.ops.copy_rows import copy_rows
 
     aux, last, want = case.new_rows()
     m0 = torch.cuda.memory_allocated()
@@ -250,7 +250,7 @@ def run_direct(case: Case, store, graph: bool, reps: int) -> dict:
 
 
 def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
-    from sglang_hs.store.staging import StagedCopy
+    from sglang_hs.server.store.staging import StagedCopy
 
     aux, last, want = case.new_rows()
     T = case.T
@@ -375,7 +375,7 @@ def main():
                  f"of {ROW_BYTES} bytes")
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM still unmaps the store (finally)
-    from sglang_hs.ops.copy_rows import HostStore
+    from sglang_hs.server.ops.copy_rows import HostStore
 
     gpu = torch.cuda.get_device_name()
     host, ptr, cleanup, where, register_s = open_store(args.store_gib)

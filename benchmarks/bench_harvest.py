@@ -60,7 +60,7 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
-from sglang_hs.server_process import ServerProcess  # noqa: E402
+from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 WAYS = ("a_off", "b_skip_drain", "c_skip_stopped", "d_hold_stopped")
 SERVER_OF = {"a_off": "off", "b_skip_drain": "skip", "c_skip_stopped": "skip", "d_hold_stopped": "hold"}
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # the servers inherit it
     from transformers import AutoTokenizer
 
-    from sglang_hs import tiny_model
+    from sglang_hs.tools import tiny_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model.ensure())
     work = tempfile.mkdtemp(prefix="bench-harvest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

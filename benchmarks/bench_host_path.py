@@ -162,7 +162,7 @@ class SyncFinish:
 
 
 class AsyncFinish:
-    """The finish worker (sglang_hs/store/finisher.py), what the server runs by default: per request the
+    """The finish worker (sglang_hs/server/store/finisher.py), what the server runs by default: per request the
     scheduler thread hands over the record (token ids, a host copy of the slot ids, the slots' last
     reader set); SGLang's free that follows is its own (writes wait instead: bench_full_pool.py); the gather and publish run on
     the worker thread, without the GIL in the copy. The scheduler-thread time counts both, and the
@@ -170,7 +170,7 @@ class AsyncFinish:
     name = "async"
 
     def __init__(self, writer) -> None:
-        from sglang_hs.store.finisher import FinishWorker
+        from sglang_hs.server.store.finisher import FinishWorker
 
         self.worker = FinishWorker(writer)
 
@@ -477,7 +477,7 @@ def free_bytes(path: str) -> int:
 
 
 def check_room(args, step_bytes: int, ring_bytes: int) -> None:
-    from sglang_hs.store.ring import record_bytes
+    from sglang_hs.server.store.ring import record_bytes
 
     # the step's records at once (the reader takes them after the capture), plus the SKIP marker's worst
     # case where the ring wraps: a record of the longest request that does not fit before the end
@@ -794,8 +794,8 @@ def main(argv=None) -> int:
         disk_out = tempfile.mkdtemp(prefix=".bench-host-path-", dir=args.disk_dir)
         if args.huge_dir:
             huge_out = tempfile.mkdtemp(prefix="bench-host-path-", dir=args.huge_dir)
-        from sglang_hs.capture_spec import CaptureSpec
-        from sglang_hs.store.writer import CaptureWriter
+        from sglang_hs.server.capture_spec import CaptureSpec
+        from sglang_hs.server.store.writer import CaptureWriter
 
         torch.set_num_threads(args.threads)
         dump = os.path.join(base, "hs")

@@ -33,7 +33,7 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
-from sglang_hs.server_process import ServerProcess  # noqa: E402
+from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 VARIANTS = ("a_cli_bf16", "b_cli_fp8", "c_live", "d_live_2w")
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")

@@ -32,7 +32,7 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
-from sglang_hs.server_process import ServerProcess  # noqa: E402
+from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 POLICIES = {"default": "", "passive": "PASSIVE"}  # "": the launcher keeps libgomp's default
 CONFIGS = ("plain", "capture")

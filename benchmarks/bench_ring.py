@@ -54,8 +54,8 @@ def _reader(dump_dir: str, warmup: int, n: int, q) -> None:
 
 
 def run_ring(tokens: int, records: int, slots: int, ring_bytes: int, with_store: bool = True) -> float:
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     base = tempfile.mkdtemp(prefix="bench-ring-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     threads = torch.get_num_threads()

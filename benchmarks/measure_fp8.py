@@ -1,7 +1,7 @@
 """What `--save-dtype fp8` costs against the bf16 rows the server captures, and what it saves.
 
 Rows are computed with HF transformers (no server: the quantization is a function of the rows) on the
-embedded tiny DeepSeek-V3 and on the held-out-style variants of sglang_hs.tiny_model (v2, kimi-k2), at
+embedded tiny DeepSeek-V3 and on the held-out-style variants of sglang_hs.tools.tiny_model (v2, kimi-k2), at
 the default EAGLE-3 layers [2, n//2, n-3] plus the final post-norm state, cast to bf16 as captured, over
 tokenized conversations. Each row set is quantized as the safetensors sink does (sglang_hs/extract/fp8.py)
 with one scale per token over all layers (`fp8`, speculators' scheme) and per token and layer
@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import _pyplot, machine, save_figure, write_csv  # noqa: E402
-from sglang_hs import tiny_model  # noqa: E402
-from sglang_hs.capture_spec import default_layer_ids  # noqa: E402
+from sglang_hs.tools import tiny_model  # noqa: E402
+from sglang_hs.server.capture_spec import default_layer_ids  # noqa: E402
 from sglang_hs.extract import fp8  # noqa: E402
 
 MODES = ("fp8", "fp8-per-layer")

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_extract import LAYERS, _warm, run_plain  # noqa: E402
 from benchmarks.common import machine, plot_bars, write_csv  # noqa: E402
 from sglang_hs import envs  # noqa: E402
-from sglang_hs.server_process import ServerProcess, scheduler_pid  # noqa: E402
+from sglang_hs.tools.server_process import ServerProcess, scheduler_pid  # noqa: E402
 
 
 def py_spy() -> str:
@@ -60,9 +60,9 @@ def upstream_call_sites() -> set:
     return sites
 
 
-# The CPU engine's own fixes (sglang_hs/patches, the ledger's "CPU mode only" rows): model compute that
+# The CPU engine's own fixes (sglang_hs/server/patches, the ledger's "CPU mode only" rows): model compute that
 # SGLang's CPU engine lacks and a GPU server runs upstream, so their samples are the model's, not capture's.
-CPU_ENGINE_PATCHES = tuple(f"sglang_hs/patches/{m}.py" for m in (
+CPU_ENGINE_PATCHES = tuple(f"sglang_hs/server/patches/{m}.py" for m in (
     "mla_torch_native", "torch_native_cpu_pad", "moe_native_ep", "dsa_torch_native", "cpu_gloo_groups"))
 
 

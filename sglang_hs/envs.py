@@ -126,7 +126,7 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # control until the reader frees room, or "skip": serve it without capture.
     "SGLANG_HS_WHEN_BEHIND": _str("SGLANG_HS_WHEN_BEHIND", "hold"),
     # How rows reach the store (--hs-copy): "direct" (the copy kernel writes the store: registered,
-    # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream, sglang_hs/store/staging.py).
+    # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream, sglang_hs/server/store/staging.py).
     "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),
     # Rows of the staging buffers (--hs-staging-rows); 0: max(chunked prefill size, max running requests).
     "SGLANG_HS_STAGING_ROWS": _int("SGLANG_HS_STAGING_ROWS", 0),
@@ -134,7 +134,7 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # at most one thread per 8 MiB of rows (csrc/row_threads.h), so decode steps always take one.
     "SGLANG_HS_SCATTER_THREADS": _int("SGLANG_HS_SCATTER_THREADS", DEFAULT_SCATTER_THREADS),
     # Publish finished records on the scheduler thread (the synchronous path, for debugging) instead of
-    # handing them to the finish worker (sglang_hs/store/finisher.py).
+    # handing them to the finish worker (sglang_hs/server/store/finisher.py).
     "SGLANG_HS_SYNC_FINISH": _bool("SGLANG_HS_SYNC_FINISH"),
     # Threads of one record's gather into the output ring (--hs-gather-threads); a record gets at most
     # one thread per 8 MiB of rows (csrc/gather_rows_cpu.cpp), so short records always take one.
@@ -145,9 +145,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # CPU_OMP_WAIT_POLICY for the server's processes; set empty, the launcher removes it (libgomp's default
     # spin-wait); any other value is the user's and passed on as it is.
     "OMP_WAIT_POLICY": lambda: os.environ.get("OMP_WAIT_POLICY"),
-    # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/patches).
+    # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/server/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
-    # Comma-separated runtime patches NOT to apply (sglang_hs/patches), e.g. when sglang's source was
+    # Comma-separated runtime patches NOT to apply (sglang_hs/server/patches), e.g. when sglang's source was
     # patched instead (patches/*.patch) or to show what a patch fixes.
     "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},
     # Seconds of start-up without any sign of progress after which the launcher gives up (finite, > 0; an

@@ -155,7 +155,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.extract.samples import RECORD_GRACE_S, make_preparer, record_loss_mask, request_body
         from sglang_hs.extract.dataset import SkipSample
         from sglang_hs.extract.sinks import specforge_sample
-        from sglang_hs.capture_spec import final_states
+        from sglang_hs.server.capture_spec import final_states
         from sglang_hs.reader import ServerRestarted, node_share
 
         session = requests.Session()

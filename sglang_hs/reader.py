@@ -87,10 +87,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from sglang_hs.capture_spec import final_states
+from sglang_hs.server.capture_spec import final_states
 from sglang_hs.fsutil import NO_WRITER, check_private_file, owner_uid
-from sglang_hs.store.ring import SKIP_REASONS, RingReader
-from sglang_hs.store.writer import FORMAT_VERSION, MANIFEST
+from sglang_hs.server.store.ring import SKIP_REASONS, RingReader
+from sglang_hs.server.store.writer import FORMAT_VERSION, MANIFEST
 
 
 def recycle_freed_memory() -> bool:

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import requests
 
-from sglang_hs.server_process import free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
+from sglang_hs.tools.server_process import free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,7 +154,7 @@ def writer_status(server) -> dict:
 
 def status_after(server, records: int, timeout: float = 30) -> dict:
     """The writer's status once it counts `records` records and no gather is pending (or at the timeout)."""
-    from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+    from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 
     deadline = time.monotonic() + timeout
     while ((status := writer_status(server))["records"] < records or status["finish_pending"]) \
@@ -177,7 +177,7 @@ def until_decoding(server, dump, pid: int, steps: int = 8, timeout: float = 300)
     """A `decoding` for killed_mid_generation: returns once scheduler `pid` has run `steps` more decode
     forwards than when it was made (its status file, flushed every FLUSH_INTERVAL_S), i.e. it decodes the
     long request; fails if the request's thread ends first or `timeout` passes."""
-    from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+    from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 
     before = decode_steps(dump, pid)
 

@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Dict, List, Optional, Tuple
 
-from sglang_hs.capture_spec import final_states
+from sglang_hs.server.capture_spec import final_states
 from sglang_hs.extract.errors import PROG, ExtractError
 from sglang_hs.extract.output import (Stats, check_final_state, check_streams, model_vocab_size, prepare_output,
                                       print_summary, print_training_command, write_manifest)
@@ -581,7 +581,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from sglang_hs.reader import ServerRestarted
-    from sglang_hs.store.ring import TornRecord
+    from sglang_hs.server.store.ring import TornRecord
 
     threads = torch.get_num_threads()
     torch.set_num_threads(ns.torch_threads)  # restored below: main() also runs inside other programs
@@ -703,7 +703,7 @@ def _finalize_only(sink) -> int:
 
 def _start_server(ns, launcher_args):
     """Start `python -m sglang_hs.launch_server` with the user's launcher flags (not yet waited for)."""
-    from sglang_hs.server_process import ServerProcess
+    from sglang_hs.tools.server_process import ServerProcess
 
     dump_dir = ns.hs_dump_dir or os.path.join(
         tempfile.mkdtemp(prefix="sglang-hs-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), "hs")
@@ -727,7 +727,7 @@ def server_last(ns) -> str:
 
 
 def _wait_ready(server) -> None:
-    from sglang_hs.server_process import ServerStartError
+    from sglang_hs.tools.server_process import ServerStartError
 
     try:
         server.wait_ready()

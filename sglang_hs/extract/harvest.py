@@ -240,7 +240,7 @@ def run(ns, sink, out_dir: str) -> int:
                                           print_summary, print_training_command, write_manifest)
     from sglang_hs.extract.sinks import SinkError
     from sglang_hs.reader import ServerRestarted
-    from sglang_hs.store.ring import TornRecord
+    from sglang_hs.server.store.ring import TornRecord
 
     stop = []
 

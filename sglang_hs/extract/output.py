@@ -10,7 +10,7 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
-from sglang_hs.capture_spec import final_states, last_choice
+from sglang_hs.server.capture_spec import final_states, last_choice
 from sglang_hs.extract.checkpoint_names import (SPECULATORS_VERIFIER, checkpoint_keys, speculators_renames,
                                                  write_speculators_verifier)
 from sglang_hs.extract.errors import PROG, ExtractError

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from helpers import serving
-from sglang_hs.supervisor import mapped_shm
+from sglang_hs.tools.supervisor import mapped_shm
 
 CHUNK = 16
 HARVEST_SAMPLE_KEY = "5eed" * 8  # harvest_server's --hs-capture-sample-key (a server draws one by default)
@@ -109,7 +109,7 @@ def hf():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_hs import tiny_model
+    from sglang_hs.tools import tiny_model
 
     path = tiny_model.ensure()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

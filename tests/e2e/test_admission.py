@@ -16,7 +16,7 @@ import torch
 import sglang_hs
 from helpers import serving
 from sglang_hs import HiddenStateReader
-from sglang_hs.store.ring import record_bytes
+from sglang_hs.server.store.ring import record_bytes
 
 pytestmark = pytest.mark.e2e
 N, PROMPT, NEW = 12, 60, 4

@@ -60,8 +60,8 @@ def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(re.match(r"sglang_hs/_C\..*\.so$", n) for n in names)
     for n in ("sglang_hs/data/tiny_deepseek_v3/config.json", "sglang_hs/data/tiny_deepseek_v3/tokenizer.json",
-              "sglang_hs/data/tiny_deepseek_v3/tokenizer_config.json", "sglang_hs/cpu/stubs/sgl_kernel/__init__.py",
-              "sglang_hs/models/deepseek_v2.py"):
+              "sglang_hs/data/tiny_deepseek_v3/tokenizer_config.json", "sglang_hs/server/cpu/stubs/sgl_kernel/__init__.py",
+              "sglang_hs/server/models/deepseek_v2.py"):
         assert n in names, n
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert f"Requires-Dist: sglang=={SGLANG_VERSION}" in meta
@@ -119,7 +119,7 @@ def test_wheel_serves_from_a_fresh_venv(wheel, tmp_path):
         server.wait_ready()
         out = server.generate(input_ids=[5, 6, 7, 8, 9], rid="wheel", sampling_params={"max_new_tokens": 2})
         assert out["meta_info"]["completion_tokens"] == 2
-        assert "overlay ready: sglang_hs.models.deepseek_v2.DeepseekV3ForCausalLM" in server.output
+        assert "overlay ready: sglang_hs.server.models.deepseek_v2.DeepseekV3ForCausalLM" in server.output
     finally:
         server.stop()
         assert not leftover_server_processes(server.output)

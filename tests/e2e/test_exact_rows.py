@@ -30,7 +30,7 @@ import row_judge
 from helpers import status_after, writer_status
 from conftest import CHUNK, POOL, RETRACT_RATIO
 from sglang_hs import HiddenStateReader
-from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8

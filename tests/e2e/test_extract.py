@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 
 import specforge_way
 from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
-from sglang_hs import HiddenStateReader, tiny_model
+from sglang_hs import HiddenStateReader
+from sglang_hs.tools import tiny_model
 from sglang_hs.extract.dataset import Preparer
 
 pytestmark = pytest.mark.e2e
@@ -162,7 +163,7 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
 
 
 def _plan(data, out, dump_dir):
-    from sglang_hs import plan
+    from sglang_hs.tools import plan
 
     args = plan.build_parser().parse_args(["--data", data, "--output", str(out), "--hs-dump-dir", str(dump_dir),
                                            "--device", "cpu", "--hs-ring-size", "64MiB", "--hs-last", "both"])  # the capture server's

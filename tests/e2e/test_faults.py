@@ -9,7 +9,7 @@ import pytest
 from helpers import (Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session,
                      until_decoding)
 from sglang_hs import HiddenStateReader
-from sglang_hs.server_process import scheduler_pid
+from sglang_hs.tools.server_process import scheduler_pid
 
 pytestmark = pytest.mark.e2e
 

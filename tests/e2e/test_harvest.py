@@ -33,7 +33,7 @@ import row_judge
 from sglang_hs import HiddenStateReader
 from sglang_hs.reader import NotCaptured
 from conftest import HARVEST_SAMPLE_KEY
-from sglang_hs.store.admission import sample_point as _sample_point
+from sglang_hs.server.store.admission import sample_point as _sample_point
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8

@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from sglang_hs import HiddenStateReader, tiny_model
+from sglang_hs import HiddenStateReader
+from sglang_hs.tools import tiny_model
 from sglang_hs.extract.verify import load_lm_head
 from sglang_hs.live import LiveHiddenStates
-from sglang_hs.server_process import processes_in_session
+from sglang_hs.tools.server_process import processes_in_session
 from test_extract import _server_args, conversations, extract, write_jsonl
 
 pytestmark = pytest.mark.e2e

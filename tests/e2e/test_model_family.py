@@ -19,14 +19,14 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   "language_model."-prefixed weights.
 - "v32": DeepseekV32ForCausalLM (DeepSeek-V3.2: the V3 shape plus the DSA indexer), index_topk 11, below
   the prompts' lengths, so every query past the 11th position attends over the indexer's 11 keys only.
-  Served by the CPU engine through sglang_hs/patches/dsa_torch_native.py (SGLang's indexer has no CPU
+  Served by the CPU engine through sglang_hs/server/patches/dsa_torch_native.py (SGLang's indexer has no CPU
   path); reference: HF transformers' DeepseekV32ForCausalLM float32. Also judged under concurrency
   (requests of several lengths sharing prefill and decode steps), since the indexer and the sparse
   attention select keys per request.
 - "v32-tp2": the same V3.2 checkpoint served with `--tp 2` (one server, every test above against the same
   HF float32 rows; the checkpoint test checks both ranks built the overlay and rank 0 alone writes).
 
-See sglang_hs/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
+See sglang_hs/tools/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
 time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
 final states (`--hs-last both`: post-norm, and pre-norm judged against the input of HF's final norm but
 for the bf16-served Mistral): id 1 first (the id list upstream's set_eagle3_layers_to_capture would shift by one), the
@@ -48,7 +48,8 @@ import requests
 
 import row_judge
 from conftest import CHUNK, _serve, hf_states
-from sglang_hs import HiddenStateReader, tiny_model
+from sglang_hs import HiddenStateReader
+from sglang_hs.tools import tiny_model
 
 pytestmark = pytest.mark.e2e
 LAYERS = [1, 2, 5, 7]

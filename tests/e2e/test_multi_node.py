@@ -27,9 +27,9 @@ import row_judge
 from conftest import CHUNK
 from helpers import Launcher, free_port, leftover_server_processes, server_session
 from sglang_hs import HiddenStateReader
-from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 from sglang_hs.reader import NoWriterHere, coverage
-from sglang_hs.supervisor import EXIT_NODE0_LOST
+from sglang_hs.tools.supervisor import EXIT_NODE0_LOST
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8

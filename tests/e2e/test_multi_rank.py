@@ -10,7 +10,7 @@ the reduction order (each rank's partial sums, then a gloo all-reduce): measured
 every record is within 1.3e-6 of HF (1.1e-6 on one rank), so the single-rank tolerance holds with
 ~100x margin and is kept, not loosened.
 
-The CPU engine needs runtime patches to run these (sglang_hs/patches: cpu_gloo_groups for any
+The CPU engine needs runtime patches to run these (sglang_hs/server/patches: cpu_gloo_groups for any
 --tp > 1, torch_native_cpu_pad for DP attention, moe_native_ep for EP) and the launcher's
 SGLANG_CPU_OMP_THREADS_BIND default; without one, its server fails to start or to warm up. The kill
 test ends the tp2 server: it stays the last test of that server.
@@ -148,7 +148,7 @@ def test_concurrent_requests_of_mixed_lengths(tp2, hf):
 
 
 def test_launcher_binds_one_core_group_per_rank():
-    from sglang_hs.launch_server import cpu_threads_bind
+    from sglang_hs.tools.launch_server import cpu_threads_bind
 
     cores = sorted(os.sched_getaffinity(0))
     nodes = len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1

@@ -1,6 +1,6 @@
 """Teacher-forced prompt logprobs of the CPU server against HF transformers on the same checkpoint.
 
-This proves the CPU-mode MLA fix (sglang_hs/patches/mla_torch_native.py): without it the first chunk
+This proves the CPU-mode MLA fix (sglang_hs/server/patches/mla_torch_native.py): without it the first chunk
 goes down the broken MHA path (a shape error for these head sizes; wrong numbers for others).
 
 Tolerance: SGLang computes in bf16 (8-bit mantissa, relative rounding 2^-9 per op) through 8 layers
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import CHUNK
-from sglang_hs import tiny_model
+from sglang_hs.tools import tiny_model
 
 pytestmark = pytest.mark.e2e
 TEXT = (

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CHUNK
 from helpers import leftover_server_processes
-from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ def test_chunked_prefill_and_decode_go_through_the_overlay(capture_server, dump_
     path, status = _status(dump_dir, "e2e-chunked-decode")
     # Written by the scheduler process that served the request, not by the launcher.
     assert status["pid"] != capture_server.proc.pid and status["pid"] in leftover_server_processes(capture_server.output)
-    assert status["module"] == "sglang_hs.models.deepseek_v2" and status["class"] == "DeepseekV3ForCausalLM"
+    assert status["module"] == "sglang_hs.server.models.deepseek_v2" and status["class"] == "DeepseekV3ForCausalLM"
     assert status["capture"]["layer_ids"] == [2, 4, 5] and status["capture"]["last"] is True
     assert status["capture"]["hf_output_hidden_states_index"] == [2, 4, 5, 8]
     assert status["last_aux_shape"][1] == 3 * 256  # K * H, packed
@@ -65,6 +65,6 @@ def test_chat_completions_served_with_capture(capture_server, dump_dir):
 def test_server_warmup_ran_through_the_capture_path(capture_server):
     # The launcher only reports ready after SGLang's own warm-up request succeeded through the overlay.
     out = capture_server.output
-    assert "[sglang-hs] overlay ready: sglang_hs.models.deepseek_v2.DeepseekV3ForCausalLM" in out
+    assert "[sglang-hs] overlay ready: sglang_hs.server.models.deepseek_v2.DeepseekV3ForCausalLM" in out
     assert "capture=on [2, 4, 5] +last" in out
     assert out.index("overlay ready") < out.index("The server is fired up")

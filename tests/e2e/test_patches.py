@@ -1,5 +1,5 @@
 """patches/*.patch against the installed sglang 0.5.23, and the source patch standing in for its
-runtime twin (sglang_hs/patches/) in a real server."""
+runtime twin (sglang_hs/server/patches/) in a real server."""
 import glob
 import os
 import shutil
@@ -10,7 +10,7 @@ import pytest
 import sglang
 
 from helpers import REPO, Launcher, leftover_server_processes
-from sglang_hs.cpu import stubs_dir
+from sglang_hs.server.cpu import stubs_dir
 
 pytestmark = pytest.mark.e2e
 SITE = os.path.dirname(os.path.dirname(sglang.__file__))
@@ -55,7 +55,7 @@ def test_every_patch_names_sglang_0_5_23_and_applies_idempotently(tmp_path):
 DRIFT = """
 import types
 from sglang.srt.models.deepseek_common import attention_backend_handler as abh
-from sglang_hs.patches import mla_torch_native as rt
+from sglang_hs.server.patches import mla_torch_native as rt
 assert abh.__file__.startswith({root!r}), abh.__file__
 source = abh.AttentionBackendRegistry.get_handler("torch_native")
 assert source is abh.handle_attention_torch_native

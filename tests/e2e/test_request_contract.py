@@ -18,7 +18,7 @@ import requests
 
 import row_judge
 from sglang_hs import HiddenStateReader, NotCaptured
-from sglang_hs.overlay_status import FLUSH_INTERVAL_S
+from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from helpers import Launcher, leftover_server_processes
-from sglang_hs.supervisor import EXIT_FATAL, EXIT_NO_OVERLAY, EXIT_STALL
+from sglang_hs.tools.supervisor import EXIT_FATAL, EXIT_NO_OVERLAY, EXIT_STALL
 
 pytestmark = pytest.mark.e2e
 STALL_TIMEOUT = 30  # --hs-startup-timeout of the planted stalls (quiet start-up is reported every quarter of it)
@@ -82,7 +82,7 @@ def test_overlay_import_failure_is_fatal(failed_starts):
     rc = server.wait_exit(timeout=400)
     assert rc == EXIT_NO_OVERLAY, server.tail()
     assert "SGLang fell back to its built-in model class" in server.output  # noticed right after loading
-    assert "Ignore import error when loading sglang_hs.models.deepseek_v2" in server.output
+    assert "Ignore import error when loading sglang_hs.server.models.deepseek_v2" in server.output
     assert "[sglang-hs] server ready" not in server.output
     assert not leftover_server_processes(server.output)
 

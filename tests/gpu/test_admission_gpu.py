@@ -17,10 +17,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
-from sglang_hs.store import pinned  # noqa: E402
-from sglang_hs.store.admission import AdmissionControl  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.store import pinned  # noqa: E402
+from sglang_hs.server.store.admission import AdmissionControl  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 K, H, SLOTS, BUCKET, PAD = 3, 512, 8192, 256, 0

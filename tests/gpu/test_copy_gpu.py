@@ -13,8 +13,8 @@ if not torch.cuda.is_available():  # keep the kernel module unimported: CPU test
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
 from reference import copy_rows_ref  # noqa: E402
-from sglang_hs.ops.copy_rows import HostStore, SlotErrors, copy_rows  # noqa: E402
-from sglang_hs.store import pinned  # noqa: E402
+from sglang_hs.server.ops.copy_rows import HostStore, SlotErrors, copy_rows  # noqa: E402
+from sglang_hs.server.store import pinned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -58,7 +58,7 @@ def _reader(path, nbytes, slots, expected_path, q):
 
 
 def test_registered_shm_store_written_by_kernel_read_by_another_process():
-    from sglang_hs.store.shm import SharedRegion
+    from sglang_hs.server.store.shm import SharedRegion
 
     K, H, S, T = 3, 7168, 4096, 512
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -98,7 +98,7 @@ def test_copy_inside_cuda_graph_replays(target):
         store, region = store_t, None
         host_view = store_t
     else:
-        from sglang_hs.store.shm import SharedRegion
+        from sglang_hs.server.store.shm import SharedRegion
 
         d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         region = SharedRegion.create(d, "store", S * (K + 1) * H * 2)
@@ -165,7 +165,7 @@ def test_slots_outside_the_store_are_dropped_and_reported_after_graph_replays(ta
         store, errors = big[G : G + S], SlotErrors(DEV)
         check = errors.check
     else:
-        from sglang_hs.store.shm import SharedRegion
+        from sglang_hs.server.store.shm import SharedRegion
 
         d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         region = SharedRegion.create(d, "store", (G + S + G) * (K + 1) * H * 2)

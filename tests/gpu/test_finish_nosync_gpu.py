@@ -19,10 +19,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
-from sglang_hs.store.finisher import FinishWorker  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.finisher import FinishWorker  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 LAYERS, N_LAYERS, H, SLOTS, POOL, MAXLEN = [2, 4, 5], 8, 512, 8192, 8, 600

@@ -4,7 +4,7 @@ building the StagedCopy takes no new memory from the device (PyTorch's caching a
 stage and its twin out of the freed block), so the KV pool sized in between really left room for it."""
 import torch
 
-from sglang_hs.store.staging import StagedCopy, device_bytes
+from sglang_hs.server.store.staging import StagedCopy, device_bytes
 
 ROWS, P, H = 8192, 4, 7168  # DeepSeek-V3's default stage: 0.94 GB
 

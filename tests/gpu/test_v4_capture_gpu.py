@@ -43,8 +43,8 @@ _RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_com
 def checkpoint(tmp_path_factory):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from sglang_hs import tiny_model
-    from sglang_hs.tiny_model import randomise_norms
+    from sglang_hs.tools import tiny_model
+    from sglang_hs.tools.tiny_model import randomise_norms
 
     out = tmp_path_factory.mktemp("tiny-v4")
     tok_dir = tiny_model.source_dir()

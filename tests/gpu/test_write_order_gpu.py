@@ -17,10 +17,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
-from sglang_hs.store.finisher import FinishWorker  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.finisher import FinishWorker  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 LAYERS, N_LAYERS, H, SLOTS, T = [2, 4, 5], 8, 7168, 4096, 333  # DeepSeek-V3 width, an odd request length
@@ -61,7 +61,7 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
     try:
         w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
                           device="cuda", copy="direct")
-        from sglang_hs.store.finisher import check_stream_wait
+        from sglang_hs.server.store.finisher import check_stream_wait
 
         check_stream_wait()  # the start-up check passes on this driver
         worker = FinishWorker(w)

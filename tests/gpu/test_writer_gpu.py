@@ -14,11 +14,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
 from reference import copy_rows_ref  # noqa: E402
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
-from sglang_hs.ops.copy_rows import HostStore, copy_rows  # noqa: E402
-from sglang_hs.store import pinned  # noqa: E402
-from sglang_hs.store.staging import StagedCopy  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.ops.copy_rows import HostStore, copy_rows  # noqa: E402
+from sglang_hs.server.store import pinned  # noqa: E402
+from sglang_hs.server.store.staging import StagedCopy  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 K, H, SLOTS, PAD = 3, 512, 4096, 0

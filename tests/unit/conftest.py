@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from sglang_hs.cpu import stubs_dir
+from sglang_hs.server.cpu import stubs_dir
 
 
 @contextlib.contextmanager
@@ -50,8 +50,8 @@ def cpu_engine_imports():
 
 @pytest.fixture(scope="session")
 def overlay_module():
-    """sglang_hs.models.deepseek_v2, imported the way the CPU engine does (it imports SGLang's
+    """sglang_hs.server.models.deepseek_v2, imported the way the CPU engine does (it imports SGLang's
     deepseek_v2, which needs the sgl_kernel stand-in on this machine)."""
     with _cpu_engine_imports():
-        from sglang_hs.models import deepseek_v2
+        from sglang_hs.server.models import deepseek_v2
     return deepseek_v2

@@ -19,9 +19,9 @@ from sglang.srt.managers.io_struct import (  # noqa: E402
 )
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from sglang_hs.patches import capture_hooks  # noqa: E402
-from sglang_hs.store import admission as admission_mod  # noqa: E402
-from sglang_hs.store.admission import AdmissionControl  # noqa: E402
+from sglang_hs.server.patches import capture_hooks  # noqa: E402
+from sglang_hs.server.store import admission as admission_mod  # noqa: E402
+from sglang_hs.server.store.admission import AdmissionControl  # noqa: E402
 from ring_stand_in import Ring  # noqa: E402
 
 P, H, ELEM, PROMPT, NEW = 2, 64, 2, 30, 5

@@ -1,8 +1,8 @@
-"""Request shapes admission decides at the door (sglang_hs/store/admission.py), with real SGLang io_struct
+"""Request shapes admission decides at the door (sglang_hs/server/store/admission.py), with real SGLang io_struct
 messages and a stand-in ring: a beam-search request and one sent as input_embeds are served without
 capture, their marker reserved like a record (held while the ring has no room for it under
 --hs-when-behind hold), and the prefix request SGLang sends before the choices of an n > 1 request
-(tagged by sglang_hs/patches/parallel_sampling.py) gets no record and no marker. Before: all three were
+(tagged by sglang_hs/server/patches/parallel_sampling.py) gets no record and no marker. Before: all three were
 captured (the beam one with zeros as token ids, the prefix one as a record nobody asked for)."""
 import types
 
@@ -12,9 +12,9 @@ pytest.importorskip("sglang.srt.managers.io_struct", reason="needs SGLang instal
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from sglang_hs.patches import parallel_sampling  # noqa: E402
-from sglang_hs.store.admission import PARALLEL_SAMPLING_PREFIX, AdmissionControl, unrecordable  # noqa: E402
-from sglang_hs.store.ring import SKIP_REASONS  # noqa: E402
+from sglang_hs.server.patches import parallel_sampling  # noqa: E402
+from sglang_hs.server.store.admission import PARALLEL_SAMPLING_PREFIX, AdmissionControl, unrecordable  # noqa: E402
+from sglang_hs.server.store.ring import SKIP_REASONS  # noqa: E402
 from ring_stand_in import Ring  # noqa: E402
 
 P, H, ELEM = 2, 64, 2

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers import ProgressLines
-from sglang_hs import tiny_model
+from sglang_hs.tools import tiny_model
 from sglang_hs.extract import cli, output
 from sglang_hs.extract.dataset import Preparer, SkipSample, read_records
 from sglang_hs.extract.sinks import SafetensorsSink

@@ -1,6 +1,6 @@
 import pytest
 
-from sglang_hs.capture_spec import (
+from sglang_hs.server.capture_spec import (
     CaptureConfigError,
     CaptureSpec,
     check_architecture,
@@ -149,7 +149,7 @@ def test_v4_is_captured_and_its_index_topk_is_not_dsa():
 
 
 def test_v4_default_is_the_stream_mean_one_row_per_layer():
-    from sglang_hs.capture_spec import hc_mult_of
+    from sglang_hs.server.capture_spec import hc_mult_of
 
     hc = hc_mult_of(V4_CONFIG)
     assert hc == 4 and hc_mult_of({"architectures": ["DeepseekV3ForCausalLM"], "hc_mult": 4}) == 1

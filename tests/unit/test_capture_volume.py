@@ -12,9 +12,9 @@ import pytest
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from sglang_hs.launch_server import CaptureConfigError, selection_env
-from sglang_hs.store.admission import AdmissionControl, sample_point
-from sglang_hs.store.ring import SKIP_REASONS, record_bytes
+from sglang_hs.tools.launch_server import CaptureConfigError, selection_env
+from sglang_hs.server.store.admission import AdmissionControl, sample_point
+from sglang_hs.server.store.ring import SKIP_REASONS, record_bytes
 from ring_stand_in import Ring  # noqa: E402
 
 P, H, ELEM = 2, 16, 2

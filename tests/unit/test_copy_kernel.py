@@ -18,10 +18,10 @@ import torch  # noqa: E402
 
 from reference import copy_rows_ref  # noqa: E402
 
-if "sglang_hs.ops.copy_rows" in sys.modules:
-    mod = importlib.reload(sys.modules["sglang_hs.ops.copy_rows"])
+if "sglang_hs.server.ops.copy_rows" in sys.modules:
+    mod = importlib.reload(sys.modules["sglang_hs.server.ops.copy_rows"])
 else:
-    mod = importlib.import_module("sglang_hs.ops.copy_rows")
+    mod = importlib.import_module("sglang_hs.server.ops.copy_rows")
 
 PAD_SLOT = 0
 

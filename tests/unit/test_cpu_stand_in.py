@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from sglang_hs.cpu import stubs_dir
+from sglang_hs.server.cpu import stubs_dir
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 import specforge_way
-from sglang_hs import tiny_model
+from sglang_hs.tools import tiny_model
 from sglang_hs.extract import cli, output
 from sglang_hs.extract.dataset import Preparer, SkipSample
 from sglang_hs.extract.output import draft_config
@@ -382,8 +382,8 @@ def test_torch_threads_apply_to_the_run_and_are_restored(tmp_path, capsys, monke
     monkeypatch.setattr(cli, "_model_side", model_side)
     dump = tmp_path / "hs"
     dump.mkdir(mode=0o700)
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     CaptureWriter(str(dump), CaptureSpec.resolve([1], "pre-norm", 4, 16), 8, torch.bfloat16, 1 << 16)
     (tmp_path / "d.jsonl").write_text('{"input_ids": [5, 6, 7]}\n')
@@ -437,7 +437,7 @@ def test_an_interrupt_while_collecting_writes_leaves_no_file_unacked_or_counted_
 
 @pytest.mark.parametrize("streams", ["mean", "full"])
 def test_draft_config_of_deepseek_v4_names_sglangs_dspark_ids(streams):
-    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.server.capture_spec import CaptureSpec
 
     m = dict(CaptureSpec.resolve([2, 21, 40], True, 43, 4096, hc_mult=4, streams=streams).describe())
     cfg = draft_config(m)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 from sglang_hs.reader import HiddenStateReader
 
 H, LAYERS, N_LAYERS, NUM_SLOTS, POOL, MAX_LEN = 16, [1, 2], 4, 128, 6, 40
@@ -30,7 +30,7 @@ class Admission:
     release_reservation = release  # the finish worker's: the same here (no decisions to keep)
 
     def finish(self, rid, req=None):
-        from sglang_hs.store.admission import Ticket
+        from sglang_hs.server.store.admission import Ticket
 
         return Ticket(str(rid), 1)  # every request captured (--hs-capture all)
 
@@ -45,8 +45,8 @@ def hook(request, tmp_path, monkeypatch):
     a write into a slot it reads waits for it meanwhile) and SGLANG_HS_SYNC_FINISH=1."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    from sglang_hs.patches import capture_hooks
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.patches import capture_hooks
+    from sglang_hs.server.store.writer import CaptureWriter
 
     monkeypatch.setenv("SGLANG_HS_SYNC_FINISH", "1" if request.param == "sync" else "0")
     monkeypatch.setattr(capture_hooks, "_finisher", None)
@@ -127,7 +127,7 @@ def test_a_stop_string_trims_the_rows_past_it(hook):
 def test_aborted_health_check_and_warmup_requests_are_not_emitted_but_released(hook):
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from sglang_hs.patches.warmup_rid import PREFIX as WARMUP
+    from sglang_hs.server.patches.warmup_rid import PREFIX as WARMUP
 
     hook.finish(_req("aborted", [1, 2, 3], [4, 5], pool_idx=0, finished_reason=FINISH_ABORT("client gone")))
     hook.finish(_req("HEALTH_CHECK_123", [1, 2], [3], pool_idx=1))

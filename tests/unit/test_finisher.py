@@ -1,4 +1,4 @@
-"""The finish worker (sglang_hs/store/finisher.py) with SGLang's real KV allocators on the CPU: the
+"""The finish worker (sglang_hs/server/store/finisher.py) with SGLang's real KV allocators on the CPU: the
 allocator is left as SGLang made it (a freed slot is free at once, a full pool allocates at once, no
 allocation ever waits), and instead the NEXT WRITE into a slot a pending gather reads waits for that
 gather, and only for it: the CPU engine's forward copy (CaptureWriter.copy) and the staging scatter
@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 from sglang_hs.reader import HiddenStateReader
 
 H, NUM_SLOTS = 8, 64
@@ -30,7 +30,7 @@ def _fill(writer):
 
 @pytest.fixture
 def writer(tmp_path):
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.store.writer import CaptureWriter
 
     w = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS + 1, dtype=torch.float32, ring_bytes=1 << 20)
     _fill(w)
@@ -40,7 +40,7 @@ def writer(tmp_path):
 
 @pytest.fixture
 def staged_writer(tmp_path):
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.store.writer import CaptureWriter
 
     w = CaptureWriter(str(tmp_path), SPEC, num_slots=NUM_SLOTS + 1, dtype=torch.float32, ring_bytes=1 << 20,
                       copy="staging", staging_rows=16)
@@ -87,7 +87,7 @@ def _token_allocator(size=NUM_SLOTS):
 
 
 def _worker(writer, released=None):
-    from sglang_hs.store.finisher import FinishWorker
+    from sglang_hs.server.store.finisher import FinishWorker
 
     return FinishWorker(writer, on_done=((lambda rid, ticket: released.append(rid)) if released is not None else None))
 
@@ -233,7 +233,7 @@ def test_markers_make_no_write_wait(writer):
 def test_the_idle_path_and_intake_do_not_wait_for_gathers(writer, monkeypatch):
     """Scheduler.on_idle (SGLang's idle leak check) and request intake take the worker's results without
     waiting: the pool is SGLang's own, so there is nothing to give back first. Before, on_idle drained."""
-    from sglang_hs.patches import capture_hooks
+    from sglang_hs.server.patches import capture_hooks
 
     worker = _worker(writer)
     gate = Gate(writer)
@@ -304,7 +304,7 @@ def test_staging_gather_does_not_wait_for_chunks_shipped_after_its_hand_over(sta
 def test_allocators_checked_and_unknown_ones_refused_with_the_reason():
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    from sglang_hs.store.finisher import check_allocator
+    from sglang_hs.server.store.finisher import check_allocator
 
     assert check_allocator(_token_allocator()) is None
     assert check_allocator(PagedTokenToKVPoolAllocator(32, 4, torch.float32, "cpu", None, need_sort=False)) is None
@@ -333,7 +333,7 @@ def test_each_job_hands_back_the_very_ticket_it_was_submitted_with(writer):
     """Admission releases a published request's reservation by the ticket the finish hook handed over with it
     (before: by rid order, so a request of the same rid handed over with no ticket released another's)."""
     done = []
-    from sglang_hs.store.finisher import FinishWorker
+    from sglang_hs.server.store.finisher import FinishWorker
 
     worker = FinishWorker(writer, on_done=lambda rid, ticket: done.append((rid, ticket)))
     first, marker = object(), object()

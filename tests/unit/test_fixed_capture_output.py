@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""FreeListOrder (sglang_hs/store/free_list_order.py) against SGLang 0.5.23's real KV allocators on the CPU:
+"""FreeListOrder (sglang_hs/server/store/free_list_order.py) against SGLang 0.5.23's real KV allocators on the CPU:
 for any sequence of allocations, frees (alone or in free groups) and hand-overs, the bound it gives for an
 allocation, from counts alone, is exactly the largest "gathers handed over when freed" among the slots the
 allocation returned (read here from the slot ids, which on CUDA stay on the device): never less (a write
@@ -27,7 +27,7 @@ def _allocator(page_size):
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS)
 def test_the_bound_is_exactly_the_gathers_the_allocated_slots_may_be_read_by(page_size, ops):
-    from sglang_hs.store.free_list_order import FreeListOrder
+    from sglang_hs.server.store.free_list_order import FreeListOrder
 
     a = _allocator(page_size)
     handed = [0]
@@ -64,7 +64,7 @@ def test_the_bound_is_exactly_the_gathers_the_allocated_slots_may_be_read_by(pag
 
 
 def test_a_change_behind_its_back_falls_back_to_every_gather():
-    from sglang_hs.store.free_list_order import FreeListOrder
+    from sglang_hs.server.store.free_list_order import FreeListOrder
 
     a = _allocator(1)
     handed = [0]

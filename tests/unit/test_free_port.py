@@ -1,4 +1,4 @@
-"""free_port() (sglang_hs/server_process.py): the port a launched server binds only after its start-up.
+"""free_port() (sglang_hs/tools/server_process.py): the port a launched server binds only after its start-up.
 
 It is drawn below the kernel's ephemeral range, which outgoing connections take their local ports from:
 a port of that range, free when drawn, was taken by a connection during a server's 20-60 s start-up
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from sglang_hs import server_process as sp
+from sglang_hs.tools import server_process as sp
 
 
 def _listen(port: int) -> socket.socket:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 from sglang_hs.reader import HiddenStateReader
 
 H, LAYERS, N_LAYERS, VOCAB, MAX_POS = 32, [1, 3], 4, 50, 16
@@ -42,7 +42,7 @@ def _batch(mode, loc, rids=None, virtual=None):
 
 @pytest.fixture(params=["direct", "staging"])
 def overlay(overlay_module, tmp_path, monkeypatch, request):
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.store.writer import CaptureWriter
 
     monkeypatch.setattr(overlay_module.upstream, "get_attn_tp_context", lambda: SimpleNamespace(
         maybe_input_scattered=lambda fb: contextlib.nullcontext()))

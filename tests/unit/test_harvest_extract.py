@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 from sglang_hs.extract import cli, harvest, output
-from sglang_hs.store.writer import CaptureWriter
+from sglang_hs.server.store.writer import CaptureWriter
 
 H, SLOTS = 8, 64
 
@@ -266,7 +266,7 @@ def test_a_harvester_started_again_against_another_setup_is_refused(tmp_path, ca
 
 
 def test_a_torn_record_stops_the_harvester_in_one_line_and_keeps_the_files_written(tmp_path, capsys):
-    from sglang_hs.store.ring import HEADER_BYTES, OFF_HEAD
+    from sglang_hs.server.store.ring import HEADER_BYTES, OFF_HEAD
 
     w = _dump(tmp_path / "dump")
     sent = _publish(w)

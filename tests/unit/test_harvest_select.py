@@ -11,9 +11,9 @@ pytest.importorskip("sglang.srt.managers.io_struct", reason="needs SGLang instal
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from sglang_hs.store import ring  # noqa: E402
-from sglang_hs.store.admission import AdmissionControl, opted_in, sample_point, select  # noqa: E402
-from sglang_hs.store.ring import record_bytes  # noqa: E402
+from sglang_hs.server.store import ring  # noqa: E402
+from sglang_hs.server.store.admission import AdmissionControl, opted_in, sample_point, select  # noqa: E402
+from sglang_hs.server.store.ring import record_bytes  # noqa: E402
 from ring_stand_in import Ring  # noqa: E402
 
 P, H, ELEM, PROMPT, NEW = 2, 64, 2, 30, 5
@@ -185,8 +185,8 @@ def test_health_checks_and_warmup_are_never_counted_as_skipped():
 
 def test_marker_records_round_trip_and_reader_take_says_not_captured(tmp_path):
     from sglang_hs.reader import NotCaptured
-    from sglang_hs.store.writer import CaptureWriter
-    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
     from sglang_hs import HiddenStateReader
 
     spec = CaptureSpec.resolve([1, 2], False, 4, 16)
@@ -238,9 +238,9 @@ def test_a_marker_with_rows_or_an_unknown_reason_is_refused(tmp_path):
 
 
 def test_a_reused_rid_gets_its_new_record_and_markers_do_not_stop_the_timeout(tmp_path, monkeypatch):
-    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.server.capture_spec import CaptureSpec
     from sglang_hs.reader import HiddenStateReader, NotCaptured
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.store.writer import CaptureWriter
 
     spec = CaptureSpec.resolve([1], False, 4, 8)
     w = CaptureWriter(str(tmp_path), spec, 16, torch.float32, 1 << 16)

@@ -12,7 +12,7 @@ test is tests/gpu/test_v4_capture_gpu.py.
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 from reference import hc_rows_ref
 
 LAYERS = [1, 3, 5]
@@ -22,7 +22,7 @@ LAYERS = [1, 3, 5]
 def hf_streams():
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from sglang_hs.tiny_model import randomise_norms
+    from sglang_hs.tools.tiny_model import randomise_norms
 
     torch.manual_seed(0)
     cfg = DeepseekV4Config(vocab_size=300, hidden_size=88, moe_intermediate_size=40, num_hidden_layers=6,
@@ -46,7 +46,7 @@ def v4_modules(cpu_engine_imports):
         from sglang.kernels.ops.layernorm import mhc
         from sglang.srt.models import deepseek_v4
 
-        from sglang_hs.patches import hc_full_streams
+        from sglang_hs.server.patches import hc_full_streams
     yield mhc, deepseek_v4, hc_full_streams
     hc_full_streams.restore()
 

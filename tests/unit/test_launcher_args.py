@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from sglang_hs import envs, launch_server
-from sglang_hs.capture_spec import CaptureConfigError
+from sglang_hs import envs
+from sglang_hs.tools import launch_server
+from sglang_hs.server.capture_spec import CaptureConfigError
 
 
 @pytest.fixture
@@ -71,8 +72,8 @@ def test_prepare_cpu_mode_capture(tmp_path, clean_env):
     assert "--sleep-on-idle" in argv
     assert envs.SGLANG_HS_LAYERS == [1, 3] and envs.SGLANG_HS_LAST and envs.SGLANG_HS_DUMP_DIR == str(dump)
     assert envs.SGLANG_HS_RING_SIZE == 64 << 20 and envs.SGLANG_HS_CPU_MODE
-    assert os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_hs.models"
-    assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("sglang_hs", "cpu", "stubs"))
+    assert os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_hs.server.models"
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("sglang_hs", "server", "cpu", "stubs"))
     assert os.environ["PYTHONPATH"].endswith("/orig")
 
 
@@ -97,7 +98,7 @@ def test_prepare_cpu_mode_omp_wait_policy(tmp_path, clean_env, capsys, given, se
 
 @pytest.mark.parametrize("value, rows", [("pre-norm", 3), ("both", 4)])
 def test_prepare_hs_last_value_reaches_the_overlay(tmp_path, clean_env, value, rows, capsys):
-    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.server.capture_spec import CaptureSpec
 
     model = _model_dir(tmp_path)
     launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
@@ -266,7 +267,7 @@ def test_refuses_any_other_sglang(tmp_path, clean_env, monkeypatch):
 
 
 def test_ring_must_hold_one_record_at_the_maximal_context(tmp_path, clean_env, capsys):
-    from sglang_hs.store.ring import record_bytes
+    from sglang_hs.server.store.ring import record_bytes
 
     model = _model_dir(tmp_path, max_position_embeddings=163840)
     need = 2 * record_bytes(163840, 4, 64, 2, 256)  # 3 aux layers + last, bf16: ~168 MB
@@ -294,7 +295,7 @@ def test_ring_larger_than_the_filesystem_is_refused(tmp_path, clean_env):
 def test_prepare_reads_a_mistral_native_folder_with_sglangs_parser(tmp_path, clean_env):
     """Mistral Large 3 ships params.json, no config.json: the launcher reads it as SGLang will, so the
     architecture check, default layer ids and ring size see MistralLarge3ForCausalLM's 8 layers."""
-    from sglang_hs import tiny_model
+    from sglang_hs.tools import tiny_model
 
     ckpt = tiny_model.ensure("mistral-large-3")
     argv, dump = launch_server.prepare(["--model-path", ckpt, "--device", "cpu", "--hs-dump-dir",
@@ -310,7 +311,7 @@ def test_prepare_reads_a_mistral_native_folder_with_sglangs_parser(tmp_path, cle
 def test_prepare_serves_kimi_k25_text_only_and_sizes_from_its_text_config(tmp_path, clean_env):
     """Kimi-K2.5 keeps its sizes in text_config; the launcher serves it with language_model_only merged
     into the user's --json-model-override-args (SGLang's --language-model-only refuses this class)."""
-    from sglang_hs import tiny_model
+    from sglang_hs.tools import tiny_model
 
     ckpt = tiny_model.ensure("kimi-k25")
     argv, _ = launch_server.prepare(["--model-path", ckpt, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
@@ -366,7 +367,7 @@ def test_prepare_refuses_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, cle
 
 @pytest.mark.parametrize("streams, rows", [(None, 3), ("full", 9)])
 def test_prepare_deepseek_v4_streams_reach_the_overlay(tmp_path, clean_env, streams, rows):
-    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.server.capture_spec import CaptureSpec
 
     model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8)
     launch_server.prepare(["--model-path", model, "--device", "cuda", "--hs-dump-dir", str(tmp_path / "hs"),

@@ -155,8 +155,8 @@ class Preparer:
 def fake_server(dump: str, node=None, routes=None):
     """A capturing server's /generate and /abort_request; returns its URL and the rids it was sent. `node`:
     the writer's node (one node of a multi-node server, its one DP rank); `routes`: rid -> routed_dp_rank."""
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     os.mkdir(dump, 0o700)
     writer = CaptureWriter(dump, CaptureSpec.resolve([1, 2], True, 4, 8), 64, torch.float32, 1 << 20,

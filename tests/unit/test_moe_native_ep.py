@@ -1,4 +1,4 @@
-"""The CPU engine's expert-parallel fix (sglang_hs/patches/moe_native_ep.py) against SGLang's own
+"""The CPU engine's expert-parallel fix (sglang_hs/server/patches/moe_native_ep.py) against SGLang's own
 `moe_forward_native` on every expert: the experts split over two "ranks" (each sees its own experts as
 local ids and the other's as -1, as SGLang's standard dispatcher gives them), each rank's patched output,
 summed as the all-reduce sums them, equals the unsplit output; entries dropped on a rank are never
@@ -17,7 +17,7 @@ def fmn(cpu_engine_imports):
         from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
         from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-        from sglang_hs.patches import moe_native_ep
+        from sglang_hs.server.patches import moe_native_ep
     before = fused_moe_native.moe_forward_native
     original = moe_native_ep.apply()
     patched = fused_moe_native.moe_forward_native

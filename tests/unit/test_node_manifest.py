@@ -13,9 +13,9 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec, node_dp_ranks  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec, node_dp_ranks  # noqa: E402
 from sglang_hs.reader import HiddenStateReader, coverage  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 SPEC = CaptureSpec.resolve([1], True, 4, 16)
 
@@ -131,13 +131,13 @@ def test_extraction_per_node_splits_and_routes_deterministically(shard):
     (["--tp", "2"], None),
 ])
 def test_the_launcher_knows_which_nodes_host_no_writer(argv, marker):
-    from sglang_hs.launch_server import node_without_writers
+    from sglang_hs.tools.launch_server import node_without_writers
 
     assert node_without_writers(argv) == marker
 
 
 def _mark(path, argv):
-    from sglang_hs.launch_server import mark_node_writers
+    from sglang_hs.tools.launch_server import mark_node_writers
 
     os.makedirs(path, exist_ok=True)
     mark_node_writers(str(path), argv, None)

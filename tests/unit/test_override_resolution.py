@@ -3,19 +3,19 @@ import os
 import subprocess
 import sys
 
-from sglang_hs.cpu import stubs_dir
+from sglang_hs.server.cpu import stubs_dir
 
 SCRIPT = """
 from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.models import deepseek_v2 as upstream
 from sglang.srt.models import mistral_large_3
-from sglang_hs.models.deepseek_v2 import _HiddenStateOverlay
+from sglang_hs.server.models.deepseek_v2 import _HiddenStateOverlay
 for arch, module, up in (("DeepseekV2ForCausalLM", "deepseek_v2", upstream),
                          ("DeepseekV3ForCausalLM", "deepseek_v2", upstream),
                          ("MistralLarge3ForCausalLM", "mistral_large_3", mistral_large_3)):
     cls, name = ModelRegistry.resolve_model_cls([arch])
     assert name == arch, name
-    assert cls.__module__ == "sglang_hs.models." + module, cls.__module__
+    assert cls.__module__ == "sglang_hs.server.models." + module, cls.__module__
     assert issubclass(cls, getattr(up, arch)) and issubclass(cls, _HiddenStateOverlay), cls.__mro__
 # Mistral Large 3 keeps upstream's weight renaming (its checkpoints use Mistral names).
 assert cls.load_weights is mistral_large_3.MistralLarge3ForCausalLM.load_weights
@@ -23,8 +23,8 @@ assert cls.load_weights is mistral_large_3.MistralLarge3ForCausalLM.load_weights
 # Kimi-K2.5: the wrapper resolves to ours, and inside its constructor the name upstream's wrapper calls
 # for its language model is the overlay's DeepseekV3 (restored afterwards).
 from sglang.srt.models import kimi_k25
-from sglang_hs.models import kimi_k25 as ours
-from sglang_hs.patches import kimi_k25_language_model as patch
+from sglang_hs.server.models import kimi_k25 as ours
+from sglang_hs.server.patches import kimi_k25_language_model as patch
 cls, name = ModelRegistry.resolve_model_cls(["KimiK25ForConditionalGeneration"])
 assert cls is ours.KimiK25ForConditionalGeneration and issubclass(cls, kimi_k25.KimiK25ForConditionalGeneration)
 assert issubclass(ours.KimiK25LanguageModel, _HiddenStateOverlay)
@@ -46,7 +46,7 @@ print("OK")
 
 
 def test_registry_resolves_to_overlay():
-    env = dict(os.environ, SGLANG_EXTERNAL_MODEL_PACKAGE="sglang_hs.models", SGLANG_USE_CPU_ENGINE="1",
+    env = dict(os.environ, SGLANG_EXTERNAL_MODEL_PACKAGE="sglang_hs.server.models", SGLANG_USE_CPU_ENGINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [stubs_dir(), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
@@ -58,9 +58,9 @@ import torch
 from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.models import deepseek_v4 as upstream
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang_hs.capture_spec import CaptureConfigError
-from sglang_hs.models import deepseek_v4 as ours
-from sglang_hs.models.deepseek_v2 import _HiddenStateOverlay
+from sglang_hs.server.capture_spec import CaptureConfigError
+from sglang_hs.server.models import deepseek_v4 as ours
+from sglang_hs.server.models.deepseek_v2 import _HiddenStateOverlay
 cls, name = ModelRegistry.resolve_model_cls(["DeepseekV4ForCausalLM"])
 assert cls is ours.DeepseekV4ForCausalLM, cls
 assert issubclass(cls, upstream.DeepseekV4ForCausalLM) and issubclass(cls, _HiddenStateOverlay), cls.__mro__
@@ -99,7 +99,7 @@ print("OK")
 
 
 def test_registry_resolves_deepseek_v4_to_overlay_and_sets_sglangs_dspark_ids():
-    env = dict(os.environ, SGLANG_EXTERNAL_MODEL_PACKAGE="sglang_hs.models", SGLANG_USE_CPU_ENGINE="1",
+    env = dict(os.environ, SGLANG_EXTERNAL_MODEL_PACKAGE="sglang_hs.server.models", SGLANG_USE_CPU_ENGINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [stubs_dir(), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", V4_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:] + r.stdout[-2000:]

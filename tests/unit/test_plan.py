@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from sglang_hs import plan
+from sglang_hs.tools import plan
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
 
 V3 = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
+from sglang_hs.server.capture_spec import CaptureSpec
 
 H, LAYERS, N_LAYERS = 8, [1, 2], 4
 

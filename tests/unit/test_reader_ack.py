@@ -21,10 +21,10 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec, parse_last  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec, parse_last  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
-from sglang_hs.store import ring  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store import ring  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 K, H = 1, 16  # one aux layer plus the last state: P = 2
 

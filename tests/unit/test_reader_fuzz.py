@@ -19,8 +19,8 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.store import ring  # noqa: E402
-from sglang_hs.store.shm import SharedRegion  # noqa: E402
+from sglang_hs.server.store import ring  # noqa: E402
+from sglang_hs.server.store.shm import SharedRegion  # noqa: E402
 
 P, H = 2, 24
 CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "ring_cases.json")

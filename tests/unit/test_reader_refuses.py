@@ -14,9 +14,9 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from sglang.srt.managers.io_struct import (  # noqa: E402
 )
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from sglang_hs.store.admission import AdmissionControl  # noqa: E402
-from sglang_hs.store.ring import MAX_RID_BYTES  # noqa: E402
+from sglang_hs.server.store.admission import AdmissionControl  # noqa: E402
+from sglang_hs.server.store.ring import MAX_RID_BYTES  # noqa: E402
 from ring_stand_in import Ring  # noqa: E402
 
 P, H, ELEM = 2, 64, 2
@@ -112,7 +112,7 @@ def test_a_member_whose_abort_would_take_a_live_duplicate_of_its_rid_is_not_refu
 def test_a_held_request_past_the_time_limit_is_not_failed_into_a_live_duplicate(monkeypatch):
     import types
 
-    import sglang_hs.store.admission as admission_mod
+    import sglang_hs.server.store.admission as admission_mod
 
     t = [1000.0]
     monkeypatch.setattr(admission_mod, "time", types.SimpleNamespace(monotonic=lambda: t[0]))
@@ -264,9 +264,9 @@ def test_reader_answers_each_request_of_a_reused_rid_with_its_own_outcome(tmp_pa
     """Request A of rid "z" is served without capture (its marker), then B with the same rid is captured.
     take("z") answers A (NotCaptured) and then B (its record); once A was answered, a take for B waits for
     B's record instead of repeating A's marker (before: it raised NotCaptured at once, forever)."""
-    from sglang_hs.capture_spec import CaptureSpec
+    from sglang_hs.server.capture_spec import CaptureSpec
     from sglang_hs.reader import HiddenStateReader, NotCaptured
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.store.writer import CaptureWriter
 
     spec = CaptureSpec.resolve([1], False, 4, 8)
     w = CaptureWriter(str(tmp_path), spec, 16, torch.float32, 1 << 16)

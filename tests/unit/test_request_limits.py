@@ -86,8 +86,8 @@ def test_the_manifest_records_the_kv_page_size(tmp_path):
 
     import torch
 
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], False, 4, 8), 16 + 4, torch.float32, 1 << 16, page_size=4)
     manifest = json.load(open(tmp_path / "manifest.json"))

@@ -12,8 +12,8 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.store import ring  # noqa: E402
-from sglang_hs.store.shm import SharedRegion  # noqa: E402
+from sglang_hs.server.store import ring  # noqa: E402
+from sglang_hs.server.store.shm import SharedRegion  # noqa: E402
 
 N, P, H = 300, 3, 40
 
@@ -140,8 +140,8 @@ def test_foreign_or_future_files_are_refused(tmp_path, what, message):
 
 
 def test_store_that_does_not_fit_names_the_flags(tmp_path):
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     spec = CaptureSpec.resolve([0], True, 8, 7168)
     import os

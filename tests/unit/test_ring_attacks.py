@@ -32,10 +32,10 @@ except ExtensionNotBuilt as e:  # pragma: no cover
 
 from helpers import ProgressLines  # noqa: E402
 from sglang_hs import fsutil  # noqa: E402
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
-from sglang_hs.store import ring  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store import ring  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 OTHER_UID, SHARE_GID = 4242, 4343  # a member of the share group, and the group
 H = 16
@@ -349,7 +349,7 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
     cannot write the ring), and what it can do is what any reader of the group does: read every record
     and consume it
     (docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do)."""
-    from sglang_hs.overlay_status import OverlayStatus
+    from sglang_hs.server.overlay_status import OverlayStatus
 
     _, d, new_member = shared_dump
     lock = None

@@ -1,4 +1,4 @@
-"""The self-test's verdict logic (sglang_hs/selftest.py): every row is judged. It passes equal captures,
+"""The self-test's verdict logic (sglang_hs/tools/selftest.py): every row is judged. It passes equal captures,
 bf16 rounding, and on a half-precision server a few rows off the way MoE routing near-ties put them (at
 most 5%, each still far closer to its own reference row than to any other); it fails a single row from
 another token, layer or record anywhere, any far row on a float32 server, too many far rows, a drift of
@@ -7,7 +7,7 @@ differing token ids or counts. (tests/e2e/test_selftest.py runs the whole self-t
 import pytest
 import torch
 
-from sglang_hs.selftest import FAR_SHARE, Capture, compare, make_prompts
+from sglang_hs.tools.selftest import FAR_SHARE, Capture, compare, make_prompts
 
 
 def _captures(seed=0, n=3, T=20, K=3, H=64):
@@ -148,8 +148,8 @@ def test_prompts_cover_shared_prefixes_and_a_repeat_within_the_vocabulary():
 def test_the_users_hs_flags_reach_every_run_and_the_staging_ones_only_staging_runs():
     """selftest passes the user's --hs-* flags (but the dump dir) to every server it starts; those of
     --hs-copy staging only to the runs with staging, which the launcher would refuse otherwise."""
-    from sglang_hs.launch_server import split_argv
-    from sglang_hs.selftest import _hs_flags
+    from sglang_hs.tools.launch_server import split_argv
+    from sglang_hs.tools.selftest import _hs_flags
 
     ns, _ = split_argv(["--model-path", "m", "--hs-last", "--hs-gather-threads", "3", "--hs-ring-size", "1GiB",
                         "--hs-copy", "staging", "--hs-staging-rows", "64", "--hs-scatter-threads", "2"])
@@ -161,8 +161,8 @@ def test_the_users_hs_flags_reach_every_run_and_the_staging_ones_only_staging_ru
 
 def test_hs_hc_streams_reaches_every_run():
     """--hs-hc-streams full (DeepSeek-V4) was dropped: every configuration would have captured the mean."""
-    from sglang_hs.launch_server import split_argv
-    from sglang_hs.selftest import _hs_flags
+    from sglang_hs.tools.launch_server import split_argv
+    from sglang_hs.tools.selftest import _hs_flags
 
     ns, _ = split_argv(["--model-path", "m", "--hs-hc-streams", "full", "--hs-last", "both"])
     assert _hs_flags(ns) == ["--hs-last", "both", "--hs-hc-streams", "full"]
@@ -172,7 +172,7 @@ def test_hs_hc_streams_reaches_every_run():
 @pytest.fixture
 def no_server(monkeypatch):
     """The self-test's servers, recorded instead of started: a refusal must come before any."""
-    import sglang_hs.selftest as st
+    import sglang_hs.tools.selftest as st
 
     started = []
 
@@ -193,7 +193,7 @@ def _v4_folder(tmp_path):
 
 @pytest.mark.parametrize("streams", [[], ["--hs-hc-streams", "full"]])
 def test_v4_on_the_cpu_engine_is_refused_in_one_line_before_any_server(tmp_path, capsys, no_server, streams):
-    from sglang_hs.selftest import main
+    from sglang_hs.tools.selftest import main
 
     assert main(["--model-path", _v4_folder(tmp_path), "--device", "cpu", *streams]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -203,7 +203,7 @@ def test_v4_on_the_cpu_engine_is_refused_in_one_line_before_any_server(tmp_path,
 
 
 def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(capsys, no_server):
-    from sglang_hs.selftest import main
+    from sglang_hs.tools.selftest import main
 
     assert main(["--hs-hc-streams", "full", "--device", "cpu"]) == 2  # the embedded DeepSeek-V3
     err = capsys.readouterr().err.strip().splitlines()

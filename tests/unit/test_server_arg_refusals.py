@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from sglang_hs import tiny_model
-from sglang_hs.capture_spec import CaptureConfigError
-from sglang_hs.cpu import stubs_dir
-from sglang_hs.serve import check_server_args
+from sglang_hs.tools import tiny_model
+from sglang_hs.server.capture_spec import CaptureConfigError
+from sglang_hs.server.cpu import stubs_dir
+from sglang_hs.server.serve import check_server_args
 
 # (extra SGLang argv, the flag the refusal must name first). Flags that put KV into a slot without a
 # forward pass (the store's rows for that slot would be stale), then the older refusals.

@@ -1,4 +1,4 @@
-"""ServerProcess.stop() (sglang_hs/server_process.py) leaves no process of the server's session: not when
+"""ServerProcess.stop() (sglang_hs/tools/server_process.py) leaves no process of the server's session: not when
 the launcher outlasts stop()'s grace (it kills the session itself, the launcher then cleans up and exits),
 not when the launcher was killed from outside. A real tree: the real Supervisor as the launcher, over a
 "server" that ignores SIGTERM and has a child that ignores it too (SGLang's scheduler stuck in a
@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 
-from sglang_hs import server_process as sp
-from sglang_hs.supervisor import LAUNCHER_EXIT_AFTER_STOP_S, STOP_GRACE_S
+from sglang_hs.tools import server_process as sp
+from sglang_hs.tools.supervisor import LAUNCHER_EXIT_AFTER_STOP_S, STOP_GRACE_S
 # The launcher: the real supervisor with its SGLang grace (argv[2]) around the server (argv[1]), as
 # test_supervisor runs it; it ignores the --host/--port ServerProcess adds.
 from test_supervisor import SUPERVISE as LAUNCHER, _alive  # noqa: E402

@@ -24,9 +24,9 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader, ServerRestarted  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 import scenario_process  # noqa: E402
 from helpers import ONE_TOKEN_REPLY, json_server  # noqa: E402
 
@@ -272,7 +272,7 @@ def test_the_live_dataset_follows_a_restarted_server(tmp_path, name):
 def test_a_server_that_never_became_ready_leaves_none_of_its_ring_files(dump):
     """The launcher removes the dump files of a server that failed to start, so the next one starts clean:
     the reader's offset file (ring-w0.offset) with the ring."""
-    from sglang_hs import supervisor
+    from sglang_hs.tools import supervisor
 
     start_writer(dump, 0)
     assert {"ring-w0.bin", "ring-w0.offset", "store-w0.bin", "manifest.json"} <= set(os.listdir(dump))

@@ -1,4 +1,4 @@
-"""The prompt length admission reserves for a session turn (sglang_hs/store/session_turns.py) against
+"""The prompt length admission reserves for a session turn (sglang_hs/server/store/session_turns.py) against
 SGLang 0.5.23's own `Session.create_req`: for every turn of two- and three-turn sessions (append, offset,
 replace, drop_previous_output, a BOS to strip, streaming sessions, refused turns) the length it predicts
 before the turn is built is len(origin_input_ids) of the request create_req then builds, which is what
@@ -6,9 +6,9 @@ the record holds. And AdmissionControl.need() reserves for that length, not for 
 (it did before: the worker then waited in publish while every KV free was held)."""
 import types
 
-from sglang_hs.store.admission import AdmissionControl
-from sglang_hs.store.ring import record_bytes
-from sglang_hs.store.session_turns import turn_prompt_len
+from sglang_hs.server.store.admission import AdmissionControl
+from sglang_hs.server.store.ring import record_bytes
+from sglang_hs.server.store.session_turns import turn_prompt_len
 
 BOS = 0
 

@@ -20,9 +20,9 @@ except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
 from sglang_hs import fsutil  # noqa: E402
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 OTHER_UID, SHARE_GID = 4242, 4343  # a reader user and the group it shares with the server (root runs)
 H, T = 16, 4
@@ -143,7 +143,7 @@ def test_a_reader_of_another_user_in_the_group(monkeypatch):
         assert out.stdout.split() == ["OK", "r1", "4", "r0", "exact"]  # every row, as the server published it
         import struct
 
-        from sglang_hs.store.ring import record_bytes
+        from sglang_hs.server.store.ring import record_bytes
 
         with open(f"{d}/ring-w0.offset", "rb") as f:  # its ack reached the writer: the end of record r0
             assert struct.unpack("<Q", f.read(8))[0] == record_bytes(T, 2, H, 2, 2)

@@ -12,7 +12,7 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover - the Makefile always builds it
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.store.shm import SharedRegion  # noqa: E402
+from sglang_hs.server.store.shm import SharedRegion  # noqa: E402
 
 
 def test_create_is_private_and_exclusive(tmp_path):

@@ -1,4 +1,4 @@
-"""The staging strategy's bookkeeping (sglang_hs/store/staging.py) on the CPU, against the plain-torch
+"""The staging strategy's bookkeeping (sglang_hs/server/store/staging.py) on the CPU, against the plain-torch
 reference: eager steps shipped in chunks, graph replays shipped after the step, rows reaching the store
 in step order through the scatter thread, `drain()` waiting for computed steps and only for them, a
 third step waiting for a free host buffer, a failed scatter reported, and a graph too large refused.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from reference import copy_rows_ref
-from sglang_hs.store import staging
-from sglang_hs.store.staging import StagedCopy
+from sglang_hs.server.store import staging
+from sglang_hs.server.store.staging import StagedCopy
 
 S, K, H = 40, 3, 24
 P = K + 1
@@ -340,8 +340,8 @@ def test_a_large_step_is_scattered_on_the_threads_asked_for(monkeypatch):
 def test_the_writer_gives_the_scatter_its_threads(tmp_path, monkeypatch, value, threads):
     """SGLANG_HS_SCATTER_THREADS (--hs-scatter-threads) reaches the writer's StagedCopy; 0 is refused."""
     from sglang_hs import envs
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     if value is None:
         monkeypatch.delenv("SGLANG_HS_SCATTER_THREADS", raising=False)
@@ -405,8 +405,8 @@ def test_a_stale_extension_is_refused_at_start_up(tmp_path, monkeypatch):
     import types
 
     import sglang_hs._ext as ext_module
-    from sglang_hs.capture_spec import CaptureSpec
-    from sglang_hs.store.writer import CaptureWriter
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.writer import CaptureWriter
 
     real = ext_module.ext()
 

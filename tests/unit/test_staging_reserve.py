@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
-from sglang_hs.store.staging import device_bytes
+from sglang_hs.server.capture_spec import CaptureSpec
+from sglang_hs.server.store.staging import device_bytes
 
 H, P = 7168, 4  # DeepSeek-V3: 3 aux layers + the final state
 
@@ -18,7 +18,7 @@ H, P = 7168, 4  # DeepSeek-V3: 3 aux layers + the final state
 def hooks(monkeypatch):
     import sglang.srt.runtime_context as rc
 
-    from sglang_hs.patches import capture_hooks
+    from sglang_hs.server.patches import capture_hooks
 
     rank = SimpleNamespace(attn_tp_rank=0, attn_cp_rank=0)
     monkeypatch.setattr(rc, "get_parallel", lambda: rank)
@@ -86,7 +86,7 @@ def test_the_writer_builds_its_stage_with_the_rows_held_and_lets_the_hold_go(hoo
         raise Made
 
     monkeypatch.setitem(hooks.mod.ORIGINALS, "init_routed_experts_capturer", lambda runner: None)
-    monkeypatch.setattr("sglang_hs.store.writer.CaptureWriter", writer)
+    monkeypatch.setattr("sglang_hs.server.store.writer.CaptureWriter", writer)
     runner = hooks.runner
     runner.max_running_requests = 20000  # known once the pool is sized: larger than the rows held
     runner.kv_index_translator = SimpleNamespace(capture_token_capacity=lambda n: n)

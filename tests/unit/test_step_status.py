@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.capture_spec import CaptureSpec
-from sglang_hs.overlay_status import OverlayStatus
+from sglang_hs.server.capture_spec import CaptureSpec
+from sglang_hs.server.overlay_status import OverlayStatus
 
 
 class Mode:
@@ -26,7 +26,7 @@ def _batch(mode, rows, rids, virtual=None):
 
 @pytest.fixture
 def runner(tmp_path, monkeypatch):
-    from sglang_hs.patches import capture_hooks
+    from sglang_hs.server.patches import capture_hooks
 
     status = OverlayStatus(str(tmp_path), "DeepseekV3ForCausalLM", CaptureSpec.resolve([1], True, 4, 8))
     replays = []

@@ -14,11 +14,11 @@ import uuid
 
 import pytest
 
-from sglang_hs.supervisor import EXIT_STALL, ProcSample, cpu_report
+from sglang_hs.tools.supervisor import EXIT_STALL, ProcSample, cpu_report
 
 # A "server" that ignores SIGTERM, like SGLang stuck in its lifespan shutdown; it reports its pid.
 STUCK = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); time.sleep(600)"
-SUPERVISE = ("import sys; from sglang_hs.supervisor import Supervisor; "
+SUPERVISE = ("import sys; from sglang_hs.tools.supervisor import Supervisor; "
              "sys.exit(Supervisor([sys.executable, '-c', sys.argv[1]], 300, None, stop_grace=float(sys.argv[2])).run())")
 
 
@@ -76,7 +76,7 @@ def test_the_relay_outlives_a_closed_stdout(tmp_path):
 # A py-spy that never answers (stuck in ptrace on a process in disk sleep), with a child of its own; it
 # writes both pids to a file.
 HUNG_PY_SPY = "#!/bin/sh\nsleep 600 &\necho $$ $! > {pids}\nwait\n"
-SUPERVISE_STALL_SPY = ("import sys; from sglang_hs import supervisor as s; s.PY_SPY_TIMEOUT_S = 5; "
+SUPERVISE_STALL_SPY = ("import sys; from sglang_hs.tools import supervisor as s; s.PY_SPY_TIMEOUT_S = 5; "
                        "sys.exit(s.Supervisor([sys.executable, '-c', sys.argv[1]], 3, None).run())")
 
 
@@ -154,7 +154,7 @@ SPIN_IN_THREAD = ("import os, threading; print(os.getpid(), flush=True)\n"
 SLEEP = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
 STALL_WHY = {"busy": "1 process using CPU: a loop that does not progress, e.g. a warm-up retrying",
              "blocked": "no process uses CPU: waiting on a lock, a collective or a dead peer"}
-SUPERVISE_STARTUP = ("import sys; from sglang_hs.supervisor import Supervisor; "
+SUPERVISE_STARTUP = ("import sys; from sglang_hs.tools.supervisor import Supervisor; "
                      "sys.exit(Supervisor([sys.executable, '-c', sys.argv[1]], 3, None).run())")
 
 
@@ -267,7 +267,7 @@ def test_an_unreadable_process_started_since_the_server_keeps_every_semaphore(mo
     """A process whose maps cannot be read (non-dumpable: even root may not read them) might map a server
     semaphore when it started after the server: then none is removed. One that started before (init and
     daemons) cannot have opened a semaphore made later, and does not stop the cleanup."""
-    from sglang_hs import supervisor as sv
+    from sglang_hs.tools import supervisor as sv
 
     def fake_open(path, *args, **kwargs):
         if path == "/proc/999999/maps":
@@ -284,7 +284,7 @@ def test_an_unreadable_process_started_since_the_server_keeps_every_semaphore(mo
 def test_a_signal_never_waits_for_a_hung_maps_read(monkeypatch):
     """Reading a process's /proc/PID/maps waits for its mmap lock, which a hung server may hold: the note
     taken before a signal runs on another thread, and the signal goes out while it still hangs."""
-    from sglang_hs import supervisor as sv
+    from sglang_hs.tools import supervisor as sv
 
     release, started, caller, noted_on = threading.Event(), threading.Event(), threading.current_thread(), []
     sup = sv.Supervisor(["true"], 300, None)
@@ -309,7 +309,7 @@ def test_a_signal_never_waits_for_a_hung_maps_read(monkeypatch):
 
 
 def test_a_failed_cleanup_step_leaves_the_servers_exit_status(monkeypatch, capsys):
-    from sglang_hs import supervisor as sv
+    from sglang_hs.tools import supervisor as sv
 
     sup = sv.Supervisor([sys.executable, "-c", "import sys; sys.exit(3)"], 300, None)
 
@@ -358,7 +358,7 @@ child.wait()
 if child.returncode not in (0, None):
     kill_tree(None, None)
 """
-SUPERVISE_NODE = ("import sys; from sglang_hs import supervisor as s; s.NODE0_PROBE_EVERY_S = float(sys.argv[3]); "
+SUPERVISE_NODE = ("import sys; from sglang_hs.tools import supervisor as s; s.NODE0_PROBE_EVERY_S = float(sys.argv[3]); "
                   "s.NODE0_PROBE_TIMEOUT_S = 2; "
                   "sys.exit(s.Supervisor([sys.executable, '-c', sys.argv[1], sys.argv[2], '--nnodes', '2', "
                   "'--node-rank', '1', '--dist-init-addr', sys.argv[4]], 300, None, stop_grace=300).run())")
@@ -425,7 +425,7 @@ def test_node_0_unreachable_while_node_1_serves_stops_node_1(node0, started):
     """SGLang on node 1 does not notice node 0 going away (nothing of it waits on node 0 then): the launcher
     finds node 0's --dist-init-addr unreachable 3 times in a row, says so in one line naming node 0, stops its
     server and exits with EXIT_NODE0_LOST."""
-    from sglang_hs.supervisor import EXIT_NODE0_LOST
+    from sglang_hs.tools.supervisor import EXIT_NODE0_LOST
 
     server, _ = node0
     port = server.getsockname()[1]
@@ -445,7 +445,7 @@ def test_node_1_server_failing_after_node_0_went_away_names_node_0(node0, starte
     """SGLang's node-1 scheduler fails when node 0 goes away (its collective's connection closes), and its main
     process kills the tree (SIGKILL): the launcher, finding node 0 unreachable, names node 0 rather than the
     server's status alone."""
-    from sglang_hs.supervisor import EXIT_NODE0_LOST
+    from sglang_hs.tools.supervisor import EXIT_NODE0_LOST
 
     server, accepted = node0
     port = server.getsockname()[1]

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sglang_hs import tiny_model
+from sglang_hs.tools import tiny_model
 
 
 @pytest.fixture(scope="module")

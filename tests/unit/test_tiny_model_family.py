@@ -1,4 +1,4 @@
-"""The other tiny shapes of the family (sglang_hs.tiny_model.VARIANTS): their configs, and checkpoints that
+"""The other tiny shapes of the family (sglang_hs.tools.tiny_model.VARIANTS): their configs, and checkpoints that
 HF transformers reads as the intended in-tree class and that hold per-expert weights (SGLang's format)."""
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from sglang_hs import tiny_model
+from sglang_hs.tools import tiny_model
 
 
 def test_v3_checkpoint_path_is_unchanged_by_variants():

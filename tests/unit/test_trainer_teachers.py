@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import readers_path, trainer_env
-from sglang_hs import tiny_model
+from sglang_hs.tools import tiny_model
 from sglang_hs.extract import output
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
 

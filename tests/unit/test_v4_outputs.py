@@ -6,7 +6,7 @@ count of layers may come from a row count: the safetensors sink records the laye
 a server restarted with other rows per layer id (or other final states) as another setup; the EAGLE-3
 trainers' formats and the live dataset refuse full streams in one line (tests/unit/test_v4_trainers.py
 trains on the default convention). Dumps are written by the real CaptureWriter with the spec and manifest
-fields the V4 overlay gives it (sglang_hs/models/deepseek_v4.py); SGLang's V4 forward cannot run here."""
+fields the V4 overlay gives it (sglang_hs/server/models/deepseek_v4.py); SGLang's V4 forward cannot run here."""
 import json
 import os
 import re
@@ -22,11 +22,11 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.extract import cli  # noqa: E402
 from sglang_hs.extract.sinks import SafetensorsSink, SinkError, SpecForgeSink  # noqa: E402
 from sglang_hs.reader import HiddenStateReader, ServerRestarted  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 
 H, HC, LAYERS, NUM_LAYERS, SLOTS = 24, 4, [1, 3, 5], 6, 64
 V4 = "DeepseekV4ForCausalLM"

@@ -1,7 +1,7 @@
 """SpecForge 0.2.0 and speculators 0.9.0 train on files extracted from a DeepSeek-V4 dump (issue 34, item 4).
 
 SGLang's V4 forward cannot run on the CPU engine, so the dump is written as the V4 overlay writes it
-(sglang_hs/models/deepseek_v4.py): the real CaptureWriter with the overlay's CaptureSpec (hc_mult 4, the
+(sglang_hs/server/models/deepseek_v4.py): the real CaptureWriter with the overlay's CaptureSpec (hc_mult 4, the
 default `--hs-hc-streams mean`, `--hs-last both`), rows handed to `writer.copy` through `spec.pack` as the
 overlay's forward does, records published from their KV slots. The rows are HF transformers float32's own
 for a tiny DeepseekV4ForCausalLM checkpoint (saved at test time, random norm weights): the streams' mean
@@ -29,10 +29,10 @@ except ExtensionNotBuilt as e:  # pragma: no cover
 
 from helpers import readers_path, trainer_env  # noqa: E402
 from reference import hc_rows_ref  # noqa: E402
-from sglang_hs import tiny_model  # noqa: E402
-from sglang_hs.capture_spec import CaptureSpec, hc_mult_of  # noqa: E402
+from sglang_hs.tools import tiny_model  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec, hc_mult_of  # noqa: E402
 from sglang_hs.extract import checkpoint_names, cli, output  # noqa: E402
-from sglang_hs.store.writer import CaptureWriter  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
 from test_trainer_teachers import BF16_ROW_TOL, SPECFORGE_STEPS, rel  # noqa: E402
 
 LAYERS, SLOTS = [1, 3, 5], 256
@@ -52,7 +52,7 @@ def v4(tmp_path_factory):
     """A tiny V4 checkpoint, HF float32's rows and logits for three sequences, and a dump of them."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from sglang_hs import tiny_model
+    from sglang_hs.tools import tiny_model
 
     root = tmp_path_factory.mktemp("v4")
     torch.manual_seed(0)

@@ -1,2 +1,0 @@
-"""Model overlays. SGLang imports every module of this package when
-SGLANG_EXTERNAL_MODEL_PACKAGE=sglang_hs.models, so it holds model modules only."""

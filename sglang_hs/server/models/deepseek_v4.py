@@ -1,0 +1,120 @@
+"""The sglang-hs overlay of SGLang's DeepseekV4ForCausalLM (DeepSeek-V4, V4-Flash): CUDA only.
+
+DeepSeek-V4's residual is `hc_mult` parallel streams per token (manifold hyper-connections). The capture
+uses SGLang 0.5.23's own answer for its DSpark drafters (`DeepseekV4Model.dspark_layers_to_capture`,
+`mhc_stream_mean`): layer id i is the streams' mean entering decoder layer i (HF
+`output_hidden_states[i].mean(-2)`), the final post-norm state the head's collapse (`hc_head`) after the
+final norm (HF `output_hidden_states[n]`), the pre-norm state the head's collapse (the final norm's input).
+With `--hs-hc-streams full` every stream is kept: hc_mult rows per layer id (runtime patch
+sglang_hs/server/patches/hc_full_streams.py widens SGLang's aux packer and writes the streams instead of their
+mean). Layer ids are handed to SGLang as its dspark ids (capture_spec.dspark_layer_ids): its standard
+path captures after layer j, so id i is j = i - 1 (with `hc_pre_from_prev_sublayer` before layer j: j = i).
+
+The inner model returns `((hidden, pre_hc_head), aux)` of one fixed structure on every path, `aux`
+[T, num_aux*H] (+ the pre-norm state, [T, H], with --hs-last pre-norm/both), as the V2/V3 overlay does;
+the outer forward copies the rows and calls the logits processor as upstream does.
+
+On the CPU engine SGLang 0.5.23 has no V4 forward (its attention is the FlashMLA `dsv4` backend over
+DeepSeekV4TokenToKVPool); the launcher refuses V4 there in one line.
+"""
+from __future__ import annotations
+
+import torch
+from sglang.srt.models import deepseek_v4 as upstream
+
+from sglang_hs import envs
+from sglang_hs.server.capture_spec import CaptureConfigError, CaptureSpec, dspark_layer_ids, hc_mult_of
+from sglang_hs.server.models.deepseek_v2 import _HiddenStateOverlay, _pre_norm_capturing, fixed_capture_output
+
+OriginalDeepseekV4ForCausalLM = upstream.DeepseekV4ForCausalLM
+OriginalDeepseekV4Model = upstream.DeepseekV4Model
+
+
+def v4_capture_ids(spec: CaptureSpec, config) -> list:
+    """SGLang's dspark ids for `spec`'s layer ids under this config, or CaptureConfigError (id 0 on the
+    standard path: the embedding is no layer's output there)."""
+    lagged = bool(getattr(config, "hc_pre_from_prev_sublayer", False))
+    ids = dspark_layer_ids(spec.layers, lagged)
+    if ids is None:
+        raise CaptureConfigError("--hs-layers: id 0 (the embedding) cannot be captured for DeepSeek-V4: SGLang's "
+                                 "capture reads layer outputs there (id i is layer i-1's output); give ids >= 1")
+    return ids
+
+
+class _CapturingDeepseekV4Model(OriginalDeepseekV4Model):
+    """The inner model with its output fixed when capture is on (by `__class__` assignment; no state)."""
+
+    hs_spec = None
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        spec = self.hs_spec
+        if spec is not None and spec.pre_norm:
+            self.norm.hs_pre_norm = None
+        out = super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        if spec is None:
+            return out
+        mode = forward_batch.forward_mode.name
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and len(out[0]) == 2):
+            raise RuntimeError(f"sglang-hs: unexpected DeepSeek-V4 model output {type(out).__name__} in a {mode} "
+                               "batch (expected ((hidden, pre_hc_head), aux))")
+        (hidden, pre_hc_head), aux = out
+        hidden, aux = fixed_capture_output((hidden, aux), spec, mode)
+        if spec.pre_norm:  # returned with the layers (see deepseek_v2._CapturingDeepseekModel.forward)
+            pre, self.norm.hs_pre_norm = self.norm.hs_pre_norm, None
+            if pre is None or pre.shape != hidden.shape:
+                if hidden.shape[0] == 0:
+                    pre = hidden
+                else:
+                    raise RuntimeError(f"sglang-hs: no pre-norm final state of shape {tuple(hidden.shape)} in a "
+                                       f"{hidden.shape[0]}-row {mode} batch (--hs-last pre-norm/both)")
+            aux = torch.cat([aux, pre.to(hidden.dtype)], dim=1)
+        return (hidden, pre_hc_head), aux
+
+
+class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
+    def _hs_setup_capture(self, config) -> None:
+        from sglang_hs.server.patches import hc_full_streams
+
+        self.hs_spec = CaptureSpec.resolve(envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers,
+                                           config.hidden_size, hc_mult=hc_mult_of(config),
+                                           streams=envs.SGLANG_HS_HC_STREAMS)
+        ids = v4_capture_ids(self.hs_spec, config)
+        if self.hs_spec.streams == "full":
+            hc_full_streams.apply(self.hs_spec.hc_mult)
+        self.capture_aux_hidden_states = True
+        self.model.dspark_layers_to_capture = ids
+        self.model.__class__ = _CapturingDeepseekV4Model
+        self.model.hs_spec = self.hs_spec
+        if self.hs_spec.pre_norm:
+            _pre_norm_capturing(self.model.norm)
+
+    def set_dspark_layers_to_capture(self, layer_ids):
+        if self.hs_spec is not None:
+            raise RuntimeError("sglang-hs: speculative decoding (DSpark aux capture) cannot run together with "
+                               "--hs-dump-dir; the overlay owns the layer ids")
+        return super().set_dspark_layers_to_capture(layer_ids)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        if self.hs_spec is None:
+            return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        input_ids, input_embeds = self.prepare_language_model_inputs(input_ids, forward_batch, input_embeds)
+        with upstream.get_attn_tp_context().maybe_input_scattered(forward_batch):
+            (hidden, _pre_hc_head), aux = self.model.forward(input_ids, positions, forward_batch, input_embeds,
+                                                             pp_proxy_tensors)
+        if getattr(self.model, "late_layer_start", None) is not None:
+            raise RuntimeError("sglang-hs: decoder SWA bounded replay is on (late layers run over each request's "
+                               "last SWA window only): rows would be missing; turn it off with --hs-dump-dir")
+        pre = None
+        if self.hs_spec.pre_norm:
+            aux, pre = aux[:, :self.hs_spec.num_aux * self.hs_spec.hidden_size], \
+                aux[:, self.hs_spec.num_aux * self.hs_spec.hidden_size:]
+        self.hs_status.saw_aux(tuple(aux.shape))
+        if self.hs_writer is not None:
+            loc = getattr(forward_batch, "out_cache_loc_virtual", None)
+            rows, last = self.hs_spec.pack(aux, hidden, pre)
+            self.hs_writer.copy(rows, last, forward_batch.out_cache_loc if loc is None else loc)
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None)
+
+
+EntryClass = [DeepseekV4ForCausalLM]

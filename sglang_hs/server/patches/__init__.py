@@ -1,0 +1,259 @@
+"""Runtime patches of SGLang 0.5.23, each in its own module, applied lazily and once per process.
+
+Ledger (what / why / upstream status / removal plan):
+
+| module            | what                                         | when applied     |
+|-------------------|----------------------------------------------|------------------|
+| mla_torch_native  | registers a `torch_native` attention handler | CPU mode only    |
+|                   | for DeepSeek MLA that always dispatches to   |                  |
+|                   | the absorbed MLA path                        |                  |
+| capture_hooks     | wraps ModelRunner.init_routed_experts_       | capture on       |
+|                   | capturer (create the store),                 |                  |
+|                   | SchedulerBatchResultProcessor._maybe_collect_|                  |
+|                   | routed_experts (publish a finished request), |                  |
+|                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
+|                   | (admission control),                         |                  |
+|                   | Scheduler.ingest_requests (to see its queues)|                  |
+|                   | ModelRunner.forward (count each step in      |                  |
+|                   | the status; step hooks of --hs-copy staging) |                  |
+|                   | and ModelRunner.alloc_memory_pool (hold the  |                  |
+|                   | staging buffers' device memory before the KV |                  |
+|                   | pool is sized)                               |                  |
+| warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
+|                   | rid-less request before the server is Up     | server process   |
+|                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
+| parallel_sampling | wraps TokenizerManager._handle_batch_request | capture on, HTTP |
+|                   | and ._send_one_request: the max_new_tokens=0 | server process   |
+|                   | prefix request of an n > 1 request is tagged | (serve.py)       |
+|                   | (custom_params): no record                   |                  |
+| cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
+|                   | communicator for a group on the CPU device;  | spawned process  |
+|                   | and .reduce_scatterv: without PyNccl, a CPU  |                  |
+|                   | tensor takes SGLang's all-reduce + narrow    |                  |
+| kimi_k25_language_| rebinds kimi_k25.DeepseekV3ForCausalLM to    | while the Kimi-  |
+| model             | the overlay's class, restored afterwards     | K2.5 overlay is  |
+|                   |                                              | constructed      |
+| torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
+| pad               | len fill value only the AMX backend defines  |                  |
+| moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
+|                   | other ranks' experts (id -1) are skipped     |                  |
+| dsa_torch_native  | replaces dsa_indexer.Indexer.forward_native  | CPU mode only    |
+|                   | (a plain-torch DSA indexer); wraps           |                  |
+|                   | TorchNativeAttnBackend.forward_extend/decode |                  |
+|                   | to attend over the indexer's top-k keys      |                  |
+| dsa_cpu_server_   | DSA configs' server-argument resolution on   | CPU mode, HTTP   |
+| args              | CPU: no GPU capability query or FP8/DSA      | server process   |
+|                   | kernel defaults; torch_native, page size 1   | (serve.py)       |
+| hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
+|                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
+|                   | mean to write the streams into such a slot   | --hs-hc-streams  |
+|                   |                                              | full             |
+
+mla_torch_native
+  why:      on the CPU engine the torch_native backend has no handler of its own, so SGLang's
+            default sends a prefill without a cached prefix down the MHA path, where
+            `TorchNativeAttnBackend.forward_extend` ignores the k/v it is given and attends over the
+            latent MLA cache: wrong numerics (or a shape error, depending on head sizes).
+  upstream: present in sglang 0.5.23; not reported upstream by us yet.
+  removal:  when the pinned sglang registers a correct torch_native handler; the numerics e2e test
+            (tests/e2e/test_numerics.py) fails without this patch, so it shows when it can go.
+
+capture_hooks
+  why:      the store must be sized from the KV pool (known to the ModelRunner, after the model is
+            built, before CUDA-graph capture), and records must be published where SGLang finishes a
+            request, before its KV slots are released. SGLang's own routed-experts capturer has exactly
+            these two points; we wrap them (original called first, unchanged). Admission control must
+            decide on the writer rank before SGLang broadcasts new requests to the other ranks, which
+            is `_pull_raw_reqs` (sglang_hs/server/store/admission.py says why). The staging strategy must ship
+            what a CUDA-graph replay wrote after every step, which runs no Python of the model: the
+            point after `ModelRunner.forward` returns, where SGLang calls its capturers' `on_forward_end`.
+            The same point counts every step in the overlay's status (a replay skips the model's
+            Python, and capture passes call the model without ModelRunner.forward).
+            SGLang sizes the KV pool from the device memory free when `alloc_memory_pool` runs (for
+            MLA models once, before graph capture: no post-capture resize), and the store is made only
+            after it; so the staging buffers' device bytes are held just before, and handed to the
+            stage after, or rank 0 alone would take them out of its graph and activation headroom.
+  upstream: no extension point for per-token capturers in 0.5.23 besides these.
+  removal:  if SGLang grows a capturer registry or a `sglang.srt.plugins` hook at both points, move
+            there. A change of either method's name or signature fails `apply()` loudly (AttributeError
+            at start-up) and the version gate refuses any sglang but 0.5.23.
+
+            Finished records are published by a worker thread (sglang_hs/server/store/finisher.py); the KV
+            allocator is not touched: the next write of a slot into the store waits for the gathers
+            that read it (the CPU forward's copy, the staging scatter thread, or on CUDA with the
+            direct copy a stream wait issued in the ModelRunner.forward hook). Scheduler.
+            get_next_batch_to_run, Scheduler.on_idle and _pull_raw_reqs take the worker's results
+            without waiting for it.
+warmup_rid
+  why:      SGLang's own warm-up request has no rid, so its record would reach readers like a user's.
+  upstream: no way to name the warm-up request in 0.5.23.
+  removal:  if SGLang gives its warm-up request a recognisable rid (as it does for HEALTH_CHECK).
+
+parallel_sampling
+  why:      for n > 1 SGLang first sends each prompt as a max_new_tokens=0 request under a fresh random rid
+            (to warm the radix cache), then the n choices under rids of their own; the scheduler cannot
+            tell that prefix request from a user's prompt-only request, so it would leave a record nobody
+            asked for (holding ring space for good with an acknowledging reader). The first batch_size
+            requests an n > 1 request sends are its prefix requests: each is tagged on its own copy of the
+            sampling params, and admission serves it without a record or marker.
+  upstream: present in sglang 0.5.23 (tokenizer_manager.py, _handle_batch_request, "Cache the common
+            prefix for parallel sampling"); nothing to report (the prefix request is SGLang's business).
+  removal:  if SGLang marks the prefix request itself; tests/e2e/test_request_contract.py's n > 1 test
+            fails (an extra prompt-only record) without it.
+
+cpu_gloo_groups
+  why:      with --tp > 1 on the CPU engine every parallel group asks for a PyNccl communicator, whose
+            constructor fails on a CPU device ("Expected a cuda device, but got: cpu"), so no CPU server
+            with more than one rank starts. The coordinator's CPU paths never use it: all-reduce goes
+            to SGLang's shared-memory kernel (AMX / arm64 only) or else to torch.distributed on the
+            group's gloo group, which is what runs here. Only `use_pynccl` changes, only for CPU groups.
+            The one coordinator method with no CPU branch, `reduce_scatterv` (used by DP attention with
+            expert parallel, ep size = dp size = tp size, to return the MoE output to each DP group:
+            layers/moe/utils.py should_use_dp_reduce_scatterv), then fails on the missing communicator
+            (AttributeError at warm-up); for a group without PyNccl and a CPU tensor it goes to SGLang's
+            own `_deterministic_reduce_scatterv` (all-reduce of a copy, then this rank's rows).
+  upstream: present in sglang 0.5.23 (parallel_state.py, init_model_parallel_group: use_pynccl is
+            off only for NPU, XPU and mooncake; GroupCoordinator.reduce_scatterv calls
+            pynccl_comm.change_state unconditionally); not reported upstream by us yet.
+  removal:  when the pinned sglang turns PyNccl off for CPU groups and gives reduce_scatterv a CPU
+            branch; tests/e2e/test_multi_rank.py starts a --tp 2 CPU server and a --tp 2 --dp 2
+            --enable-dp-attention --ep-size 2 one, which fail without it.
+
+torch_native_cpu_pad
+  why:      with data-parallel attention every step pads each group's batch to a common size, and on CPU
+            `ForwardBatch._pad_inputs_to_size` calls `attn_backend.get_cpu_graph_seq_len_fill_value()`,
+            defined in 0.5.23 only by the Intel AMX backend (value 1); without AMX the CPU engine runs
+            torch_native and DP attention fails at its first step (AttributeError). Same method, same value.
+  upstream: present in sglang 0.5.23 (forward_batch_info.py, _pad_inputs_to_size; torch_native_backend.py
+            has no such method); not reported upstream by us yet.
+  removal:  when TorchNativeAttnBackend defines the method; tests/e2e/test_multi_rank.py's DP-attention
+            + EP server fails at its warm-up without it.
+
+moe_native_ep
+  why:      with --ep-size > 1 the standard dispatcher marks the experts held by other ranks with the drop
+            sentinel -1; without AMX the CPU engine runs `moe_forward_native`, which scatters the ids into
+            a count table and fails on -1, so no EP server answers a request. SGLang's function runs per
+            top-k column on the rows whose entry is local (weight 1: the expert's output as SGLang computes
+            it), the outputs times their weights summed in the weights' dtype and cast once; -1 entries are
+            never computed; the other ranks add theirs in the all-reduce. tests/unit/test_moe_native_ep.py:
+            two ranks' outputs sum to the unsplit function's.
+  upstream: present in sglang 0.5.23 (layers/moe/fused_moe_native.py, moe_forward_native: cnts.scatter_
+            on topk_ids; token_dispatcher/standard.py keeps -1); not reported upstream by us yet.
+  removal:  when moe_forward_native honours the drop sentinel; tests/e2e/test_multi_rank.py's DP-attention
+            + EP server fails at its warm-up without it.
+
+hc_full_streams
+  why:      DeepSeek-V4's residual is hc_mult streams per token; SGLang's DSpark capture (the V4 overlay's
+            default) stores their mean. --hs-hc-streams full keeps every stream for drafters that want them,
+            through the same capture sites (every V4 forward path calls mhc_stream_mean into a slot of the
+            packer made in the forward), so no upstream forward is copied. Original functions in ORIGINALS.
+  upstream: present in sglang 0.5.23 (srt/models/deepseek_v4.py DeepseekV4Model.forward and
+            _forward_layers_hc_pre_from_prev; kernels/ops/layernorm/mhc.py mhc_stream_mean).
+  removal:  when SGLang can capture the full streams itself; tests/unit/test_hc_streams.py checks the
+            packed layout against HF float32 streams, tests/gpu/test_v4_capture_gpu.py end to end.
+
+dsa_torch_native
+  why:      DeepSeek-V3.2 (and any DeepSeek-family config carrying `index_topk`, which SGLang serves with DSA)
+            cannot run on the CPU engine: `Indexer.forward_native` raises "Indexer has no native (pure-torch)
+            path" and `forward_cpu` falls back to it; and the torch_native backend takes no `topk_indices`
+            (TypeError), so even a working indexer would meet dense attention. The patch computes the
+            indexer as HF transformers' DeepseekV32Indexer does (index keys kept per layer at their KV
+            slots, so prefix-cache hits, later chunks and decode see them), and the MLA attention masks
+            every key the indexer did not select, as HF's DeepseekV32Attention does. Without a
+            `topk_indices` the backend runs unchanged. Only the CPU engine's float32 path: the Hadamard
+            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too).
+  upstream: present in sglang 0.5.23 (srt/layers/attention/dsa/dsa_indexer.py forward_native;
+            torch_native_backend.py forward_extend/forward_decode have no **kwargs); not reported upstream.
+  removal:  when SGLang gives the indexer a native path and the torch_native backend a sparse one;
+            tests/e2e/test_model_family.py serves the tiny V3.2 ("v32", index_topk 11 below its prompts'
+            lengths) and judges every row against HF float32, which fails without it (the server does
+            not start) and with a planted top-k or dense-attention bug.
+
+dsa_cpu_server_args
+  why:      SGLang 0.5.23 resolves a DSA config (srt/arg_groups/model_hook.py, handle_model_specific_adjustments;
+            overrides.py _dsa_kv_cache_dtype_default, _dsa_split_backend_resolution) as if every platform but
+            NPU and XPU were a GPU: `torch.cuda.get_device_capability()` fails on the CPU engine ("Found no
+            NVIDIA driver") and the defaults are FP8 KV cache, DSA kernels, the "dsa" backend and 64-token
+            pages. In CPU mode the capability query answers (0, 0) during that one call, the two GPU passes
+            are skipped, and a provider declared after upstream's sets attention_backend torch_native and
+            page_size 1 for configs SGLang treats as DSA (is_deepseek_dsa).
+  upstream: present in sglang 0.5.23; not reported upstream.
+  removal:  when SGLang resolves DSA configs for the CPU engine; the V3.2 server of
+            tests/e2e/test_model_family.py does not start without it.
+
+kimi_k25_language_model
+  why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
+            `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
+            architecture name) never reaches it; without the rebinding the wrapper serves upstream's
+            class and nothing is captured. Scoped to the wrapper overlay's `super().__init__()`
+            (sglang_hs/server/models/kimi_k25.py), which also checks it got the overlay's class.
+  upstream: present in sglang 0.5.23 (srt/models/kimi_k25.py: module-level import, called in
+            KimiK25ForConditionalGeneration.__init__); not reported upstream by us yet.
+  removal:  if the wrapper resolves its language model through the registry (or takes the class as
+            an argument); tests/unit/test_override_resolution.py checks the binding inside the
+            constructor and tests/e2e/test_model_family.py serves Kimi-K2.5 with capture.
+
+Who applies them: the overlay model's constructor (sglang_hs/server/models/deepseek_v2.py), i.e. exactly the
+processes that build the model, before any forward; warmup_rid and parallel_sampling, which concern the
+HTTP server process, and dsa_cpu_server_args, needed before that process resolves the server arguments,
+are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
+parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
+spawned SGLang process re-imports it as `__mp_main__`. Not a `sglang.srt.plugins` entry point: SGLang
+logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
+environment, plain `sglang serve` runs included.
+"""
+from __future__ import annotations
+
+import threading
+
+from sglang_hs import envs
+
+_lock = threading.Lock()
+_applied: dict = {}
+
+
+def apply() -> dict:
+    """Apply the patches this process needs; idempotent. Returns {name: original} for tests."""
+    with _lock:
+        wanted = envs.SGLANG_HS_CPU_MODE and "mla_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "mla_torch_native" not in _applied:
+            from sglang_hs.server.patches import mla_torch_native
+
+            _applied["mla_torch_native"] = mla_torch_native.apply()
+        _apply_cpu_gloo_groups()
+        wanted = envs.SGLANG_HS_CPU_MODE and "torch_native_cpu_pad" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "torch_native_cpu_pad" not in _applied:
+            from sglang_hs.server.patches import torch_native_cpu_pad
+
+            _applied["torch_native_cpu_pad"] = torch_native_cpu_pad.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "moe_native_ep" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "moe_native_ep" not in _applied:
+            from sglang_hs.server.patches import moe_native_ep
+
+            _applied["moe_native_ep"] = moe_native_ep.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "dsa_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "dsa_torch_native" not in _applied:
+            from sglang_hs.server.patches import dsa_torch_native
+
+            _applied["dsa_torch_native"] = dsa_torch_native.apply()
+        if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
+            from sglang_hs.server.patches import capture_hooks
+
+            _applied["capture_hooks"] = capture_hooks.apply()
+        return dict(_applied)
+
+
+def _apply_cpu_gloo_groups() -> None:
+    if envs.SGLANG_HS_CPU_MODE and "cpu_gloo_groups" not in envs.SGLANG_HS_DISABLE_PATCHES \
+            and "cpu_gloo_groups" not in _applied:
+        from sglang_hs.server.patches import cpu_gloo_groups
+
+        _applied["cpu_gloo_groups"] = cpu_gloo_groups.apply()
+
+
+def apply_spawned() -> dict:
+    """The patches a spawned SGLang process needs before its scheduler builds the parallel groups
+    (sglang_hs/server/serve.py runs this in every such process); idempotent."""
+    with _lock:
+        _apply_cpu_gloo_groups()
+        return dict(_applied)

@@ -1,0 +1,349 @@
+"""Capture on: create the store when SGLang sizes its own per-token capturers, publish a record where
+SGLang finishes a request, and hold new requests back while the output ring lacks room for them.
+
+The record itself is gathered and published by the finish worker (sglang_hs/server/store/finisher.py): the
+finish hook hands the request over; the scheduler-side hooks below take the worker's results without
+waiting for it (`get_next_batch_to_run` every iteration, `on_idle`, request intake), and on CUDA with
+the direct copy order each step's writes into the store after the pending gathers, on the GPU
+(`ModelRunner.forward`). SGLang's KV allocator is not touched. SGLANG_HS_SYNC_FINISH=1 publishes on the
+scheduler thread instead.
+
+See the ledger in sglang_hs/server/patches/__init__.py. Each hook wraps an upstream method (the originals
+stay reachable as `ORIGINALS`) and calls it first, unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from sglang_hs.version import SGLANG_VERSION
+
+logger = logging.getLogger(__name__)
+ORIGINALS = {}
+_writer = None  # this process's CaptureWriter, when it is a writer rank
+_admission = None  # its AdmissionControl
+_scheduler = None  # the Scheduler of this process, for reconciling reservations
+_reserved = None  # (rows, device tensor): the staging buffers' memory, held while SGLang sizes the KV pool
+_finisher = None  # its FinishWorker once the first request finished; False: the synchronous path
+
+
+def _after_init_capturers(self) -> None:
+    ORIGINALS["init_routed_experts_capturer"](self)
+    global _writer, _admission, _reserved
+    from sglang.srt.runtime_context import get_parallel
+
+    model, par = self.model, get_parallel()
+    if getattr(model, "hs_spec", None) is None or getattr(self, "is_draft_worker", False):
+        return
+    if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
+        return  # one writer per data-parallel attention group: its attention-TP rank 0
+    from sglang_hs import envs
+    from sglang_hs.server.store.writer import CaptureWriter
+
+    staging_rows = envs.SGLANG_HS_STAGING_ROWS or (_reserved[0] if _reserved else _default_staging_rows(self))
+    _reserved = None  # handed back to the caching allocator, where the staging buffers are carved from it
+    num_slots = self.kv_index_translator.capture_token_capacity(self.max_token_pool_size)
+    _writer = CaptureWriter(
+        envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
+        model_path=self.model_config.model_path,
+        architecture=(getattr(self.model_config.hf_config, "architectures", None) or [""])[0],
+        device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
+        copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
+        # one writer per DP attention group; the dump dir is this node's: it lists this node's writers
+        writer_id=getattr(par, "attn_dp_rank", 0), node=node_writers(par),
+    )
+    model.hs_writer = _writer
+    if str(self.device).startswith("cuda") and _writer.staging is None and not envs.SGLANG_HS_SYNC_FINISH:
+        from sglang_hs.server.store.finisher import check_stream_wait
+
+        check_stream_wait()  # the finish worker orders the store's writes with it: refused now, not mid-serving
+    from sglang_hs.server.store.admission import AdmissionControl
+
+    _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
+                                  self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT,
+                                  mode=envs.SGLANG_HS_CAPTURE, sample=envs.SGLANG_HS_CAPTURE_SAMPLE,
+                                  when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len,
+                                  sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
+                                  max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES)
+    if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
+        status = model.hs_status
+        status.sources.update(writer=_writer.stats, admission=_admission.stats)
+        status.ring_fill = _writer.ring.fill_ratio
+        from sglang_hs.server import metrics
+
+        if metrics.enabled():
+            status.listeners.append(metrics.CaptureMetrics(status.sources, _writer.ring.fill_ratio).refresh)
+
+
+def node_writers(par) -> dict:
+    """This node's share of the writers (SGLang --nnodes), the manifest's node fields: dp_ranks (the DP
+    attention groups whose writer runs on this node, capture_spec.node_dp_ranks), dp_size, nnodes, node_rank."""
+    from sglang_hs.server.capture_spec import node_dp_ranks
+
+    tp, dp, nnodes, node = (int(getattr(par, k, 0) or d) for k, d in
+                            (("tp_size", 1), ("attn_dp_size", 1), ("nnodes", 1), ("node_rank", 0)))
+    return {"dp_ranks": node_dp_ranks(tp, dp, nnodes, node), "dp_size": dp, "nnodes": nnodes, "node_rank": node}
+
+
+def _recorded_prompt_len(req):
+    """The prompt length of `req`'s record when it is not len(input_ids): a session turn's record holds
+    the session's whole context (sglang_hs/server/store/session_turns.py)."""
+    s = _scheduler
+    if s is None or getattr(req, "session_params", None) is None:
+        return None
+    from sglang_hs.server.store.session_turns import turn_prompt_len
+
+    return turn_prompt_len(req, getattr(s, "session_controller", None), getattr(s, "tokenizer", None),
+                           radix_native=bool(getattr(s, "enable_session_radix_cache", False)))
+
+
+def _default_staging_rows(runner) -> int:
+    """The most rows one forward is expected to carry, as SGLang sizes its own routed-experts buffer:
+    a prefill chunk, a decode batch or the largest decode graph. Larger eager steps are shipped in
+    chunks (staging.py); a graph larger than the stage is refused at capture."""
+    from sglang.srt.runtime_context import get_exec, get_schedule
+
+    sched = get_schedule()
+    prefill = sched.chunked_prefill_size if sched.chunked_prefill_size and sched.chunked_prefill_size > 0 \
+        else sched.max_prefill_tokens
+    graphs = getattr(get_exec().graph, "cuda_graph_config", None)
+    decode_graph = getattr(getattr(graphs, "decode", None), "max_bs", None)
+    # ModelRunner.max_running_requests is set by alloc_memory_pool: before it, the scheduler's setting
+    running = getattr(runner, "max_running_requests", None) or sched.max_running_requests
+    return max(int(prefill or 0), int(running or 0), int(decode_graph or 0), 1)
+
+
+def _alloc_memory_pool(self, *args, **kwargs):
+    """ModelRunner.alloc_memory_pool: SGLang sizes the KV pool from the device memory free at this point
+    (for MLA models once, before graph capture). The staging buffers are made later, with the store, so
+    on the writer rank their bytes are held here first: the pool then leaves room for them, instead of
+    the stage coming out of the graph and activation headroom of rank 0 alone."""
+    global _reserved
+    rows = _staging_reservation_rows(self)
+    if rows:
+        import torch
+
+        from sglang_hs.server.store.staging import device_bytes
+
+        spec = self.model.hs_spec
+        nbytes = device_bytes(rows, spec.rows_per_token, spec.hidden_size,
+                                      torch.empty(0, dtype=self.model_config.dtype).element_size())
+        try:
+            _reserved = (rows, torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        except torch.OutOfMemoryError:
+            raise RuntimeError(f"sglang-hs: no room for the {rows}-row staging buffers ({nbytes / 1e9:.2f} GB) on "
+                               f"{self.device}; lower --hs-staging-rows, or use --hs-copy direct") from None
+        logger.info("sglang-hs staging: %d rows, %.2f GB of device memory held before the KV pool is sized",
+                    rows, nbytes / 1e9)
+    return ORIGINALS["alloc_memory_pool"](self, *args, **kwargs)
+
+
+def _staging_reservation_rows(runner) -> int:
+    """Rows to hold device memory for: 0 unless this is the writer rank of a capturing server with
+    --hs-copy staging on an accelerator (on the CPU engine the stage is host memory, like the pool)."""
+    from sglang_hs import envs
+
+    if envs.SGLANG_HS_COPY != "staging" or str(runner.device).startswith("cpu"):
+        return 0
+    if getattr(runner.model, "hs_spec", None) is None or getattr(runner, "is_draft_worker", False):
+        return 0
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
+        return 0
+    return envs.SGLANG_HS_STAGING_ROWS or _default_staging_rows(runner)
+
+
+def _forward(self, forward_batch, *args, **kwargs):
+    """ModelRunner.forward: every step the scheduler makes, whether the model runs eagerly or a CUDA graph
+    is replayed (a replay runs none of the overlay's Python). The overlay's status counts the step here
+    (its real rows, no graph padding, and its request ids), and a staging writer ships what it wrote.
+    Graph capture and warm-up passes call the model directly and are not counted."""
+    if getattr(self, "is_draft_worker", False):
+        return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    status = getattr(self.model, "hs_status", None)
+    w = _writer if _writer is not None and _writer.staging is not None else None  # direct copy: no step work
+    if _finisher and w is None:
+        _finisher.order_device_writes()  # CUDA direct: the step's copy waits for pending gathers, on the GPU
+    if w is None and status is None:
+        return ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    # Read before the forward: an eager step may pad out_cache_loc in place to keep ranks' token counts
+    # equal (DeepEP and other all-to-all MoE backends, --moe-dense-tp-size) and never trims it back.
+    loc = getattr(forward_batch, "out_cache_loc_virtual", None)
+    loc = forward_batch.out_cache_loc if loc is None else loc
+    rows = 0 if loc is None else int(loc.shape[0])
+    if w is not None:
+        w.before_step()
+    out = ORIGINALS["forward"](self, forward_batch, *args, **kwargs)
+    if w is not None:
+        w.after_step(rows, bool(getattr(out, "can_run_graph", False)))
+    if status is not None:
+        status.record(forward_batch.forward_mode.name, rows, getattr(forward_batch, "rids", None))
+    return out
+
+
+def _after_collect(self, req) -> None:
+    ORIGINALS["_maybe_collect_routed_experts"](self, req)
+    if _writer is None:
+        return
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from sglang_hs.server.patches.warmup_rid import PREFIX as WARMUP
+
+    if isinstance(req.finished_reason, FINISH_ABORT) or str(req.rid).startswith(("HEALTH_CHECK", WARMUP)):
+        _admission.release(req.rid, req)
+        return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
+    # this request's own ticket (a rid used again has one per request): its decision, its ring room
+    ticket = _admission.finish(req.rid, req)
+    if ticket is not None and ticket.decision is not None:  # served without capture: at most a marker record
+        _publish_marker(self, str(req.rid), *ticket.decision, ticket=ticket)
+        return
+    output = list(req.output_ids_through_stop)
+    tokens = list(req.origin_input_ids) + output
+    if not tokens:  # nothing forwarded and nothing sent (an empty prompt that generated nothing): no record
+        _admission.drop(ticket)
+        return
+    T = len(tokens) - 1  # every prompt token, every generated token but the last
+    slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
+    # where the prompt ends, and the last token (no row): the record then holds the whole exchange
+    said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]))
+    worker = _finish_worker(self)
+    if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
+        worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket)
+        return
+    _admission.drop(ticket)
+    try:
+        _writer.finish(str(req.rid), tokens[:T], slots, **said)
+    except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
+        _writer.stats["dropped"] += 1
+        logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
+
+
+def _publish_marker(processor, rid: str, reason: str, marked: bool, ticket=None) -> None:
+    """The marker record of a request admitted without capture, when admission reserved room for it."""
+    if not marked:
+        _admission.drop(ticket)
+        return
+    worker = _finish_worker(processor)
+    if worker is not None:  # in order with the records; the reservation goes when it is published
+        worker.submit_marker(rid, reason, ticket=ticket)
+        return
+    _admission.drop(ticket)
+    try:
+        _writer.publish_marker(rid, reason)
+    except (TimeoutError, ValueError) as e:
+        _writer.stats["dropped"] += 1
+        logger.error("sglang-hs: marker of request %s NOT published: %s", rid, e)
+
+
+def _finish_worker(processor):
+    """The finish worker of this writer (sglang_hs/server/store/finisher.py), made on the first finish, once the
+    KV allocator is known; None: the synchronous path (SGLANG_HS_SYNC_FINISH, or an allocator the worker
+    is not checked with, said once in the log)."""
+    global _finisher
+    if _finisher is not None:
+        return _finisher or None
+    from sglang_hs import envs
+
+    if envs.SGLANG_HS_SYNC_FINISH:
+        _finisher = False
+        return None
+    from sglang_hs.server.store.finisher import FinishWorker, check_allocator
+
+    why = check_allocator(processor.token_to_kv_pool_allocator)
+    if why is not None:
+        logger.warning("sglang-hs: finished records are published on the scheduler thread: %s", why)
+        _finisher = False
+        return None
+    import atexit
+
+    worker = FinishWorker(_writer, on_done=_admission.release_reservation)
+    allocator = processor.token_to_kv_pool_allocator
+    if str(getattr(allocator, "device", "cpu")).startswith("cuda"):
+        worker.watch_allocator(allocator)  # the GPU's waits narrowed to the gathers a step's slots may need
+    atexit.register(worker.close)  # shutdown publishes what was handed over
+    _finisher = worker
+    return worker
+
+
+def _get_next_batch_to_run(self, *args, **kwargs):
+    """Scheduler.get_next_batch_to_run, at the start of every iteration: take the worker's results
+    (admission reservations of published records go back), without waiting for it."""
+    if _finisher:
+        _finisher.poll()
+    return ORIGINALS["get_next_batch_to_run"](self, *args, **kwargs)
+
+
+def _on_idle(self, *args, **kwargs):
+    """Scheduler.on_idle: take the worker's results without waiting for it. Nothing of the KV pool is
+    held (finisher.py), so SGLang's idle leak check (available + evictable == total) sees its own pool
+    as it is; a gather still running only delays its own record, not the intake of new requests."""
+    if _finisher:
+        _finisher.poll()
+    return ORIGINALS["on_idle"](self, *args, **kwargs)
+
+
+def _ingest_requests(self, *args, **kwargs):
+    global _scheduler
+    _scheduler = self
+    return ORIGINALS["ingest_requests"](self, *args, **kwargs)
+
+
+def _known_rids():
+    s = _scheduler
+    if s is None:
+        return None
+    rids = {r.rid for r in s.waiting_queue}
+    if _finisher:  # finished, handed to the worker, not yet published: still reserved
+        rids.update(_finisher.pending_rids())
+    for msg in getattr(s, "_deferred_input_requests", ()):  # pulled, not yet handled (e.g. behind a pause)
+        batch = getattr(msg, "batch", None)  # Batch{Generate,Embedding}ReqInput: the rids are its members'
+        rids.update(getattr(r, "rid", None) for r in (batch if isinstance(batch, list) else (msg,)))
+    grammar = getattr(s, "grammar_manager", None)  # requests waiting for their grammar to compile
+    rids.update(r.rid for r in getattr(grammar, "grammar_queue", ()))
+    for batch in (s.running_batch, s.last_batch):
+        if batch is not None:
+            rids.update(r.rid for r in batch.reqs)
+    if s.chunked_req is not None:
+        rids.add(s.chunked_req.rid)
+    return rids
+
+
+def _pull_raw_reqs(self):
+    if _finisher:  # reservations of records published meanwhile go back before admission decides
+        _finisher.poll()
+    pulled = ORIGINALS["_pull_raw_reqs"](self)
+    if _admission is None or pulled is None:
+        return pulled
+    return _admission.filter(pulled, _known_rids)
+
+
+def apply():
+    import sglang
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as BatchResultProcessor,
+    )
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(f"sglang-hs capture hooks target sglang {SGLANG_VERSION}, found {sglang.__version__}")
+    ORIGINALS["init_routed_experts_capturer"] = ModelRunner.init_routed_experts_capturer
+    ORIGINALS["_maybe_collect_routed_experts"] = BatchResultProcessor._maybe_collect_routed_experts
+    ORIGINALS["ingest_requests"] = Scheduler.ingest_requests
+    ORIGINALS["_pull_raw_reqs"] = SchedulerRequestReceiver._pull_raw_reqs
+    ORIGINALS["forward"] = ModelRunner.forward
+    ORIGINALS["alloc_memory_pool"] = ModelRunner.alloc_memory_pool
+    ORIGINALS["get_next_batch_to_run"] = Scheduler.get_next_batch_to_run
+    ORIGINALS["on_idle"] = Scheduler.on_idle
+    ModelRunner.init_routed_experts_capturer = _after_init_capturers
+    BatchResultProcessor._maybe_collect_routed_experts = _after_collect
+    Scheduler.ingest_requests = _ingest_requests
+    SchedulerRequestReceiver._pull_raw_reqs = _pull_raw_reqs
+    ModelRunner.forward = _forward
+    ModelRunner.alloc_memory_pool = _alloc_memory_pool
+    Scheduler.get_next_batch_to_run = _get_next_batch_to_run
+    Scheduler.on_idle = _on_idle
+    return dict(ORIGINALS)

@@ -1,0 +1,153 @@
+"""The server process the launcher supervises: SGLang's own launch path plus sglang-hs's checks.
+
+Not meant to be run by hand: `python -m sglang_hs.launch_server` starts it with the environment the
+settings module (envs.py) reads. SGLang spawns its scheduler and detokenizer processes with
+multiprocessing `spawn`, and those re-import this module as `__mp_main__`: module-level code here
+must stay side-effect free but for the faulthandler registration below, which they then inherit, so
+the launcher can ask any of them for its Python stacks (SIGUSR1) when start-up stalls, and the runtime
+patches a spawned process needs before its scheduler builds the parallel groups (CPU mode only).
+"""
+import faulthandler
+import os
+import signal
+import sys
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__mp_main__":  # a spawned SGLang process: patch what its scheduler runs before the model
+    from sglang_hs.server.patches import apply_spawned
+
+    apply_spawned()
+
+
+def check_server_args(cfg) -> None:
+    """Refuse SGLang settings capture cannot run with (cfg: SGLang's resolved view of ServerArgs).
+
+    The store is filled by forward passes, one row per KV slot: whatever puts KV into a slot another
+    way (loaded back from host memory, storage or a peer) would leave that slot's rows stale, so each
+    such feature is refused. Audited against SGLang 0.5.23 and left allowed, since none puts KV into a
+    slot without a forward of this server: --enable-streaming-session and --enable-session-radix-cache
+    (they hold KV this server computed, like the radix cache); --enable-pd-role-switch (acts only under
+    --disaggregation-mode); --enable-kv-cache-sharding, --disaggregation-decode-retraction-backup host_pool
+    and --disaggregation-decode-host-receive-threshold (SGLang allows them only with --disaggregation-mode);
+    --enable-linker-mla-dedup (needs the external linker) and --enable-page-major-kv-layout (needs
+    --enable-unified-memory); --enable-memory-saver (it releases the KV pool, never fills it);
+    --kv-canary (checks KV, writes canaries only); SWA and Mamba pool flags (DeepSeek-V2/V3 have neither
+    pool); weight offload and loading flags (--cpu-offload-gb, --offload-*, --kt-*, remote weight
+    loaders: weights, not KV); multimodal caches (--enable-prefix-mm-cache, --enable-mm-global-cache:
+    encoder embeddings, not KV); --decoupled-spec-role (nothing in 0.5.23 consumes it but its IPC config).
+    """
+    from sglang_hs import envs
+    from sglang_hs.server.capture_spec import CaptureConfigError
+
+    if not envs.SGLANG_HS_DUMP_DIR:
+        return
+    refusals = [
+        (getattr(cfg, "pp_size", 1) or 1) > 1
+        and "--pp-size > 1 (pipeline parallel): capture needs every layer on one rank; use --tp",
+        getattr(cfg, "enable_two_batch_overlap", False)
+        and "--enable-two-batch-overlap: two-batch overlap skips aux capture in its MoE layers; drop it",
+        getattr(cfg, "speculative_algorithm", None)
+        and "--speculative-algorithm: speculative decoding cannot run with --hs-dump-dir; serve the target alone",
+        getattr(cfg, "enable_torch_compile", False)
+        and "--enable-torch-compile: the capture copy is not a registered custom op yet; drop it (CUDA graphs stay)",
+        (getattr(cfg, "dp_size", 1) or 1) > (getattr(cfg, "attn_dp_size", 1) or 1)  # DP attention is allowed
+        and "--dp-size > 1 without DP attention: replicas would open the same store files; use --enable-dp-attention",
+        (getattr(cfg, "attn_cp_size", 1) or 1) > 1
+        and "--attn-cp-size > 1 (context parallel): its extend path bypasses the overlay's forward; use --tp",
+        # KV reaching a slot without a forward pass (its rows in the store would be stale):
+        getattr(cfg, "disaggregation_decode_enable_offload_kvcache", False)
+        and "--disaggregation-decode-enable-offload-kvcache: offloaded KV is loaded back without a forward; drop it",
+        (getattr(cfg, "disaggregation_mode", "null") or "null") != "null"
+        and "--disaggregation-mode: a PD decode server gathers prompt KV it never computed; serve without PD",
+        getattr(cfg, "enable_hierarchical_cache", False)
+        and "--enable-hierarchical-cache: HiCache loads KV back from host memory; use the default radix cache",
+        getattr(cfg, "hicache_storage_backend", None)
+        and "--hicache-storage-backend: KV loaded from storage skips the forward; use the default radix cache",
+        getattr(cfg, "enable_lmcache", False)
+        and "--enable-lmcache: LMCache loads KV from its store; use the default radix cache",
+        getattr(cfg, "enable_flexkv", False)
+        and "--enable-flexkv: FlexKV loads KV back from CPU, SSD or remote tiers; use the default radix cache",
+        getattr(cfg, "radix_cache_backend", None)
+        and "--radix-cache-backend: a plug-in cache may load KV without a forward; use the default radix cache",
+        getattr(cfg, "enable_unified_cache_external_linker", False)
+        and "--enable-unified-cache-external-linker: KV loaded from an external store; use the default radix cache",
+        getattr(cfg, "enable_hisparse", False)
+        and "--enable-hisparse: hierarchical sparse attention swaps KV in from host memory; drop it",
+        getattr(cfg, "enable_unified_memory", False)
+        and "--enable-unified-memory: its pool translates KV slot ids and moves KV between pages; drop it",
+        (getattr(cfg, "dcp_size", 1) or 1) > 1
+        and "--dcp-size > 1 (decode context parallel): KV slots are widened and split over ranks; use --tp",
+        # Not a stale slot but an unnamed teacher: a request's rows would be those of the base model with
+        # its adapter applied, and nothing in a record says which adapter (or none) that was.
+        getattr(cfg, "enable_decoder_swa_bounded_replay", False)
+        and "--enable-decoder-swa-bounded-replay (DeepSeek-V4.1; SGLang turns it on by default on CUDA): layers past "
+            "the last KV-source layer run over each request's last SWA window only, so earlier tokens get no rows; "
+            "turn it off",
+        getattr(cfg, "enable_lora", False)
+        and "--enable-lora: a record would not say which LoRA adapter computed its rows; serve the target without adapters",
+    ]
+    for message in refusals:
+        if message:
+            raise CaptureConfigError(f"unsupported with --hs-dump-dir: {message}")
+
+
+NODE_READY = "[sglang-hs] node {node} of {nnodes}: schedulers ready"
+
+
+def announce_node_ready(server_args) -> None:
+    """A node of rank > 0 (SGLang --nnodes) runs schedulers only, no HTTP server, and SGLang logs no
+    "ready" line for it: once its schedulers are ready (Engine._launch_subprocesses waits for them, then
+    starts the follower metadata server) say so, for the launcher's supervisor (supervisor.PHASES)."""
+    from sglang.srt.entrypoints import engine
+
+    original = engine.start_follower_grpc_server
+
+    def start_follower_grpc_server(*args, **kwargs):
+        print(NODE_READY.format(node=server_args.node_rank, nnodes=server_args.nnodes), file=sys.stderr, flush=True)
+        return original(*args, **kwargs)
+
+    engine.start_follower_grpc_server = start_follower_grpc_server
+
+
+def main(argv) -> int:
+    from sglang.launch_server import run_server
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    from sglang_hs.server.capture_spec import CaptureConfigError
+
+    from sglang_hs import envs
+    from sglang_hs.server.patches import parallel_sampling, warmup_rid
+
+    load_plugins()
+    if envs.SGLANG_HS_CPU_MODE and "dsa_cpu_server_args" not in envs.SGLANG_HS_DISABLE_PATCHES:
+        from sglang_hs.server.patches import dsa_cpu_server_args
+
+        dsa_cpu_server_args.apply()  # before resolution: DSA configs on the CPU engine
+    if envs.SGLANG_HS_DUMP_DIR:
+        warmup_rid.apply()  # this process serves HTTP: SGLang's warm-up request gets a recognisable rid
+        parallel_sampling.apply()  # and the prefix request of an n > 1 request is tagged: no record
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    if envs.SGLANG_HS_TEST_SAME_HOST_NODES and (server_args.node_rank or 0) > 0:
+        import sglang.srt.server_args as sa  # PortArgs.init_new checks node 0's ports on this same host
+
+        sa.wait_port_available = lambda *a, **k: True
+    try:
+        check_server_args(resolving_view(server_args))
+    except CaptureConfigError as e:
+        print(f"sglang-hs: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if (server_args.node_rank or 0) > 0:
+        announce_node_ready(server_args)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,411 @@
+"""The finish path off the scheduler thread: a finished request's rows are gathered from the store into
+the output ring by a worker thread, and the NEXT WRITE into a slot a pending gather reads waits for it.
+SGLang's KV allocator, its radix cache and every scheduling decision are left exactly as they are.
+
+    scheduler thread (result processing)            worker thread "sglang-hs-finish"
+    submit(rid, token ids, slots):                  for each job, in hand-over order:
+      slots -> host: a CPU clone (and the slots'      wait for the job's event (the slot ids, and in
+        "last reader" set to this job), or on CUDA    direct mode the step's copy into the store, have
+        a non_blocking copy into pinned memory on     landed), then for the staging scatter of the
+        the current stream + a blocking-sync event    chunks shipped before the hand-over;
+        (no device sync on this thread)               gather store[slots] into the ring and publish
+      queue the job; return                           (csrc/gather_rows_cpu.cpp: without the GIL)
+    release_kv_cache -> allocator frees: SGLang's     done = seq (and on CUDA into a pinned counter
+      own, at once                                      the GPU can wait on); report (seq, rid, error)
+    next step / idle / a check: poll(): results ->
+      admission release, stats, errors (no wait)
+
+Slot reuse: a slot is read by a gather after SGLang has released it (its request is finished, its KV
+row freed or put in the radix tree, whose eviction frees it later), so the allocator may hand it out
+and a later step may write a new row into it while the gather has not read the old one yet. Whatever
+writes rows into the store first orders itself after the gathers that read the slots it writes:
+
+    --hs-copy direct, CPU engine   the forward's copy (CaptureWriter.copy, on the scheduler thread)
+                                   waits, before it writes, for the last gather that reads any slot of
+                                   the step (`wait_before_write`; the per-slot last reader is a host
+                                   array sized to the store, set at hand-over: with radix caching
+                                   most reused slots were gathered long ago, and the write waits for
+                                   nothing)
+    --hs-copy staging (any device) the scatter thread, before it scatters a chunk, waits for the last
+                                   gather that reads any slot of the chunk, capped at the last gather
+                                   handed over when the chunk was shipped (per slot on the CPU engine;
+                                   on CUDA, where the slot ids stay on the device at hand-over, for
+                                   every gather handed over by then)
+    --hs-copy direct, CUDA         the copy kernel writes the store from the GPU, inside the forward
+                                   (and its CUDA graph): before each step (ModelRunner.forward, outside
+                                   any graph) the forward stream waits (cuStreamWaitValue64, no host
+                                   sync) until the worker's pinned `done` counter reaches the gathers
+                                   the step's slots may be read by (`order_device_writes`): counted
+                                   from the KV allocator's free-list order (free_list_order.py: which
+                                   frees the step's allocations took slots from, exact for SGLang's
+                                   token and page allocators, no device read); nothing is issued
+                                   while those gathers are done
+
+Why every write that can hit a read slot is ordered: a job reads only slots its request held at its
+finish; SGLang frees (or evicts) them only after that finish handed the job over, and a step writes
+only slots allocated for it, so any step that can overwrite a slot of job j was scheduled, and its
+rows copied or shipped, after j was handed over: "every gather handed over so far" is always enough,
+and the per-slot array narrows it. Marker jobs read no slot and never count as a gather: a request
+served without capture makes no write wait. No cycle: a gather waits (staging) only for chunks shipped
+before its hand-over, a chunk waits only for gathers handed over before it was shipped.
+
+Scheduling never sees any of this: no free is held or delayed, `available_size()`, eviction, the
+idle leak check and every rank's decisions (with tensor parallelism only attention-TP rank 0 writes)
+are SGLang's own. The scheduler thread waits only where the CPU engine's forward itself writes a slot
+a gather still reads (counted: `write_wait_s`, `write_waits`), and, with staging, when both host
+buffers are full (`stage_wait_s`).
+
+Counters (the writer's stats dict, read by the status thread, /metrics and the log line): each key is
+written by ONE thread, so `+=` never loses an update (a read from another thread may be a moment old):
+  scheduler thread   finish_pending, finish_failed, dropped; write_waits / write_wait_s (the CPU engine's
+                     forward copy waiting for gathers that read the slots it overwrites); staged_rows,
+                     stage_wait_s (staging: waiting for a free host buffer); drain_s (drain/close waiting
+                     for every gather: no serving path calls it)
+  finish worker      records, rows, bytes, gather_s, markers, reader_offsets_refused; store_wait_s (staging:
+                     waiting for the rows of chunks shipped before the hand-over to reach the store)
+  scatter thread     scatter_s; scatter_waits / scatter_wait_s (waiting for gathers that read the slots a
+                     chunk overwrites)
+With SGLANG_HS_SYNC_FINISH=1 the scheduler thread does the worker's part (and there is no worker).
+
+Errors: a record refused by the ring (ValueError: larger than the ring; TimeoutError: the ring stayed
+full) is counted in `dropped` and logged, as on the synchronous path. Any other failure of the worker
+(a slot count or a store check that fails) is raised on the scheduler thread at its next poll, so the
+server stops (and fails its health checks) with the worker's error, as the synchronous path would.
+
+`SGLANG_HS_SYNC_FINISH=1` keeps the synchronous path (CaptureWriter.finish on the scheduler thread).
+"""
+from __future__ import annotations
+
+import array
+import collections
+import ctypes
+import functools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+
+
+@dataclass
+class _Job:
+    seq: int
+    rid: str
+    ids: Any  # int32 [T] host tensor, or a list of ints the worker converts
+    slots: torch.Tensor  # [T] host (pinned when copied from the device)
+    ready: Any = None  # torch.cuda.Event: slot ids (and direct-mode rows) have landed; None on the CPU
+    slot_errors: Optional[torch.Tensor] = None  # pinned copy of the direct copy kernel's error counter
+    skipped: Optional[str] = None  # a marker record of a request served without capture: its reason
+    prompt_len: Optional[int] = None  # where the prompt ends in ids (None: all prompt)
+    next_token: int = -1  # the token after the last row (the last generated one)
+    ticket: Any = None  # the request's admission ticket, handed back to on_done: its reservation, exactly
+    shipped: int = 0  # staging: the last chunk shipped at hand-over (the gather needs none after it)
+
+
+class FinishWorker:
+    """One writer's asynchronous finish path (module docstring). Methods other than the worker loop and
+    `wait_before_write` (also the scatter thread's) run on the scheduler thread."""
+
+    def __init__(self, writer, on_done: Optional[Callable[[str, Any], None]] = None) -> None:
+        self.writer = writer
+        # called with each job's rid and the ticket it was handed with, once the job is done (published or not)
+        self.on_done = on_done
+        self.stats = writer.stats
+        for key in ("finish_pending", "finish_failed", "write_waits", "device_write_waits"):
+            self.stats.setdefault(key, 0)  # the writer has them from the start (the status thread reads them)
+        for key in ("drain_s", "write_wait_s", "store_wait_s"):
+            self.stats.setdefault(key, 0.0)
+        self._q: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._handed = 0  # seq of the last job handed over (scheduler thread)
+        self._gathered = 0  # seq of the last job handed over that reads slots (not a marker)
+        self._done = 0  # seq of the last job the worker finished (under _cv)
+        self._results: Deque[Tuple[int, str, Optional[BaseException], Any]] = collections.deque()  # under _cv
+        self._pending: Dict[int, str] = {}  # seq -> rid, handed over and not yet polled (scheduler thread)
+        # per store slot, the seq of the last job that reads it (set at hand-over when the slot ids are on the
+        # host; on CUDA they are not, and every write then waits for every gather handed over before it)
+        self._last_read = torch.zeros(writer.store.shape[0], dtype=torch.int64)
+        self._per_slot = True
+        self._done_dev: Optional[torch.Tensor] = None  # CUDA: pinned copy of _done the GPU waits on
+        self._order = None  # CUDA: the KV allocator's free-list order (watch_allocator)
+        self._fatal: Optional[BaseException] = None
+        self._closed = False
+        self._device = None
+        from sglang_hs import envs
+
+        self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
+        self._started = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="sglang-hs-finish", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise RuntimeError(f"sglang-hs: the finish worker could not start: {self._start_error!r}")
+        writer.finisher = self  # the writer's copy (CPU direct) and its scatter thread order writes through it
+        if writer.staging is not None:
+            writer.staging.finisher = self
+
+    # --- the scheduler's side --------------------------------------------------------------------
+    def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
+               next_token: int = -1, ticket=None) -> None:
+        """Hand over a finished request: its token ids (a list the caller no longer changes, or a tensor)
+        and its KV slots in position order (a view of req_to_token is fine: the slot ids are copied
+        here, before SGLang reuses the row), its prompt length and the token after its last row. A list
+        is converted on the worker thread. `ticket` (its admission ticket) goes back to on_done."""
+        self.poll()
+        T = len(token_ids)
+        if slots.shape[0] != T:
+            raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
+        ids = token_ids.to(torch.int32).clone() if torch.is_tensor(token_ids) else token_ids
+        ready = errors = None
+        seq = self._handed + 1
+        if slots.is_cuda:
+            if self._device is None:
+                self._device = slots.device
+                self._done_dev = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+                self._done_dev[0] = self._done_now()
+            self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
+            host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
+            host.copy_(slots, non_blocking=True)  # on the current stream: after every write of the row
+            w = self.writer
+            if w.staging is None and getattr(w, "_registered", None) is not None:
+                errors = torch.empty(w._registered.errors.counts.shape, dtype=torch.int64, pin_memory=True)
+                errors.copy_(w._registered.errors.counts, non_blocking=True)
+            ready = torch.cuda.Event(blocking=True)  # the worker sleeps in its sync instead of spinning
+            ready.record()  # after the step's copy into the store too (direct mode), as a stream sync was
+        else:
+            host = slots.clone()
+            if T:
+                self._last_read.index_fill_(0, host.long().clamp_(0, self._last_read.shape[0] - 1), seq)
+        staging = self.writer.staging
+        shipped = staging.shipped if staging is not None else 0
+        self._handed = seq
+        if T:
+            self._gathered = seq
+        self._pending[seq] = rid
+        self.stats["finish_pending"] = len(self._pending)
+        self._enqueue(_Job(seq, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
+                           ticket=ticket, shipped=shipped))
+
+    def submit_marker(self, rid: str, reason: str, ticket=None) -> None:
+        """Hand over the marker record of a request served without capture (no rows, nothing to gather):
+        published in order with the records, on the worker thread (the ring has one writer thread). It
+        reads no slot, so no write ever waits for it."""
+        self.poll()
+        self._handed += 1
+        self._pending[self._handed] = rid
+        self.stats["finish_pending"] = len(self._pending)
+        self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason, ticket=ticket))
+
+    def pending_rids(self) -> List[str]:
+        return list(self._pending.values())
+
+    def poll(self) -> None:
+        """Take the worker's results (never waits). Raises the worker's error if it failed in an
+        unexpected way."""
+        with self._cv:
+            results, self._results = self._results, collections.deque()
+        for seq, rid, err, ticket in results:
+            self._pending.pop(seq, None)
+            if self.on_done is not None:
+                self.on_done(rid, ticket)
+            if err is not None:
+                self.stats["dropped"] += 1
+                self.stats["finish_failed"] += 1
+                logger.error("sglang-hs: record of request %s NOT published: %r", rid, err)
+        self.stats["finish_pending"] = len(self._pending)
+        if self._fatal is not None:
+            err, self._fatal = self._fatal, None
+            raise RuntimeError(f"sglang-hs: the finish worker failed: {err!r}") from err
+
+    def drain(self) -> None:
+        """Wait until every job handed over is done (close, tests: no serving path calls it)."""
+        t0 = time.perf_counter()
+        self._wait_for(self._handed)
+        self.stats["drain_s"] += time.perf_counter() - t0
+        self.poll()
+
+    # --- ordering the store's writes after the gathers (module docstring) ---------------------------
+    def gathers_handed(self) -> int:
+        """The seq of the last gather handed over: a bound for any write issued now (staging records it
+        with each chunk it ships)."""
+        return self._gathered
+
+    def wait_before_write(self, loc: torch.Tensor, upto: Optional[int] = None) -> float:
+        """Called by the thread that writes store[loc] on the host (the CPU engine's forward copy; the
+        staging scatter thread, with `upto` = gathers_handed() when its chunk was shipped): return once no
+        pending gather reads any of those slots. Returns the seconds waited (0.0 almost always)."""
+        upto = self._gathered if upto is None else upto
+        if self._done_now() >= upto:
+            return 0.0
+        need = upto
+        if self._per_slot and not loc.is_cuda:
+            n = int(loc.shape[0])
+            if n == 0:
+                return 0.0
+            need = min(upto, int(self._last_read[loc.long().clamp(0, self._last_read.shape[0] - 1)].max()))
+            if self._done_now() >= need:
+                return 0.0
+        t0 = time.perf_counter()
+        self._wait_for(need)
+        return time.perf_counter() - t0
+
+    def order_device_writes(self) -> bool:
+        """CUDA, direct copy: make the current stream wait (on the GPU, no host sync) until the worker has
+        finished every gather handed over so far, before the step about to be launched writes the store.
+        Call before the forward, outside any graph capture. Returns whether a wait was issued."""
+        upto = self._gathered if self._order is None else self._order.take_bound()
+        if self._done_dev is None or self._done_now() >= upto:
+            return False
+        if torch.cuda.is_current_stream_capturing():  # never inside a graph: replays would wait on a stale value
+            raise RuntimeError("sglang-hs: order_device_writes called during CUDA-graph capture")
+        stream = torch.cuda.current_stream()
+        _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), upto)
+        self.stats["device_write_waits"] += 1
+        return True
+
+    def watch_allocator(self, allocator) -> None:
+        """CUDA: narrow order_device_writes' wait to the gathers that the slots allocated since the last step
+        may be read by, from the allocator's free-list order (sglang_hs/server/store/free_list_order.py), instead
+        of every gather handed over."""
+        from sglang_hs.server.store.free_list_order import FreeListOrder
+
+        self._order = FreeListOrder(allocator, self.gathers_handed)
+
+    def _wait_for(self, seq: int) -> None:
+        if self._done_now() >= seq:
+            return
+        with self._cv:
+            while self._done < seq and self._thread.is_alive():
+                self._cv.wait(timeout=1.0)
+            gone = self._done < seq
+        if gone:  # never waits on a worker that is not there
+            raise RuntimeError("sglang-hs: the finish worker stopped with records handed over and not published")
+
+    def idle(self) -> bool:
+        return not self._pending
+
+    def close(self) -> None:
+        """Publish what was handed over, stop the worker."""
+        if self._closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join(timeout=60)
+
+    def _done_now(self) -> int:
+        return self._done  # one int, written under _cv by the worker: a read is atomic
+
+    # --- the worker thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                from sglang_hs.server.store.staging import _prepare_scatter_thread
+
+                _prepare_scatter_thread(torch.device("cuda", torch.cuda.current_device()))
+        except BaseException as e:  # noqa: BLE001 - raised by the constructor
+            self._start_error = e
+            return
+        finally:
+            self._started.set()
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _enqueue(self, job: _Job) -> None:
+        if self._closed:  # a finish after close() (it runs at exit): published here, nothing left pending
+            self._run(job)
+            self.poll()
+        else:
+            self._q.put(job)
+
+    def _run(self, job: _Job) -> None:
+        err = None
+        try:
+            self._publish(job)
+        except (TimeoutError, ValueError) as e:  # the ring refused the record: counted and logged
+            err = e
+        except BaseException as e:  # noqa: BLE001 - raised on the scheduler thread at its next poll
+            err = e
+            self._fatal = self._fatal or e
+        with self._cv:
+            self._done = job.seq
+            if self._done_dev is not None:
+                self._done_dev[0] = job.seq  # after the gather: the GPU's waits see it (pinned, mapped)
+            self._results.append((job.seq, job.rid, err, job.ticket))
+            self._cv.notify_all()
+
+    def _publish(self, job: _Job) -> None:
+        w = self.writer
+        if job.skipped is not None:
+            w.publish_marker(job.rid, job.skipped)
+            return
+        if self._test_delay:
+            time.sleep(self._test_delay)
+        if job.ready is not None:
+            job.ready.synchronize()
+        if job.slot_errors is not None:  # the direct copy kernel's counter, copied with the slots
+            n, slot, S = job.slot_errors.tolist()
+            if n:
+                raise RuntimeError(
+                    f"sglang-hs: the capture copy dropped {n} row(s) whose KV slot lay outside the store's "
+                    f"[0, {S}) (e.g. slot {slot}): the store must hold every KV-cache slot the server hands out")
+        if w.staging is not None:
+            # every computed row shipped before the hand-over is in the store (later chunks may wait for us)
+            self.stats["store_wait_s"] += w.staging.drain(upto=job.shipped)
+        ids = job.ids
+        if not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
+            ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32) if len(ids) else \
+                torch.empty(0, dtype=torch.int32)
+        w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token)
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_stream_wait_value64():
+    """libcuda's cuStreamWaitValue64 (the driver API: the runtime has no stream wait on a memory value)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuStreamWaitValue64_v2 if hasattr(lib, "cuStreamWaitValue64_v2") else lib.cuStreamWaitValue64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _stream_wait_value64(stream: int, addr: int, value: int) -> None:
+    """The stream waits until the 64-bit word at `addr` (pinned host memory: with unified addressing its
+    host address is its device address) is >= value. A failure is raised: never a write unordered."""
+    err = _cu_stream_wait_value64()(ctypes.c_void_p(stream), addr, value, _CU_STREAM_WAIT_VALUE_GEQ)
+    if err != 0:
+        raise RuntimeError(f"sglang-hs: cuStreamWaitValue64 failed with CUDA error {err}: the capture cannot order "
+                           "the store's writes after its gathers; use --hs-copy staging or SGLANG_HS_SYNC_FINISH=1")
+
+
+def check_stream_wait() -> None:
+    """Start-up check for CUDA, --hs-copy direct: one stream wait on a value already reached, synchronised.
+    A driver that refuses cuStreamWaitValue64 stops start-up in one line instead of the first step after
+    the first finished request."""
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    _stream_wait_value64(torch.cuda.current_stream().cuda_stream, flag.data_ptr(), 0)
+    torch.cuda.current_stream().synchronize()
+
+
+def check_allocator(allocator) -> Optional[str]:
+    """None when the finish worker can serve this KV allocator, or why not (the caller then keeps the
+    synchronous finish path). Nothing of the allocator is patched: the worker orders the store's writes
+    (module docstring), and a page allocator's slots are plain KV slots like a token allocator's."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    if type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
+        return None
+    return f"{type(allocator).__name__} is not one of the KV allocators sglang-hs's finish worker is checked with"

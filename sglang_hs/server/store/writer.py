@@ -1,0 +1,262 @@
+"""The scheduler side of the capture: the store indexed by KV slot, and publishing finished records.
+
+One writer per attention-TP rank 0 (this slice: a single data-parallel group, writer 0). Files under
+the dump dir, all 0600, never through a symlink:
+    manifest.json      what the dump holds (versions, model, layer ids and their HF meaning, writers)
+    store-w0.bin       [num_slots, P, H] rows, row s = the token whose KV lives in slot s
+    ring-w0.bin        the output ring of finished records (sglang_hs/server/store/ring.py): the writer's alone
+    ring-w0.offset     the ring's reader writes how far it has read here (with --hs-share-group: 0660 of the
+                       group, the ring 0640 and the manifest 0640; the store stays 0600)
+
+`copy()` runs inside every forward: the step's rows go to their KV slots (`out_cache_loc`), by the Triton
+kernel on CUDA (sglang_hs/server/ops/copy_rows.py) and the C++ op on CPU (csrc/copy_rows_cpu.cpp), either
+straight into the store (`--hs-copy direct`; on CUDA the store is registered, mapped host memory) or
+through a device staging buffer that is shipped and scattered after the step (`--hs-copy staging`,
+sglang_hs/server/store/staging.py; `before_step`/`after_step` run around every ModelRunner.forward). Prefix rows
+served by the radix cache are already in the store, written when that prefix was computed; chunked
+prefill needs no stitching. `finish()` runs where SGLang finishes a request (result processing, one
+step late under the overlap scheduler, before the KV slots are released): it gathers the request's
+rows through `req_to_token` in position order, checks the count, and publishes one record. That is the
+synchronous path (SGLANG_HS_SYNC_FINISH=1); by default the scheduler only hands the request over and
+the finish worker (sglang_hs/server/store/finisher.py) runs `publish_gathered` on its own thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from sglang_hs.server.capture_spec import CaptureSpec
+from sglang_hs.fsutil import share_file, write_private_file
+from sglang_hs.server.store.ring import RingWriter, offset_name
+from sglang_hs.server.store.shm import SharedRegion
+from sglang_hs.version import SGLANG_VERSION, __version__
+
+logger = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+FINISH_STATS = ("finish_pending", "finish_failed", "write_waits", "device_write_waits")  # counts; the *_s ones are seconds
+FINISH_SECONDS = ("drain_s", "write_wait_s", "store_wait_s")
+MANIFEST = "manifest.json"
+
+
+def _write_manifest(dump_dir: str, manifest: dict, share_gid: Optional[int]) -> None:
+    """The dump dir's one manifest. With several writers (data-parallel attention), each adds its entry,
+    under a lock, to what the other writers of this server (same session) wrote, replacing a stale one."""
+    if manifest.get("num_writers", 1) > 1:
+        import fcntl
+
+        fd = os.open(os.path.join(dump_dir, ".manifest.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                with open(os.path.join(dump_dir, MANIFEST)) as f:
+                    old = json.load(f)
+            except (OSError, ValueError):
+                old = {}
+            if old.get("session") == manifest["session"]:
+                mine = {w["id"] for w in manifest["writers"]}
+                manifest["writers"] = sorted([w for w in old["writers"] if w["id"] not in mine] + manifest["writers"],
+                                             key=lambda w: w["id"])
+            write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    write_private_file(dump_dir, MANIFEST, json.dumps(manifest, indent=1).encode(), share_gid)
+
+
+class CaptureWriter:
+    def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
+                 model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
+                 context_len: int = 0, copy: str = "direct", staging_rows: int = 0, node: Optional[dict] = None,
+                 page_size: int = 1) -> None:
+        """`writer_id`: this writer's DP attention rank. `node`: this node's writers (capture_hooks.node_writers:
+        dp_ranks, dp_size, nnodes, node_rank); default a single node with one DP group."""
+        from sglang_hs import envs
+
+        if copy not in envs.COPY_STRATEGIES:
+            raise ValueError(f"sglang-hs: unknown copy strategy {copy!r} (direct or staging)")
+        share_gid = envs.SGLANG_HS_SHARE_GID
+        gather_threads, scatter_threads = envs.SGLANG_HS_GATHER_THREADS, envs.SGLANG_HS_SCATTER_THREADS
+        for name, flag, value in (("SGLANG_HS_GATHER_THREADS", "--hs-gather-threads", gather_threads),
+                                  ("SGLANG_HS_SCATTER_THREADS", "--hs-scatter-threads", scatter_threads)):
+            if value <= 0:
+                raise ValueError(f"sglang-hs: {name} ({flag}) must be > 0, got {value}")
+        from sglang_hs._ext import ext
+
+        C = ext()
+        if not hasattr(C, "gather_rows_cpu") or "num_threads" not in (C.copy_rows_cpu.__doc__ or ""):
+            raise RuntimeError("sglang-hs: the compiled extension sglang_hs._C predates this sglang-hs (it has no "
+                               "gather_rows_cpu, or copy_rows_cpu has no num_threads); rebuild it: "
+                               "pip install --no-build-isolation -e .")
+        self.spec = spec
+        self.P = spec.rows_per_token
+        H = spec.hidden_size
+        elem = torch.empty(0, dtype=dtype).element_size()
+        for name in (f"store-w{writer_id}.bin", f"ring-w{writer_id}.bin", offset_name(f"ring-w{writer_id}.bin")):
+            _remove_stale(dump_dir, name)
+        nbytes = num_slots * self.P * H * elem
+        try:
+            self.region = SharedRegion.create(dump_dir, f"store-w{writer_id}.bin", nbytes)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"sglang-hs: the store needs {nbytes / 1e9:.2f} GB ({num_slots} KV slots x {self.P} x {H} x {elem} "
+                f"bytes) in {dump_dir} ({e}); shrink it with --max-total-tokens or --mem-fraction-static, or "
+                "give the dump dir's filesystem more room") from None
+        self.store = self.region.buf.view(dtype).view(num_slots, self.P, H)
+        try:
+            self.ring = RingWriter.create(dump_dir, f"ring-w{writer_id}.bin", ring_bytes)
+            share_file(dump_dir, f"ring-w{writer_id}.bin", 0o640, share_gid)  # the group reads, only the writer writes
+            share_file(dump_dir, offset_name(f"ring-w{writer_id}.bin"), 0o660, share_gid)  # a reader's read offset
+        except RuntimeError as e:
+            raise RuntimeError(f"sglang-hs: the output ring needs {ring_bytes / 1e9:.2f} GB in {dump_dir} ({e}); "
+                               "lower --hs-ring-size") from None
+        self.ring.gather_threads = gather_threads
+        self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
+                      "reader_offsets_refused": 0}  # read offsets the ring refused (ring.py)
+        self.ring.stats = self.stats
+        # The finish worker's (sglang_hs/server/store/finisher.py), here from the start: the status thread reads this dict
+        self.stats.update({k: 0 for k in FINISH_STATS}, **{k: 0.0 for k in FINISH_SECONDS})
+        self.finisher = None  # the FinishWorker (finisher.py) the store's writes are ordered after, once it runs
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "sglang_hs_version": __version__,
+            "sglang_version": SGLANG_VERSION,
+            "model_path": model_path,
+            "architecture": architecture,
+            "dtype": str(dtype).replace("torch.", ""),
+            **spec.describe(),
+            "rows_per_token": self.P,
+            "copy": copy,  # how rows reach the store: direct (the kernel writes it) or staging
+            "context_len": context_len,
+            "page_size": page_size,  # the KV pool's: the store holds a page of slots more than SGLang's pool
+            "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
+            # ring_id: tells this ring's records from those of another server's ring (e.g. a harvester's
+            # file names: sequence numbers start at 1 in every ring)
+            "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
+                         "store": f"store-w{writer_id}.bin", "num_slots": num_slots, "ring_id": os.urandom(8).hex()}],
+        }
+        node = node or {"dp_ranks": [writer_id], "dp_size": 1, "nnodes": 1, "node_rank": 0}
+        if writer_id not in node["dp_ranks"]:
+            raise RuntimeError(f"sglang-hs: writer of DP rank {writer_id} on node {node['node_rank']}, whose writers "
+                               f"serve DP ranks {node['dp_ranks']}")
+        # The dump dir is this node's (shared memory does not cross machines): it lists the writers on this
+        # node, one per data-parallel attention group served here (dp_ranks of dp_size over nnodes nodes)
+        manifest.update(node)
+        manifest["writers"][0]["dp_rank"] = writer_id
+        if len(node["dp_ranks"]) > 1:  # readers wait for every writer of this node
+            manifest.update(num_writers=len(node["dp_ranks"]), session=os.getsid(0))
+        if str(device).startswith("cuda") and copy == "direct":
+            self._host_store()  # register now: never during CUDA-graph capture
+        self.staging = None
+        if copy == "staging":
+            from sglang_hs.server.store.staging import StagedCopy
+
+            try:
+                self.staging = StagedCopy(self.store, staging_rows, device, scatter_threads)
+            except torch.OutOfMemoryError:
+                raise RuntimeError(
+                    f"sglang-hs: no room for the {staging_rows}-row staging buffers on {device}; lower "
+                    "--hs-staging-rows or --mem-fraction-static, or use --hs-copy direct") from None
+            self.stats.update(self.staging.stats)
+            self.staging.stats = self.stats  # one dict: the status file, the log line and /metrics read it
+        _write_manifest(dump_dir, manifest, share_gid)
+        logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
+                    dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
+        if self.staging is not None:
+            logger.info("sglang-hs staging: %d rows, %.1f MB (device and pinned host), scatter on up to %d threads",
+                        staging_rows, self.staging.nbytes / 1e6, scatter_threads)
+
+    def copy(self, aux: torch.Tensor, last: Optional[torch.Tensor], loc: torch.Tensor) -> None:
+        T = aux.shape[0]
+        if T == 0:
+            return
+        last = last if self.spec.last else None
+        if loc.shape[0] != T:  # out_cache_loc_virtual excludes kernel padding rows: keep the real ones
+            aux, last = aux[: loc.shape[0]], (last[: loc.shape[0]] if last is not None else None)
+        if self.staging is not None:
+            self.staging.write(aux, last, loc)
+        elif aux.is_cuda:
+            from sglang_hs.server.ops.copy_rows import copy_rows
+
+            copy_rows(aux, last, loc, self._host_store())
+        else:
+            from sglang_hs._ext import ext
+
+            if self.finisher is not None:  # the CPU engine's forward: wait for gathers still reading these slots
+                waited = self.finisher.wait_before_write(loc)
+                if waited:
+                    self.stats["write_waits"] += 1
+                    self.stats["write_wait_s"] += waited
+            ext().copy_rows_cpu(aux, last, loc, self.store)
+
+    def before_step(self) -> None:
+        """Called before every ModelRunner.forward of the writer rank (by the hook, when staging)."""
+        if self.staging is not None:
+            self.staging.before_step()
+
+    def after_step(self, rows: int, graph_replayed: bool) -> None:
+        """Called after every ModelRunner.forward (by the hook, when staging): `rows` real rows, and
+        whether a graph ran the model."""
+        if self.staging is not None:
+            self.staging.after_step(rows, graph_replayed)
+
+    def _host_store(self):
+        hs = getattr(self, "_registered", None)
+        if hs is None:
+            from sglang_hs.server.ops.copy_rows import HostStore
+            from sglang_hs.server.store import pinned
+
+            hs = self._registered = HostStore(self.store, pinned.register(self.region.buf))
+        return hs
+
+    def finish(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
+               next_token: int = -1) -> None:
+        """Publish the record of a finished request: `slots` are its KV slots in position order;
+        `prompt_len` and `next_token` (the token after the last row) go into the record (ring.py)."""
+        t0 = time.perf_counter()
+        T = len(token_ids)
+        if slots.shape[0] != T:
+            raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
+        if self.staging is not None:
+            self.stats["store_wait_s"] += self.staging.drain()  # every computed row is in the store
+        elif slots.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
+            self._host_store().check()  # a row whose KV slot lay outside the store: stop with one clear error
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
+        self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token)
+
+    def publish_gathered(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, t0: Optional[float] = None, *,
+                         prompt_len: Optional[int] = None, next_token: int = -1) -> None:
+        """Gather store[slots] (host slot ids, every row already in the store) straight into the ring and
+        publish the record. The synchronous finish runs it on the scheduler thread, the finish worker
+        (sglang_hs/server/store/finisher.py) on its own; the gather (csrc/gather_rows_cpu.cpp) runs without the GIL."""
+        t0 = time.perf_counter() if t0 is None else t0
+        T = int(slots.shape[0])
+        self.ring.publish(rid, ids, gather_from=self.store, slots=slots,  # gathered straight into the ring
+                          prompt_len=prompt_len, next_token=next_token)
+        self.stats["records"] += 1
+        self.stats["rows"] += T
+        self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
+        self.stats["gather_s"] += time.perf_counter() - t0
+
+    def publish_marker(self, rid: str, reason: str) -> None:
+        """Publish the marker record of a request served without capture (ring.SKIP_REASONS): no rows."""
+        from sglang_hs.server.store.ring import SKIP_REASONS
+
+        code = {name: c for c, name in SKIP_REASONS.items()}[reason]
+        self.ring.publish(rid, torch.empty(0, dtype=torch.int32),
+                          torch.empty(0, self.P, self.spec.hidden_size, dtype=self.store.dtype), skipped=code)
+        self.stats["markers"] += 1
+
+
+def _remove_stale(dump_dir: str, name: str) -> None:
+    """A store or ring left by a dead server is replaced (a live one holds the launcher's lock)."""
+    path = os.path.join(dump_dir, name)
+    if os.path.lexists(path):
+        logger.warning("sglang-hs: replacing stale %s", path)
+        os.unlink(path)

@@ -1,0 +1,469 @@
+"""The embedded tiny DeepSeek-V3: config and tokenizer ship in the package, weights are generated.
+
+Weights are made on first use with HF transformers (seeded, the model's normal initialisation, so
+attention and MoE routing really contribute; `--load-format dummy` weights are too small to reveal
+numeric or layer-index bugs; norm weights drawn from U(0.5, 1.5) and biases from N(0, 0.02) instead of
+HF's ones and zeros, `randomise_norms`, so a state normalised once and one normalised twice differ),
+saved as sharded safetensors with a `model.safetensors.index.json` weight
+map (SpecForge's TargetHead looks for one), and cached outside the repository under
+`$SGLANG_HS_CACHE/models/` keyed by the shipped files, the seed and the source of the functions that
+generate the weights (`_GENERATOR_SOURCES`: a changed generator makes a new folder, never reuses a
+stale one). Never committed.
+
+    python -m sglang_hs.tools.tiny_model            # prints the path, generating it if needed
+    python -m sglang_hs.tools.tiny_model v2         # another shape (see VARIANTS)
+
+Other shapes of the same family, for tests (`ensure(variant)`), share the tokenizer and differ only in
+config.json, which is derived from the shipped one in code (`variant_config`):
+- "v2": DeepseekV2ForCausalLM like DeepSeek-V2-Lite: no query LoRA (q_lora_rank null), softmax gating
+  with greedy top-k over one group (n_group 1, topk_group 1), no e_score_correction_bias, top-k weights
+  not renormalised, routed_scaling_factor 1.0, two shared experts, YaRN mscale 0.707.
+- "kimi-k2": DeepseekV3ForCausalLM with Kimi-K2's config specifics: model_type "kimi_k2", an auto_map
+  to remote configuration code (a stand-in `configuration_deepseek.py`, served with
+  --trust-remote-code), one expert group (n_group 1, topk_group 1, noaux_tc sigmoid routing with a
+  correction bias), routed_scaling_factor 2.827, rope_theta 50000 and YaRN factor 32 with
+  beta_fast = beta_slow = 1, no MTP layer. Not Kimi-K2's tokenizer (tiktoken-based remote code, not
+  available offline): the embedded one.
+- "mistral-large-3": MistralLarge3ForCausalLM in Mistral's native format, as Mistral Large 3 ships:
+  `params.json` (no config.json; SGLang's own Mistral config parser turns it into a DeepSeek-V3 config)
+  and `consolidated.safetensors` with Mistral weight names (`layers.N.attention.wq_a.weight`, ...,
+  per-expert `layers.N.experts.E.w1.weight`), which the upstream class remaps on load. Its shape: one
+  expert group, softmax routing with renormalised top-k (no correction bias), routed_scale 1.5, YaRN,
+  and Llama-4 attention scaling (query x 1 + beta*log(1 + floor(pos / 16))) with a small original
+  length so that test prompts cross several scaling steps; routers drawn wider than HF's init (see
+  _generate_mistral). The folder name contains "mistral-large-3": SGLang picks its Mistral config
+  parser and weight format by that name, as for the released checkpoints. HF transformers has the
+  architecture as Mistral4ForCausalLM (the reference: `mistral_reference`); the weights are generated
+  with it and renamed (`to_mistral_names`).
+- "kimi-k25": KimiK25ForConditionalGeneration (model_type "kimi_k25", read by SGLang's own KimiK25Config,
+  no remote code): text_config is the "kimi-k2" shape, the weights are its text model's under
+  "language_model." (as in Kimi-K2.5's checkpoint), and vision_config is the smallest MoonViT SGLang
+  builds (_KIMI_K25_VISION); no vision weights (served text only, the tower is never loaded or run).
+- "v32": DeepseekV32ForCausalLM (model_type "deepseek_v32"): the V3 shape (two expert groups, YaRN) plus
+  the DSA indexer on every layer, with 7 indexer heads of 128 dims (16 rotary; SGLang's DSA KV pool asserts 128) and
+  index_topk 11, below every test prompt's length, so the sparse selection really drops keys from the
+  second chunk of a prompt on (with index_topk >= the length every key is kept and a wrong indexer is
+  invisible). HF transformers' DeepseekV32ForCausalLM is the reference.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import re
+import shutil
+import tempfile
+from importlib import resources
+
+from sglang_hs import envs
+
+SEED = 0
+_GENERATOR_VERSION = "2"  # bump when the weights change for a reason outside this file (e.g. transformers' init)
+NORM_WEIGHT_RANGE = (0.5, 1.5)  # norm weights are drawn from U(lo, hi) (HF initialises them to one)
+BIAS_STD = 0.02  # biases from N(0, BIAS_STD) (HF initialises them to zero)
+_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def source_dir() -> str:
+    return str(resources.files("sglang_hs") / "data" / "tiny_deepseek_v3")
+
+
+def config() -> dict:
+    with open(os.path.join(source_dir(), "config.json")) as f:
+        return json.load(f)
+
+
+def _key() -> str:
+    h = hashlib.sha256(f"seed={SEED};gen={_GENERATOR_VERSION};norms={NORM_WEIGHT_RANGE};bias={BIAS_STD}".encode())
+    for fn in _GENERATOR_SOURCES():
+        h.update(inspect.getsource(fn).encode())
+    for name in _FILES:
+        with open(os.path.join(source_dir(), name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
+
+
+def _v2(cfg: dict) -> dict:
+    cfg = dict(cfg, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+               n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1, topk_method="greedy",
+               scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0)
+    cfg["rope_scaling"] = dict(cfg["rope_scaling"], mscale=0.707, mscale_all_dim=0.707)
+    return cfg
+
+
+# Kimi-K2's config.json declares remote code for its config; this stand-in defines the same class
+# name and model_type on top of transformers' own DeepseekV3Config (which Kimi-K2's mirrors).
+_KIMI_CONFIGURATION_PY = '''"""Stand-in for Kimi-K2's remote `configuration_deepseek.py` (sglang-hs tiny test checkpoint)."""
+from transformers import DeepseekV3Config as _DeepseekV3Config
+
+
+class DeepseekV3Config(_DeepseekV3Config):
+    model_type = "kimi_k2"
+'''
+
+
+def _kimi_k2(cfg: dict) -> dict:
+    cfg = dict(cfg, model_type="kimi_k2", n_group=1, topk_group=1, routed_scaling_factor=2.827,
+               rope_theta=50000.0, num_nextn_predict_layers=0, max_position_embeddings=131072,
+               auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=32.0, original_max_position_embeddings=4096,
+                               beta_fast=1.0, beta_slow=1.0)
+    return cfg
+
+
+# Mistral Large 3's native config (params.json), in Mistral's key names, with the tiny V3's sizes.
+_MISTRAL_ROUTER_STD = 0.5  # see _generate_mistral
+_MISTRAL_LLAMA4_ORIGINAL = 16  # Llama-4 scaling steps every 16 positions; the YaRN original length too
+MISTRAL_PARAMS = {
+    "dim": 256, "n_layers": 8, "n_heads": 4, "n_kv_heads": 4, "hidden_dim": 512, "norm_eps": 1e-06,
+    "vocab_size": 1024, "rope_theta": 10000.0, "max_position_embeddings": 4096, "tied_embeddings": False,
+    "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "moe": {"route_every_n": 1, "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2,
+            "expert_hidden_dim": 128, "routed_scale": 1.5, "num_shared_experts": 1, "num_expert_groups": 1,
+            "num_expert_groups_per_tok": 1},
+    "yarn": {"factor": 32.0, "original_max_position_embeddings": _MISTRAL_LLAMA4_ORIGINAL, "beta": 32.0,
+             "alpha": 1.0, "apply_scale": True},
+    "llama_4_scaling": {"original_max_position_embeddings": _MISTRAL_LLAMA4_ORIGINAL, "beta": 0.1},
+}
+
+
+def _mistral_config(cfg: dict) -> dict:
+    """What the launcher and the tests read for the Mistral variant: its params.json."""
+    return json.loads(json.dumps(MISTRAL_PARAMS))
+
+
+# The smallest vision tower SGLang's KimiK25ForConditionalGeneration builds (MoonViT3d + projector): one
+# layer, hidden 32, two heads, a 4x4 position grid. It is constructed but never loaded or run (text only).
+_KIMI_K25_VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 1,
+                    "pos_emb_type": "divided_fixed", "num_attention_heads": 2, "num_hidden_layers": 1,
+                    "hidden_size": 32, "vt_hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2],
+                    "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool",
+                    "mm_projector_type": "patchmerger", "mm_hidden_size": 32, "projector_hidden_act": "gelu",
+                    "projector_ln_eps": 1e-05, "text_hidden_size": 256}
+
+
+def _kimi_k25(cfg: dict) -> dict:
+    text = _kimi_k2(cfg)  # keeps architectures DeepseekV3ForCausalLM: upstream's wrapper reads it
+    text.pop("auto_map")
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": text, "vision_config": dict(_KIMI_K25_VISION, text_hidden_size=text["hidden_size"]),
+            "media_placeholder_token_id": text["vocab_size"] - 1, "pad_token_id": 0,
+            "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]}
+
+
+# DeepSeek-V3.2's DSA indexer, tiny: top-k below the test prompts' lengths (see the module docstring).
+V32_INDEX = {"index_topk": 11, "index_n_heads": 7, "index_head_dim": 128}
+
+
+def _v32(cfg: dict) -> dict:
+    return dict(cfg, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", **V32_INDEX)
+
+
+VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
+            "v32": _v32}
+WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
+MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
+_EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
+
+
+def variant_config(variant: str = "v3") -> dict:
+    """config.json of a variant (the shipped one for "v3")."""
+    make = VARIANTS[variant]
+    return config() if make is None else make(config())
+
+
+def path(variant: str = "v3") -> str:
+    """Where the generated checkpoint lives (it may not exist yet)."""
+    if VARIANTS[variant] is None:
+        return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-deepseek-v3-{_key()}")
+    h = hashlib.sha256(f"{_key()};variant={variant};".encode())
+    h.update(json.dumps(variant_config(variant), sort_keys=True).encode())
+    if variant in MISTRAL_NATIVE:
+        h.update(f"mistral-router-std={_MISTRAL_ROUTER_STD};".encode())
+    for name, text in sorted(_EXTRA_FILES.get(variant, {}).items()):
+        h.update(name.encode() + b"\0" + text.encode())
+    return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{variant}-{h.hexdigest()[:16]}")
+
+
+def ensure(variant: str = "v3") -> str:
+    """Return the checkpoint folder, generating it once (a few seconds) if missing."""
+    dst = path(variant)
+    if os.path.exists(os.path.join(dst, ".complete")):
+        return dst
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(dst))
+    try:
+        _generate(tmp, variant)
+        open(os.path.join(tmp, ".complete"), "w").close()
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another process finished first: keep theirs
+            if not os.path.exists(os.path.join(dst, ".complete")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def _write_config(out: str, variant: str) -> None:
+    if variant in MISTRAL_NATIVE:
+        with open(os.path.join(out, "params.json"), "w") as f:
+            json.dump(variant_config(variant), f, indent=2)
+    elif VARIANTS[variant] is None:
+        shutil.copy(os.path.join(source_dir(), "config.json"), os.path.join(out, "config.json"))
+    else:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(variant_config(variant), f, indent=2)
+
+
+def hf_config(ckpt: str, variant: str = "v3"):
+    """The checkpoint's config as an in-tree transformers config. Kimi-K2's is a DeepseekV3Config under
+    another model_type; it is read here as "deepseek_v3" (no remote code), which also keeps transformers'
+    weight conversions (keyed by model_type) on, so weights are saved and loaded per expert the way
+    SGLang reads them."""
+    import transformers
+
+    if variant in MISTRAL_NATIVE:
+        with open(os.path.join(ckpt, "params.json")) as f:
+            return mistral4_config(json.load(f))
+    if variant in WRAPPED:  # the language model's config (Kimi-K2.5: a DeepseekV3 with Kimi-K2's specifics)
+        with open(os.path.join(ckpt, "config.json")) as f:
+            d = json.load(f)["text_config"]
+        d.pop("model_type", None)
+        return transformers.DeepseekV3Config.from_dict(d)
+    if variant == "kimi-k2":
+        with open(os.path.join(ckpt, "config.json")) as f:
+            d = json.load(f)
+        for key in ("model_type", "auto_map"):
+            d.pop(key, None)
+        return transformers.DeepseekV3Config.from_dict(d)
+    return transformers.AutoConfig.from_pretrained(ckpt)
+
+
+def mistral4_config(params: dict):
+    """HF transformers' Mistral4Config for a Mistral-native params.json (the MistralLarge3 shape: MLA,
+    softmax routing with renormalised top-k, YaRN, Llama-4 attention scaling). Written from Mistral's key
+    names, independently of SGLang's parser; HF reads the Llama-4 scaling's original length from the YaRN
+    block, so the two must be equal (they are in the released configs)."""
+    import transformers
+
+    moe, yarn, l4 = params["moe"], params["yarn"], params["llama_4_scaling"]
+    assert l4["original_max_position_embeddings"] == yarn["original_max_position_embeddings"]
+    assert moe.get("route_every_n", 1) == 1 and yarn.get("apply_scale", True)
+    return transformers.Mistral4Config(
+        vocab_size=params["vocab_size"], hidden_size=params["dim"], intermediate_size=params["hidden_dim"],
+        moe_intermediate_size=moe["expert_hidden_dim"], num_hidden_layers=params["n_layers"],
+        num_attention_heads=params["n_heads"], num_key_value_heads=params["n_kv_heads"],
+        n_shared_experts=moe["num_shared_experts"], n_routed_experts=moe["num_experts"],
+        num_experts_per_tok=moe["num_experts_per_tok"], n_group=moe["num_expert_groups"],
+        topk_group=moe["num_expert_groups_per_tok"], routed_scaling_factor=moe["routed_scale"],
+        first_k_dense_replace=moe["first_k_dense_replace"], norm_topk_prob=True,
+        q_lora_rank=params["q_lora_rank"], kv_lora_rank=params["kv_lora_rank"],
+        qk_nope_head_dim=params["qk_nope_head_dim"], qk_rope_head_dim=params["qk_rope_head_dim"],
+        v_head_dim=params["v_head_dim"], max_position_embeddings=params["max_position_embeddings"],
+        rms_norm_eps=params["norm_eps"], tie_word_embeddings=params["tied_embeddings"], rope_interleave=True,
+        rope_parameters={"type": "yarn", "rope_theta": params["rope_theta"], "factor": yarn["factor"],
+                         "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+                         "beta_fast": yarn["beta"], "beta_slow": yarn["alpha"], "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "llama_4_scaling_beta": l4["beta"]},
+        bos_token_id=0, eos_token_id=1, pad_token_id=None)
+
+
+# HF Mistral4 parameter name -> Mistral-native name (the inverse of the upstream class's remapping).
+_TO_MISTRAL = [
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight", r"layers.\1.attention.wq_a.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_a_layernorm\.weight", r"layers.\1.attention.q_a_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_b_proj\.weight", r"layers.\1.attention.wq_b.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight", r"layers.\1.attention.wkv_a_with_mqa.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_a_layernorm\.weight", r"layers.\1.attention.kv_a_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", r"layers.\1.attention.wkv_b.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attention.wo.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.gate.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.weight", r"layers.\1.shared_experts.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.weight", r"layers.\1.shared_experts.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.weight", r"layers.\1.shared_experts.w3.weight"),
+]
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def to_mistral_names(state: dict) -> dict:
+    """HF Mistral4 state dict -> Mistral-native tensors (experts split per expert: w1 gate, w3 up, w2 down)."""
+    out = {}
+    for name, t in state.items():
+        m = _FUSED_EXPERTS.fullmatch(name)
+        if m:
+            layer, kind = m.groups()
+            for e in range(t.shape[0]):
+                if kind == "down_proj":
+                    out[f"layers.{layer}.experts.{e}.w2.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"layers.{layer}.experts.{e}.w1.weight"] = gate
+                    out[f"layers.{layer}.experts.{e}.w3.weight"] = up
+            continue
+        out[_renamed(name, _TO_MISTRAL, "no Mistral name for")] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _renamed(name: str, table, missing: str) -> str:
+    """`name` through the first (pattern, replacement) of `table` that matches all of it; KeyError
+    "`missing` `name`" when none does."""
+    for pat, rep in table:
+        if re.fullmatch(pat, name):
+            return re.sub(pat, rep, name)
+    raise KeyError(f"{missing} {name}")
+
+
+def from_mistral_names(tensors: dict, num_experts: int) -> dict:
+    """The inverse of `to_mistral_names`, for loading a Mistral-native checkpoint into HF's Mistral4."""
+    inverse = [(re.escape(rep).replace(re.escape(r"\1"), r"(\d+)"), pat.replace(r"(\d+)", r"\1").replace("\\.", "."))
+               for pat, rep in _TO_MISTRAL]
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"layers\.(\d+)\.experts\.(\d+)\.(w[123])\.weight", name)
+        if m:
+            experts.setdefault(int(m.group(1)), {})[(int(m.group(2)), m.group(3))] = t
+            continue
+        out[_renamed(name, inverse, "unknown Mistral weight")] = t
+    import torch
+
+    for layer, w in experts.items():
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w[(e, "w1")], w[(e, "w3")]], dim=0) for e in range(num_experts)])
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([w[(e, "w2")] for e in range(num_experts)])
+    return out
+
+
+def mistral_reference(ckpt: str, dtype=None):
+    """HF transformers' Mistral4ForCausalLM holding a Mistral-native checkpoint's weights (strict load)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    with open(os.path.join(ckpt, "params.json")) as f:
+        params = json.load(f)
+    cfg = mistral4_config(params)
+    model = transformers.Mistral4ForCausalLM(cfg)
+    state = from_mistral_names(load_file(os.path.join(ckpt, "consolidated.safetensors")), cfg.n_routed_experts)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    return model.to(dtype or torch.float32).eval()
+
+
+def _is_norm_weight(name: str) -> bool:
+    leaf = name.rsplit(".", 2)
+    return name.endswith(".weight") and len(leaf) >= 2 and "norm" in leaf[-2]
+
+
+def randomise_norms(model, seed: int) -> dict:
+    """Norm weights from U(NORM_WEIGHT_RANGE) and biases from N(0, BIAS_STD), seeded, in place; HF
+    initialises them to ones and zeros, under which an RMSNorm applied twice equals one applied once and a
+    missing bias goes unseen. Returns how many of each were drawn ({"norm": n, "bias": m})."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = NORM_WEIGHT_RANGE
+    counts = {"norm": 0, "bias": 0}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if _is_norm_weight(name):
+                param.copy_(lo + (hi - lo) * torch.rand(param.shape, generator=gen, dtype=torch.float32))
+                counts["norm"] += 1
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * BIAS_STD)
+                counts["bias"] += 1
+    if not counts["norm"]:
+        raise RuntimeError(f"{type(model).__name__}: no norm weight found to randomise")
+    return counts
+
+
+def _generate_mistral(out: str, variant: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = mistral4_config(variant_config(variant))
+    torch.manual_seed(SEED)
+    import transformers
+
+    model = transformers.Mistral4ForCausalLM(cfg).to(torch.float32)
+    # Decisive routers, as in trained checkpoints: HF's initialisation leaves the softmax router near-uniform
+    # (logits ~0.3 apart), so bf16 rounding (SGLang serves this class in bf16 only) would flip many top-k
+    # choices between SGLang and the float32 reference.
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * _MISTRAL_ROUTER_STD)
+    randomise_norms(model, SEED + 2)
+    state = {k: v.to(torch.bfloat16) for k, v in to_mistral_names(model.state_dict()).items()}
+    save_file(state, os.path.join(out, "consolidated.safetensors"), metadata={"format": "pt"})
+
+
+def _prefix_weights(out: str, prefix: str) -> None:
+    """Rename every tensor of the saved shards (and the index) to `prefix + name`, as a wrapper's
+    checkpoint holds its language model (Kimi-K2.5: `language_model.model.layers...`)."""
+    from safetensors.torch import load_file, save_file
+
+    index = os.path.join(out, "model.safetensors.index.json")
+    with open(index) as f:
+        idx = json.load(f)
+    for shard in sorted(set(idx["weight_map"].values())):
+        tensors = load_file(os.path.join(out, shard))
+        save_file({prefix + k: v for k, v in tensors.items()}, os.path.join(out, shard), metadata={"format": "pt"})
+    idx["weight_map"] = {prefix + k: v for k, v in idx["weight_map"].items()}
+    with open(index, "w") as f:
+        json.dump(idx, f, indent=2)
+
+
+def _generate(out: str, variant: str = "v3") -> None:
+    import torch
+    import transformers
+
+    for name in _FILES:
+        if name == "config.json" and variant in MISTRAL_NATIVE:
+            continue  # params.json instead
+        shutil.copy(os.path.join(source_dir(), name), os.path.join(out, name))
+    _write_config(out, variant)
+    if variant in MISTRAL_NATIVE:
+        _generate_mistral(out, variant)
+        return
+    cfg = hf_config(out, variant)
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # MoE gate bias (noaux_tc routing): HF leaves it at zero; make it non-trivial but small so
+    # routing depends on it the way it does in the released checkpoints.
+    gen = torch.Generator().manual_seed(SEED + 1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.01)
+    randomise_norms(model, SEED + 2)
+    model = model.to(torch.bfloat16)
+    # Small shards, so the folder carries the index.json weight map that training tools look for.
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="4MB")
+    _write_config(out, variant)
+    if variant in WRAPPED:
+        _prefix_weights(out, "language_model.")
+    for name, text in _EXTRA_FILES.get(variant, {}).items():
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json")), "no weight map written"
+
+
+def _GENERATOR_SOURCES():
+    """The functions whose source keys the cache (`_key`): what makes a checkpoint's weights."""
+    return (_generate, _generate_mistral, randomise_norms, _is_norm_weight, _prefix_weights, to_mistral_names,
+            mistral4_config, hf_config, _write_config)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(ensure(*sys.argv[1:2]))
