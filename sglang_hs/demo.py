@@ -1,4 +1,6 @@
-"""`python -m sglang_hs.demo`: the demo `make demo` runs. The code is sglang_hs/tools/demo.py (see docs/development.md, Code layout)."""
+"""`python -m sglang_hs.demo`: the demo `make demo` runs.
+
+The code is sglang_hs/tools/demo.py (docs/development.md#code-layout-and-imports)."""
 import sys
 
 from sglang_hs.tools.demo import main

@@ -1,4 +1,6 @@
-"""`python -m sglang_hs.selftest`: the self-test (serve a model, judge its rows against HF). The code is sglang_hs/tools/selftest.py (see docs/development.md, Code layout)."""
+"""`python -m sglang_hs.selftest`: the self-test (serve a model, judge its rows against HF).
+
+The code is sglang_hs/tools/selftest.py (docs/development.md#code-layout-and-imports)."""
 import sys
 
 from sglang_hs.tools.selftest import main
