@@ -25,9 +25,12 @@ duplicate slots, dec_lock_ref). Warm-up steps run until the pool is full (availa
 measured steps follow. Each step lasts `--step-ms` (1,000 ms: the forward of an 8,192-token DeepSeek-V3
 step, which the loop sleeps out after its own work; the worker and reader run meanwhile), so both designs
 get the time a server gives them. The time counted per step (`capture_ms`): the worker's poll at the start of the
-step (get_next_batch_to_run's hook), every hand-over, the old design's free hook and its waits in
-allocation, the new design's waits before writing. Not counted (the same in both): SGLang's own
-match/evict/alloc/insert and the copy itself (`copy_ms`, on a GPU a kernel).
+step (get_next_batch_to_run's hook), every hand-over (submit), the poll after the step's requests (the next
+iteration's intake hook, which follows result processing at once: it hands the step's finished requests to
+the worker, one queue put per step), the old design's free hook and its waits in allocation, the new
+design's whole check before each write (`write_check_ms`: the per-slot look-up and any wait,
+`write_wait_ms` the waits alone). Not counted (the same in both): SGLang's own match/evict/alloc/insert
+and the copy itself (`copy_ms`, on a GPU a kernel).
 
     python benchmarks/bench_full_pool.py --out benchmarks/results   # bench_full_pool.csv, _summary.csv, .png
 """
@@ -65,6 +68,10 @@ def old_worker(writer):
             self.held_tokens = 0
             super().__init__(writer)
             writer.finisher = None  # the old design did not order writes: the hold kept slots from reuse
+
+        def submit(self, *args, **kwargs) -> None:
+            super().submit(*args, **kwargs)
+            self.flush()  # the old design handed each request over at once
 
         def poll(self) -> None:
             super().poll()
@@ -174,6 +181,16 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
             install_old_hold(alloc, worker, poison, timers, tree)
         else:
             worker = FinishWorker(writer)
+            checked = worker.wait_before_write  # CaptureWriter.copy's call: timed whole (check and wait)
+
+            def timed_check(loc, upto=None):
+                t0 = time.perf_counter()
+                try:
+                    return checked(loc, upto)
+                finally:
+                    timers["order_s"] += time.perf_counter() - t0
+
+            worker.wait_before_write = timed_check
         reader = ctx.Process(target=_reader, args=(dump, jobs, results), daemon=True)
         reader.start()
         if results.get(timeout=300) != "ready":  # the reader has opened the ring before the first record
@@ -193,7 +210,7 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
             t["capture_s"] += time.perf_counter() - t0
             before = dict(timers)
             wait0 = writer.stats["write_wait_s"]
-            forwarded = 0
+            forwarded, expected = 0, []
             while forwarded < args.step_tokens:
                 n_req += 1
                 if rng.random() < args.hit_share:  # a prompt extending one of the shared documents
@@ -232,7 +249,7 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                 worker.submit(rid, ids, slots)
                 t["capture_s"] += time.perf_counter() - ts
                 t["rows"] += len(ids)
-                jobs.put((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
+                expected.append((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
                 ts = time.perf_counter()
                 r = tree.insert(InsertParams(key=RadixKey(ids), value=slots))
                 dups = slots[plen: r.prefix_len]
@@ -243,12 +260,18 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                 tree.dec_lock_ref(m.last_device_node)
                 t["sglang_s"] += time.perf_counter() - ts - tfree
                 t["capture_s"] += tfree if design == "old" else 0.0
+            ts = time.perf_counter()
+            worker.poll()  # the next iteration's intake hook, right after result processing: the step handed over
+            t["capture_s"] += time.perf_counter() - ts
+            for job in expected:  # to the reader process (after the timed work: its queue's feeder thread)
+                jobs.put(job)
             alloc_wait = timers["alloc_wait_s"] - before.get("alloc_wait_s", 0.0)
             write_wait = writer.stats["write_wait_s"] - wait0
+            order = timers["order_s"] - before.get("order_s", 0.0)
             # the old design's alloc waits sit in `sglang_s` (inside alloc): moved to capture; the new one's
-            # write waits sit in copy_s: moved to capture too
-            t["capture_s"] += alloc_wait + write_wait
-            t["copy_s"] -= write_wait
+            # check before each write (and any wait) sits in copy_s: moved to capture too
+            t["capture_s"] += alloc_wait + order
+            t["copy_s"] -= order
             time.sleep(max(0.0, step_end - time.perf_counter()))  # the rest of the step: the GPU's forward
             if full_at is None and alloc.available_size() < args.step_tokens and tree.evictable_size() > 0:
                 full_at = step
@@ -258,6 +281,7 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                     design=design, rep=rep, step=measured, forwarded=forwarded, rows_gathered=t["rows"],
                     prefix_hit_tokens=t["hits"], capture_ms=round(t["capture_s"] * 1e3, 4),
                     alloc_wait_ms=round(alloc_wait * 1e3, 4), write_wait_ms=round(write_wait * 1e3, 4),
+                    write_check_ms=round(order * 1e3, 4),
                     alloc_waits=timers["alloc_waits"] - before.get("alloc_waits", 0),
                     alloc_waits_evictable=timers["alloc_waits_evictable"] - before.get("alloc_waits_evictable", 0),
                     write_waits=writer.stats["write_waits"], evictable=tree.evictable_size(),
