@@ -39,7 +39,8 @@ writes rows into the store first orders itself after the gathers that read the s
                                    gather that reads any slot of the chunk, capped at the last gather
                                    handed over when the chunk was shipped (per slot on the CPU engine;
                                    on CUDA, where the slot ids stay on the device at hand-over, for
-                                   every gather handed over by then)
+                                   the gathers the step's slots may be read by, counted from the KV
+                                   allocator's free-list order at `before_step`, as below)
     --hs-copy direct, CUDA         the copy kernel writes the store from the GPU, inside the forward
                                    (and its CUDA graph): before each step (ModelRunner.forward, outside
                                    any graph) the forward stream waits (cuStreamWaitValue64, no host
@@ -282,12 +283,20 @@ class FinishWorker:
         self._wait_for(need)
         return time.perf_counter() - t0
 
+    def step_bound(self) -> int:
+        """Before a step's forward (scheduler thread): the most gathers its writes into the store may have to
+        wait for. With the KV allocator watched (CUDA, watch_allocator), the gathers the slots allocated
+        since the last call may be read by (free_list_order.py; the call resets that count); otherwise
+        every gather handed over. What was submitted is flushed: the worker has every gather counted."""
+        self.flush()
+        return self._gathered if self._order is None else self._order.take_bound()
+
     def order_device_writes(self) -> bool:
         """CUDA, direct copy: make the current stream wait (on the GPU, no host sync) until the worker has
-        finished every gather handed over so far, before the step about to be launched writes the store.
-        Call before the forward, outside any graph capture. Returns whether a wait was issued."""
-        self.flush()  # the GPU waits for gathers the worker has
-        upto = self._gathered if self._order is None else self._order.take_bound()
+        finished the gathers the step about to be launched may overwrite the slots of (`step_bound`),
+        before it writes the store. Call before the forward, outside any graph capture. Returns whether a
+        wait was issued."""
+        upto = self.step_bound()
         if self._done_dev is None or self._done_now() >= upto:
             return False
         if torch.cuda.is_current_stream_capturing():  # never inside a graph: replays would wait on a stale value
@@ -298,9 +307,10 @@ class FinishWorker:
         return True
 
     def watch_allocator(self, allocator) -> None:
-        """CUDA: narrow order_device_writes' wait to the gathers that the slots allocated since the last step
-        may be read by, from the allocator's free-list order (sglang_hs/store/free_list_order.py), instead
-        of every gather handed over."""
+        """CUDA: narrow each step's writes (order_device_writes' stream wait; with staging, what the scatter of
+        the step's chunks waits for) to the gathers that the slots allocated since the last step may be read
+        by, from the allocator's free-list order (sglang_hs/store/free_list_order.py), instead of every gather
+        handed over."""
         from sglang_hs.store.free_list_order import FreeListOrder
 
         self._order = FreeListOrder(allocator, lambda: self._gathered)  # flushed by order_device_writes

@@ -349,6 +349,50 @@ def test_staging_gather_does_not_wait_for_chunks_shipped_after_its_hand_over(sta
     assert (w.store[s] == -1).all()
 
 
+def test_staging_on_cuda_waits_only_for_the_gathers_its_steps_slots_may_be_read_by(staged_writer, tmp_path):
+    """CUDA's staging path, run on the CPU: the slot ids are not on the host at hand-over (as on CUDA), the KV
+    allocator is watched (free_list_order.py). A step whose slots come from the never-used part of the free
+    list is scattered without waiting for the pending gather (before: every chunk waited for every gather
+    handed over); the step that takes that gather's slots waits for it, and its record keeps the old rows."""
+    w = staged_writer
+    worker = _worker(w)
+    worker._per_slot = False  # as on CUDA
+    alloc = _token_allocator()
+    worker.watch_allocator(alloc)
+    gate = Gate(w, rids=("a",))
+    T = 8
+
+    def step(slots, value):
+        w.before_step()
+        w.copy(*_rows(value, len(slots)), slots)  # an eager forward ships its chunks itself
+        w.after_step(len(slots), False)
+
+    a = alloc.alloc(T)
+    step(a, 5)
+    worker.submit("a", list(range(T)), a)
+    alloc.free(a)  # SGLang frees the finished request's slots right after the hand-over
+    worker.poll()
+    assert gate.started["a"].wait(TAKE_S)
+    asked = []
+    worker._wait_for = asked.append  # records what a scatter would wait for, without waiting
+    b = alloc.alloc(NUM_SLOTS - T)  # the rest of the never-used slots (4 chunks of the 16-row stage)
+    step(b, -2)
+    w.staging.drain()
+    assert asked == [], "a chunk whose slots no pending gather reads waited for one"
+    del worker._wait_for
+    waits, began = _watch_waits(worker)
+    c = alloc.alloc(T)
+    assert sorted(c.tolist()) == sorted(a.tolist())  # now the slots of "a", freed after its hand-over
+    step(c, -1)
+    assert began.wait(TAKE_S)
+    assert waits == [1] and (w.store[a] == 5).all()  # the scatter waits for a's gather, nothing overwritten
+    gate.per_rid["a"].set()
+    w.staging.drain()
+    assert (w.store[a] == -1).all() and (w.store[b] == -2).all()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert (reader.take("a", timeout=TAKE_S).aux_hidden_states == 5).all()
+
+
 def test_allocators_checked_and_unknown_ones_refused_with_the_reason():
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
