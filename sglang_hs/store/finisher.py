@@ -91,6 +91,7 @@ import collections
 import ctypes
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -154,6 +155,8 @@ class FinishWorker:
         from sglang_hs import envs
 
         self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
+        self._nice = envs.SGLANG_HS_FINISH_NICE  # read here: a bad value stops start-up in one line
+        self.native_id: Optional[int] = None  # the worker thread's kernel id (its nice value is per thread)
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name="sglang-hs-finish", daemon=True)
@@ -347,6 +350,8 @@ class FinishWorker:
 
     # --- the worker thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        self.native_id = threading.get_native_id()
+        _lower_priority(self.native_id, self._nice)
         try:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 from sglang_hs.store.staging import _prepare_scatter_thread
@@ -411,6 +416,20 @@ class FinishWorker:
             ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32) if len(ids) else \
                 torch.empty(0, dtype=torch.int32)
         w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token)
+
+
+def _lower_priority(tid: int, nice: int) -> None:
+    """Add `nice` (SGLANG_HS_FINISH_NICE, default 0: nothing) to thread `tid`'s nice value (Linux's nice is
+    per thread; raising it needs no privilege). On a machine whose cores are all busy (the worker's
+    gathers, a reader, the CPU engine's forward) the kernel then runs the scheduler thread first instead
+    of preempting it mid-step, but a write that must wait for a gather waits longer: bench_full_pool on 2
+    cores, nice 10 against 0, median 6.9 against 24.6 ms per step, p99 570 against 120 ms."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # never fatal: the worker runs at the scheduler's priority
+        logger.warning("sglang-hs: could not lower the finish worker's priority: %s", e)
 
 
 @functools.lru_cache(maxsize=None)

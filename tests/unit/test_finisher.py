@@ -9,6 +9,7 @@ The worker's gather is held at a gate (a threading.Event the test opens, per req
 "pending" is a state the test controls, not a race it hopes to win. A write that must wait is run on a
 thread, and the test sees it blocked by the worker's own wait (a hook on `_wait_for`), never by a
 sleep."""
+import os
 import threading
 
 import pytest
@@ -391,6 +392,35 @@ def test_staging_on_cuda_waits_only_for_the_gathers_its_steps_slots_may_be_read_
     assert (w.store[a] == -1).all() and (w.store[b] == -2).all()
     with HiddenStateReader(str(tmp_path)) as reader:
         assert (reader.take("a", timeout=TAKE_S).aux_hidden_states == 5).all()
+
+
+def _nice(tid):
+    """The nice value of thread `tid` of this process (field 19 of its /proc stat line)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are read from Linux's /proc")
+def test_the_worker_thread_runs_below_the_scheduler_threads_priority(writer, monkeypatch):
+    """SGLANG_HS_FINISH_NICE is added to the worker thread's nice value, the scheduler thread's own is left;
+    unset (0) the worker runs at the scheduler's; a value outside 0-19 stops the worker's start in one line
+    naming the variable."""
+    from sglang_hs.envs import EnvError
+    from sglang_hs.store.finisher import FinishWorker
+
+    me = _nice(threading.get_native_id())
+    monkeypatch.delenv("SGLANG_HS_FINISH_NICE", raising=False)
+    worker = _worker(writer)
+    assert _nice(worker.native_id) == me
+    worker.close()
+    monkeypatch.setenv("SGLANG_HS_FINISH_NICE", "10")
+    worker = _worker(writer)
+    assert _nice(worker.native_id) == min(19, me + 10) and _nice(threading.get_native_id()) == me
+    worker.close()
+    for bad in ("abc", "25", "-1"):
+        monkeypatch.setenv("SGLANG_HS_FINISH_NICE", bad)
+        with pytest.raises(EnvError, match="SGLANG_HS_FINISH_NICE"):
+            FinishWorker(writer)
 
 
 def test_allocators_checked_and_unknown_ones_refused_with_the_reason():
