@@ -18,16 +18,22 @@ two int32); the reader process checks every row of every record against the (slo
 scheduler saw at finish: a row overwritten or poisoned before its gather shows as a bad row.
 
 Workload: each step forwards ~`--step-tokens` new tokens (8,192) in requests of a prompt that either
-extends one of `--docs` shared documents (a radix hit on part of it) or is all new (a miss); each
-request: match_prefix + inc_lock_ref, evict_to_free_tokens (SGLang's, on the allocator), alloc, the
-forward's copy of its new rows, finish (hand-over to the worker, insert into the radix tree, free the
-duplicate slots, dec_lock_ref). Warm-up steps run until the pool is full (available < one step);
+extends one of `--docs` shared documents (a radix hit on part of it) or is all new (a miss). A step
+runs as SGLang's does: its batch is scheduled and forwarded (per request: match_prefix + inc_lock_ref,
+evict_to_free_tokens (SGLang's, on the allocator), alloc, the forward's copy of its new rows), then its
+results are processed (per request: finish, i.e. hand-over to the worker, insert into the radix tree,
+free the duplicate slots, dec_lock_ref). Warm-up steps run until the pool is full (available < one step);
 measured steps follow. Each step lasts `--step-ms` (1,000 ms: the forward of an 8,192-token DeepSeek-V3
-step, which the loop sleeps out after its own work; the worker and reader run meanwhile), so both designs
-get the time a server gives them. The time counted per step (`capture_ms`): the worker's poll at the start of the
-step (get_next_batch_to_run's hook), every hand-over, the old design's free hook and its waits in
-allocation, the new design's waits before writing. Not counted (the same in both): SGLang's own
-match/evict/alloc/insert and the copy itself (`copy_ms`, on a GPU a kernel).
+step, which the loop sleeps out between the batch's copy and its result processing; the worker and reader
+run meanwhile), so both designs get the time a server gives them. The time counted per step (`capture_ms`,
+wall; `capture_cpu_ms` the scheduler thread's CPU time in the same code, which preemption by other
+processes on a loaded machine does not inflate): the worker's poll at the start of the step
+(get_next_batch_to_run's hook, which follows the previous step's result processing at once: it hands that
+step's finished requests to the worker, one queue put per step), every hand-over (submit), the old
+design's free hook and its waits in allocation, the new design's whole check before each write
+(`write_check_ms`: the per-slot look-up and any wait, `write_wait_ms` the waits alone: the copy here is the
+CPU engine's, on the scheduler thread; on CUDA the wait is the forward stream's, on the GPU). Not counted
+(the same in both): SGLang's own match/evict/alloc/insert and the copy itself (`copy_ms`).
 
     python benchmarks/bench_full_pool.py --out benchmarks/results   # bench_full_pool.csv, _summary.csv, .png
 """
@@ -65,6 +71,10 @@ def old_worker(writer):
             self.held_tokens = 0
             super().__init__(writer)
             writer.finisher = None  # the old design did not order writes: the hold kept slots from reuse
+
+        def submit(self, *args, **kwargs) -> None:
+            super().submit(*args, **kwargs)
+            self.flush()  # the old design handed each request over at once
 
         def poll(self) -> None:
             super().poll()
@@ -107,11 +117,12 @@ def install_old_hold(alloc, worker, poison, timers, tree):
     def alloc_retry(n):
         out = original_alloc(n)
         while out is None and worker.held_tokens:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             timers["alloc_waits"] += 1
             timers["alloc_waits_evictable"] += tree.evictable_size() > 0
             worker.give_back_oldest()
             timers["alloc_wait_s"] += time.perf_counter() - t0
+            timers["alloc_wait_cpu_s"] += time.thread_time() - c0
             out = original_alloc(n)
         return out
 
@@ -174,6 +185,17 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
             install_old_hold(alloc, worker, poison, timers, tree)
         else:
             worker = FinishWorker(writer)
+            checked = worker.wait_before_write  # CaptureWriter.copy's call: timed whole (check and wait)
+
+            def timed_check(loc, upto=None):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return checked(loc, upto)
+                finally:
+                    timers["order_s"] += time.perf_counter() - t0
+                    timers["order_cpu_s"] += time.thread_time() - c0
+
+            worker.wait_before_write = timed_check
         reader = ctx.Process(target=_reader, args=(dump, jobs, results), daemon=True)
         reader.start()
         if results.get(timeout=300) != "ready":  # the reader has opened the ring before the first record
@@ -187,14 +209,15 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
             step += 1
             full = full_at is not None and step > full_at + args.settle
             t = collections.Counter()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             step_end = t0 + args.step_ms / 1e3
             worker.poll()  # get_next_batch_to_run's hook
             t["capture_s"] += time.perf_counter() - t0
+            t["capture_cpu_s"] += time.thread_time() - c0
             before = dict(timers)
             wait0 = writer.stats["write_wait_s"]
-            forwarded = 0
-            while forwarded < args.step_tokens:
+            forwarded, finishing = 0, []
+            while forwarded < args.step_tokens:  # the batch: scheduled (prefix, eviction, allocation), then forwarded
                 n_req += 1
                 if rng.random() < args.hit_share:  # a prompt extending one of the shared documents
                     doc = docs[rng.randrange(len(docs))]
@@ -226,30 +249,39 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                 writer.copy(aux[:need], last[:need], new)
                 t["copy_s"] += time.perf_counter() - tc
                 forwarded += need
+                finishing.append((f"{design}-{rep}-{n_req}", m, plen, ids, prefix, new))
+            # the rest of the step: the forward (on a GPU; here slept out). Its results are processed after it
+            # and the next step is scheduled at once (as under the overlap scheduler): the frees of one step
+            # meet the allocations of the next with no forward between them
+            time.sleep(max(0.0, step_end - time.perf_counter()))
+            for rid, m, plen, ids, prefix, new in finishing:  # result processing: the step's requests finish
                 slots = torch.cat([prefix.to(torch.int64), new])
-                rid = f"{design}-{rep}-{n_req}"
-                ts = time.perf_counter()
+                ts, cs = time.perf_counter(), time.thread_time()
                 worker.submit(rid, ids, slots)
                 t["capture_s"] += time.perf_counter() - ts
+                t["capture_cpu_s"] += time.thread_time() - cs
                 t["rows"] += len(ids)
                 jobs.put((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
                 ts = time.perf_counter()
                 r = tree.insert(InsertParams(key=RadixKey(ids), value=slots))
                 dups = slots[plen: r.prefix_len]
-                tf = time.perf_counter()
+                tf, cf = time.perf_counter(), time.thread_time()
                 if dups.numel():
                     alloc.free(dups)  # the old design's hold runs here (capture code)
                 tfree = time.perf_counter() - tf
+                t["capture_cpu_s"] += time.thread_time() - cf if design == "old" else 0.0
                 tree.dec_lock_ref(m.last_device_node)
                 t["sglang_s"] += time.perf_counter() - ts - tfree
                 t["capture_s"] += tfree if design == "old" else 0.0
             alloc_wait = timers["alloc_wait_s"] - before.get("alloc_wait_s", 0.0)
             write_wait = writer.stats["write_wait_s"] - wait0
+            order = timers["order_s"] - before.get("order_s", 0.0)
             # the old design's alloc waits sit in `sglang_s` (inside alloc): moved to capture; the new one's
-            # write waits sit in copy_s: moved to capture too
-            t["capture_s"] += alloc_wait + write_wait
-            t["copy_s"] -= write_wait
-            time.sleep(max(0.0, step_end - time.perf_counter()))  # the rest of the step: the GPU's forward
+            # check before each write (and any wait) sits in copy_s: moved to capture too
+            t["capture_s"] += alloc_wait + order
+            t["copy_s"] -= order
+            t["capture_cpu_s"] += (timers["alloc_wait_cpu_s"] - before.get("alloc_wait_cpu_s", 0.0)
+                                   + timers["order_cpu_s"] - before.get("order_cpu_s", 0.0))
             if full_at is None and alloc.available_size() < args.step_tokens and tree.evictable_size() > 0:
                 full_at = step
             if full:
@@ -257,7 +289,9 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                 out_rows.append(dict(
                     design=design, rep=rep, step=measured, forwarded=forwarded, rows_gathered=t["rows"],
                     prefix_hit_tokens=t["hits"], capture_ms=round(t["capture_s"] * 1e3, 4),
+                    capture_cpu_ms=round(t["capture_cpu_s"] * 1e3, 4),
                     alloc_wait_ms=round(alloc_wait * 1e3, 4), write_wait_ms=round(write_wait * 1e3, 4),
+                    write_check_ms=round(order * 1e3, 4),
                     alloc_waits=timers["alloc_waits"] - before.get("alloc_waits", 0),
                     alloc_waits_evictable=timers["alloc_waits_evictable"] - before.get("alloc_waits_evictable", 0),
                     write_waits=writer.stats["write_waits"], evictable=tree.evictable_size(),
@@ -307,6 +341,7 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     docs = [[rng.randrange(1, 129280) for _ in range(args.doc_len)] for _ in range(args.docs)]
     rows, runs = [], []
+    load0 = os.getloadavg()[0]  # other work on the machine shows in wall time (preemption), not in CPU time
     for rep in range(args.reps):
         for design in args.designs.split(","):
             print(f"{design}, rep {rep}", flush=True)
@@ -319,7 +354,10 @@ def main(argv=None) -> int:
         mine = [r for r in runs if r["design"] == design]
         summary.append(dict(
             design=design, steps=len(ms), median_ms=round(statistics.median(ms), 3), p99_ms=round(pct(ms, 99), 3),
-            max_ms=round(max(ms), 3), alloc_waits=sum(r["alloc_waits"] for r in rows if r["design"] == design),
+            max_ms=round(max(ms), 3),
+            cpu_median_ms=round(statistics.median(r["capture_cpu_ms"] for r in rows if r["design"] == design), 3),
+            cpu_p99_ms=round(pct([r["capture_cpu_ms"] for r in rows if r["design"] == design], 99), 3),
+            load_before=load0, load_after=os.getloadavg()[0], alloc_waits=sum(r["alloc_waits"] for r in rows if r["design"] == design),
             alloc_waits_evictable=sum(r["alloc_waits_evictable"] for r in rows if r["design"] == design),
             write_waits=sum(r["write_waits"] for r in rows if r["design"] == design and r["step"] == args.steps),
             records=sum(r["records"] for r in mine), rows_checked=sum(r["rows"] for r in mine),
@@ -330,7 +368,8 @@ def main(argv=None) -> int:
     def line(s):
         ok = s["median_ms"] < TARGETS["median_ms"] and s["p99_ms"] < TARGETS["p99_ms"]
         return (f"{s['design']}: median {s['median_ms']} ms, p99 {s['p99_ms']} ms per {args.step_tokens}-token step "
-                f"(target < 1 / < 2: {'met' if ok else 'NOT met'}); alloc waits {s['alloc_waits']} "
+                f"(target < 1 / < 2: {'met' if ok else 'NOT met'}; the thread's CPU time in it: median "
+                f"{s['cpu_median_ms']}, p99 {s['cpu_p99_ms']}; load {s['load_before']:.1f} -> {s['load_after']:.1f}); alloc waits {s['alloc_waits']} "
                 f"({s['alloc_waits_evictable']} with evictable tokens); bad rows {s['bad_rows']} of "
                 f"{s['rows_checked']} in {s['records']} records")
 

@@ -72,7 +72,8 @@ if [ "${SGLANG_HS_BENCH:-0}" = "1" ]; then
     bench="$cache/bench/$bkey"
     if [ ! -f "$bench/.complete" ]; then
         rm -rf "$bench"
-        .venv/bin/pip install -q --no-deps --target "$bench" -r requirements/bench.txt
+        .venv/bin/pip install -q --no-deps --target "$bench" -r requirements/bench.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+        [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[setup] installing requirements/bench.txt (plots) failed" >&2; exit 1; }
         touch "$bench/.complete"
     fi
     vsite=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -136,6 +136,11 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Publish finished records on the scheduler thread (the synchronous path, for debugging) instead of
     # handing them to the finish worker (sglang_hs/server/store/finisher.py).
     "SGLANG_HS_SYNC_FINISH": _bool("SGLANG_HS_SYNC_FINISH"),
+    # Added to the finish worker thread's nice value (Linux: per thread; 0, the default, leaves it): where
+    # cores are short the kernel runs the scheduler thread before the worker's gathers, and a write that
+    # must wait for a gather waits longer (benchmarks/bench_full_pool.py, docs/benchmarks.md).
+    "SGLANG_HS_FINISH_NICE": _number("SGLANG_HS_FINISH_NICE", 0, int, lambda x: 0 <= x <= 19,
+                                     "an integer 0-19 (added to the finish worker thread's nice value)"),
     # Threads of one record's gather into the output ring (--hs-gather-threads); a record gets at most
     # one thread per 8 MiB of rows (csrc/gather_rows_cpu.cpp), so short records always take one.
     "SGLANG_HS_GATHER_THREADS": _int("SGLANG_HS_GATHER_THREADS", DEFAULT_GATHER_THREADS),

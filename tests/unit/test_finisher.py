@@ -9,6 +9,7 @@ The worker's gather is held at a gate (a threading.Event the test opens, per req
 "pending" is a state the test controls, not a race it hopes to win. A write that must wait is run on a
 thread, and the test sees it blocked by the worker's own wait (a hook on `_wait_for`), never by a
 sleep."""
+import os
 import threading
 
 import pytest
@@ -147,6 +148,7 @@ def test_the_allocator_is_sglangs_own_and_a_reused_slot_is_written_only_after_it
     gate = Gate(writer)
     slots = alloc.alloc(10)
     worker.submit("r0", list(range(10)), slots)
+    worker.poll()  # the scheduler's next iteration hands it to the worker
     gate.entered.wait()
     alloc.free(slots)  # SGLang releases the finished request's KV right after the hand-over
     assert set(slots.tolist()) <= _free_set(alloc) and alloc.available_size() == NUM_SLOTS
@@ -179,6 +181,7 @@ def test_a_write_waits_only_for_the_gathers_that_read_its_slots(writer, tmp_path
     a, b, shared = torch.tensor([1, 2, 3]), torch.tensor([10, 11]), torch.tensor([20])
     worker.submit("a", [0, 0, 0, 0], torch.cat([a, shared]))
     worker.submit("b", [0, 0, 0], torch.cat([b, shared]))
+    worker.poll()
     gate.per_rid["a"].set()
     gate.started["b"].wait()  # a is done (the worker is on b)
     assert worker._done_now() == 1
@@ -196,6 +199,48 @@ def test_a_write_waits_only_for_the_gathers_that_read_its_slots(writer, tmp_path
     with HiddenStateReader(str(tmp_path)) as reader:
         assert reader.take("a", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [1, 2, 3, 20]
         assert reader.take("b", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [10, 11, 20]
+
+
+def test_a_step_is_handed_over_at_once_and_a_write_hands_over_before_it_waits(writer, tmp_path):
+    """submit() only records the job: the requests finished in one step reach the worker together (one
+    queue put, one wake-up) at the scheduler's next poll. A write into a slot of a job not handed over
+    yet (no poll in between) hands it over first, then waits for its gather: it neither overwrites the
+    slot early nor waits for a job the worker never gets."""
+    worker = _worker(writer)
+    puts = []
+
+    class Watched:  # the worker's queue, each put recorded (the worker's pending get() is on the same queue)
+        def __init__(self, q):
+            self.q = q
+
+        def put(self, item):
+            puts.append(None if item is None else [j.rid for j in item])
+            self.q.put(item)
+
+        def get(self):
+            return self.q.get()
+
+    worker._q = Watched(worker._q)
+    gate = Gate(writer, rids=("c",))  # the others' gathers run as soon as the worker has them
+    gate.open.set()
+    worker.submit("a", [0, 0], torch.tensor([1, 2]))
+    worker.submit_marker("m", "not_sampled")
+    worker.submit("b", [0], torch.tensor([3]))
+    assert puts == [] and not gate.entered.is_set()
+    worker.poll()
+    assert puts == [["a", "m", "b"]]
+    worker._wait_for(3)
+    c = torch.tensor([4, 5])
+    worker.submit("c", [0, 0], c)  # finished; SGLang frees its slots, the next step writes them: no poll between
+    waits, began = _watch_waits(worker)
+    copier = _thread_then(began, writer.copy, *_rows(-1, 2), c)
+    assert began.wait(TAKE_S)
+    assert waits == [4] and puts[-1] == ["c"] and torch.equal(writer.store[c, 0, 0], c.float())
+    gate.per_rid["c"].set()
+    copier.join(TAKE_S)
+    assert (writer.store[c] == -1).all() and writer.stats["write_waits"] == 1
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("c", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [4, 5]
 
 
 def test_markers_make_no_write_wait(writer):
@@ -232,23 +277,24 @@ def test_markers_make_no_write_wait(writer):
 
 def test_the_idle_path_and_intake_do_not_wait_for_gathers(writer, monkeypatch):
     """Scheduler.on_idle (SGLang's idle leak check) and request intake take the worker's results without
-    waiting: the pool is SGLang's own, so there is nothing to give back first. Before, on_idle drained."""
+    waiting: the pool is SGLang's own, so there is nothing to give back first. Before, on_idle drained.
+    Each of them hands what was submitted to the worker (the idle path before SGLang sleeps)."""
     from sglang_hs.server.patches import capture_hooks
 
     worker = _worker(writer)
     gate = Gate(writer)
-    worker.submit("r", [0], torch.tensor([1]))
-    gate.entered.wait()
     _never_waits(worker)
     calls = []
     monkeypatch.setattr(capture_hooks, "_finisher", worker)
     monkeypatch.setitem(capture_hooks.ORIGINALS, "on_idle", lambda self: calls.append("on_idle"))
     monkeypatch.setitem(capture_hooks.ORIGINALS, "get_next_batch_to_run", lambda self: calls.append("next"))
     monkeypatch.setitem(capture_hooks.ORIGINALS, "_pull_raw_reqs", lambda self: calls.append("pull"))
-    capture_hooks._on_idle(object())
-    capture_hooks._get_next_batch_to_run(object())
-    capture_hooks._pull_raw_reqs(object())
-    assert calls == ["on_idle", "next", "pull"] and worker.pending_rids() == ["r"]
+    for hook in (capture_hooks._on_idle, capture_hooks._get_next_batch_to_run, capture_hooks._pull_raw_reqs):
+        worker.submit(f"r{len(calls)}", [0], torch.tensor([1]))
+        hook(object())
+        assert worker._queued == worker._handed, f"{hook.__name__} did not hand the request to the worker"
+    gate.entered.wait()
+    assert calls == ["on_idle", "next", "pull"] and worker.pending_rids() == ["r0", "r1", "r2"]
     gate.open.set()
     del worker._wait_for
     worker.drain()
@@ -263,12 +309,14 @@ def test_staging_scatter_waits_for_the_gather_and_the_scheduler_does_not(staged_
     gate = Gate(w, rids=("old", "new"))
     old = torch.tensor([1, 2, 3])
     worker.submit("old", [0, 0, 0], old)
+    worker.poll()
     gate.started["old"].wait()
     waits, began = _watch_waits(worker)
     w.copy(*_rows(-1, 3), old)  # a step that overwrites old's slots, shipped with gathers bound 1
     assert began.wait(TAKE_S)  # the scatter thread waits for gather 1 (the scheduler thread shipped and went on)
     assert waits == [1] and w.staging.shipped == 1
     worker.submit("new", [0, 0, 0], old)  # then a request reading those slots (the new rows), handed over
+    worker.poll()
     gate.per_rid["new"].set()  # new's gather may run once old's is done and the chunk is in the store
     assert torch.equal(w.store[old, 0, 0], old.float())  # the scatter waits for old's gather
     gate.per_rid["old"].set()
@@ -290,6 +338,7 @@ def test_staging_gather_does_not_wait_for_chunks_shipped_after_its_hand_over(sta
     s = torch.tensor([5, 6])
     w.copy(*_rows(7, 2), s)  # a step computing g's rows: shipped before g is handed over
     worker.submit("g", [0, 0], s)
+    worker.poll()
     gate.started["g"].wait()
     w.copy(*_rows(-1, 2), s)  # the next step overwrites them (chunk 2)
     gate.per_rid["g"].set()
@@ -299,6 +348,79 @@ def test_staging_gather_does_not_wait_for_chunks_shipped_after_its_hand_over(sta
     worker.drain()
     w.staging.drain()
     assert (w.store[s] == -1).all()
+
+
+def test_staging_on_cuda_waits_only_for_the_gathers_its_steps_slots_may_be_read_by(staged_writer, tmp_path):
+    """CUDA's staging path, run on the CPU: the slot ids are not on the host at hand-over (as on CUDA), the KV
+    allocator is watched (free_list_order.py). A step whose slots come from the never-used part of the free
+    list is scattered without waiting for the pending gather (before: every chunk waited for every gather
+    handed over); the step that takes that gather's slots waits for it, and its record keeps the old rows."""
+    w = staged_writer
+    worker = _worker(w)
+    worker._per_slot = False  # as on CUDA
+    alloc = _token_allocator()
+    worker.watch_allocator(alloc)
+    gate = Gate(w, rids=("a",))
+    T = 8
+
+    def step(slots, value):
+        w.before_step()
+        w.copy(*_rows(value, len(slots)), slots)  # an eager forward ships its chunks itself
+        w.after_step(len(slots), False)
+
+    a = alloc.alloc(T)
+    step(a, 5)
+    worker.submit("a", list(range(T)), a)
+    alloc.free(a)  # SGLang frees the finished request's slots right after the hand-over
+    worker.poll()
+    assert gate.started["a"].wait(TAKE_S)
+    asked = []
+    worker._wait_for = asked.append  # records what a scatter would wait for, without waiting
+    b = alloc.alloc(NUM_SLOTS - T)  # the rest of the never-used slots (4 chunks of the 16-row stage)
+    step(b, -2)
+    w.staging.drain()
+    assert asked == [], "a chunk whose slots no pending gather reads waited for one"
+    del worker._wait_for
+    waits, began = _watch_waits(worker)
+    c = alloc.alloc(T)
+    assert sorted(c.tolist()) == sorted(a.tolist())  # now the slots of "a", freed after its hand-over
+    step(c, -1)
+    assert began.wait(TAKE_S)
+    assert waits == [1] and (w.store[a] == 5).all()  # the scatter waits for a's gather, nothing overwritten
+    gate.per_rid["a"].set()
+    w.staging.drain()
+    assert (w.store[a] == -1).all() and (w.store[b] == -2).all()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert (reader.take("a", timeout=TAKE_S).aux_hidden_states == 5).all()
+
+
+def _nice(tid):
+    """The nice value of thread `tid` of this process (field 19 of its /proc stat line)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are read from Linux's /proc")
+def test_the_worker_thread_runs_below_the_scheduler_threads_priority(writer, monkeypatch):
+    """SGLANG_HS_FINISH_NICE is added to the worker thread's nice value, the scheduler thread's own is left;
+    unset (0) the worker runs at the scheduler's; a value outside 0-19 stops the worker's start in one line
+    naming the variable."""
+    from sglang_hs.envs import EnvError
+    from sglang_hs.server.store.finisher import FinishWorker
+
+    me = _nice(threading.get_native_id())
+    monkeypatch.delenv("SGLANG_HS_FINISH_NICE", raising=False)
+    worker = _worker(writer)
+    assert _nice(worker.native_id) == me
+    worker.close()
+    monkeypatch.setenv("SGLANG_HS_FINISH_NICE", "10")
+    worker = _worker(writer)
+    assert _nice(worker.native_id) == min(19, me + 10) and _nice(threading.get_native_id()) == me
+    worker.close()
+    for bad in ("abc", "25", "-1"):
+        monkeypatch.setenv("SGLANG_HS_FINISH_NICE", bad)
+        with pytest.raises(EnvError, match="SGLANG_HS_FINISH_NICE"):
+            FinishWorker(writer)
 
 
 def test_allocators_checked_and_unknown_ones_refused_with_the_reason():
@@ -362,6 +484,7 @@ def test_a_write_does_not_wait_forever_on_a_worker_that_is_gone(writer):
     worker = _worker(writer)
     gate = Gate(writer)
     worker.submit("x", [1], torch.tensor([1]))
+    worker.poll()
     gate.entered.wait()
     worker._thread.join(timeout=0)  # still alive: stop it the hard way by replacing it with a dead one
     dead = threading.Thread(target=lambda: None)
@@ -400,6 +523,7 @@ def test_hand_over_owns_its_slot_ids(writer, tmp_path):
     table = torch.zeros(2, 16, dtype=torch.int32)
     table[0, :6] = torch.tensor([9, 8, 7, 6, 5, 4], dtype=torch.int32)
     worker.submit("v", list(range(6)), table[0, :6])
+    worker.poll()
     gate.entered.wait()
     table[0, :6] = torch.tensor([30, 31, 32, 33, 34, 35], dtype=torch.int32)  # the row reused at once
     assert worker._last_read[[9, 8, 7, 6, 5, 4]].tolist() == [1] * 6 and int(worker._last_read[30]) == 0

@@ -22,7 +22,10 @@ Slot reuse: a chunk may write a slot whose old row a pending gather of the finis
 (SGLang freed it at the request's finish and handed it out again). Before it scatters a chunk, the
 thread waits for those gathers (`finisher.wait_before_write`, capped at the last gather handed over
 when the chunk was shipped: sglang_hs/server/store/finisher.py says why that bound holds and cannot cycle),
-counted in `scatter_waits` / `scatter_wait_s`.
+counted in `scatter_waits` / `scatter_wait_s`. On the CPU the thread looks each slot's last reader up;
+on CUDA (slot ids stay on the device at hand-over) the cap is the step's bound from the KV allocator's
+free-list order, taken at `before_step` (FinishWorker.step_bound, free_list_order.py), as the direct
+copy's stream wait: a step whose slots no pending gather can read scatters at once.
 
 Where shipping happens: an eager forward ships its rows itself, in chunks of `rows` when it has more
 (each chunk waits on the previous one's `freed` on the GPU). A CUDA-graph replay runs no Python, so
@@ -136,7 +139,8 @@ class _Shipped(NamedTuple):
     n: int  # how many rows
     ready: object  # fired when the forward had computed the rows (compute stream)
     copied: object  # fired when the rows are in the host buffer (copy stream)
-    gathers: int  # the finish worker's last gather handed over when shipped: the most the scatter waits for
+    gathers: int  # the most the scatter waits for: the step's bound (FinishWorker.step_bound), capped at the
+    # last gather handed over when shipped
 
 
 def device_bytes(rows: int, P: int, H: int, elem: int) -> int:
@@ -167,6 +171,7 @@ class StagedCopy:
         self.host = [(torch.empty(rows, P, H, dtype=dt, pin_memory=self.cuda),
                       torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda)) for _ in range(HOST_BUFFERS)]
         self.shipped_in_forward = False  # set by an eager forward; a graph replay leaves it False
+        self._step_bound: Optional[int] = None  # the finisher's step_bound() for the step running (before_step)
         # each key written by one thread (finisher.py): scheduler staged_rows, stage_wait_s; scatter thread
         # scatter_s, scatter_waits, scatter_wait_s; the store_wait_s of drain() is its caller's to count
         self.stats = {"staged_rows": 0, "scatter_s": 0.0, "stage_wait_s": 0.0, "scatter_waits": 0,
@@ -232,6 +237,9 @@ class StagedCopy:
     # --- around each step (ModelRunner.forward) ------------------------------------------------------
     def before_step(self) -> None:
         self.shipped_in_forward = False
+        # the gathers this step's slots may be read by: on CUDA, where the scatter cannot look the slots up
+        # per slot, from the KV allocator's free-list order instead of every gather handed over
+        self._step_bound = self.finisher.step_bound() if self.finisher is not None else None
 
     def after_step(self, n: int, graph_replayed: bool) -> None:
         """After a step of n real rows: ship what a graph replay left in stage."""
@@ -239,6 +247,7 @@ class StagedCopy:
             assert n <= self.rows, f"{n} rows of a graph replay in a {self.rows}-row staging buffer"
             self._ship(n)
         self.shipped_in_forward = False
+        self._step_bound = None  # a ship outside a step (a capture's warm-up) waits for every gather
 
     # --- the scheduler's side: ship, and wait for the store ------------------------------------------
     def _ship(self, n: int) -> None:
@@ -270,7 +279,11 @@ class StagedCopy:
             host[:n].copy_(self.stage[:n])
             host_loc[:n].copy_(self.stage_loc[:n])
             ready, copied = self._cpu_copy_events()
-        gathers = self.finisher.gathers_handed() if self.finisher is not None else 0
+        gathers = 0
+        if self.finisher is not None:
+            gathers = self.finisher.gathers_handed()  # (flushed: the scatter thread may wait for any of them)
+            if self._step_bound is not None:
+                gathers = min(gathers, self._step_bound)
         with self._cv:
             self._shipped += 1
             self.pending.append(_Shipped(self._shipped, buf, n, ready, copied, gathers))
