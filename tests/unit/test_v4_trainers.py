@@ -27,24 +27,15 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from helpers import readers_path, trainer_env  # noqa: E402
+from helpers import trainer_env  # noqa: E402
 from reference import hc_rows_ref  # noqa: E402
 from sglang_hs.tools import tiny_model  # noqa: E402
 from sglang_hs.server.capture_spec import CaptureSpec, hc_mult_of  # noqa: E402
 from sglang_hs.extract import checkpoint_names, cli, output  # noqa: E402
 from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
-from test_trainer_teachers import BF16_ROW_TOL, SPECFORGE_STEPS, rel  # noqa: E402
+from test_trainer_teachers import BF16_ROW_TOL, SPECFORGE_STEPS, _readers, rel  # noqa: E402
 
 LAYERS, SLOTS = [1, 3, 5], 256
-
-
-def _readers():
-    path = readers_path()
-    if not path:
-        pytest.skip("requirements/readers.txt is not installed (run scripts/ensure_env.sh)")
-    if path not in sys.path:
-        sys.path.append(path)
-    return path
 
 
 @pytest.fixture(scope="module")
