@@ -126,7 +126,8 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # control until the reader frees room, or "skip": serve it without capture.
     "SGLANG_HS_WHEN_BEHIND": _str("SGLANG_HS_WHEN_BEHIND", "hold"),
     # How rows reach the store (--hs-copy): "direct" (the copy kernel writes the store: registered,
-    # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream, sglang_hs/server/store/staging.py).
+    # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream,
+    # sglang_hs/server/store/staging.py).
     "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),
     # Rows of the staging buffers (--hs-staging-rows); 0: max(chunked prefill size, max running requests).
     "SGLANG_HS_STAGING_ROWS": _int("SGLANG_HS_STAGING_ROWS", 0),

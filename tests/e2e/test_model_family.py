@@ -26,8 +26,8 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
 - "v32-tp2": the same V3.2 checkpoint served with `--tp 2` (one server, every test above against the same
   HF float32 rows; the checkpoint test checks both ranks built the overlay and rank 0 alone writes).
 
-See sglang_hs/tools/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module scope, one at a
-time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
+See sglang_hs/tools/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module
+scope, one at a time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
 final states (`--hs-last both`: post-norm, and pre-norm judged against the input of HF's final norm but
 for the bf16-served Mistral): id 1 first (the id list upstream's set_eagle3_layers_to_capture would shift by one), the
 input of the first MoE layer's successor, and the last layer's input.

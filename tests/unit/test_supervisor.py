@@ -358,7 +358,8 @@ child.wait()
 if child.returncode not in (0, None):
     kill_tree(None, None)
 """
-SUPERVISE_NODE = ("import sys; from sglang_hs.tools import supervisor as s; s.NODE0_PROBE_EVERY_S = float(sys.argv[3]); "
+SUPERVISE_NODE = ("import sys; from sglang_hs.tools import supervisor as s; "
+                  "s.NODE0_PROBE_EVERY_S = float(sys.argv[3]); "
                   "s.NODE0_PROBE_TIMEOUT_S = 2; "
                   "sys.exit(s.Supervisor([sys.executable, '-c', sys.argv[1], sys.argv[2], '--nnodes', '2', "
                   "'--node-rank', '1', '--dist-init-addr', sys.argv[4]], 300, None, stop_grace=300).run())")

@@ -119,7 +119,8 @@ class CaptureWriter:
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
                       "reader_offsets_refused": 0}  # read offsets the ring refused (ring.py)
         self.ring.stats = self.stats
-        # The finish worker's (sglang_hs/server/store/finisher.py), here from the start: the status thread reads this dict
+        # The finish worker's (sglang_hs/server/store/finisher.py), here from the start: the status thread
+        # reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, **{k: 0.0 for k in FINISH_SECONDS})
         self.finisher = None  # the FinishWorker (finisher.py) the store's writes are ordered after, once it runs
         manifest = {
