@@ -345,6 +345,30 @@ def v4_on_cpu(arch: str) -> str:
             "backend over DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
 
 
+def runs_on_cpu(sg_argv: List[str]) -> bool:
+    """Whether the server runs SGLang's CPU engine: --device cpu, or no --device and no CUDA device."""
+    device = _flag_value(sg_argv, "--device")
+    return device == "cpu" or (device is None and not cuda_available())
+
+
+def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
+                    v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
+    """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
+    checked in one line (CaptureConfigError): the architecture, the layer ids and --hs-last/--hs-hc-streams
+    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line). The
+    launcher and the self-test."""
+    config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
+    arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
+    if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
+        config = config["text_config"]
+    ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
+    spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
+                               hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
+    if arch in HC_ARCHITECTURES and cpu:
+        raise CaptureConfigError(v4_on_cpu(arch) + v4_hint)
+    return arch, config, spec
+
+
 def node_without_writers(argv: List[str]) -> Optional[dict]:
     """What fsutil.NO_WRITER says when this node of a multi-node server (SGLang --nnodes) hosts no writer (a
     writer is the attention-TP rank 0 of each DP attention group: capture_spec.node_dp_ranks), else None."""
@@ -404,7 +428,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         sg_argv = ["--model-path", model_path] + sg_argv
 
     device = _flag_value(sg_argv, "--device")
-    if device == "cpu" or (device is None and not cuda_available()):
+    if runs_on_cpu(sg_argv):
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["SGLANG_HS_CPU_MODE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (stubs_dir(), env.get("PYTHONPATH")) if p)
@@ -429,18 +453,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
-        config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
-        arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
+        arch, config, spec = resolve_capture(ns, sg_argv, model_path, bool(env.get("SGLANG_HS_CPU_MODE")))
         if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: capture its language model, text requests only
-            config = config["text_config"]
             sg_argv = text_only(sg_argv)
             print(f"[sglang-hs] {arch}: served text only (language_model_only): no image processor, chat "
                   "requests with images are refused, image data sent to /generate is ignored", file=sys.stderr)
-        ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
-        spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
-                                   hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
-        if arch in HC_ARCHITECTURES and env.get("SGLANG_HS_CPU_MODE"):
-            raise CaptureConfigError(v4_on_cpu(arch))
         try:
             share_gid = fsutil.resolve_share_group(ns.hs_share_group) if ns.hs_share_group else None
             dump_dir = fsutil.ensure_private_dir(ns.hs_dump_dir, share_gid)

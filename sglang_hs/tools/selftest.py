@@ -283,22 +283,12 @@ def _check_model(ns, sglang_args: List[str]) -> bool:
     one line: --hs-hc-streams for a model without hyper-connections, DeepSeek-V4 on the CPU engine, where
     SGLang has no V4 forward). Returns whether the model has hyper-connection streams (DeepSeek-V4)."""
     from sglang_hs.tools import tiny_model
-    from sglang_hs.tools.argv import flag_value, has_flag
-    from sglang_hs.server.capture_spec import (HC_ARCHITECTURES, TEXT_CONFIG_WRAPPERS, CaptureConfigError, CaptureSpec,
-                                        check_architecture, hc_mult_of, parse_layer_ids)
-    from sglang_hs.tools.launch_server import cuda_available, read_model_config, v4_on_cpu
+    from sglang_hs.tools.argv import flag_value
+    from sglang_hs.tools.launch_server import resolve_capture, runs_on_cpu
 
     model = flag_value(sglang_args, "--model-path", "--model") or tiny_model.ensure()
-    config = read_model_config(model, has_flag(sglang_args, "--trust-remote-code"))
-    arch = check_architecture(config.get("architectures"), where=f"{model}/config.json", config=config)
-    if arch in TEXT_CONFIG_WRAPPERS:
-        config = config["text_config"]
-    ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
-    spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
-                               hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
-    device = flag_value(sglang_args, "--device")
-    if arch in HC_ARCHITECTURES and (device == "cpu" or (device is None and not cuda_available())):
-        raise CaptureConfigError(v4_on_cpu(arch) + ": run the self-test on a GPU node")
+    _, _, spec = resolve_capture(ns, sglang_args, model, runs_on_cpu(sglang_args),
+                                 v4_hint=": run the self-test on a GPU node")
     return spec.hc_mult > 1
 
 
