@@ -56,6 +56,19 @@ def _record_rows(d, rid):
         return torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
 
 
+def _overwrite_held_then_released(worker, gate, d, rid, why):
+    """The overwrite just issued must not run while the gate holds `rid`'s gather back (an event recorded after
+    it stays pending: the stream is parked on the worker's counter); then the gate opens, and `rid`'s record
+    rows are returned once the overwrite has run too."""
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query(), why
+    gate.set()
+    worker.drain()
+    after.synchronize()
+    return _record_rows(d, rid)
+
+
 def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
@@ -73,13 +86,8 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
         worker.submit("a", list(range(T)), loc)
         assert worker.order_device_writes() is True  # the gather of "a" is pending: the stream waits
         rows_b = _step(w, loc, g)  # the same slots, overwritten by the next step
-        after = torch.cuda.Event()
-        after.record()
-        assert not after.query(), "the overwrite ran while the gather reading its slots was held back"
-        gate.set()
-        worker.drain()
-        after.synchronize()
-        got = _record_rows(d, "a")
+        got = _overwrite_held_then_released(worker, gate, d, "a",
+                                            "the overwrite ran while the gather reading its slots was held back")
         assert torch.equal(got, rows_a.cpu()), "the record holds rows written after its request finished"
         store = w.store[loc.long().cpu()]
         assert torch.equal(store, rows_b.cpu())
@@ -116,13 +124,8 @@ def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait():
         assert torch.equal(loc_c.sort().values, loc_a.sort().values)
         assert worker.order_device_writes() is True
         _step(w, loc_c, g)
-        after = torch.cuda.Event()
-        after.record()
-        assert not after.query(), "the overwrite of a's slots ran while its gather was held back"
-        gate.set()
-        worker.drain()
-        after.synchronize()
-        got = _record_rows(d, "a")
+        got = _overwrite_held_then_released(worker, gate, d, "a", "the overwrite of a's slots ran while its gather "
+                                            "was held back")
         assert torch.equal(got, rows_a.cpu())
         worker.close()
     finally:
