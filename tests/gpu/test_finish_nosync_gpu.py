@@ -6,7 +6,8 @@ stream busy, and the scheduler's side of finishing (FinishWorker.submit with the
 a DEVICE tensor, a view of a req_to_token table, as SGLang's result processing hands it) runs under
 torch.cuda.set_sync_debug_mode("error"): any blocking copy, `.cpu()`, `.item()` or stream/device
 synchronize on any thread during the hand-over raises. The stream must still be busy when the
-hand-overs return (nothing waited for it). Then every record is read back and compared row by row
+hand-overs return (nothing waited for it). As in SGLang, the step that wrote a request's rows is
+synchronised by the host before the request is found finished (process_batch_result: copy_done). Then every record is read back and compared row by row
 with the rows the step computed, so the asynchronous path is also exact: the slot ids came across
 after the table was written, and the rows had landed before the worker gathered them."""
 import os
@@ -59,6 +60,11 @@ def _run(d, copy):
         w.copy(aux, last, loc)  # the overlay's copy inside the forward
         w.after_step(T, False)
         want[f"r{i}"] = (torch.cat([aux.view(T, K, H), last.view(T, 1, H)], 1), T)
+        # SGLang's result processing synchronises the batch's copy_done (recorded after its forward)
+        # before it finds a request finished: the step's rows and the table are final at the hand-over
+        step_done = torch.cuda.Event()
+        step_done.record()
+        step_done.synchronize()
         y = busy
         for _ in range(200):  # the next step's forward, already queued on the stream (overlap scheduler)
             y = (y @ busy).clamp_(-1, 1)

@@ -4,12 +4,14 @@ SGLang's KV allocator, its radix cache and every scheduling decision are left ex
 
     scheduler thread (result processing)            worker thread "sglang-hs-finish"
     submit(rid, token ids, slots):                  for each job, in hand-over order:
-      slots -> host: a CPU clone (and the slots'      wait for the job's event (the slot ids, and in
-        "last reader" set to this job), or on CUDA    direct mode the step's copy into the store, have
-        a non_blocking copy into pinned memory on     landed), then for the staging scatter of the
-        the current stream + a blocking-sync event    chunks shipped before the hand-over;
-        (no device sync on this thread)               gather store[slots] into the ring and publish
-      add the job to this step's batch; return        (csrc/gather_rows_cpu.cpp: without the GIL)
+      slots -> host: a CPU clone (and the slots'      wait for the job's event (the slot ids have
+        "last reader" set to this job), or on CUDA    landed), then for the staging scatter of the
+        a non_blocking copy into pinned memory on     chunks shipped before the hand-over;
+        a side stream + a blocking-sync event that    gather store[slots] into the ring and publish
+        the current stream waits for (no device       (csrc/gather_rows_cpu.cpp: without the GIL)
+        sync on this thread, and no wait for the
+        forward the overlap scheduler just launched)
+      add the job to this step's batch; return
     release_kv_cache -> allocator frees: SGLang's     done = seq (and on CUDA into a pinned counter
       own, at once                                      the GPU can wait on); report (seq, rid, error)
     next iteration (intake, get_next_batch_to_run),
@@ -152,6 +154,7 @@ class FinishWorker:
         self._fatal: Optional[BaseException] = None
         self._closed = False
         self._device = None
+        self._side = None  # CUDA: the stream the slot ids are copied to the host on (submit)
         from sglang_hs import envs
 
         self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
@@ -175,6 +178,10 @@ class FinishWorker:
         and its KV slots in position order (a view of req_to_token is fine: the slot ids are copied
         here, before SGLang reuses the row), its prompt length and the token after its last row. A list
         is converted on the worker thread. `ticket` (its admission ticket) goes back to on_done.
+        On CUDA the slot ids and the rows (direct mode) must be final when submit is called: the forward
+        that wrote the request's last rows has completed, as it has in SGLang's result processing (it
+        synchronises the batch's copy_done before it finishes a request); the copy to the host does not
+        wait for work queued on the current stream since then.
 
         The job reaches the worker at the next flush: every poll (each scheduler iteration: the next one
         follows this step's result processing), and before anything that waits on it (a write into the
@@ -191,15 +198,26 @@ class FinishWorker:
                 self._device = slots.device
                 self._done_dev = torch.zeros(1, dtype=torch.int64, pin_memory=True)
                 self._done_dev[0] = self._done_now()
+                self._side = torch.cuda.Stream(slots.device)
             self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
+            # On a side stream, NOT the current one: under the overlap scheduler the current (schedule)
+            # stream already waits for the whole forward launched just before this result processing
+            # (SGLang's write-after-read barrier), and a copy queued there would start the gather only
+            # after that forward, while the next step's writes may wait for the gather: the GPU would
+            # idle. Nothing newer is needed: the request is finished, so the host has synchronised the
+            # forward that produced its last token (process_batch_result: copy_done), and its slot ids
+            # and its rows (direct mode) were written by then.
+            current = torch.cuda.current_stream(slots.device)
             host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
-            host.copy_(slots, non_blocking=True)  # on the current stream: after every write of the row
             w = self.writer
-            if w.staging is None and getattr(w, "_registered", None) is not None:
-                errors = torch.empty(w._registered.errors.counts.shape, dtype=torch.int64, pin_memory=True)
-                errors.copy_(w._registered.errors.counts, non_blocking=True)
             ready = torch.cuda.Event(blocking=True)  # the worker sleeps in its sync instead of spinning
-            ready.record()  # after the step's copy into the store too (direct mode), as a stream sync was
+            with torch.cuda.stream(self._side):
+                host.copy_(slots, non_blocking=True)
+                if w.staging is None and getattr(w, "_registered", None) is not None:
+                    errors = torch.empty(w._registered.errors.counts.shape, dtype=torch.int64, pin_memory=True)
+                    errors.copy_(w._registered.errors.counts, non_blocking=True)
+                ready.record(self._side)
+            current.wait_event(ready)  # SGLang rewrites the request's req_to_token row only after this read
         else:
             host = slots.clone()
             if T:  # an id outside the store is clipped here, and refused by the worker's gather
