@@ -168,3 +168,17 @@ def test_a_request_with_no_token_at_all_is_not_emitted_but_released(hook):
     assert hook.admission.released == ["empty", "after-empty"]
     assert hook.reader.next(timeout=5).rid == "after-empty"
     assert hook.writer.stats["dropped"] == 0
+
+
+@pytest.mark.parametrize("prompt,output", [
+    (array("q", [5, 129279, 7]), array("q", [9, 2])),  # SGLang 0.5.23's own types
+    ([5, 129279, 7], [9, 2]),  # lists
+    (array("q", [5, 129279, 7]), array("i", [9, 2])),  # an array of another kind: extend() alone refuses it
+    (array("q", [5, 129279, 7]), []),  # nothing generated
+])
+def test_token_record_is_the_prompt_then_the_output_as_int64(prompt, output):
+    from sglang_hs.server.patches.capture_hooks import _token_record
+
+    tokens = _token_record(prompt, output)
+    assert tokens.typecode == "q" and tokens.tolist() == list(prompt) + list(output)
+    assert list(prompt) == [5, 129279, 7]  # the request's own arrays are not changed

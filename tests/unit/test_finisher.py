@@ -544,3 +544,27 @@ def test_a_finish_after_close_is_published_at_once(writer, tmp_path):
     writer.copy(*_rows(-1, 2), torch.tensor([3, 4]))
     with HiddenStateReader(str(tmp_path)) as reader:
         assert reader.take("late", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [3, 4]
+
+
+def test_each_iteration_start_marks_the_stream_for_the_hand_overs(writer, monkeypatch):
+    """get_next_batch_to_run's hook marks the iteration's start (FinishWorker.mark_iteration: on CUDA the
+    event a hand-over's slot-id copy waits for, tests/gpu/test_finish_overlap_gpu.py) and only it: the
+    idle path and intake do not (a mark after a launch would put the copy behind SGLang's barrier).
+    Without CUDA a mark is nothing."""
+    from sglang_hs.server.patches import capture_hooks
+
+    worker = _worker(writer)
+    marks = []
+    monkeypatch.setattr(worker, "mark_iteration", lambda: marks.append(len(marks)))
+    monkeypatch.setattr(capture_hooks, "_finisher", worker)
+    for name in ("on_idle", "get_next_batch_to_run", "_pull_raw_reqs"):
+        monkeypatch.setitem(capture_hooks.ORIGINALS, name, lambda self: None)
+    capture_hooks._on_idle(object())
+    capture_hooks._pull_raw_reqs(object())
+    assert marks == []
+    capture_hooks._get_next_batch_to_run(object())
+    assert marks == [0]
+    monkeypatch.undo()
+    worker.mark_iteration()  # no CUDA hand-over yet: no side stream, no event
+    assert worker._mark is None
+    worker.close()

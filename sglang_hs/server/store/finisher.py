@@ -7,10 +7,11 @@ SGLang's KV allocator, its radix cache and every scheduling decision are left ex
       slots -> host: a CPU clone (and the slots'      wait for the job's event (the slot ids have
         "last reader" set to this job), or on CUDA    landed), then for the staging scatter of the
         a non_blocking copy into pinned memory on     chunks shipped before the hand-over;
-        a side stream + a blocking-sync event that    gather store[slots] into the ring and publish
-        the current stream waits for (no device       (csrc/gather_rows_cpu.cpp: without the GIL)
-        sync on this thread, and no wait for the
-        forward the overlap scheduler just launched)
+        a side stream after the iteration's start     gather store[slots] into the ring and publish
+        mark + a blocking-sync event that the         (csrc/gather_rows_cpu.cpp: without the GIL)
+        current stream waits for (no device sync
+        on this thread, and no wait for the forward
+        the overlap scheduler just launched)
       add the job to this step's batch; return
     release_kv_cache -> allocator frees: SGLang's     done = seq (and on CUDA into a pinned counter
       own, at once                                      the GPU can wait on); report (seq, rid, error)
@@ -155,6 +156,7 @@ class FinishWorker:
         self._closed = False
         self._device = None
         self._side = None  # CUDA: the stream the slot ids are copied to the host on (submit)
+        self._mark = None  # CUDA: an event at the start of the scheduler's current iteration (mark_iteration)
         from sglang_hs import envs
 
         self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
@@ -174,10 +176,10 @@ class FinishWorker:
     # --- the scheduler's side --------------------------------------------------------------------
     def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
                next_token: int = -1, ticket=None) -> None:
-        """Hand over a finished request: its token ids (a list the caller no longer changes, or a tensor)
-        and its KV slots in position order (a view of req_to_token is fine: the slot ids are copied
-        here, before SGLang reuses the row), its prompt length and the token after its last row. A list
-        is converted on the worker thread. `ticket` (its admission ticket) goes back to on_done.
+        """Hand over a finished request: its token ids (a list or an int64 array.array the caller no
+        longer changes, or a tensor) and its KV slots in position order (a view of req_to_token is fine:
+        the slot ids are copied here, before SGLang reuses the row), its prompt length and the token after
+        its last row. A list or an array is converted on the worker thread. `ticket` (its admission ticket) goes back to on_done.
         On CUDA the slot ids and the rows (direct mode) must be final when submit is called: the forward
         that wrote the request's last rows has completed, as it has in SGLang's result processing (it
         synchronises the batch's copy_done before it finishes a request); the copy to the host does not
@@ -198,26 +200,36 @@ class FinishWorker:
                 self._device = slots.device
                 self._done_dev = torch.zeros(1, dtype=torch.int64, pin_memory=True)
                 self._done_dev[0] = self._done_now()
-                self._side = torch.cuda.Stream(slots.device)
+                # high priority: PyTorch's pool of those is not the one SGLang's own streams come from
+                # (priority 0), so the side stream is never one of them
+                self._side = torch.cuda.Stream(slots.device, priority=-1)
             self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
-            # On a side stream, NOT the current one: under the overlap scheduler the current (schedule)
-            # stream already waits for the whole forward launched just before this result processing
-            # (SGLang's write-after-read barrier), and a copy queued there would start the gather only
-            # after that forward, while the next step's writes may wait for the gather: the GPU would
-            # idle. Nothing newer is needed: the request is finished, so the host has synchronised the
-            # forward that produced its last token (process_batch_result: copy_done), and its slot ids
-            # and its rows (direct mode) were written by then.
+            # Not behind the current stream's newest work: under the overlap scheduler the current (schedule)
+            # stream already waits for the whole forward launched just before this result processing (SGLang's
+            # write-after-read barrier), and a copy queued there would start the gather only after that
+            # forward, while the next step's writes may wait for the gather: the GPU would idle. On a side
+            # stream that waits for the iteration's start (mark_iteration: after the previous iteration's
+            # result processing, whose radix-cache checkpoints may still rewrite this request's row, and
+            # before this iteration's launch). The request's own forward is synchronised by the host already
+            # (process_batch_result: copy_done), so its rows and slot ids are final.
             current = torch.cuda.current_stream(slots.device)
+            stream = self._side if self._mark is not None else current  # no mark yet: the current stream
             host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
             w = self.writer
             ready = torch.cuda.Event(blocking=True)  # the worker sleeps in its sync instead of spinning
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(stream):
+                if stream is not current:
+                    stream.wait_event(self._mark)
                 host.copy_(slots, non_blocking=True)
                 if w.staging is None and getattr(w, "_registered", None) is not None:
+                    # (a forward running meanwhile may update its fields one by one: the message, not the
+                    # count, may be off)
                     errors = torch.empty(w._registered.errors.counts.shape, dtype=torch.int64, pin_memory=True)
                     errors.copy_(w._registered.errors.counts, non_blocking=True)
-                ready.record(self._side)
-            current.wait_event(ready)  # SGLang rewrites the request's req_to_token row only after this read
+                ready.record(stream)
+            if stream is not current:
+                slots.record_stream(stream)  # a temporary's memory is not reused before the copy ran
+                current.wait_event(ready)  # SGLang rewrites the request's req_to_token row only after this read
         else:
             host = slots.clone()
             if T:  # an id outside the store is clipped here, and refused by the worker's gather
@@ -238,6 +250,17 @@ class FinishWorker:
         self._handed += 1
         self._pending[self._handed] = rid
         self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason, ticket=ticket))
+
+    def mark_iteration(self) -> None:
+        """CUDA, at the start of every scheduler iteration (get_next_batch_to_run's hook): an event on the
+        current stream, after everything the previous iteration queued there (its result processing: the
+        radix cache's checkpoint of an unfinished request rewrites its req_to_token row) and before this
+        iteration's launch and SGLang's write-after-read barrier behind it. A hand-over's slot-id copy
+        waits for the latest mark only (submit)."""
+        if self._side is not None:
+            mark = torch.cuda.Event()
+            mark.record()
+            self._mark = mark
 
     def pending_rids(self) -> List[str]:
         return list(self._pending.values())
@@ -430,9 +453,12 @@ class FinishWorker:
             # every computed row shipped before the hand-over is in the store (later chunks may wait for us)
             self.stats["store_wait_s"] += w.staging.drain(upto=job.shipped)
         ids = job.ids
-        if not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
-            ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32) if len(ids) else \
-                torch.empty(0, dtype=torch.int32)
+        if not len(ids):
+            ids = torch.empty(0, dtype=torch.int32)
+        elif isinstance(ids, array.array) and ids.typecode == "q":  # the finish hook's: int64 at memory speed
+            ids = torch.frombuffer(ids, dtype=torch.int64).to(torch.int32)
+        elif not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
+            ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32)
         w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token)
 
 
