@@ -205,8 +205,8 @@ class FinishWorker:
                 self._side = torch.cuda.Stream(slots.device, priority=-1)
             self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
             # Not behind the current stream's newest work: under the overlap scheduler the current (schedule)
-            # stream already waits for the whole forward launched just before this result processing (SGLang's
-            # write-after-read barrier), and a copy queued there would start the gather only after that
+            # stream already waits for the forward launched just before this result processing (SGLang's
+            # write-after-read barrier: all of it for a prefill step), and a copy queued there would start the gather only after that
             # forward, while the next step's writes may wait for the gather: the GPU would idle. On a side
             # stream that waits for the iteration's start (mark_iteration: after the previous iteration's
             # result processing, whose radix-cache checkpoints may still rewrite this request's row, and
