@@ -293,6 +293,15 @@ def finish_reader(reader, jobs, results, design, rep, full_at) -> dict:
     return dict(design=design, rep=rep, records=records, rows=rows, bad_rows=bad, warmup_steps=full_at)
 
 
+def step_row(design, rep, step, forwarded, t, tree, alloc, **own) -> dict:
+    """One measured step's CSV row: what every design records, then the design's own fields."""
+    return dict(design=design, rep=rep, step=step, forwarded=forwarded, rows_gathered=t["rows"],
+                prefix_hit_tokens=t["hits"], capture_ms=round(t["capture_s"] * 1e3, 4),
+                capture_cpu_ms=round(t["capture_cpu_s"] * 1e3, 4), gc_ms=round(t["gc_s"] * 1e3, 4),
+                evictable=tree.evictable_size(), available=alloc.available_size(),
+                sglang_ms=round(t["sglang_s"] * 1e3, 2), **own)
+
+
 # -- one run of one design ---------------------------------------------------------------------------------
 def run(design: str, rep: int, args, docs, out_rows) -> dict:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -390,17 +399,13 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                 full_at = step
             if full:
                 measured += 1
-                out_rows.append(dict(
-                    design=design, rep=rep, step=measured, forwarded=forwarded, rows_gathered=t["rows"],
-                    prefix_hit_tokens=t["hits"], capture_ms=round(t["capture_s"] * 1e3, 4),
-                    capture_cpu_ms=round(t["capture_cpu_s"] * 1e3, 4), gc_ms=round(t["gc_s"] * 1e3, 4),
+                out_rows.append(step_row(
+                    design, rep, measured, forwarded, t, tree, alloc,
                     alloc_wait_ms=round(alloc_wait * 1e3, 4), write_wait_ms=round(write_wait * 1e3, 4),
                     write_check_ms=round(order * 1e3, 4),
                     alloc_waits=timers["alloc_waits"] - before.get("alloc_waits", 0),
                     alloc_waits_evictable=timers["alloc_waits_evictable"] - before.get("alloc_waits_evictable", 0),
-                    write_waits=writer.stats["write_waits"], evictable=tree.evictable_size(),
-                    available=alloc.available_size(), copy_ms=round(t["copy_s"] * 1e3, 2),
-                    sglang_ms=round(t["sglang_s"] * 1e3, 2)))
+                    write_waits=writer.stats["write_waits"], copy_ms=round(t["copy_s"] * 1e3, 2)))
                 r = out_rows[-1]
                 print(f"  {design} rep {rep} step {measured:3d}: capture {r['capture_ms']:8.3f} ms "
                       f"(alloc wait {r['alloc_wait_ms']:.2f}, write wait {r['write_wait_ms']:.2f}), "
@@ -538,15 +543,11 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                 full_at = step
             if full:
                 measured += 1
-                out_rows.append(dict(
-                    design=design, rep=rep, step=measured, forwarded=forwarded, rows_gathered=t["rows"],
-                    prefix_hit_tokens=t["hits"], capture_ms=round(t["capture_s"] * 1e3, 4),
-                    capture_cpu_ms=round(t["capture_cpu_s"] * 1e3, 4), gc_ms=round(t["gc_s"] * 1e3, 4),
-                    alloc_wait_ms=0.0, write_wait_ms=0.0,
-                    write_check_ms=0.0, alloc_waits=0, alloc_waits_evictable=0, write_waits=0,
-                    evictable=tree.evictable_size(), available=alloc.available_size(), copy_ms=0.0,
-                    sglang_ms=round(t["sglang_s"] * 1e3, 2), poll_ms=round(t["poll_s"] * 1e3, 4),
-                    bound_ms=round(t["bound_s"] * 1e3, 4), submit_ms=round(t["submit_s"] * 1e3, 4), device_step=step))
+                out_rows.append(step_row(
+                    design, rep, measured, forwarded, t, tree, alloc, alloc_wait_ms=0.0, write_wait_ms=0.0,
+                    write_check_ms=0.0, alloc_waits=0, alloc_waits_evictable=0, write_waits=0, copy_ms=0.0,
+                    poll_ms=round(t["poll_s"] * 1e3, 4), bound_ms=round(t["bound_s"] * 1e3, 4),
+                    submit_ms=round(t["submit_s"] * 1e3, 4), device_step=step))
                 r = out_rows[-1]
                 print(f"  {design} rep {rep} step {measured:3d}: capture {r['capture_ms']:8.3f} ms "
                       f"(cpu {r['capture_cpu_ms']:.3f}), {r['rows_gathered']} rows, {r['prefix_hit_tokens']} hit",
