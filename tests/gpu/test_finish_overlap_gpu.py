@@ -1,9 +1,9 @@
 """The finish hand-over's slot-id copy under SGLang's overlap scheduler (issue 32: a GPU that idled on
-the next step's write order), ordered by pinned-flag gates (cuStreamWaitValue64), never by timing.
+the next step's write order), ordered by pinned-flag gates (cuStreamWaitValue64): whether correct
+code passes never depends on timing.
 
-SGLang 0.5.23's overlap loop, one iteration: get_next_batch_to_run (our hook: poll, mark_iteration),
-launch step N+1 on the forward stream, make the schedule stream wait for it (`_apply_war_barrier`),
-then process step N's results on the schedule stream, where the finish hook hands a request over.
+SGLang 0.5.23's overlap loop, one iteration: ingest_requests (our hook: mark_iteration), launch step
+N+1 on the forward stream, make the schedule stream wait for it (`_apply_war_barrier`), then process step N's results on the schedule stream, where the finish hook hands a request over.
 Three orderings the hand-over must keep:
 
 1. it does not wait for forward N+1: a copy behind the barrier would start the gather only after that
@@ -14,7 +14,10 @@ Three orderings the hand-over must keep:
 3. the schedule stream's own later rewrite of the row (the request's pool row reused) waits for it.
 
 Each case writes rows at two sets of slots with different values and checks the record row by row
-against the set it must come from."""
+against the set it must come from. Where a broken order would show only if the GPU ran something before
+the test opens a gate, the test first checks, for CHECK_S, that nothing moved while the gate was closed
+(correct code cannot move then, so this never fails it; a broken order is caught unless the GPU takes
+longer than that to run a small copy)."""
 import os
 import shutil
 import tempfile
@@ -35,6 +38,17 @@ pytestmark = pytest.mark.gpu
 LAYERS, N_LAYERS, H, SLOTS, T = [1, 3], 6, 256, 4096, 300
 K = len(LAYERS)
 GUARD_S = 60  # only a broken build waits this long: every gate is then opened so the process can end
+CHECK_S = 0.5
+
+
+def _stays(predicate, seconds=CHECK_S) -> bool:
+    """predicate() holds throughout `seconds` (polled): a gate-held state that correct code keeps."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if not predicate():
+            return False
+        time.sleep(0.001)
+    return predicate()
 
 
 class Gates:
@@ -144,7 +158,10 @@ def test_comes_after_the_previous_iterations_rewrite_of_the_row(rig):
     cur.wait_stream(forward)  # its barrier
     worker.submit("r", list(range(7, 7 + T)), table)  # the request finishes
     worker.flush()
-    checkpoint_gate[0] = 1  # the rewrite runs now: a copy that did not wait for it has read the old row
+    seq = worker._handed
+    assert _stays(lambda: worker._done_now() < seq), \
+        "the record was published while the previous iteration's rewrite of the row was still held"
+    checkpoint_gate[0] = 1  # the rewrite runs now
     assert _published(worker, worker._handed), "the record was not published with the forward held"
     gates.open_all()
     assert torch.equal(_record_rows(rig, "r"), rig["rows"]["new"]), \
@@ -161,6 +178,9 @@ def test_a_later_rewrite_of_the_row_waits_for_the_copy(rig):
     worker.submit("r", list(range(7, 7 + T)), table)
     worker.flush()
     table.copy_(rig["old"])  # SGLang reuses the request's pool row, on the current stream
+    rewritten = torch.cuda.Event()
+    rewritten.record()
+    assert _stays(lambda: not rewritten.query()), "the row was rewritten while the hand-over's copy was held"
     side_gate[0] = 1
     assert _published(worker, worker._handed)
     gates.open_all()

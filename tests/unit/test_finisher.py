@@ -547,23 +547,24 @@ def test_a_finish_after_close_is_published_at_once(writer, tmp_path):
 
 
 def test_each_iteration_start_marks_the_stream_for_the_hand_overs(writer, monkeypatch):
-    """get_next_batch_to_run's hook marks the iteration's start (FinishWorker.mark_iteration: on CUDA the
-    event a hand-over's slot-id copy waits for, tests/gpu/test_finish_overlap_gpu.py) and only it: the
-    idle path and intake do not (a mark after a launch would put the copy behind SGLang's barrier).
+    """ingest_requests' hook, first in every iteration of SGLang's event loops, marks the iteration's start
+    (FinishWorker.mark_iteration: on CUDA the event a hand-over's slot-id copy waits for,
+    tests/gpu/test_finish_overlap_gpu.py), before the intake (a pause_generation(retract) in it processes
+    results), and only it: a mark later in the iteration could follow its launch and SGLang's barrier.
     Without CUDA a mark is nothing."""
     from sglang_hs.server.patches import capture_hooks
 
     worker = _worker(writer)
-    marks = []
-    monkeypatch.setattr(worker, "mark_iteration", lambda: marks.append(len(marks)))
+    calls = []
+    monkeypatch.setattr(worker, "mark_iteration", lambda: calls.append("mark"))
     monkeypatch.setattr(capture_hooks, "_finisher", worker)
-    for name in ("on_idle", "get_next_batch_to_run", "_pull_raw_reqs"):
-        monkeypatch.setitem(capture_hooks.ORIGINALS, name, lambda self: None)
+    for name in ("on_idle", "get_next_batch_to_run", "_pull_raw_reqs", "ingest_requests"):
+        monkeypatch.setitem(capture_hooks.ORIGINALS, name, lambda self, n=name: calls.append(n))
+    capture_hooks._ingest_requests(object())
+    capture_hooks._get_next_batch_to_run(object())
     capture_hooks._on_idle(object())
     capture_hooks._pull_raw_reqs(object())
-    assert marks == []
-    capture_hooks._get_next_batch_to_run(object())
-    assert marks == [0]
+    assert calls == ["mark", "ingest_requests", "get_next_batch_to_run", "on_idle", "_pull_raw_reqs"]
     monkeypatch.undo()
     worker.mark_iteration()  # no CUDA hand-over yet: no side stream, no event
     assert worker._mark is None

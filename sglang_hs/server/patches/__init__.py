@@ -13,7 +13,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | routed_experts (publish a finished request), |                  |
 |                   | SchedulerRequestReceiver._pull_raw_reqs      |                  |
 |                   | (admission control),                         |                  |
-|                   | Scheduler.ingest_requests (to see its queues)|                  |
+|                   | Scheduler.ingest_requests (to see its queues;|                  |
+|                   | on CUDA mark each iteration's start for the  |                  |
+|                   | finish hand-over's slot-id copy),            |                  |
 |                   | ModelRunner.forward (count each step in      |                  |
 |                   | the status; step hooks of --hs-copy staging) |                  |
 |                   | and ModelRunner.alloc_memory_pool (hold the  |                  |

@@ -280,11 +280,9 @@ def _finish_worker(processor):
 
 def _get_next_batch_to_run(self, *args, **kwargs):
     """Scheduler.get_next_batch_to_run, at the start of every iteration: take the worker's results
-    (admission reservations of published records go back), without waiting for it; on CUDA mark the
-    iteration's start on the stream, which this iteration's hand-overs copy their slot ids after."""
+    (admission reservations of published records go back), without waiting for it."""
     if _finisher:
         _finisher.poll()
-        _finisher.mark_iteration()
     return ORIGINALS["get_next_batch_to_run"](self, *args, **kwargs)
 
 
@@ -298,8 +296,15 @@ def _on_idle(self, *args, **kwargs):
 
 
 def _ingest_requests(self, *args, **kwargs):
+    """Scheduler.ingest_requests, first in every iteration of both event loops: on CUDA mark the
+    iteration's start on the stream (FinishWorker.mark_iteration), after the previous iteration's result
+    processing and before this iteration's launch. This iteration's hand-overs copy their slot ids after
+    it, those of a pause_generation(retract) inside the intake too (it processes the last batch's
+    results there)."""
     global _scheduler
     _scheduler = self
+    if _finisher:
+        _finisher.mark_iteration()
     return ORIGINALS["ingest_requests"](self, *args, **kwargs)
 
 

@@ -252,15 +252,15 @@ class FinishWorker:
         self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason, ticket=ticket))
 
     def mark_iteration(self) -> None:
-        """CUDA, at the start of every scheduler iteration (get_next_batch_to_run's hook): an event on the
-        current stream, after everything the previous iteration queued there (its result processing: the
-        radix cache's checkpoint of an unfinished request rewrites its req_to_token row) and before this
+        """CUDA, at the start of every scheduler iteration (ingest_requests' hook): an event on the current
+        stream, after everything the previous iteration queued there (its result processing: the radix
+        cache's checkpoint of an unfinished request rewrites its req_to_token row) and before this
         iteration's launch and SGLang's write-after-read barrier behind it. A hand-over's slot-id copy
-        waits for the latest mark only (submit)."""
+        waits for the latest mark only (submit: a stream wait takes the event's latest record)."""
         if self._side is not None:
-            mark = torch.cuda.Event()
-            mark.record()
-            self._mark = mark
+            if self._mark is None:
+                self._mark = torch.cuda.Event()
+            self._mark.record()
 
     def pending_rids(self) -> List[str]:
         return list(self._pending.values())
