@@ -4,7 +4,8 @@ code passes never depends on timing.
 
 SGLang 0.5.23's overlap loop, one iteration: ingest_requests (our hook: mark_iteration), launch step
 N+1 on the forward stream, make the schedule stream wait for it (`_apply_war_barrier`), then process
-step N's results on the schedule stream, where the finish hook hands a request over. Three orderings the hand-over must keep:
+step N's results on the schedule stream, where the finish hook hands a request over.
+Three orderings the hand-over must keep:
 
 1. it does not wait for forward N+1: a copy behind the barrier would start the gather only after that
    forward, while step N+2's writes into slots freed at N wait for the gather (GPU idle);
