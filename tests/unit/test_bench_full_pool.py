@@ -42,7 +42,8 @@ def test_overlap_model_rows_exact(tmp_path):
     s = _summary(tmp_path, "gpu-model,gpu-model-before")
     for design in ("gpu-model", "gpu-model-before"):
         assert int(s[design]["rows_checked"]) > 0 and int(s[design]["records"]) > 0, s[design]
-        assert int(s[design]["bad_rows"]) == 0, f"{design}: {s[design]['bad_rows']} rows overwritten before their gather"
+        assert int(s[design]["bad_rows"]) == 0, \
+            f"{design}: {s[design]['bad_rows']} rows overwritten before their gather"
         assert s[design]["stalled_steps"] != "", "the overlap model reports the forward stream's waits"
 
 

@@ -179,7 +179,8 @@ class FinishWorker:
         """Hand over a finished request: its token ids (a list or an int64 array.array the caller no
         longer changes, or a tensor) and its KV slots in position order (a view of req_to_token is fine:
         the slot ids are copied here, before SGLang reuses the row), its prompt length and the token after
-        its last row. A list or an array is converted on the worker thread. `ticket` (its admission ticket) goes back to on_done.
+        its last row. A list or an array is converted on the worker thread. `ticket` (its admission
+        ticket) goes back to on_done.
         On CUDA the slot ids and the rows (direct mode) must be final when submit is called: the forward
         that wrote the request's last rows has completed, as it has in SGLang's result processing (it
         synchronises the batch's copy_done before it finishes a request); the copy to the host does not
@@ -206,12 +207,12 @@ class FinishWorker:
             self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
             # Not behind the current stream's newest work: under the overlap scheduler the current (schedule)
             # stream already waits for the forward launched just before this result processing (SGLang's
-            # write-after-read barrier: all of it for a prefill step), and a copy queued there would start the gather only after that
-            # forward, while the next step's writes may wait for the gather: the GPU would idle. On a side
-            # stream that waits for the iteration's start (mark_iteration: after the previous iteration's
-            # result processing, whose radix-cache checkpoints may still rewrite this request's row, and
-            # before this iteration's launch). The request's own forward is synchronised by the host already
-            # (process_batch_result: copy_done), so its rows and slot ids are final.
+            # write-after-read barrier: all of it for a prefill step), and a copy queued there would start
+            # the gather only after that forward, while the next step's writes may wait for the gather: the
+            # GPU would idle. On a side stream that waits for the iteration's start (mark_iteration: after
+            # the previous iteration's result processing, whose radix-cache checkpoints may still rewrite
+            # this request's row, and before this iteration's launch). The request's own forward is
+            # synchronised by the host already (process_batch_result: copy_done): its rows and ids are final.
             current = torch.cuda.current_stream(slots.device)
             stream = self._side if self._mark is not None else current  # no mark yet: the current stream
             host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
