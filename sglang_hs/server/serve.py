@@ -85,6 +85,11 @@ def check_server_args(cfg) -> None:
             "turn it off",
         getattr(cfg, "enable_lora", False)
         and "--enable-lora: a record would not say which LoRA adapter computed its rows; serve the target without adapters",
+        # Its own event loop processes prefill and decode results on two streams and never runs the intake
+        # hook the finish hand-over's ordering relies on (finisher.submit, mark_iteration): not checked
+        getattr(cfg, "enable_pdmux", False)
+        and "--enable-pdmux: its event loop and two result streams are not checked with sglang-hs's finish path; "
+            "drop it",
     ]
     for message in refusals:
         if message:

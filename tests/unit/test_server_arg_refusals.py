@@ -38,6 +38,7 @@ REFUSED = [
     (["--tp", "2", "--attn-cp-size", "2"], "--attn-cp-size > 1"),
     (["--pp-size", "2"], "--pp-size > 1"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    (["--enable-pdmux"], "--enable-pdmux"),
     (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
     (["--enable-torch-compile"], "--enable-torch-compile"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"], "--enable-lora"),
