@@ -85,9 +85,14 @@ class _GcPauses:
     """Seconds the scheduler (main) thread spent in Python's garbage collector, from gc.callbacks."""
     seconds = 0.0
     _t0 = 0.0
+    _installed = False
 
     @classmethod
     def install(cls) -> None:
+        """Once per process (main() may run more than once in one, as the unit test runs it)."""
+        if cls._installed:
+            return
+        cls._installed = True
         main = threading.main_thread().ident
 
         def callback(phase, info):
@@ -98,8 +103,7 @@ class _GcPauses:
             else:
                 cls.seconds += time.perf_counter() - cls._t0
 
-        if callback not in gc.callbacks:
-            gc.callbacks.append(callback)
+        gc.callbacks.append(callback)
 
 
 class Window:
