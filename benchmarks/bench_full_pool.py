@@ -48,9 +48,9 @@ CPU engine's, on the scheduler thread; on CUDA the wait is the forward stream's,
 Each timed window reads the wall clock (perf_counter: no system call) inside the thread's CPU clock
 (thread_time: a system call that brings the thread's runtime up to date, so the kernel switches out a
 thread whose time slice has run out right there instead of at its next tick): a preemption owed to the
-code before a window is not charged to the window. Measured before and after this ordering, the
-gpu-model's p99 went from 12.6 ms (the excess all in the first, nearly empty window after the step's
-scheduling, with no CPU time in it) to 0.56 ms.
+code before a window is not charged to the window. Before this ordering, in a two-run benchmark whose
+gpu-model p99 was 12.6 ms, the excess of every slow step sat in the first, nearly empty window after the
+step's scheduling, with no CPU time in it.
 
     python benchmarks/bench_full_pool.py --out benchmarks/results   # bench_full_pool.csv, _summary.csv, .png
 """
@@ -124,11 +124,14 @@ class Window:
         self.cpu = time.thread_time() - self.cpu
         return False
 
-    def charge(self, t, key: str = "capture") -> "Window":
+    def charge(self, t, key: str = "capture", part: Optional[str] = None) -> None:
+        """Book the window into counter `t`: `key`_s and `key`_cpu_s without the GC pauses, gc_s, and the
+        wall time again under `part` when given (which piece of capture code it was)."""
         t[f"{key}_s"] += self.wall - self.gc
         t[f"{key}_cpu_s"] += max(0.0, self.cpu - self.gc)
         t["gc_s"] += self.gc
-        return self
+        if part is not None:
+            t[part] += self.wall - self.gc
 
 
 # -- the old design, reproduced for comparison (sglang_hs/server/store/finisher.py before issue 32) -------------
@@ -425,7 +428,8 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
 
 # -- the CUDA path under the overlap scheduler, modelled on the CPU --------------------------------------------
 class _Gate(threading.Event):
-    """A job's `ready` event (torch.cuda.Event on a GPU): the worker's synchronize() waits for it."""
+    """A step's forward done, set by the device thread; also usable as a job's `ready` event (a
+    torch.cuda.Event on a GPU), whose synchronize() the worker waits on."""
     synchronize = threading.Event.wait
 
 
@@ -502,7 +506,7 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
             t = collections.Counter()
             with Window() as w:
                 worker.poll()  # get_next_batch_to_run's hook: hands over the requests the last iteration finished
-            t["poll_s"] += w.charge(t).wall - w.gc
+            w.charge(t, part="poll_s")
             aux, last = bufs[step % 2]
             aux_tags = aux.view(torch.int32)
             forwarded, finishing, locs = 0, [], []
@@ -520,11 +524,11 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                 finishing.append((f"{design}-{rep}-{n_req}", m, plen, ids, prefix, new))
             with Window() as w:
                 bound = worker.step_bound()  # order_device_writes: the gathers this step's slots may be read by
-            t["bound_s"] += w.charge(t).wall - w.gc
-            done = threading.Event()
+            w.charge(t, part="bound_s")
+            done = _Gate()
             device.q.put((step, bound, aux[:forwarded], last[:forwarded], torch.cat(locs), done))
             if prev is not None:  # step N-1's results: the result sync, then SGLang's result processing
-                pstep, pfinishing, pdone = prev
+                pfinishing, pdone = prev
                 pdone.wait()
                 if device.error is not None:
                     raise RuntimeError(f"{design}: the device thread failed") from device.error
@@ -532,17 +536,16 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                     slots = torch.cat([prefix.to(torch.int64), new])
                     with Window() as w:
                         worker.submit(rid, ids, slots)
-                    t["submit_s"] += w.charge(t).wall - w.gc
+                    w.charge(t, part="submit_s")
                     if design == "gpu-model-before":  # the slot ids land after forward N (launched above)
-                        gate = worker._batch[-1].ready = _Gate()
-                        threading.Thread(target=lambda g=gate, d=done: (d.wait(), g.set()), daemon=True).start()
+                        worker._batch[-1].ready = done
                     t["rows"] += len(ids)
                     t["hits"] += plen
                     jobs.put((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
                     ts = time.perf_counter()
                     release(tree, alloc, m, plen, ids, slots)
                     t["sglang_s"] += time.perf_counter() - ts
-            prev = (step, finishing, done)
+            prev = (finishing, done)
             if full_at is None and alloc.available_size() < args.step_tokens and tree.evictable_size() > 0:
                 full_at = step
             if full:
@@ -556,7 +559,7 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                 print(f"  {design} rep {rep} step {measured:3d}: capture {r['capture_ms']:8.3f} ms "
                       f"(cpu {r['capture_cpu_ms']:.3f}), {r['rows_gathered']} rows, {r['prefix_hit_tokens']} hit",
                       flush=True)
-        prev[2].wait()
+        prev[1].wait()
         device.q.put(None)
         device.join(timeout=60)
         for r in out_rows:  # the stall of each measured step's forward is known once it ran
