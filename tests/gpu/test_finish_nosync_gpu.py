@@ -7,8 +7,8 @@ a DEVICE tensor, a view of a req_to_token table, as SGLang's result processing h
 torch.cuda.set_sync_debug_mode("error"): any blocking copy, `.cpu()`, `.item()` or stream/device
 synchronize on any thread during the hand-over raises. The stream must still be busy when the
 hand-overs return (nothing waited for it). As in SGLang, the step that wrote a request's rows is
-synchronised by the host before the request is found finished (process_batch_result: copy_done). Then every record is read back and compared row by row
-with the rows the step computed, so the asynchronous path is also exact: the slot ids came across
+synchronised by the host before the request is found finished (process_batch_result: copy_done).
+Then every record is read back and compared row by row with the rows the step computed, so the asynchronous path is also exact: the slot ids came across
 after the table was written, and the rows had landed before the worker gathered them."""
 import os
 import shutil

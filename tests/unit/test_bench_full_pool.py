@@ -5,9 +5,10 @@ SGLang's real token allocator and radix cache, kept full; each step scheduled an
 previous step's results are processed; the step's writes into the store ordered only by the bound the
 real FreeListOrder gives (FinishWorker.step_bound, what order_device_writes hands the GPU); every row
 tagged (slot, step) and every record checked by a HiddenStateReader in another process. Every row must
-come back as written, and a bound that is too small (one gather short) must show as bad rows: the
+come back as written, and writes that wait for no gather (a bound of 0) must show as bad rows: the
 model can see an early write, so its 0 means something. Gathers are slowed (SGLANG_HS_TEST_FINISH_DELAY)
 so writes into slots they read are always pending somewhere."""
+import csv
 import os
 import sys
 
@@ -24,8 +25,6 @@ SMALL = ["--slots", "3072", "--step-tokens", "1024", "--max-req", "256", "--doc-
 
 def _summary(tmp_path, designs):
     assert bench_full_pool.main(SMALL + ["--out", str(tmp_path), "--designs", designs]) in (0, 1)
-    import csv
-
     with open(tmp_path / "bench_full_pool_summary.csv") as f:
         return {r["design"]: r for r in csv.DictReader(f)}
 
