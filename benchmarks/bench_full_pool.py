@@ -14,7 +14,7 @@ code, INCLUDING any wait in allocation; the designs side by side in one run, wit
   gpu-model         the CUDA path, `--hs-copy direct`, under SGLang's overlap scheduler, each CUDA call
         replaced by its host-side meaning (run_overlap): step N+1 is scheduled and launched (its bound
         from the real FreeListOrder on the real allocator: order_device_writes) before step N's results
-        are processed; a device thread stands in for the forward stream (it waits for the bound, the
+        are processed; a device process stands in for the forward stream (it waits for the bound, the
         GPU's cuStreamWaitValue64, then writes the step's rows and runs out the forward). The scheduler
         thread's capture code is the poll, the bound and the hand-overs; the stream's wait is GPU idle
         time (`device_stall_ms`), not the scheduler's
@@ -61,7 +61,6 @@ import collections
 import gc
 import multiprocessing as mp
 import os
-import queue
 import random
 import shutil
 import statistics
@@ -257,16 +256,16 @@ def _reader(dump_dir: str, jobs, results) -> None:
     with HiddenStateReader(dump_dir) as reader:
         results.put("ready")
         while True:
-            job = jobs.get()
-            if job is None:
+            step = jobs.get()  # a step's finished requests: (rid, its rows' expected (slot, generation) tags)
+            if step is None:
                 break
-            rid, expected = job
-            rec = reader.take(rid, timeout=600)
-            got = rec.aux_hidden_states[:, 0, :4].contiguous().view(torch.int32)[:, :2]
-            exp = torch.frombuffer(bytearray(expected), dtype=torch.int32).view(-1, 2)
-            bad += int((got != exp).any(dim=1).sum())
-            rows += exp.shape[0]
-            records += 1
+            for rid, expected in step:
+                rec = reader.take(rid, timeout=600)
+                got = rec.aux_hidden_states[:, 0, :4].contiguous().view(torch.int32)[:, :2]
+                exp = torch.frombuffer(bytearray(expected), dtype=torch.int32).view(-1, 2)
+                bad += int((got != exp).any(dim=1).sum())
+                rows += exp.shape[0]
+                records += 1
     results.put((records, rows, bad))
 
 
@@ -380,18 +379,20 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
             # and the next step is scheduled at once (as under the overlap scheduler): the frees of one step
             # meet the allocations of the next with no forward between them
             time.sleep(max(0.0, step_end - time.perf_counter()))
+            expected = []
             for rid, m, plen, ids, prefix, new in finishing:  # result processing: the step's requests finish
                 slots = torch.cat([prefix.to(torch.int64), new])
                 with Window() as w:
                     worker.submit(rid, ids, slots)
                 w.charge(t)
                 t["rows"] += len(ids)
-                jobs.put((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
+                expected.append((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
                 ts = time.perf_counter()
                 w = release(tree, alloc, m, plen, ids, slots)  # the old design's hold runs in its free
                 t["sglang_s"] += time.perf_counter() - ts - (w.wall if design == "old" else 0.0)
                 if design == "old":
                     w.charge(t)
+            jobs.put(expected)  # one message per step: the queue's feeder thread wakes once
             alloc_wait = timers["alloc_wait_s"] - before.get("alloc_wait_s", 0.0)
             write_wait = writer.stats["write_wait_s"] - wait0
             order = timers["order_s"] - before.get("order_s", 0.0)
@@ -427,53 +428,126 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
 
 
 # -- the CUDA path under the overlap scheduler, modelled on the CPU --------------------------------------------
-class _Gate(threading.Event):
-    """A step's forward done, set by the device thread; also usable as a job's `ready` event (a
-    torch.cuda.Event on a GPU), whose synchronize() the worker waits on."""
-    synchronize = threading.Event.wait
+def _device_main(dump: str, ctl_dir: str, slots: int, cap: int, step_ms: float, q, done, out) -> None:
+    """The stand-in forward stream's process (_Device): each launched step waits until the worker's done
+    counter reaches the step's bound (cuStreamWaitValue64 polls a memory word the same way), writes the
+    step's rows into the store (the copy kernel inside the forward), runs out the forward, then sends the
+    step's number on `done`. Sends {step: seconds waited for gathers} on `out` at the end."""
+    from sglang_hs._ext import ext
+    from sglang_hs.server.store.shm import SharedRegion
+
+    torch.set_num_threads(1)
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    ctl = SharedRegion.open(ctl_dir, "device-ctl.bin")
+    store = SharedRegion.open(dump, "store-w0.bin").buf.view(torch.bfloat16).view(slots, P, H)
+    rows = [_rows_views(SharedRegion.open(ctl_dir, f"rows-{b}.bin").buf, cap) for b in (0, 1)]
+    stall = {}
+    while True:
+        item = q.get()
+        if item is None:
+            break
+        step, bound, n, b = item
+        t0 = time.perf_counter()
+        while ctl.load_acquire(0) < bound:
+            time.sleep(50e-6)
+        stall[step] = time.perf_counter() - t0
+        aux, last, loc = rows[b]
+        ext().copy_rows_cpu(aux[:n], last[:n], loc[:n], store)
+        time.sleep(max(0.0, t0 + stall[step] + step_ms / 1e3 - time.perf_counter()))
+        done.send(step)
+    out.put(stall)
 
 
-class _Device(threading.Thread):
-    """Stands in for the GPU's forward stream: each launched step first waits until the finish worker has
-    done the gathers its slots may be read by (what order_device_writes' cuStreamWaitValue64 makes the
-    stream do), then writes its rows into the store (the copy kernel inside the forward: the CPU op here),
-    then runs for the rest of the forward. Steps run one after another, as on one stream. The thread runs
-    at the lowest CPU priority (nice 19): a GPU takes no host CPU for its copy, and here the copy of a
-    step's ~470 MB would otherwise share the two cores with the scheduler thread's result processing."""
+def _rows_views(buf, cap: int):
+    """One step's rows in a shared buffer: aux [cap, K*H] and last [cap, H] bf16, loc [cap] int64."""
+    a, l_ = cap * K * H * 2, cap * H * 2
+    return (buf[:a].view(torch.bfloat16).view(cap, K * H), buf[a: a + l_].view(torch.bfloat16).view(cap, H),
+            buf[a + l_: a + l_ + cap * 8].view(torch.int64))
 
-    def __init__(self, worker, store, step_ms: float) -> None:
-        super().__init__(name="device", daemon=True)
-        self.worker, self.store, self.step_s = worker, store, step_ms / 1e3
-        self.q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.stall_s: dict = {}  # step -> seconds the stream waited for gathers before its forward
-        self.error: Optional[BaseException] = None
 
-    def run(self) -> None:
-        from sglang_hs._ext import ext
+class _Device:
+    """Stands in for the GPU's forward stream, in its own process (_device_main): a GPU holds no lock of
+    the scheduler's process and takes no CPU of its threads, and a thread standing in for it would hold
+    the GIL between its calls (at nice 19 it could be preempted holding it, and the scheduler thread
+    would wait for it). The worker's done counter it waits on is a shared word (on CUDA, the pinned
+    `_done_dev` that order_device_writes' stream wait polls); the step's rows are shared memory too (two
+    buffers: step N's are read while step N+1's are tagged). A forward's completion comes back on a pipe,
+    read by one thread that wakes once per step: like a CUDA event's, it is waited for without the GIL
+    (polling for it from the worker would take the GIL every few microseconds). The process runs at the
+    lowest CPU priority (nice 19): a GPU takes no host CPU for its copy, and here the copy of a step's
+    ~470 MB would otherwise share the two cores with the scheduler thread's result processing."""
 
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            step, bound, aux, last, loc, done = item
-            try:
-                t0 = time.perf_counter()
-                self.worker._wait_for(bound)
-                self.stall_s[step] = time.perf_counter() - t0
-                ext().copy_rows_cpu(aux, last, loc, self.store)
-                time.sleep(max(0.0, t0 + self.stall_s[step] + self.step_s - time.perf_counter()))
-            except BaseException as e:  # noqa: BLE001 - raised on the scheduler thread
-                self.error = e
-            finally:
-                done.set()
+    def __init__(self, worker, dump: str, slots: int, cap: int, step_ms: float) -> None:
+        from sglang_hs.server.store.shm import SharedRegion
+
+        self.dir = tempfile.mkdtemp(prefix="hs-device-", dir="/dev/shm")
+        self.ctl = SharedRegion.create(self.dir, "device-ctl.bin", 8)  # the worker's gathers done
+        worker._done_dev = self.ctl.buf[:8].view(torch.int64)  # the worker publishes its done count there
+        worker._done_dev[0] = worker._done_now()
+        nbytes = cap * (K * H * 2 + H * 2 + 8)
+        self.rows = [_rows_views(SharedRegion.create(self.dir, f"rows-{b}.bin", nbytes).buf, cap) for b in (0, 1)]
+        ctx = mp.get_context("spawn")
+        self.q, self.out = ctx.SimpleQueue(), ctx.SimpleQueue()  # no feeder thread in the scheduler's process
+        recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_device_main, daemon=True,
+                                args=(dump, self.dir, slots, cap, step_ms, self.q, send, self.out))
+        self.proc.start()
+        send.close()
+        self.done, self._cv = 0, threading.Condition()
+        threading.Thread(target=self._completions, args=(recv,), name="device-done", daemon=True).start()
+
+    def launch(self, step: int, bound: int, n: int) -> None:
+        self.q.put((step, bound, n, step % 2))
+
+    def _completions(self, recv) -> None:
+        try:
+            while True:
+                step = recv.recv()  # blocks without the GIL
+                with self._cv:
+                    self.done = step
+                    self._cv.notify_all()
+        except EOFError:  # the process ended
+            with self._cv:
+                self._cv.notify_all()
+
+    def wait(self, step: int) -> None:
+        """Until forward `step` is done (the result sync; for gpu-model-before, also a job's slot ids)."""
+        with self._cv:
+            while self.done < step:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"the device process died (exit code {self.proc.exitcode})")
+                self._cv.wait(timeout=1.0)
+
+    def close(self) -> dict:
+        """Stop the process once its queued steps ran; the seconds each step waited for gathers."""
+        self.q.put(None)
+        stall = self.out.get()
+        self.proc.join(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return stall
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _StepDone:
+    """gpu-model-before: a job's `ready` event (a torch.cuda.Event on a GPU, whose synchronize() the worker
+    calls): the slot ids land once forward `step` is done."""
+
+    def __init__(self, device: _Device, step: int) -> None:
+        self.device, self.step = device, step
+
+    def synchronize(self) -> None:
+        self.device.wait(self.step)
 
 
 def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
     """The CUDA path, `--hs-copy direct`, under SGLang's overlap scheduler, with every CUDA call replaced by
     its host-side meaning: each iteration polls the worker, schedules step N (SGLang's allocator watched by
     the real FreeListOrder: FinishWorker.watch_allocator), takes the step's bound (step_bound, what
-    order_device_writes hands the stream), launches it on the device thread, waits for step N-1's forward
+    order_device_writes hands the stream), launches it on the device process, waits for step N-1's forward
     (the result sync, not capture code), and processes N-1's results (hand-overs, radix insert, frees).
     `gpu-model` hands the slot ids over at once (a side-stream copy, finisher.submit now);
     `gpu-model-before` as until this change: the slot-id copy sat on the schedule stream behind SGLang's
@@ -493,12 +567,8 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
         worker = FinishWorker(writer)
         worker.watch_allocator(alloc)
         reader, jobs, results = start_reader(dump)
-        device = _Device(worker, writer.store, args.step_ms)
-        device.start()
+        device = _Device(worker, dump, args.slots + 1, args.step_tokens + args.max_req, args.step_ms)
         rng = random.Random(1000 + rep)  # the same request stream as the other designs
-        rows_cap = args.step_tokens + args.max_req
-        bufs = [(torch.zeros(rows_cap, K * H, dtype=torch.bfloat16), torch.zeros(rows_cap, H, dtype=torch.bfloat16))
-                for _ in range(2)]  # step N's rows, read by the device while step N+1's are written
         step, measured, n_req, full_at, prev = 0, 0, 0, None, None
         while measured < args.steps:
             step += 1
@@ -507,7 +577,7 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
             with Window() as w:
                 worker.poll()  # get_next_batch_to_run's hook: hands over the requests the last iteration finished
             w.charge(t, part="poll_s")
-            aux, last = bufs[step % 2]
+            aux, _, loc = device.rows[step % 2]
             aux_tags = aux.view(torch.int32)
             forwarded, finishing, locs = 0, [], []
             while forwarded < args.step_tokens:  # step N's batch: scheduled, its rows tagged (slot, generation)
@@ -525,27 +595,26 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
             with Window() as w:
                 bound = worker.step_bound()  # order_device_writes: the gathers this step's slots may be read by
             w.charge(t, part="bound_s")
-            done = _Gate()
-            device.q.put((step, bound, aux[:forwarded], last[:forwarded], torch.cat(locs), done))
+            loc[:forwarded] = torch.cat(locs)
+            device.launch(step, bound, forwarded)
             if prev is not None:  # step N-1's results: the result sync, then SGLang's result processing
-                pfinishing, pdone = prev
-                pdone.wait()
-                if device.error is not None:
-                    raise RuntimeError(f"{design}: the device thread failed") from device.error
-                for rid, m, plen, ids, prefix, new in pfinishing:
+                device.wait(step - 1)
+                expected = []
+                for rid, m, plen, ids, prefix, new in prev:
                     slots = torch.cat([prefix.to(torch.int64), new])
                     with Window() as w:
                         worker.submit(rid, ids, slots)
                     w.charge(t, part="submit_s")
                     if design == "gpu-model-before":  # the slot ids land after forward N (launched above)
-                        worker._batch[-1].ready = done
+                        worker._batch[-1].ready = _StepDone(device, step)
                     t["rows"] += len(ids)
                     t["hits"] += plen
-                    jobs.put((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
+                    expected.append((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
                     ts = time.perf_counter()
                     release(tree, alloc, m, plen, ids, slots)
                     t["sglang_s"] += time.perf_counter() - ts
-            prev = (finishing, done)
+                jobs.put(expected)  # one message per step: the queue's feeder thread wakes once
+            prev = finishing
             if full_at is None and alloc.available_size() < args.step_tokens and tree.evictable_size() > 0:
                 full_at = step
             if full:
@@ -559,17 +628,16 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                 print(f"  {design} rep {rep} step {measured:3d}: capture {r['capture_ms']:8.3f} ms "
                       f"(cpu {r['capture_cpu_ms']:.3f}), {r['rows_gathered']} rows, {r['prefix_hit_tokens']} hit",
                       flush=True)
-        prev[1].wait()
-        device.q.put(None)
-        device.join(timeout=60)
+        device.wait(step)
+        stall = device.close()
         for r in out_rows:  # the stall of each measured step's forward is known once it ran
             if r["design"] == design and r["rep"] == rep and "device_step" in r:
-                r["device_stall_ms"] = round(device.stall_s.get(r.pop("device_step"), 0.0) * 1e3, 3)
+                r["device_stall_ms"] = round(stall.get(r.pop("device_step"), 0.0) * 1e3, 3)
         worker.close()
         return finish_reader(reader, jobs, results, design, rep, full_at)
     finally:
-        if device is not None and device.is_alive():
-            device.q.put(None)
+        if device is not None:
+            device.kill()
         if reader is not None and reader.is_alive():
             reader.kill()
         shutil.rmtree(dump, ignore_errors=True)
