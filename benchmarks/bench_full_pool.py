@@ -269,6 +269,12 @@ def _reader(dump_dir: str, jobs, results) -> None:
     results.put((records, rows, bad))
 
 
+def expected_tags(slots, gen) -> bytes:
+    """What _reader expects of a record's rows: per row its slot id and the generation last written there,
+    as int32 pairs."""
+    return torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()
+
+
 def make_writer(dump: str, args):
     """The real CaptureWriter at DeepSeek-V3 row size; every store row tagged -1, and the generation the
     scheduler last wrote per slot."""
@@ -386,7 +392,7 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
                     worker.submit(rid, ids, slots)
                 w.charge(t)
                 t["rows"] += len(ids)
-                expected.append((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
+                expected.append((rid, expected_tags(slots, gen)))
                 ts = time.perf_counter()
                 w = release(tree, alloc, m, plen, ids, slots)  # the old design's hold runs in its free
                 t["sglang_s"] += time.perf_counter() - ts - (w.wall if design == "old" else 0.0)
@@ -428,7 +434,8 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
 
 
 # -- the CUDA path under the overlap scheduler, modelled on the CPU --------------------------------------------
-def _device_main(dump: str, ctl_dir: str, slots: int, cap: int, step_ms: float, q, done, out) -> None:
+def _device_main(store_dir: str, store_name: str, store_shape, ctl_dir: str, cap: int, step_ms: float, q, done,
+                 out) -> None:
     """The stand-in forward stream's process (_Device): each launched step waits until the worker's done
     counter reaches the step's bound (cuStreamWaitValue64 polls a memory word the same way), writes the
     step's rows into the store (the copy kernel inside the forward), runs out the forward, then sends the
@@ -439,7 +446,7 @@ def _device_main(dump: str, ctl_dir: str, slots: int, cap: int, step_ms: float, 
     torch.set_num_threads(1)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     ctl = SharedRegion.open(ctl_dir, "device-ctl.bin")
-    store = SharedRegion.open(dump, "store-w0.bin").buf.view(torch.bfloat16).view(slots, P, H)
+    store = SharedRegion.open(store_dir, store_name).buf.view(torch.bfloat16).view(store_shape)
     rows = [_rows_views(SharedRegion.open(ctl_dir, f"rows-{b}.bin").buf, cap) for b in (0, 1)]
     stall = {}
     while True:
@@ -477,7 +484,7 @@ class _Device:
     lowest CPU priority (nice 19): a GPU takes no host CPU for its copy, and here the copy of a step's
     ~470 MB would otherwise share the two cores with the scheduler thread's result processing."""
 
-    def __init__(self, worker, dump: str, slots: int, cap: int, step_ms: float) -> None:
+    def __init__(self, worker, writer, cap: int, step_ms: float) -> None:
         from sglang_hs.server.store.shm import SharedRegion
 
         self.dir = tempfile.mkdtemp(prefix="hs-device-", dir="/dev/shm")
@@ -490,7 +497,8 @@ class _Device:
         self.q, self.out = ctx.SimpleQueue(), ctx.SimpleQueue()  # no feeder thread in the scheduler's process
         recv, send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_device_main, daemon=True,
-                                args=(dump, self.dir, slots, cap, step_ms, self.q, send, self.out))
+                                args=(writer.region.dir_path, writer.region.name, tuple(writer.store.shape),
+                                      self.dir, cap, step_ms, self.q, send, self.out))
         self.proc.start()
         send.close()
         self.done, self._cv = 0, threading.Condition()
@@ -567,7 +575,7 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
         worker = FinishWorker(writer)
         worker.watch_allocator(alloc)
         reader, jobs, results = start_reader(dump)
-        device = _Device(worker, dump, args.slots + 1, args.step_tokens + args.max_req, args.step_ms)
+        device = _Device(worker, writer, args.step_tokens + args.max_req, args.step_ms)
         rng = random.Random(1000 + rep)  # the same request stream as the other designs
         step, measured, n_req, full_at, prev = 0, 0, 0, None, None
         while measured < args.steps:
@@ -609,7 +617,7 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                         worker._batch[-1].ready = _StepDone(device, step)
                     t["rows"] += len(ids)
                     t["hits"] += plen
-                    expected.append((rid, torch.stack([slots.to(torch.int32), gen[slots]], 1).numpy().tobytes()))
+                    expected.append((rid, expected_tags(slots, gen)))
                     ts = time.perf_counter()
                     release(tree, alloc, m, plen, ids, slots)
                     t["sglang_s"] += time.perf_counter() - ts
