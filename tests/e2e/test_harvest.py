@@ -299,13 +299,23 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
     rids = [f"behind-{i}" for i in range(N)]
     prompts = {rid: row_judge.prompt_ids(hf, f"Unread request {i} " + "with a longer prompt " * (3 + i % 3))
                for i, rid in enumerate(rids)}
-    before = _status(server.dump)["admission"]
+    status0 = _status(server.dump)
+    before = status0["admission"]
+
+    def accounted(s):  # finishes the file has seen: a record or a marker published, or dropped
+        w, w0 = s["writer"], status0["writer"]
+        return (w["records"] - w0["records"] + w["markers"] - w0["markers"] + w["dropped"] - w0["dropped"]
+                + s["admission"]["markers_dropped"] - before["markers_dropped"])
+
     with cf.ThreadPoolExecutor(8) as pool:  # nobody polls the reader meanwhile
         futures = {rid: pool.submit(server.generate, input_ids=prompts[rid], rid=rid,
                                     sampling_params={**GREEDY, "custom_params": {"hs_capture": True}})
                    for rid in rids}
         outs = {rid: f.result(timeout=150) for rid, f in futures.items()}  # every one served, none held
-    status = _status(server.dump)
+    # the status file is rewritten twice a second: wait for one that has seen every request finish (its
+    # admission counters, counted when each was admitted, then are whole too)
+    status = _status(server.dump, lambda s: accounted(s) >= N)
+    assert accounted(status) == N, status
     a = status["admission"]
     skipped = a["skipped_reader_behind"] - before["skipped_reader_behind"]
     assert skipped > 0 and a["admission_waits"] == before["admission_waits"] and a["held_now"] == 0, a
