@@ -2,8 +2,14 @@
 
 SGLang sets PROMETHEUS_MULTIPROC_DIR before it starts the scheduler processes and its HTTP server
 aggregates every process's metric files, so metrics created here, in the writer's scheduler process,
-appear beside SGLang's `sglang:*` ones. They are refreshed from the writer's and admission control's
-counters by the overlay's status thread (twice a second), never from the forward or the scheduler loop:
+appear beside SGLang's `sglang:*` ones. They are refreshed by the overlay's status thread from each
+snapshot it writes to the status file (every FLUSH_INTERVAL_S), never from the forward or the scheduler
+loop, so they hold exactly that snapshot's figures: `sglang_hs:status_seq` is set last, to the snapshot's
+`seq`, and a /metrics read that shows it shows every figure of that snapshot or of a later one
+(sglang_hs/status.py: metrics_after):
+
+    sglang_hs:status_seq                  the status file snapshot these figures are from (its seq)
+    sglang_hs:requests_unaccounted        its `unaccounted`: requests whose outcome is not counted yet
 
     sglang_hs:records_published_total     finished requests published to the output ring
     sglang_hs:rows_captured_total         token rows in those records
@@ -37,7 +43,6 @@ counters by the overlay's status thread (twice a second), never from the forward
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict
 
 COUNTERS = {  # metric name -> (source, key, help)
     "records_published": ("writer", "records", "Finished requests published to the output ring."),
@@ -70,10 +75,9 @@ def enabled() -> bool:
 
 
 class CaptureMetrics:
-    def __init__(self, sources: Dict[str, dict], ring_fill: Callable[[], float], writer_id: int = 0) -> None:
+    def __init__(self, writer_id: int = 0) -> None:
         from prometheus_client import Counter, Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
 
-        self.sources, self.ring_fill = sources, ring_fill
         labels = {"writer": str(writer_id)}
         self._counters = {}
         for name, (source, key, doc) in COUNTERS.items():
@@ -85,19 +89,25 @@ class CaptureMetrics:
             name = f"not_captured:{reason}"
             self._counters[name] = ("admission", f"skipped_{reason}", skipped.labels(reason=reason, **labels))
             self._seen[name] = 0
-        self._held = Gauge("sglang_hs:admission_held", "Requests held right now until the output ring has room.",
-                           list(labels), multiprocess_mode="mostrecent").labels(**labels)
-        self._pending = Gauge("sglang_hs:finish_pending", "Finished requests handed to the finish worker, not yet "
-                              "published.", list(labels), multiprocess_mode="mostrecent").labels(**labels)
-        self._fill = Gauge("sglang_hs:output_ring_fill_ratio", "Unread bytes / capacity of the output ring.",
-                           list(labels), multiprocess_mode="mostrecent").labels(**labels)
 
-    def refresh(self) -> None:
+        def gauge(name, doc):
+            return Gauge(f"sglang_hs:{name}", doc, list(labels), multiprocess_mode="mostrecent").labels(**labels)
+
+        self._held = gauge("admission_held", "Requests held right now until the output ring has room.")
+        self._pending = gauge("finish_pending", "Finished requests handed to the finish worker, not yet published.")
+        self._fill = gauge("output_ring_fill_ratio", "Unread bytes / capacity of the output ring.")
+        self._unaccounted = gauge("requests_unaccounted", "Requests admitted or held whose outcome is not counted yet.")
+        self._seq = gauge("status_seq", "The status-file snapshot these figures are from (its seq); set last.")
+
+    def refresh(self, snapshot: dict) -> None:
+        """Export one snapshot the status thread wrote (OverlayStatus._flush): its figures, then its seq."""
         for name, (source, key, counter) in self._counters.items():
-            value = self.sources.get(source, {}).get(key, 0)
+            value = snapshot.get(source, {}).get(key, 0)
             if value > self._seen[name]:
                 counter.inc(value - self._seen[name])
                 self._seen[name] = value
-        self._held.set(self.sources.get("admission", {}).get("held_now", 0))
-        self._pending.set(self.sources.get("writer", {}).get("finish_pending", 0))
-        self._fill.set(self.ring_fill())
+        self._held.set(snapshot.get("admission", {}).get("held_now", 0))
+        self._pending.set(snapshot.get("writer", {}).get("finish_pending", 0))
+        self._fill.set(snapshot.get("output_ring_fill") or 0.0)
+        self._unaccounted.set(snapshot.get("unaccounted", 0))
+        self._seq.set(snapshot["seq"])  # last: whoever sees it sees the figures above

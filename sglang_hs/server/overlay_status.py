@@ -6,8 +6,16 @@ forward mode, the aux shape last seen, the last request ids served, and the writ
 control's counters. Steps are counted by the ModelRunner.forward hook (sglang_hs/server/patches/
 capture_hooks.py), which runs for every step the scheduler makes, whether its model ran eagerly or a
 CUDA graph replayed it, and never for graph capture or warm-up passes, which call the model directly.
-Rewritten atomically by a daemon thread at most twice a second, only when its content
-changed, never from the forward itself.
+Rewritten atomically by a daemon thread every FLUSH_INTERVAL_S, never from the forward itself.
+
+A busy machine may run that thread late, so a snapshot says how fresh it is (sglang_hs/status.py reads and
+waits on them): `seq` (+1 per write of this process), `as_of_ns` (time.monotonic_ns(), CLOCK_MONOTONIC,
+one clock for every process of the machine, taken BEFORE anything else is read, so every counter is at
+least that fresh) and `unaccounted` (read next: requests admission control holds or has admitted whose
+outcome is not yet in the counters, 0 on a rank without a writer). Each outcome's counter (records,
+markers, dropped, failed, skipped_*, markers_dropped) is raised before the request stops being
+unaccounted, so a snapshot with `unaccounted` 0 has every outcome of the requests answered before
+`as_of_ns`, and their records are in the output ring.
 """
 from __future__ import annotations
 
@@ -31,7 +39,6 @@ class OverlayStatus:
         self.dump_dir = dump_dir
         self.name = f"overlay-{os.getpid()}.json"
         self._lock = threading.Lock()
-        self._written = None  # the text last written
         self._data = {
             "class": class_name,
             "module": "sglang_hs.server.models.deepseek_v2",
@@ -44,9 +51,19 @@ class OverlayStatus:
         }
         self.sources = {}  # name -> dict of counters kept elsewhere (the writer, admission control)
         self.ring_fill = None  # () -> unread fraction of the output ring, on a writer rank
-        self.listeners = []  # called after each flush (the Prometheus metrics)
+        self.unaccounted = lambda: 0  # () -> requests not yet accounted for (AdmissionControl.unaccounted)
+        self.writer_id = None  # this process's writer (its DP attention rank), once it is a writer rank
+        self.listeners = []  # called with each snapshot written (the Prometheus metrics)
+        self._seq = 0
+        self._stopped = threading.Event()
         self._flush()
-        threading.Thread(target=self._run, name="sglang-hs-status", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="sglang-hs-status", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop rewriting the file (tests; a server's thread ends with its process)."""
+        self._stopped.set()
+        self._thread.join(timeout=10)
 
     def record(self, mode: str, rows: int, rids) -> None:
         """One forward step of the scheduler (ModelRunner.forward, whether the model ran eagerly or a CUDA
@@ -67,12 +84,14 @@ class OverlayStatus:
 
     def _run(self) -> None:
         last_log = time.monotonic()
-        while True:
-            time.sleep(FLUSH_INTERVAL_S)
-            self._flush()
+        while not self._stopped.wait(FLUSH_INTERVAL_S):
+            try:
+                snapshot = self._flush()
+            except FileNotFoundError:  # the dump dir is gone (a test's, or a server being torn down)
+                return
             for listener in list(self.listeners):
                 try:
-                    listener()
+                    listener(snapshot)
                 except Exception as e:  # noqa: BLE001 - metrics must never take the status file down
                     self.listeners.remove(listener)
                     print(f"[sglang-hs] warning: {listener!r} failed and is switched off: {e!r}", file=sys.stderr,
@@ -92,14 +111,20 @@ class OverlayStatus:
               f"admission waits {a.get('admission_waits', 0)}, held now {a.get('held_now', 0)}, "
               f"failed {a.get('failed', 0)}; dropped {w.get('dropped', 0)}", file=sys.stderr, flush=True)
 
-    def _flush(self) -> None:
+    def _flush(self) -> dict:
+        """Write one snapshot (every tick, so `as_of_ns` tells its age) and return it. Order matters: the
+        time first, then `unaccounted`, then the counters (module docstring)."""
+        self._seq += 1
+        head = {"seq": self._seq, "as_of_ns": time.monotonic_ns()}
+        head["unaccounted"] = int(self.unaccounted())
         with self._lock:  # a snapshot only: the scheduler's record() waits on this lock
             payload = {k: (list(v) if isinstance(v, collections.OrderedDict) else
                            dict(v) if isinstance(v, dict) else v) for k, v in self._data.items()}
+        payload.update(head)
+        if self.writer_id is not None:
+            payload["writer_id"] = self.writer_id
         payload.update({name: dict(counters) for name, counters in self.sources.items()})
         if self.ring_fill is not None:
             payload["output_ring_fill"] = round(self.ring_fill(), 4)
-        text = json.dumps(payload, default=dict)
-        if text != self._written:
-            write_private_file(self.dump_dir, self.name, text.encode())
-            self._written = text
+        write_private_file(self.dump_dir, self.name, json.dumps(payload, default=dict).encode())
+        return payload

@@ -457,7 +457,8 @@ class Supervisor:
         that served, so a reader can drain what is left (the next server replaces them)."""
         if not self.dump_dir:
             return
-        patterns = ["overlay-*.json", "store-*.bin", LOCK_NAME]  # this process's lock: it exits next
+        # (.overlay-*.tmp: a status rewrite its process was killed in the middle of)
+        patterns = ["overlay-*.json", ".overlay-*.json.*.tmp", "store-*.bin", LOCK_NAME]  # LOCK_NAME: it exits next
         if not self.ready:
             # the offset file: its reader's (ring.py); NO_WRITER: a node without writers says so (launch_server)
             patterns += ["ring-*.bin", "ring-*.offset", "manifest.json", NO_WRITER]

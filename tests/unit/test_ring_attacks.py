@@ -358,7 +358,8 @@ def test_a_share_group_member_can_write_nothing_in_the_dump_but_the_offset_file(
         spec = CaptureSpec.resolve([1], "both", 4, H)
         w = CaptureWriter(d, spec, 8, torch.bfloat16, 1 << 16)
         w.ring.publish("r0", ids_of(0, 4), rows_of(0, 4, P=3), timeout=1)
-        OverlayStatus(d, "DeepseekV3ForCausalLM", spec)
+        status = OverlayStatus(d, "DeepseekV3ForCausalLM", spec)
+        status.stop()  # its file stays; no temporary file of a rewrite in the listing
         names = sorted(os.listdir(d))
         assert {"manifest.json", "ring-w0.bin", "ring-w0.offset", "store-w0.bin", fsutil.LOCK_NAME} <= set(names) \
             and any(n.startswith("overlay-") for n in names), names

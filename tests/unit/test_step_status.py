@@ -41,7 +41,8 @@ def runner(tmp_path, monkeypatch):
     r.step = lambda fb: capture_hooks._forward(r, fb)
     r.status_file = lambda: (status._flush(), json.load(open(tmp_path / status.name)))[1]
     r.replays = replays
-    return r
+    yield r
+    status.stop()
 
 
 def test_replayed_steps_are_counted_with_their_real_rows_and_rids(runner):

@@ -44,6 +44,7 @@ def _after_init_capturers(self) -> None:
     staging_rows = envs.SGLANG_HS_STAGING_ROWS or (_reserved[0] if _reserved else _default_staging_rows(self))
     _reserved = None  # handed back to the caching allocator, where the staging buffers are carved from it
     num_slots = self.kv_index_translator.capture_token_capacity(self.max_token_pool_size)
+    writer_id = getattr(par, "attn_dp_rank", 0)
     _writer = CaptureWriter(
         envs.SGLANG_HS_DUMP_DIR, model.hs_spec, num_slots, self.model_config.dtype, envs.SGLANG_HS_RING_SIZE,
         model_path=self.model_config.model_path,
@@ -51,7 +52,7 @@ def _after_init_capturers(self) -> None:
         device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
         # one writer per DP attention group; the dump dir is this node's: it lists this node's writers
-        writer_id=getattr(par, "attn_dp_rank", 0), node=node_writers(par),
+        writer_id=writer_id, node=node_writers(par),
     )
     model.hs_writer = _writer
     if str(self.device).startswith("cuda") and _writer.staging is None and not envs.SGLANG_HS_SYNC_FINISH:
@@ -70,10 +71,12 @@ def _after_init_capturers(self) -> None:
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
         status.ring_fill = _writer.ring.fill_ratio
+        status.unaccounted = _admission.unaccounted
+        status.writer_id = writer_id
         from sglang_hs.server import metrics
 
         if metrics.enabled():
-            status.listeners.append(metrics.CaptureMetrics(status.sources, _writer.ring.fill_ratio).refresh)
+            status.listeners.append(metrics.CaptureMetrics(writer_id).refresh)
 
 
 def node_writers(par) -> dict:
@@ -212,12 +215,13 @@ def _after_collect(self, req) -> None:
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
         worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket)
         return
-    _admission.drop(ticket)
     try:
         _writer.finish(str(req.rid), tokens[:T], slots, **said)
     except (TimeoutError, ValueError) as e:  # cannot happen for admitted requests; loudly, not the server
         _writer.stats["dropped"] += 1
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
+    finally:  # after its outcome is counted: the status file's unaccounted
+        _admission.drop(ticket)
 
 
 def _token_record(prompt, output) -> array:
@@ -240,12 +244,13 @@ def _publish_marker(processor, rid: str, reason: str, marked: bool, ticket=None)
     if worker is not None:  # in order with the records; the reservation goes when it is published
         worker.submit_marker(rid, reason, ticket=ticket)
         return
-    _admission.drop(ticket)
     try:
         _writer.publish_marker(rid, reason)
     except (TimeoutError, ValueError) as e:
         _writer.stats["dropped"] += 1
         logger.error("sglang-hs: marker of request %s NOT published: %s", rid, e)
+    finally:  # after its outcome is counted: the status file's unaccounted
+        _admission.drop(ticket)
 
 
 def _finish_worker(processor):

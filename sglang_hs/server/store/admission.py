@@ -156,6 +156,7 @@ class AdmissionControl:
         # record, which releases that very ticket once published (_finishing: finished, not released yet).
         self._tickets: Dict[str, List[Ticket]] = {}  # rid -> tickets, in admission order
         self._finishing: Dict[str, Deque[Ticket]] = {}  # rid -> tickets finished and not released, in that order
+        self._n_tickets = 0  # tickets alive (one int: the status thread reads it, unaccounted())
         region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
         self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
@@ -334,10 +335,18 @@ class AdmissionControl:
                            self.reserved_bytes(), self.ring_name, self.stats["skipped_reader_behind"])
         return free
 
+    def unaccounted(self) -> int:
+        """Requests held or admitted whose outcome is not yet counted (any thread; the status file's
+        `unaccounted`): a ticket goes only after its record, marker or drop was counted, a held request
+        leaves `held` only once admitted (a ticket first) or refused (`failed` first). A moment's
+        over-count while a request moves from one to the other, never an under-count."""
+        return self._n_tickets + len(self.held)
+
     # --- tickets -------------------------------------------------------------------------------------
     def _add(self, req, nbytes: int, decision: Optional[tuple]) -> None:
         ticket = Ticket(str(req.rid), nbytes, decision, getattr(req, "sampling_params", None))
         self._tickets.setdefault(ticket.rid, []).append(ticket)
+        self._n_tickets += 1
 
     def _find(self, rid: str, req=None, finishing_too: bool = True) -> Optional[Ticket]:
         """The ticket of `req` (rid `rid`): the one holding its very sampling params object; else its rid's
@@ -380,6 +389,8 @@ class AdmissionControl:
             entries = table.get(ticket.rid)
             if entries is not None:
                 kept = [t for t in entries if t is not ticket]
+                if table is self._tickets:
+                    self._n_tickets -= len(entries) - len(kept)
                 if not kept:
                     del table[ticket.rid]
                 elif len(kept) != len(entries):
@@ -454,8 +465,8 @@ class AdmissionControl:
             message = (f"sglang-hs: request {rid} held {now - self.held_since[rid]:.0f}s by admission control: the "
                        f"hidden-state output ring stayed full (is the reader of {self.ring_name} running?); "
                        "raise --hs-ring-size or --hs-admission-timeout")
+            out += self._refuse(req, message, 503)  # counted (failed) before it leaves `held`: unaccounted()
             self.held.remove(req)
-            out += self._refuse(req, message, 503)
         return out
 
     def _refuse(self, req, message: str, status_code: int) -> List:

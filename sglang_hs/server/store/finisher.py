@@ -281,12 +281,12 @@ class FinishWorker:
             results, self._results = self._results, collections.deque()
         for seq, rid, err, ticket in results:
             self._pending.pop(seq, None)
-            if self.on_done is not None:
-                self.on_done(rid, ticket)
-            if err is not None:
+            if err is not None:  # counted before on_done releases its ticket (the status file's unaccounted)
                 self.stats["dropped"] += 1
                 self.stats["finish_failed"] += 1
                 logger.error("sglang-hs: record of request %s NOT published: %r", rid, err)
+            if self.on_done is not None:
+                self.on_done(rid, ticket)
         self.stats["finish_pending"] = len(self._pending)
         if self._fatal is not None:
             err, self._fatal = self._fatal, None
