@@ -11,17 +11,37 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is (re)imported: @triton.jit reads it
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from reference import copy_rows_ref
 
-from reference import copy_rows_ref  # noqa: E402
 
-if "sglang_hs.server.ops.copy_rows" in sys.modules:
-    mod = importlib.reload(sys.modules["sglang_hs.server.ops.copy_rows"])
-else:
-    mod = importlib.import_module("sglang_hs.server.ops.copy_rows")
+class _Interpreted:
+    """TRITON_INTERPRET=1 while it is entered (@triton.jit reads it when it decorates, the interpreter when
+    a kernel runs), then as it was: servers the suite starts later inherit this process's environment and
+    must run their own kernels (set at collection for good, it leaked into every later test)."""
+
+    def __enter__(self):
+        self.saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = self.saved
+
+
+with _Interpreted():
+    _name = "sglang_hs.server.ops.copy_rows"
+    mod = importlib.reload(sys.modules[_name]) if _name in sys.modules else importlib.import_module(_name)
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreted():
+    with _Interpreted():
+        yield
 
 PAD_SLOT = 0
 
