@@ -63,6 +63,57 @@ def test_the_bound_is_exactly_the_gathers_the_allocated_slots_may_be_read_by(pag
     assert order.resyncs == 0
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS)
+def test_with_staged_frees_the_bound_is_never_below_the_gathers_the_slots_may_be_read_by(page_size, ops):
+    """need_sort allocators (SGLang sets it with disaggregation) stage frees in release_pages and merge and
+    sort them into the free list when an allocation runs short: the model cannot follow the sort, so from
+    there the bound is every gather handed over. It must never be lower than what the slots need (it was:
+    the merge looked like a negative allocation, and the staged slots kept no tag)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from sglang_hs.server.store.free_list_order import FreeListOrder
+
+    a = (TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", None, need_sort=True) if page_size == 1 else
+         PagedTokenToKVPoolAllocator(SIZE, page_size, torch.float32, "cpu", None, need_sort=True))
+    handed = [0]
+    order = FreeListOrder(a, lambda: handed[0])
+    tag, live = {}, []
+    for op, n in ops:
+        if op in ("hand", "group"):
+            handed[0] += 1
+        elif op == "alloc":
+            out = a.alloc(n * page_size)
+            if out is None:
+                continue
+            want = max((tag.get(int(s), 0) for s in out), default=0)
+            assert order.take_bound() >= want, (op, n)
+            live.append(out)
+        elif op == "free" and live:
+            slots = live.pop(n % len(live))
+            a.free(slots)
+            tag.update((int(s), handed[0]) for s in slots)
+
+
+def test_a_merge_of_staged_frees_resyncs():
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from sglang_hs.server.store.free_list_order import FreeListOrder
+
+    a = TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", None, need_sort=True)
+    handed = [0]
+    order = FreeListOrder(a, lambda: handed[0])
+    out = a.alloc(SIZE - 4)
+    assert order.take_bound() == 0
+    handed[0] = 3
+    a.free(out[:20])  # staged in release_pages, tag 3
+    handed[0] = 7
+    a.alloc(10)  # 4 free: merges the 20 staged ones, sorted among them
+    assert order.take_bound() == 7 and order.resyncs == 1
+
+
 def test_a_change_behind_its_back_falls_back_to_every_gather():
     from sglang_hs.server.store.free_list_order import FreeListOrder
 

@@ -16,7 +16,8 @@ slot freed then can only be read by those); an allocation that takes slots out o
 largest tag among them. Slots free from the start carry tag 0. This is exact for these two allocators
 (tests/unit/test_free_list_order.py checks it against the slot ids on SGLang's real classes) and never
 reads a device tensor. Whatever changes the free list behind the model's back (a path not wrapped here,
-`clear`) makes it fall back to the safe answer: every gather handed over so far.
+`clear`, an allocation that merges and sorts the frees a `need_sort` allocator staged in `release_pages`)
+makes it fall back to the safe answer: every gather handed over so far.
 
 Only counts are observed: the allocator's behaviour, and every rank's scheduling, are SGLang's own.
 """
@@ -103,12 +104,31 @@ class FreeListOrder:
 
         a.clear = cleared
 
+    def _staged(self) -> int:
+        """Frees a need_sort allocator staged out of the free list: the token allocator's release_pages, the
+        page allocator's staged_pages (num_staged_pages)."""
+        a = self.allocator
+        staged = getattr(a, "num_staged_pages", None)
+        if staged is not None:
+            return int(staged)
+        release = getattr(a, "release_pages", None)
+        return 0 if release is None else len(release)
+
     def _taking(self, fn):
         def taking(*args, **kwargs):
             self._check()
-            before = len(self.allocator.free_pages)
+            before, staged = len(self.allocator.free_pages), self._staged()
             out = fn(*args, **kwargs)
-            self._taken(before - len(self.allocator.free_pages))
+            taken = before - len(self.allocator.free_pages)
+            if taken < 0 or self._staged() != staged:
+                # need_sort: the allocation merged the staged frees (release_pages, whose frees the model
+                # never saw enter the free list) into it and sorted it: the runs say nothing of it any more.
+                # This allocation and the list from now on: every gather handed over (never too few).
+                self.resyncs += 1
+                self._bound = max(self._bound, self._gathered())
+                self._reset(self._gathered())
+                return out
+            self._taken(taken)
             return out
 
         taking.__wrapped__ = fn
