@@ -81,6 +81,10 @@ DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 DEFAULT_GATHER_THREADS = 1
+# Seconds the finish worker may go without finishing a job while the forward stream waits on the GPU for it
+# (CUDA, --hs-copy direct) before its watchdog stops the server with the stuck gather named: below SGLang's
+# own --watchdog-timeout (300 s), which would kill the scheduler without saying why.
+DEFAULT_FINISH_WATCHDOG_S = 120.0
 # Provisional: one CPU thread streams ~5-10 GB/s into the store, a GPU's copy to host ~50; the GPU
 # benchmark (benchmarks/bench_gpu_copy.py, staging at 1-8 threads) is what should set it.
 DEFAULT_SCATTER_THREADS = 4
@@ -142,6 +146,10 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # must wait for a gather waits longer (benchmarks/bench_full_pool.py, docs/benchmarks.md).
     "SGLANG_HS_FINISH_NICE": _number("SGLANG_HS_FINISH_NICE", 0, int, lambda x: 0 <= x <= 19,
                                      "an integer 0-19 (added to the finish worker thread's nice value)"),
+    # The finish worker's watchdog (CUDA, --hs-copy direct): seconds without a finished job while the forward
+    # stream waits on the GPU for one, before the server is stopped with the stuck gather named (finisher.py).
+    "SGLANG_HS_FINISH_WATCHDOG_S": _number("SGLANG_HS_FINISH_WATCHDOG_S", DEFAULT_FINISH_WATCHDOG_S, float,
+                                           lambda x: math.isfinite(x) and x > 0, "seconds > 0"),
     # Threads of one record's gather into the output ring (--hs-gather-threads); a record gets at most
     # one thread per 8 MiB of rows (csrc/gather_rows_cpu.cpp), so short records always take one.
     "SGLANG_HS_GATHER_THREADS": _int("SGLANG_HS_GATHER_THREADS", DEFAULT_GATHER_THREADS),

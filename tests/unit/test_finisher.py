@@ -11,6 +11,8 @@ thread, and the test sees it blocked by the worker's own wait (a hook on `_wait_
 sleep."""
 import os
 import threading
+import time
+import types
 
 import pytest
 import torch
@@ -569,3 +571,82 @@ def test_each_iteration_start_marks_the_stream_for_the_hand_overs(writer, monkey
     worker.mark_iteration()  # no CUDA hand-over yet: no side stream, no event
     assert worker._mark is None
     worker.close()
+
+
+def test_the_worker_thread_binds_to_the_schedulers_device_not_device_0(writer, monkeypatch):
+    """Issue 48, item 1: a new thread's current CUDA device is always 0; the worker resolved it on its own
+    thread and set_device'd that, so every writer on another GPU made a CUDA context on GPU 0. The device is
+    now the constructing (scheduler) thread's. The CUDA calls are stand-ins: on the scheduler thread the
+    current device is 3, on any other thread 0, as CUDA's runtime has it."""
+    from sglang_hs.server.store import staging
+
+    scheduler = threading.current_thread()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3 if threading.current_thread() is scheduler else 0)
+    bound = []
+    monkeypatch.setattr(staging, "_prepare_scatter_thread", lambda device: bound.append(device))
+    worker = _worker(writer)
+    assert bound == [torch.device("cuda", 3)], bound
+
+
+def _device_waits(worker, monkeypatch):
+    """The CUDA side of order_device_writes as stand-ins (no GPU here): the pinned done word a plain tensor,
+    the stream wait recorded; the watchdog's way out recorded instead of signalling the test process."""
+    from sglang_hs.server.store import finisher
+
+    waits, tripped = [], []
+    worker._done_dev = torch.zeros(1, dtype=torch.int64)
+    monkeypatch.setattr(finisher, "_stream_wait_value64", lambda stream, addr, value: waits.append(value))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    worker.on_stuck = tripped.append
+    return waits, tripped
+
+
+def test_a_gather_stuck_under_a_device_wait_stops_the_server_with_its_name(writer, monkeypatch, caplog):
+    """Issue 48, item 2: the forward stream waits on the GPU for the worker's counter; if the worker stops
+    advancing it (here a gather that never returns), the scheduler blocks behind the stream for good and the
+    worker's error is never raised. The watchdog names the stuck gather within SGLANG_HS_FINISH_WATCHDOG_S,
+    stops the server (SGLang's way: SIGQUIT to its main process; recorded here), and nothing is published
+    after it, not even once the gather wakes."""
+    worker = _worker(writer)
+    worker.watchdog_s = 0.3
+    waits, tripped = _device_waits(worker, monkeypatch)
+    gate = Gate(writer, rids=["stuck"])
+    worker.submit("stuck", [1, 2], torch.tensor([1, 2]))
+    worker.submit("behind", [3], torch.tensor([3]))
+    assert worker.order_device_writes() and waits == [2]
+    deadline = time.monotonic() + 60
+    while not tripped:  # the watchdog's verdict, published through on_stuck
+        assert time.monotonic() < deadline, "the watchdog never tripped"
+        time.sleep(0.01)
+    assert "stuck" in tripped[0] and "gather 1 (request stuck)" in tripped[0] and "waits on the GPU for gather 2" \
+        in tripped[0], tripped
+    assert "the finish worker is stuck" in caplog.text
+    assert int(worker._done_dev[0]) == 0  # the GPU's wait is not released: the step must not overwrite those slots
+    with pytest.raises(RuntimeError, match="the finish worker is stuck"):
+        worker.poll()
+    gate.per_rid["stuck"].set()  # the gather wakes: it publishes (its rows were never overwritten), the next not
+    worker._wait_for(2)
+    assert writer.stats["records"] == 1 and int(worker._done_dev[0]) == 0, writer.stats
+    with pytest.raises(RuntimeError, match="the finish worker is stuck"):
+        worker.poll()
+
+
+def test_a_slow_worker_that_keeps_finishing_jobs_is_not_tripped(writer, monkeypatch):
+    """The watchdog counts time without a finished job, not the length of a wait: a worker behind by many
+    jobs that finishes one every so often (here each within the limit) never trips it."""
+    worker = _worker(writer)
+    worker.watchdog_s = 0.4
+    waits, tripped = _device_waits(worker, monkeypatch)
+    gate = Gate(writer, rids=[f"slow-{i}" for i in range(4)])
+    for i in range(4):
+        worker.submit(f"slow-{i}", [i], torch.tensor([i + 1]))
+    assert worker.order_device_writes() and waits == [4]
+    for i in range(4):  # one job finished every ~0.2 s: over 0.8 s in all, twice the limit
+        gate.per_rid[f"slow-{i}"].set()
+        worker._wait_for(i + 1)
+        time.sleep(0.2)
+    assert not tripped and writer.stats["records"] == 4 and int(worker._done_dev[0]) == 4
+    worker.poll()

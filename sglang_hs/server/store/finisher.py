@@ -96,6 +96,7 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -160,8 +161,20 @@ class FinishWorker:
         from sglang_hs import envs
 
         self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
+        self.watchdog_s = envs.SGLANG_HS_FINISH_WATCHDOG_S  # read here: a bad value stops start-up in one line
+        self._current: Optional[Tuple[int, str]] = None  # (seq, rid) of the job the worker runs now
+        self._progress_t = time.monotonic()  # when the worker last finished a job (or started)
+        self._device_wait = 0  # CUDA: the highest seq a forward stream was made to wait for (order_device_writes)
+        self._stuck: Optional[str] = None  # the watchdog's verdict: nothing is published after it
+        self._watchdog = None  # CUDA: its thread, from the first device wait
+        self.on_stuck: Callable[[str], None] = self._stop_the_server  # what the watchdog does once it trips
         self._nice = envs.SGLANG_HS_FINISH_NICE  # read here: a bad value stops start-up in one line
         self.native_id: Optional[int] = None  # the worker thread's kernel id (its nice value is per thread)
+        # The scheduler's device, resolved HERE, on the constructing (scheduler) thread: a new thread's current
+        # device is always 0, and a worker that set_device'd that would make a CUDA context (~0.3-0.6 GB) on
+        # GPU 0 for every writer on another GPU, after SGLang sized GPU 0's KV pool (StagedCopy does the same)
+        self._thread_device = (torch.device("cuda", torch.cuda.current_device())
+                               if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name="sglang-hs-finish", daemon=True)
@@ -349,7 +362,53 @@ class FinishWorker:
         stream = torch.cuda.current_stream()
         _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), upto)
         self.stats["device_write_waits"] += 1
+        self._device_wait = max(self._device_wait, upto)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="sglang-hs-finish-watchdog", daemon=True)
+            self._watchdog.start()
         return True
+
+    # --- the watchdog of the device-side wait (CUDA, direct) -----------------------------------------
+    def _watch(self) -> None:
+        """While a forward stream waits on the GPU for a gather (order_device_writes), the scheduler thread
+        may be blocked behind it (SGLang's copy_done.synchronize()), so nothing on it would ever notice a
+        worker that stopped: its error is never raised, health checks hang. This thread does: when the
+        worker has finished no job for `watchdog_s` (or its thread is gone) while such a wait is
+        outstanding, it trips (below)."""
+        period = min(1.0, self.watchdog_s / 4)
+        while not self._closed and self._stuck is None:
+            time.sleep(period)
+            if self._device_wait <= self._done_now():
+                continue
+            dead = not self._thread.is_alive()
+            idle = time.monotonic() - self._progress_t
+            if dead or idle > self.watchdog_s:
+                self.trip("its thread is gone" if dead else f"it finished no job for {idle:.0f}s")
+
+    def trip(self, why: str) -> None:
+        """A loud failure instead of a forward parked for good: the stuck gather named in the log, nothing
+        published after it (should the worker wake, every job left is refused), and `on_stuck(message)`,
+        by default SGLang's own way out of a stuck scheduler (its watchdog, sglang/srt/utils/watchdog.py):
+        SIGQUIT to the server's main process, which takes every process down and the launcher with it. The
+        GPU's wait is never released: the step behind it would overwrite slots the pending gathers read."""
+        current = self._current
+        job = f"gather {current[0]} (request {current[1]})" if current else f"gather {self._done_now() + 1}"
+        msg = (f"sglang-hs: the finish worker is stuck: {why} at {job}, while the forward stream waits on the GPU "
+               f"for gather {self._device_wait} (done {self._done_now()}); stopping the server "
+               "(SGLANG_HS_FINISH_WATCHDOG_S)")
+        logger.error("%s", msg)
+        self._stuck = msg
+        self._fatal = self._fatal or RuntimeError(msg)
+        self.on_stuck(msg)
+
+    @staticmethod
+    def _stop_the_server(msg: str) -> None:
+        import signal
+
+        import psutil
+
+        print(msg, file=sys.stderr, flush=True)
+        psutil.Process().parent().send_signal(signal.SIGQUIT)
 
     def watch_allocator(self, allocator) -> None:
         """CUDA: narrow each step's writes (order_device_writes' stream wait; with staging, what the scatter of
@@ -395,10 +454,10 @@ class FinishWorker:
         self.native_id = threading.get_native_id()
         _lower_priority(self.native_id, self._nice)
         try:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if self._thread_device is not None:
                 from sglang_hs.server.store.staging import _prepare_scatter_thread
 
-                _prepare_scatter_thread(torch.device("cuda", torch.cuda.current_device()))
+                _prepare_scatter_thread(self._thread_device)
         except BaseException as e:  # noqa: BLE001 - raised by the constructor
             self._start_error = e
             return
@@ -421,7 +480,10 @@ class FinishWorker:
 
     def _run(self, job: _Job) -> None:
         err = None
+        self._current = (job.seq, job.rid)
         try:
+            if self._stuck is not None:  # the watchdog released the forward: the store may not hold this job's rows
+                raise RuntimeError(self._stuck)
             self._publish(job)
         except (TimeoutError, ValueError) as e:  # the ring refused the record: counted and logged
             err = e
@@ -430,7 +492,8 @@ class FinishWorker:
             self._fatal = self._fatal or e
         with self._cv:
             self._done = job.seq
-            if self._done_dev is not None:
+            self._current, self._progress_t = None, time.monotonic()
+            if self._done_dev is not None and self._stuck is None:  # tripped: the waits stay, the server stops
                 self._done_dev[0] = job.seq  # after the gather: the GPU's waits see it (pinned, mapped)
             self._results.append((job.seq, job.rid, err, job.ticket))
             self._cv.notify_all()
