@@ -95,3 +95,21 @@ def test_the_writer_builds_its_stage_with_the_rows_held_and_lets_the_hold_go(hoo
     with pytest.raises(Made):
         hooks.mod._after_init_capturers(runner)
     assert made["staging_rows"] == 8192 and made["held"] is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_pool_that_translates_slot_ids_is_refused_before_the_store_on_every_rank(hooks, monkeypatch, rank):
+    """Issue 48, item 3: with SGLang's KVIndexTranslator translating (a unified SWA/Mamba allocator, a fused
+    draft), eager steps copy rows by virtual ids and graph replays by the physical ones captured, while
+    records are gathered by virtual ids. Refused in one line at writer creation, on every rank alike (a
+    writer rank alone refusing would leave the others waiting)."""
+    made = []
+    monkeypatch.setitem(hooks.mod.ORIGINALS, "init_routed_experts_capturer", lambda runner: None)
+    monkeypatch.setattr("sglang_hs.server.store.writer.CaptureWriter", lambda *a, **k: made.append(k))
+    hooks.rank.attn_tp_rank = rank
+    runner = hooks.runner
+    runner.kv_index_translator = SimpleNamespace(is_translating=True, capture_token_capacity=lambda n: n)
+    runner.token_to_kv_pool_allocator = type("UnifiedSWATokenToKVPoolAllocator", (), {})()
+    with pytest.raises(RuntimeError, match=r"translates slot ids \(SGLang's UnifiedSWATokenToKVPoolAllocator") as e:
+        hooks.mod._after_init_capturers(runner)
+    assert "\n" not in str(e.value) and made == []

@@ -36,6 +36,7 @@ def _after_init_capturers(self) -> None:
     model, par = self.model, get_parallel()
     if getattr(model, "hs_spec", None) is None or getattr(self, "is_draft_worker", False):
         return
+    check_kv_index_space(self)
     if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
         return  # one writer per data-parallel attention group: its attention-TP rank 0
     from sglang_hs import envs
@@ -77,6 +78,22 @@ def _after_init_capturers(self) -> None:
 
         if metrics.enabled():
             status.listeners.append(metrics.CaptureMetrics(writer_id).refresh)
+
+
+def check_kv_index_space(runner) -> None:
+    """Refuse a KV pool whose slot ids are translated (SGLang's KVIndexTranslator.is_translating: a unified
+    SWA or Mamba allocator, a draft fused into the target's pool), on every rank alike. There an eager step
+    hands the copy the virtual ids (`out_cache_loc_virtual`) but a CUDA-graph replay the physical ones its
+    captured `out_cache_loc` buffer holds, while a record is gathered by the virtual ids of req_to_token:
+    graph steps would write rows where no gather reads them. The flags that choose such pools are refused
+    up front (serve.check_server_args); this stops any other way in before the store is made."""
+    translator = getattr(runner, "kv_index_translator", None)
+    if getattr(translator, "is_translating", False):
+        raise RuntimeError(
+            "sglang-hs: this server's KV pool translates slot ids (SGLang's "
+            f"{type(getattr(runner, 'token_to_kv_pool_allocator', None)).__name__}: a unified SWA/Mamba allocator "
+            "or a fused draft); capture copies rows by the ids a CUDA-graph replay was captured with, which are "
+            "physical there while records are gathered by virtual ones: not supported with --hs-dump-dir")
 
 
 def node_writers(par) -> dict:
