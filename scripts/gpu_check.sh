@@ -70,6 +70,12 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     done
 fi
 
+# The synchronous finish's cost to the scheduler under the overlap scheduler, before and after issue 48's
+# item 5 (about 15 s); its CSV goes into logs.tar.gz, its lines into the summary
+timeout -k 10 60 python3 benchmarks/bench_sync_finish_gpu.py --out "$LOGS" 2>&1 | tee "$LOGS/bench_sync_finish.log" \
+    | grep -E "^(before|after) " | sed 's/^/sync finish: /' | tee -a "$OUT/summary.txt"
+mark "bench_sync_finish"
+
 budget=$(( $(left) - 10 ))
 [ $budget -lt 60 ] && budget=60
 timeout -k 15 $budget python3 benchmarks/bench_gpu_copy.py --out "$OUT" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$LOGS/bench.log"

@@ -550,18 +550,23 @@ def test_a_finish_after_close_is_published_at_once(writer, tmp_path):
 
 def test_each_iteration_start_marks_the_stream_for_the_hand_overs(writer, monkeypatch):
     """ingest_requests' hook, first in every iteration of SGLang's event loops, marks the iteration's start
-    (FinishWorker.mark_iteration: on CUDA the event a hand-over's slot-id copy waits for,
-    tests/gpu/test_finish_overlap_gpu.py), before the intake (a pause_generation(retract) in it processes
-    results), and only it: a mark later in the iteration could follow its launch and SGLang's barrier.
-    Without CUDA a mark is nothing."""
+    (the writer's SlotIdCopy.mark_iteration: on CUDA the event the slot-id copies of both finish paths wait
+    for, tests/gpu/test_finish_overlap_gpu.py), before the intake (a pause_generation(retract) in it
+    processes results), and only it: a mark later in the iteration could follow its launch and SGLang's
+    barrier. The synchronous path (no worker) is marked too. Without CUDA a mark is nothing."""
     from sglang_hs.server.patches import capture_hooks
 
     worker = _worker(writer)
     calls = []
-    monkeypatch.setattr(worker, "mark_iteration", lambda: calls.append("mark"))
-    monkeypatch.setattr(capture_hooks, "_finisher", worker)
+    monkeypatch.setattr(writer.slot_ids, "mark_iteration", lambda: calls.append("mark"))
+    monkeypatch.setattr(capture_hooks, "_writer", writer)
     for name in ("on_idle", "get_next_batch_to_run", "_pull_raw_reqs", "ingest_requests"):
         monkeypatch.setitem(capture_hooks.ORIGINALS, name, lambda self, n=name: calls.append(n))
+    monkeypatch.setattr(capture_hooks, "_finisher", False)  # the synchronous path: marked all the same
+    capture_hooks._ingest_requests(object())
+    assert calls == ["mark", "ingest_requests"], calls
+    calls.clear()
+    monkeypatch.setattr(capture_hooks, "_finisher", worker)
     capture_hooks._ingest_requests(object())
     capture_hooks._get_next_batch_to_run(object())
     capture_hooks._on_idle(object())

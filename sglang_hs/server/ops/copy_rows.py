@@ -90,12 +90,16 @@ class SlotErrors:
 
     def check(self) -> None:
         """Raise if any copy since this counter was made dropped a row. Synchronises with the device."""
-        n, slot, S = self.read()
-        if n:
-            raise RuntimeError(
-                f"sglang-hs: the capture copy dropped {n} row{'s' * (n != 1)} whose KV slot lay outside the "
-                f"store's [0, {S}) (e.g. slot {slot}); nothing outside the store was written, but those tokens "
-                "have no rows: the store must hold every KV-cache slot the server hands out")
+        check_slot_errors(*self.read())
+
+
+def check_slot_errors(n: int, slot: int, S: int) -> None:
+    """Raise if a counter's values (SlotErrors.counts, read on the host) say a copy dropped a row."""
+    if n:
+        raise RuntimeError(
+            f"sglang-hs: the capture copy dropped {n} row{'s' * (n != 1)} whose KV slot lay outside the "
+            f"store's [0, {S}) (e.g. slot {slot}); nothing outside the store was written, but those tokens "
+            "have no rows: the store must hold every KV-cache slot the server hands out")
 
 
 _DEFAULT_ERRORS: Dict[torch.device, SlotErrors] = {}

@@ -325,8 +325,8 @@ def _ingest_requests(self, *args, **kwargs):
     results there)."""
     global _scheduler
     _scheduler = self
-    if _finisher:
-        _finisher.mark_iteration()
+    if _writer is not None:  # both finish paths copy slot ids after it (slot_ids.py)
+        _writer.slot_ids.mark_iteration()
     return ORIGINALS["ingest_requests"](self, *args, **kwargs)
 
 

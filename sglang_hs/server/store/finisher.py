@@ -156,8 +156,6 @@ class FinishWorker:
         self._fatal: Optional[BaseException] = None
         self._closed = False
         self._device = None
-        self._side = None  # CUDA: the stream the slot ids are copied to the host on (submit)
-        self._mark = None  # CUDA: an event at the start of the scheduler's current iteration (mark_iteration)
         from sglang_hs import envs
 
         self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
@@ -214,36 +212,11 @@ class FinishWorker:
                 self._device = slots.device
                 self._done_dev = torch.zeros(1, dtype=torch.int64, pin_memory=True)
                 self._done_dev[0] = self._done_now()
-                # high priority: PyTorch's pool of those is not the one SGLang's own streams come from
-                # (priority 0), so the side stream is never one of them
-                self._side = torch.cuda.Stream(slots.device, priority=-1)
             self._per_slot = False  # the ids land later, on the worker's side: writes wait for every gather
-            # Not behind the current stream's newest work: under the overlap scheduler the current (schedule)
-            # stream already waits for the forward launched just before this result processing (SGLang's
-            # write-after-read barrier: all of it for a prefill step), and a copy queued there would start
-            # the gather only after that forward, while the next step's writes may wait for the gather: the
-            # GPU would idle. On a side stream that waits for the iteration's start (mark_iteration: after
-            # the previous iteration's result processing, whose radix-cache checkpoints may still rewrite
-            # this request's row, and before this iteration's launch). The request's own forward is
-            # synchronised by the host already (process_batch_result: copy_done): its rows and ids are final.
-            current = torch.cuda.current_stream(slots.device)
-            stream = self._side if self._mark is not None else current  # no mark yet: the current stream
-            host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
-            w = self.writer
-            ready = torch.cuda.Event(blocking=True)  # the worker sleeps in its sync instead of spinning
-            with torch.cuda.stream(stream):
-                if stream is not current:
-                    stream.wait_event(self._mark)
-                host.copy_(slots, non_blocking=True)
-                if w.staging is None and getattr(w, "_registered", None) is not None:
-                    # (a forward running meanwhile may update its fields one by one: the message, not the
-                    # count, may be off)
-                    errors = torch.empty(w._registered.errors.counts.shape, dtype=torch.int64, pin_memory=True)
-                    errors.copy_(w._registered.errors.counts, non_blocking=True)
-                ready.record(stream)
-            if stream is not current:
-                slots.record_stream(stream)  # a temporary's memory is not reused before the copy ran
-                current.wait_event(ready)  # SGLang rewrites the request's req_to_token row only after this read
+            # on a side stream, not behind the forward launched just before this result processing (slot_ids.py);
+            # the direct copy kernel's error counter with them (a forward running meanwhile may update its
+            # fields one by one: the message, not the count, may be off)
+            host, errors, ready = self.writer.slot_ids.to_host(slots, self.writer.copy_errors())
         else:
             host = slots.clone()
             if T:  # an id outside the store is clipped here, and refused by the worker's gather
@@ -266,15 +239,18 @@ class FinishWorker:
         self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason, ticket=ticket))
 
     def mark_iteration(self) -> None:
-        """CUDA, at the start of every scheduler iteration (ingest_requests' hook): an event on the current
-        stream, after everything the previous iteration queued there (its result processing: the radix
-        cache's checkpoint of an unfinished request rewrites its req_to_token row) and before this
-        iteration's launch and SGLang's write-after-read barrier behind it. A hand-over's slot-id copy
-        waits for the latest mark only (submit: a stream wait takes the event's latest record)."""
-        if self._side is not None:
-            if self._mark is None:
-                self._mark = torch.cuda.Event()
-            self._mark.record()
+        """CUDA, at the start of every scheduler iteration (ingest_requests' hook): the mark the slot-id
+        copies of this iteration's hand-overs wait for (slot_ids.py, the writer's SlotIdCopy)."""
+        self.writer.slot_ids.mark_iteration()
+
+    @property
+    def _side(self):
+        """The stream the slot ids are copied to the host on (None before the first CUDA hand-over)."""
+        return self.writer.slot_ids.side
+
+    @property
+    def _mark(self):
+        return self.writer.slot_ids._mark
 
     def pending_rids(self) -> List[str]:
         return list(self._pending.values())
@@ -508,11 +484,9 @@ class FinishWorker:
         if job.ready is not None:
             job.ready.synchronize()
         if job.slot_errors is not None:  # the direct copy kernel's counter, copied with the slots
-            n, slot, S = job.slot_errors.tolist()
-            if n:
-                raise RuntimeError(
-                    f"sglang-hs: the capture copy dropped {n} row(s) whose KV slot lay outside the store's "
-                    f"[0, {S}) (e.g. slot {slot}): the store must hold every KV-cache slot the server hands out")
+            from sglang_hs.server.ops.copy_rows import check_slot_errors
+
+            check_slot_errors(*job.slot_errors.tolist())
         if w.staging is not None:
             # every computed row shipped before the hand-over is in the store (later chunks may wait for us)
             self.stats["store_wait_s"] += w.staging.drain(upto=job.shipped)

@@ -123,6 +123,9 @@ class CaptureWriter:
         # reads this dict
         self.stats.update({k: 0 for k in FINISH_STATS}, **{k: 0.0 for k in FINISH_SECONDS})
         self.finisher = None  # the FinishWorker (finisher.py) the store's writes are ordered after, once it runs
+        from sglang_hs.server.store.slot_ids import SlotIdCopy
+
+        self.slot_ids = SlotIdCopy()  # CUDA: finished requests' slot ids to the host, off the schedule stream
         manifest = {
             "format_version": FORMAT_VERSION,
             "sglang_hs_version": __version__,
@@ -206,6 +209,11 @@ class CaptureWriter:
         if self.staging is not None:
             self.staging.after_step(rows, graph_replayed)
 
+    def copy_errors(self) -> Optional[torch.Tensor]:
+        """The direct copy kernel's device error counter (SlotErrors.counts) of this store, if it has one."""
+        hs = getattr(self, "_registered", None)
+        return hs.errors.counts if self.staging is None and hs is not None else None
+
     def _host_store(self):
         hs = getattr(self, "_registered", None)
         if hs is None:
@@ -223,11 +231,18 @@ class CaptureWriter:
         T = len(token_ids)
         if slots.shape[0] != T:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
+        if slots.is_cuda:
+            # Not .cpu() or a stream synchronize on the schedule stream: under the overlap scheduler it already
+            # waits for the next step's whole forward (slot_ids.py). The request's forward, and with it the
+            # direct copy into the store, completed before result processing (SGLang syncs copy_done).
+            slots, errors, ready = self.slot_ids.to_host(slots, self.copy_errors())
+            ready.synchronize()
+            if errors is not None:  # a row whose KV slot lay outside the store: stop with one clear error
+                from sglang_hs.server.ops.copy_rows import check_slot_errors
+
+                check_slot_errors(*errors.tolist())
         if self.staging is not None:
             self.stats["store_wait_s"] += self.staging.drain()  # every computed row is in the store
-        elif slots.is_cuda:
-            torch.cuda.current_stream().synchronize()  # the step's copy into the store has landed
-            self._host_store().check()  # a row whose KV slot lay outside the store: stop with one clear error
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
         self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token)
 
