@@ -152,7 +152,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         import requests
 
         from sglang_hs.extract.errors import ExtractError
-        from sglang_hs.extract.samples import RECORD_GRACE_S, make_preparer, record_loss_mask, request_body
+        from sglang_hs.extract.samples import STATUS_CHECK_S, make_preparer, record_loss_mask, record_overdue, request_body
         from sglang_hs.extract.dataset import SkipSample
         from sglang_hs.extract.sinks import specforge_sample
         from sglang_hs.server.capture_spec import final_states
@@ -186,7 +186,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     raise LiveDatasetError(f"the server aborted the request: {reason.get('message', '')}")
                 return reply
 
-            records, exhausted = self._records(), False
+            records, exhausted, next_check = self._records(), False, 0.0
             while not exhausted or pending:
                 while not exhausted and len(pending) < concurrency:
                     try:
@@ -236,12 +236,17 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: served without capture "
                                            f"({reader.not_captured(rid)}): the server runs with --hs-when-behind "
                                            "skip; serve training with hold (the default)")
-                if rec is None:  # published before the reply left the server: on its way, briefly
+                if rec is None:  # published after the reply left the server: on its way, briefly
                     if t_reply is None:
                         pending[rid][2] = time.monotonic()
-                    elif time.monotonic() - t_reply > RECORD_GRACE_S:
-                        raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: no record arrived "
-                                               f"{RECORD_GRACE_S:.0f}s after the reply")
+                    elif time.monotonic() >= next_check:  # the server's status says whether it is still to come
+                        next_check = time.monotonic() + STATUS_CHECK_S
+                        why = record_overdue(self.dump_dir, t_reply)
+                        if why is not None:  # one more read after that status: it is there, or never comes
+                            reader.poll()
+                            if rid not in reader.ready_rids() and not reader.not_captured(rid):
+                                raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {why}")
+                            continue
                     time.sleep(reader.poll_interval)
                     continue
                 del pending[rid]

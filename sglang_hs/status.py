@@ -145,25 +145,36 @@ def settled(dump_dir: str, since_ns: Optional[int] = None, until: Optional[Calla
                 "nothing unaccounted" + ("" if until is None else " and the condition"))
 
 
-def metrics(url: str, prefix: str = "sglang_hs:") -> Dict[str, float]:
+def in_flight(dump_dir: str, timeout: float = 5.0) -> Optional[int]:
+    """The `unaccounted` requests of a snapshot written after this call (requests whose record or marker may
+    still come); None when no process of a server is alive there or none wrote within `timeout`."""
+    try:
+        return wait(dump_dir, lambda s: True, timeout=timeout)["unaccounted"]
+    except NotSettled:
+        return None
+
+
+def metrics(url: str, prefix: str = "sglang_hs:", by: tuple = ()) -> Dict:
     """SGLang's /metrics of the server at `url`: each sample whose name starts with `prefix` (counters keep
-    their `_total`), summed over its labels, by prometheus_client's own text parser."""
+    their `_total`), summed over its labels but those named in `by` (then the key is (name, *their
+    values)), read by prometheus_client's own text parser."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
     r = requests.get(f"{url.rstrip('/')}/metrics", timeout=60)
     r.raise_for_status()
-    out: Dict[str, float] = {}
+    out: Dict = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
             if sample.name.startswith(prefix) and not sample.name.endswith("_created"):
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+                key = (sample.name, *(sample.labels.get(k) for k in by)) if by else sample.name
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
-def metrics_after(url: str, snap: dict, timeout: float = 60.0) -> Dict[str, float]:
-    """/metrics once it shows the figures of snapshot `snap` (a status file's, or an aggregated one of a
-    single writer) or later ones: `sglang_hs:status_seq` >= the writer's seq in `snap`."""
+def metrics_after(url: str, snap: dict, timeout: float = 60.0, by: tuple = ()) -> Dict:
+    """metrics(url, by=by) once /metrics shows the figures of snapshot `snap` (a status file's, or an
+    aggregated one of a single writer) or later ones: `sglang_hs:status_seq` >= the writer's seq in `snap`."""
     writers = [s for s in snap.get("files", [snap]) if "writer" in s]
     if len(writers) != 1:
         raise ValueError(f"sglang-hs: metrics_after takes the snapshot of one writer, not {len(writers)}")
@@ -172,7 +183,7 @@ def metrics_after(url: str, snap: dict, timeout: float = 60.0) -> Dict[str, floa
     while True:
         m = metrics(url)
         if m.get("sglang_hs:status_seq", 0) >= want:
-            return m
+            return metrics(url, by=by) if by else m
         if time.monotonic() > deadline:
             raise NotSettled(f"sglang-hs: /metrics of {url} did not reach status seq {want} within {timeout:.0f}s "
                              f"(at {m.get('sglang_hs:status_seq')})", snap)

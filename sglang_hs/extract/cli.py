@@ -34,7 +34,7 @@ from sglang_hs.server.capture_spec import final_states
 from sglang_hs.extract.errors import PROG, ExtractError
 from sglang_hs.extract.output import (Stats, check_final_state, check_streams, model_vocab_size, prepare_output,
                                       print_summary, print_training_command, write_manifest)
-from sglang_hs.extract.samples import RECORD_GRACE_S, make_preparer, record_loss_mask, request_body
+from sglang_hs.extract.samples import STATUS_CHECK_S, make_preparer, record_loss_mask, record_overdue, request_body
 
 WRITERS = 4  # threads writing and fsyncing files: fsync waits on the disk, not the CPU, so it overlaps serving
 
@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the generated tokens, until SIGINT/SIGTERM, --max-samples or --idle-timeout; a "
                         "restarted run continues where the last stopped")
     p.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
-                   help="--from-dump: stop (and finalize) after this long without a record (default: never)")
+                   help="--from-dump: stop (and finalize) after this long without a record, once the server has no "
+                        "captured request in flight (its status files; default: never)")
     p.add_argument("--server", default=None, metavar="URL", help="a running sglang-hs server (with --hs-dump-dir)")
     p.add_argument("--hs-dump-dir", default=None, metavar="DIR",
                    help="the server's dump dir (required with --server; default without: a fresh one in /dev/shm)")
@@ -208,6 +209,7 @@ class Extraction:
         self.run_id = uuid.uuid4().hex[:12]
         self._local = threading.local()
         self.pending: Dict[str, tuple] = {}  # rid -> (sample, future, reply-time)
+        self._next_status_check = 0.0  # a missing record's server status is read at most every STATUS_CHECK_S
         self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write, record), oldest first
         self.write_pool = cf.ThreadPoolExecutor(WRITERS, thread_name_prefix="sglang-hs-write")
         self.verify_failure: Optional[str] = None  # a stored file that does not hold the captured rows
@@ -400,9 +402,15 @@ class Extraction:
                     if rec is None:
                         if t_reply is None:
                             self.pending[rid] = (sample, fut, verify, time.monotonic())
-                        elif time.monotonic() - t_reply > RECORD_GRACE_S:
-                            del self.pending[rid]
-                            self._fail(sample.index, f"no record arrived {RECORD_GRACE_S:.0f}s after the reply", bar)
+                        elif time.monotonic() >= self._next_status_check:
+                            self._next_status_check = time.monotonic() + STATUS_CHECK_S
+                            why = record_overdue(self.reader.dump_dir, t_reply)
+                            if why is not None:  # one more read after that status: it is there, or never comes
+                                self.reader.poll()
+                                if rid not in self.reader.ready_rids() and not self.reader.not_captured(rid):
+                                    del self.pending[rid]
+                                    self._fail(sample.index, why, bar)
+                                progressed = True
                         continue
                     del self.pending[rid]
                     try:

@@ -30,7 +30,8 @@ file that trains nothing only costs disk). A record whose rows hold inf or NaN u
 so the queue moves on: acknowledged never, it would stop every restart at the same record. Not kept in
 bf16 instead: a NaN row makes NaN loss and gradients in training (neither trainer masks it out), and a
 bf16 file among FP8 ones is refused by the finalize step (files of one dtype) and by FP8 training. Runs until SIGINT or SIGTERM (the file in hand is finished),
---max-samples files written, or --idle-timeout seconds without a record; then writes the manifest and,
+--max-samples files written, or --idle-timeout seconds without a record while the server has no captured
+request in flight (its status files, sglang_hs/status.py; a server gone counts as idle); then writes the manifest and,
 with --format safetensors and the final state, speculators' dataset over every hs_*.safetensors in
 --output, as a completed extraction run does (so `--finalize` applies as well).
 """
@@ -233,6 +234,20 @@ def _open_reader(ns):
         raise ExtractError(f"--from-dump: {e}") from None
 
 
+def _idle(dump_dir: str, reader) -> bool:
+    """--idle-timeout ran out without a record: the run ends only if the server is idle too, i.e. a status
+    snapshot written now (sglang_hs.status) holds no request whose record or marker is still to come, and
+    the ring holds no record published before it; or no server process is there any more."""
+    from sglang_hs import status
+
+    n = status.in_flight(dump_dir)
+    if n:
+        print(f"[extract] --idle-timeout: no record, but the server has {n} request(s) in flight: waiting for "
+              "their records", file=sys.stderr, flush=True)
+        return False
+    return reader.poll() == 0
+
+
 def run(ns, sink, out_dir: str) -> int:
     """The --from-dump run (module docstring); returns the exit status."""
     from sglang_hs.extract.errors import PROG, ExtractError
@@ -278,7 +293,9 @@ def run(ns, sink, out_dir: str) -> int:
                 rec = reader.next(timeout=POLL_S)
             except TimeoutError:
                 if ns.idle_timeout is not None and time.monotonic() - last_record > ns.idle_timeout:
-                    break
+                    if _idle(ns.from_dump, reader):  # the server has nothing in flight either
+                        break
+                    last_record = time.monotonic()  # requests in flight: their records are coming
                 continue
             except (TornRecord, ServerRestarted) as e:  # the ring's bytes are not what the server wrote, or a
                 torn = e  # restarted server this harvester cannot follow: nothing after it is read

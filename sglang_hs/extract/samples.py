@@ -7,7 +7,25 @@ from typing import List, Optional
 
 from sglang_hs.extract.errors import ExtractError
 
-RECORD_GRACE_S = 120.0  # after a reply, how long its record may take to reach the reader
+RECORD_GRACE_S = 120.0  # after a reply, how long its record may take to reach the reader at most
+STATUS_CHECK_S = 0.25  # how often a missing record's server status is looked at (record_overdue)
+
+
+def record_overdue(dump_dir: str, t_reply: float) -> "str | None":
+    """None while the record of a request answered at time.monotonic() `t_reply` may still come; else why
+    not: the server's status, written after the reply, has nothing in flight (sglang_hs.status: its record
+    would be in the ring already), or RECORD_GRACE_S have passed. The caller polls its reader once more
+    before it gives the record up."""
+    import time
+
+    from sglang_hs import status
+
+    if time.monotonic() - t_reply > RECORD_GRACE_S:
+        return f"no record arrived {RECORD_GRACE_S:.0f}s after the reply"
+    snap = status.read(dump_dir)
+    if snap["files"] and snap["as_of_ns"] > t_reply * 1e9 and snap["unaccounted"] == 0:
+        return "no record: the server's status, written after the reply, has every request it answered published"
+    return None
 
 
 def request_body(sample, rid: str, ns=None) -> dict:

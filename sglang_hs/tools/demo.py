@@ -10,8 +10,6 @@ bf16 rows of the first server are summarised beside it. Extra arguments go to bo
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
 import shutil
 import sys
@@ -121,9 +119,9 @@ def main(argv=None) -> int:
         print(f"bf16 rows vs HF float32: median relative error {e.median():.3f}, {100 * (e < 0.05).float().mean():.0f}% "
               "within 0.05: bf16 rounding through MLA and MoE,\nlarger where bf16 flips a MoE routing near-tie; "
               "so rows are judged one by one in float32 below.\n")
-        time.sleep(1.2)  # the overlay flushes its status every 0.5 s
-        for path in glob.glob(os.path.join(dump_dir, "overlay-*.json")):
-            st = json.load(open(path))
+        from sglang_hs import status
+
+        for st in status.settled(dump_dir)["files"]:  # a snapshot written after the last reply, all published
             cap = st["capture"]
             print(f"served by:  {st['module']}.{st['class']} (scheduler pid {st['pid']})")
             print(f"capture:    layer ids {cap['layer_ids']} + last = HF output_hidden_states "

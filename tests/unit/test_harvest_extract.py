@@ -160,6 +160,49 @@ def test_max_samples_stops_after_that_many_files_and_the_rest_wait_in_the_ring(t
     _check_files(w, tmp_path / "out", sent)
 
 
+def test_idle_timeout_waits_while_the_server_has_requests_in_flight(tmp_path, monkeypatch, capsys):
+    """--idle-timeout counts only while the server is idle too: with a captured request in flight (its
+    status file says unaccounted 1), a harvester goes on waiting past the timeout and takes that request's
+    record when it comes; once nothing is in flight and nothing more arrives, it stops. (The old form
+    stopped at the timeout and left the late record in the ring.)"""
+    import threading
+
+    from sglang_hs.server import overlay_status
+
+    monkeypatch.setattr(overlay_status, "FLUSH_INTERVAL_S", 0.02)
+    w = _dump(tmp_path / "dump")
+    served = overlay_status.OverlayStatus(str(tmp_path / "dump"), "DeepseekV3ForCausalLM", w.spec)
+    served.sources.update(writer=w.stats)
+    in_flight = [1]
+    served.unaccounted = lambda: in_flight[0]
+    waited, idle = threading.Semaphore(0), harvest._idle
+
+    def watched(*a):
+        busy = not idle(*a)
+        if busy:
+            waited.release()
+        return not busy
+
+    monkeypatch.setattr(harvest, "_idle", watched)
+    sent = {}
+
+    def the_server():  # once the harvester has outlived two idle timeouts: the long request's record, then idle
+        assert waited.acquire(timeout=60) and waited.acquire(timeout=60)
+        sent.update(_publish(w, [("late", 4, 3)]))
+        in_flight[0] = 0
+
+    t = threading.Thread(target=the_server)
+    t.start()
+    try:
+        assert _run(tmp_path / "dump", tmp_path / "out", "--idle-timeout", "0.2") == 0  # signals: the main thread
+    finally:
+        t.join(60)
+        served.stop()
+    assert "the server has 1 request(s) in flight" in capsys.readouterr().err
+    _check_files(w, tmp_path / "out", sent)
+    assert w.ring.free_bytes() == w.ring.capacity  # taken and acknowledged, not left in the ring
+
+
 def test_a_journal_line_cut_by_a_crash_is_dropped(tmp_path):
     w = _dump(tmp_path / "dump")
     sent = _publish(w)

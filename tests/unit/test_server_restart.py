@@ -204,7 +204,9 @@ def test_the_extraction_cli_stops_in_one_line_saying_resume_continues_and_resume
     from sglang_hs.extract.sinks import SINKS
 
     monkeypatch.setattr(cli, "_model_side", lambda ns, manifest, url=None: (Preparer(), None))
-    monkeypatch.setattr(cli, "RECORD_GRACE_S", 3.0)  # today's wait for a record that never comes, shortened
+    from sglang_hs.extract import samples
+
+    monkeypatch.setattr(samples, "RECORD_GRACE_S", 3.0)  # the longest wait for a record that never comes, shortened
     server = FakeServer(dump, restart_at=2)
     (tmp_path / "d.jsonl").write_text("".join('{"input_ids": [1]}\n' for _ in range(N)))
     out = tmp_path / "out"

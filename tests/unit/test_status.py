@@ -246,3 +246,22 @@ def test_metrics_export_a_snapshot_and_metrics_after_waits_for_its_seq(tmp_path)
             status.metrics_after(url, {"files": [dict(snap, seq=8)]}, timeout=0.2)
     finally:
         server.shutdown()
+
+
+def test_a_missing_record_is_given_up_once_a_later_status_has_nothing_in_flight(overlay, tmp_path):
+    """sglang_hs.extract.samples.record_overdue, the extraction CLI's and the live dataset's verdict on a
+    record not there after its reply: still to come while the server has requests in flight or has written
+    no snapshot since the reply; given up once a snapshot after the reply has nothing in flight."""
+    from sglang_hs.extract import samples
+
+    assert samples.record_overdue(str(tmp_path), time.monotonic()) is None  # no server status: wait (the grace)
+    assert "120s after the reply" in samples.record_overdue(str(tmp_path), time.monotonic() - 121)
+    pending = [1]
+    s = overlay(writer={"records": 0})
+    s.unaccounted = lambda: pending[0]
+    t_reply = time.monotonic()
+    status.wait(str(tmp_path), lambda x: True, since_ns=int(t_reply * 1e9), timeout=30)
+    assert samples.record_overdue(str(tmp_path), t_reply) is None  # in flight: it may still come
+    pending[0] = 0
+    status.settled(str(tmp_path), since_ns=int(t_reply * 1e9), timeout=30)
+    assert "every request it answered published" in samples.record_overdue(str(tmp_path), t_reply)
