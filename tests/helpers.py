@@ -144,48 +144,56 @@ def error_lines(text: str) -> List[str]:
     return [l for l in text.splitlines() if re.match(r"^sglang-hs: error: ", l)]
 
 
-def writer_status(server) -> dict:
-    """The writer's part of the server's status file in its dump dir (overlay-<pid>.json)."""
-    import glob
-    import json
+def settled(server, since_ns: Optional[int] = None, until=None, timeout: float = 60) -> dict:
+    """The server's aggregated status (sglang_hs.status.settled on `server.dump`, or a dump dir) once every
+    process wrote after `since_ns` (default: now) with nothing unaccounted and `until(snapshot)` true: every
+    request answered before `since_ns` has its outcome counted and its record or marker in the ring. Raises
+    (showing the last snapshot) after `timeout`."""
+    from sglang_hs import status
 
-    return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
+    return status.settled(str(getattr(server, "dump", server)), since_ns, until, timeout)
 
 
-def status_after(server, records: int, timeout: float = 30) -> dict:
-    """The writer's status once it counts `records` records and no gather is pending (or at the timeout)."""
-    from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
+def status_when(server, until, since_ns: Optional[int] = None, timeout: float = 60) -> dict:
+    """The first aggregated status newer than `since_ns` (default: now) for which `until(snapshot)` holds,
+    pending requests or not (requests held right now, a ring that fills); raises after `timeout`."""
+    from sglang_hs import status
 
-    deadline = time.monotonic() + timeout
-    while ((status := writer_status(server))["records"] < records or status["finish_pending"]) \
-            and time.monotonic() < deadline:
-        time.sleep(FLUSH_INTERVAL_S)
-    return status
+    return status.wait(str(getattr(server, "dump", server)), until, since_ns, timeout)
+
+
+def metrics_of(server, snapshot: dict, by: tuple = ()) -> dict:
+    """The server's sglang_hs:* metrics once /metrics shows `snapshot`'s figures (its status seq) or later
+    (summed over labels but those in `by`: sglang_hs.status.metrics)."""
+    from sglang_hs import status
+
+    return status.metrics_after(server.url, snapshot, by=by)
 
 
 def decode_steps(dump, pid: int) -> int:
     """Decode forwards the scheduler `pid` has run, from its status file in the dump dir (0 before the first)."""
-    import json
+    from sglang_hs import status
 
-    try:
-        return json.load(open(os.path.join(dump, f"overlay-{pid}.json")))["forwards"].get("DECODE", 0)
-    except (OSError, ValueError):
-        return 0
+    return next((s["forwards"].get("DECODE", 0) for s in status.files(str(dump)) if s["pid"] == pid), 0)
 
 
 def until_decoding(server, dump, pid: int, steps: int = 8, timeout: float = 300):
-    """A `decoding` for killed_mid_generation: returns once scheduler `pid` has run `steps` more decode
-    forwards than when it was made (its status file, flushed every FLUSH_INTERVAL_S), i.e. it decodes the
-    long request; fails if the request's thread ends first or `timeout` passes."""
-    from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
+    """A `decoding` for killed_mid_generation: returns once scheduler `pid`'s status file, written after the
+    call, shows `steps` more decode forwards than one written after it was made, i.e. it decodes the long
+    request; fails if the request's thread ends first or `timeout` passes."""
+    from sglang_hs import status
 
-    before = decode_steps(dump, pid)
+    def forwards(since_ns):
+        return status.wait(str(dump), lambda s: pid in s["pids"], since_ns, timeout)
+
+    before = forwards(None)
+    start = before["files"][before["pids"].index(pid)]["forwards"].get("DECODE", 0)
 
     def decoding(thread):
         deadline = time.monotonic() + timeout
-        while decode_steps(dump, pid) < before + steps:
+        while decode_steps(dump, pid) < start + steps:
             assert time.monotonic() < deadline and thread.is_alive(), server.tail()
-            time.sleep(FLUSH_INTERVAL_S)
+            time.sleep(0.05)
 
     return decoding
 
@@ -214,6 +222,13 @@ def killed_mid_generation(server, rid: str, max_new_tokens: int, decoding, kill,
     return rc, errors
 
 
+def assert_connection_lost(errors) -> None:
+    """A client whose server died under it was told so by the connection itself (refused, reset or cut off
+    mid-answer), not by an answer that looks like a result."""
+    lost = (requests.ConnectionError, requests.exceptions.ChunkedEncodingError)
+    assert errors and all(isinstance(e, lost) for e in errors), f"not a lost connection: {errors!r}"
+
+
 def readers_path() -> Optional[str]:
     """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None: the
     SGLANG_HS_READERS folder, else the one scripts/ensure_env.sh recorded in .venv/.readers."""
@@ -230,6 +245,27 @@ def trainer_env(**extra) -> dict:
     path = (os.environ.get("PYTHONPATH"), readers_path(), os.path.join(REPO, "tests"))
     return dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
                 PYTHONPATH=os.pathsep.join(p for p in path if p), **extra)
+
+
+# SpecForge 0.2.0's own offline EAGLE-3 training (tests/specforge_train.py) for `epochs` epochs over the files
+# its offline reader finds where the run config says; prints the summed loss of each epoch
+SPECFORGE_STEPS = """
+import json, sys
+from specforge.data.preprocessing import build_offline_eagle3_dataset
+from specforge_train import Eagle3Training
+t = Eagle3Training(sys.argv[1])
+ds = build_offline_eagle3_dataset(t.cfg.data.hidden_states_path, max_len=t.cfg.data.max_length)
+print("LOSSES", json.dumps(t.epochs(int(sys.argv[2]), lambda epoch: (ds[j] for j in range(len(ds))))))
+"""
+
+
+def specforge_losses(run_config, epochs: int = 3) -> list:
+    """The loss of each of `epochs` epochs of SpecForge's own training step on the files of `run_config` (the
+    run config the extraction CLI writes), in a process of its own (trainer_env: CPU by configuration)."""
+    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(run_config), str(epochs)], env=trainer_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("LOSSES", 1)[1])
 
 
 class ProgressLines:

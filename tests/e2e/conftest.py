@@ -1,4 +1,6 @@
-"""One real server per configuration, shared by the tests of a session."""
+"""One real server per configuration, shared by the tests of a session: a server several modules use
+(`shared`) starts with the first test that needs it and stops right after the last selected test that
+uses it, not at the session's end, so no more servers run at once than the tests at hand need."""
 import glob
 import os
 
@@ -6,6 +8,43 @@ import pytest
 
 from helpers import serving
 from sglang_hs.tools.supervisor import mapped_shm
+
+_LAST_USER = {}  # shared server fixture -> nodeid of the last selected test that uses it
+_RUNNING = {}  # shared server fixture -> its server generator, until stopped
+SHARED = ("capture_server", "plain_sched_server", "float32_pool_server")
+
+
+def pytest_collection_finish(session):
+    for item in session.items:  # the selection as it will run (-k, deselection and ordering done)
+        for name in SHARED:
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses a shared server (and the fixtures its module tore down): stop it. A
+    failure of its teardown checks is this test's teardown error."""
+    for name, nodeid in list(_LAST_USER.items()):
+        if nodeid == item.nodeid:
+            _stop(name)
+
+
+def _shared(name, server_gen):
+    """A fixture body for server fixture `name`, stopped after its last user (or at the session's end)."""
+    server = next(server_gen)
+    _RUNNING[name] = server_gen
+    try:
+        yield server
+    finally:
+        _stop(name)
+
+
+def _stop(name):
+    gen = _RUNNING.pop(name, None)
+    if gen is not None:
+        for _ in gen:  # the rest of the generator: the server's stop and its checks
+            pass
 
 CHUNK = 16
 HARVEST_SAMPLE_KEY = "5eed" * 8  # harvest_server's --hs-capture-sample-key (a server draws one by default)
@@ -29,19 +68,26 @@ def capture_server(dump_dir):
     """The embedded tiny DeepSeek-V3 on the CPU engine with capture on, chunked prefill of 16 tokens,
     radix cache, overlap scheduler and the server's own warm-up all left on; both final states (--hs-last
     both: SpecForge's post-norm and speculators' pre-norm, so both --format choices extract from it)."""
-    yield from _serve(dump_dir, ["--hs-last", "both", "--chunked-prefill-size", str(CHUNK)])
+    yield from _shared("capture_server", _serve(dump_dir, ["--hs-last", "both", "--chunked-prefill-size", str(CHUNK)]))
 
 
-@pytest.fixture(scope="module")  # used by one module: stopped after it, not kept for the session
-def exact_server(tmp_path_factory):
-    """The exact oracle's servers compute in float32 (rows match HF float32 to ~1e-6, see
-    test_exact_rows.py). This one: --hs-copy direct, overlap scheduler on, chunked prefill of 16 tokens,
-    radix cache, --hs-last both (each final state judged per row). Both: a KV pool of POOL tokens, a finish worker that waits FINISH_DELAY
-    before each gather (slots are freed and handed out again while gathers are pending), and admission
-    that reserves next to nothing for decode (RETRACT_RATIO: decode retracts requests)."""
-    yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-exact") / "dump",
-                                   ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
-                                    "--max-total-tokens", str(POOL)]))
+# The float32 pool servers' flags (tests/e2e/test_exact_rows.py, tests/e2e/test_full_pool.py): float32 (rows
+# match HF float32 to ~1e-6), a KV pool of POOL tokens that the radix cache keeps full (every finished prefix
+# stays until eviction makes room), chunked prefill of CHUNK tokens, the overlap scheduler left on (SGLang's
+# default, also in CPU mode), both final states (each judged per row), metrics on (SGLang's eviction counter
+# shows the pool was full), and the finish worker slowed (_slow_finish).
+FULL_POOL_FLAGS = ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
+                   "--max-total-tokens", str(POOL), "--enable-metrics"]
+
+
+@pytest.fixture(scope="session")
+def float32_pool_server(tmp_path_factory):
+    """The exact oracle's direct-copy server (test_exact_rows.py) and the full pool's (test_full_pool.py):
+    FULL_POOL_FLAGS, --hs-copy direct; a finish worker that waits FINISH_DELAY before each gather (slots
+    are freed and handed out again while gathers are pending), and admission that reserves next to nothing
+    for decode (RETRACT_RATIO: decode retracts requests). Shared: stopped after the last test using it."""
+    yield from _shared("float32_pool_server", _slow_finish(_serve(tmp_path_factory.mktemp("hs-f32-pool") / "dump",
+                                                                  FULL_POOL_FLAGS)))
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +98,6 @@ def exact_staging_server(tmp_path_factory):
                                    ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
                                     "--hs-copy", "staging", "--hs-staging-rows", "8", "--disable-overlap-schedule",
                                     "--max-total-tokens", str(POOL)]))
-
-
-# The full-pool servers' flags (tests/e2e/test_full_pool.py): float32, a KV pool of POOL tokens that the
-# radix cache keeps full (every finished prefix stays until eviction makes room), chunked prefill of CHUNK
-# tokens, the overlap scheduler left on (SGLang's default, also in CPU mode), metrics on (SGLang's eviction
-# counter shows the pool was full), and the finish worker slowed as on the exact servers (_slow_finish).
-FULL_POOL_FLAGS = ["--dtype", "float32", "--hs-last", "--chunked-prefill-size", str(CHUNK), "--max-total-tokens",
-                   str(POOL), "--enable-metrics"]
-
-
-@pytest.fixture(scope="module")
-def full_pool_server(tmp_path_factory):
-    """A full KV pool, every request captured, --hs-copy direct."""
-    yield from _slow_finish(_serve(tmp_path_factory.mktemp("hs-full-pool") / "dump", FULL_POOL_FLAGS))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +122,7 @@ def harvest_server(tmp_path_factory):
                        "--hs-ring-size", "2MiB", "--context-length", "128", "--enable-metrics"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # used by one module: stopped after it
 def contract_server(tmp_path_factory):
     """The request-contract server (tests/e2e/test_request_contract.py): float32 (rows judged against HF
     float32), --hs-last, chunked prefill of CHUNK tokens, radix cache and overlap scheduler on, and
@@ -131,7 +163,8 @@ def plain_dump_dir(tmp_path_factory):
 def plain_sched_server(plain_dump_dir):
     """The same model with the scheduling features off: no chunking (prompts fit one chunk), no radix
     cache, no overlap scheduler. Records must agree with the capture server's."""
-    yield from _serve(plain_dump_dir, ["--hs-last", "--disable-radix-cache", "--disable-overlap-schedule"])
+    yield from _shared("plain_sched_server", _serve(plain_dump_dir, ["--hs-last", "--disable-radix-cache",
+                                                                     "--disable-overlap-schedule"]))
 
 
 class States(list):

@@ -26,7 +26,8 @@ LAYERS, N_LAYERS = [2, 4, 5], 8
 
 @pytest.fixture(scope="module")
 def reader(capture_server, dump_dir):
-    return HiddenStateReader(str(dump_dir))
+    with HiddenStateReader(str(dump_dir)) as r:  # closed with the module: the dump's lock goes with it
+        yield r
 
 
 @pytest.fixture
@@ -154,17 +155,17 @@ def test_concurrent_requests_each_get_their_own_rows(served, hf):
 def test_same_records_with_scheduling_features_off(capture_server, reader, plain_sched_server, plain_dump_dir, hf):
     """No chunking, no radix cache, no overlap scheduler: identical ids and row counts, and
     values within bf16 tolerance of the capture server's (chunked, radix, overlap) records."""
-    plain = HiddenStateReader(str(plain_dump_dir))
     pooled = []
-    for i, text in enumerate(TEXTS):
-        ids = _prompt(hf, text)
-        sp = {"max_new_tokens": 1, "temperature": 0}
-        capture_server.generate(input_ids=ids, rid=f"sched-{i}", sampling_params=sp)
-        plain_sched_server.generate(input_ids=ids, rid=f"sched-{i}", sampling_params=sp)
-        r1, r2 = reader.take(f"sched-{i}", timeout=60), plain.take(f"sched-{i}", timeout=60)
-        assert torch.equal(r1.input_ids, r2.input_ids)
-        assert r1.aux_hidden_states.shape == r2.aux_hidden_states.shape
-        diff = _rel(r1.aux_hidden_states, r2.aux_hidden_states.float())
-        assert diff.median() < OWN_MEDIAN, diff
-        check_against_hf(r2, hf, pooled)
+    with HiddenStateReader(str(plain_dump_dir)) as plain:  # closed at once: test_load reads that dump later
+        for i, text in enumerate(TEXTS):
+            ids = _prompt(hf, text)
+            sp = {"max_new_tokens": 1, "temperature": 0}
+            capture_server.generate(input_ids=ids, rid=f"sched-{i}", sampling_params=sp)
+            plain_sched_server.generate(input_ids=ids, rid=f"sched-{i}", sampling_params=sp)
+            r1, r2 = reader.take(f"sched-{i}", timeout=60), plain.take(f"sched-{i}", timeout=60)
+            assert torch.equal(r1.input_ids, r2.input_ids)
+            assert r1.aux_hidden_states.shape == r2.aux_hidden_states.shape
+            diff = _rel(r1.aux_hidden_states, r2.aux_hidden_states.float())
+            assert diff.median() < OWN_MEDIAN, diff
+            check_against_hf(r2, hf, pooled)
     assert_pooled(pooled)

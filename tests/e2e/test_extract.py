@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 import specforge_way
-from helpers import Launcher, leftover_server_processes, processes_in_session, server_session
+from helpers import Launcher, leftover_server_processes, processes_in_session, server_session, settled
 from sglang_hs import HiddenStateReader
 from sglang_hs.tools import tiny_model
 from sglang_hs.extract.dataset import Preparer
@@ -60,9 +60,30 @@ def extract(args, timeout=600, **kw):
                           text=True, timeout=timeout, **kw)
 
 
+_STARTED = []  # the extraction processes start_extract made (the running_extractions fixture ends them)
+
+
 def start_extract(args):
-    return subprocess.Popen([sys.executable, "-m", "sglang_hs.extract", "--no-progress", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_hs.extract", "--no-progress", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def running_extractions():
+    """An extraction a test started and left running (a test that failed midway) gets SIGTERM, which stops
+    the server it started too (test_sigterm_stops_the_run_and_the_server_it_started), then SIGKILL."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=30)
 
 
 def count_files(out, pattern):
@@ -139,27 +160,27 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
     assert abs(sum(p.stat().st_size for p in files) - f["disk_sample_files"][f"{fmt} bf16"]) <= 256 * len(files)
 
     prep = Preparer(tok, 4096)
-    reader = HiddenStateReader(str(dump_dir))
-    assert reader.poll() == 0  # the CLI read zero-copy and acked every record once its file was in place
-    for i, record in enumerate(convs + pretok):
-        want = prep(i, record)
-        if fmt == "specforge":
-            s = specforge_way.load_sample(str(out / "rows_0-2000" / f"data_{i}.ckpt"))
-            ids, mask, aux, last = s["input_ids"][0], s["loss_mask"][0], s["hidden_state"][0], s["target"][0]
-            mask = torch.cat([mask[:-1], torch.tensor([want.loss_mask[-1]])])  # SpecForge zeroes the last
-            aux = aux.view(len(ids), 3, -1)
-        else:
-            t = load_file(str(out / f"hs_{i}.safetensors"))
-            ids, mask, aux, last = t["token_ids"], t["loss_mask"], t["hidden_states"][:, :3], t["hidden_states"][:, 3]
-        assert ids.tolist() == want.input_ids and mask.tolist() == want.loss_mask
-        if i < len(convs):  # the mask covers exactly the assistant replies and their end-of-turn token
-            replies = [m.get("value", m.get("content")) for m in record.get("conversations", record.get("messages"))
-                       if m.get("from", m.get("role")) in ("gpt", "assistant")]
-            masked = tok.decode([t for t, m in zip(want.input_ids, want.loss_mask) if m])
-            assert masked == "".join(r + tok.eos_token for r in replies)
-        assert_rows_are_the_stores(capture_server, reader, f"again-{fmt}-{i}", ids.tolist(), aux, last,
-                                   "post-norm" if fmt == "specforge" else "pre-norm")
-    reader.close()  # one reader per dump dir: the next test's extraction opens its own
+    with HiddenStateReader(str(dump_dir)) as reader:  # one per dump dir: closed before the next test's
+        settled(capture_server)  # every request answered so far is published: one poll is an absence check
+        assert reader.poll() == 0  # the CLI read zero-copy and acked every record once its file was in place
+        for i, record in enumerate(convs + pretok):
+            want = prep(i, record)
+            if fmt == "specforge":
+                s = specforge_way.load_sample(str(out / "rows_0-2000" / f"data_{i}.ckpt"))
+                ids, mask, aux, last = s["input_ids"][0], s["loss_mask"][0], s["hidden_state"][0], s["target"][0]
+                mask = torch.cat([mask[:-1], torch.tensor([want.loss_mask[-1]])])  # SpecForge zeroes the last
+                aux = aux.view(len(ids), 3, -1)
+            else:
+                t = load_file(str(out / f"hs_{i}.safetensors"))
+                ids, mask, aux, last = t["token_ids"], t["loss_mask"], t["hidden_states"][:, :3], t["hidden_states"][:, 3]
+            assert ids.tolist() == want.input_ids and mask.tolist() == want.loss_mask
+            if i < len(convs):  # the mask covers exactly the assistant replies and their end-of-turn token
+                replies = [m.get("value", m.get("content")) for m in record.get("conversations", record.get("messages"))
+                           if m.get("from", m.get("role")) in ("gpt", "assistant")]
+                masked = tok.decode([t for t, m in zip(want.input_ids, want.loss_mask) if m])
+                assert masked == "".join(r + tok.eos_token for r in replies)
+            assert_rows_are_the_stores(capture_server, reader, f"again-{fmt}-{i}", ids.tolist(), aux, last,
+                                       "post-norm" if fmt == "specforge" else "pre-norm")
 
 
 def _plan(data, out, dump_dir):
@@ -190,18 +211,17 @@ def test_fp8_files_hold_the_stores_rows_within_e4m3s_bound(capture_server, dump_
     assert f["ring_bytes_per_writer"] == os.path.getsize(dump_dir / "ring-w0.bin")
     files = list(out.glob("hs_*.safetensors"))
     assert abs(sum(p.stat().st_size for p in files) - f["disk_sample_files"]["safetensors fp8"]) <= 192 * len(files)
-    reader = HiddenStateReader(str(dump_dir))
-    for i in range(3):
-        t = load_file(str(out / f"hs_{i}.safetensors"))
-        ids, q, scale = t["token_ids"].tolist(), t["hidden_states"], t[fp8.SCALES_KEY]
-        assert q.dtype == torch.float8_e4m3fn and scale.shape == (len(ids), 1, 1)
-        capture_server.generate(input_ids=ids + [ids[-1]], rid=f"again-fp8-{i}",
-                                sampling_params={"max_new_tokens": 1, "temperature": 0})
-        rec = reader.take(f"again-fp8-{i}", timeout=60)
-        want = torch.cat([rec.aux_hidden_states[:len(ids)], rec.last_pre_norm[:len(ids), None]], dim=1)
-        diff = (fp8.dequantize(q, scale).float() - want.float()).abs()
-        assert (diff <= fp8.error_bound(want, scale)).all(), (i, (diff / fp8.error_bound(want, scale)).max())
-    reader.close()
+    with HiddenStateReader(str(dump_dir)) as reader:  # one per dump dir: closed before the next test's
+        for i in range(3):
+            t = load_file(str(out / f"hs_{i}.safetensors"))
+            ids, q, scale = t["token_ids"].tolist(), t["hidden_states"], t[fp8.SCALES_KEY]
+            assert q.dtype == torch.float8_e4m3fn and scale.shape == (len(ids), 1, 1)
+            capture_server.generate(input_ids=ids + [ids[-1]], rid=f"again-fp8-{i}",
+                                    sampling_params={"max_new_tokens": 1, "temperature": 0})
+            rec = reader.take(f"again-fp8-{i}", timeout=60)
+            want = torch.cat([rec.aux_hidden_states[:len(ids)], rec.last_pre_norm[:len(ids), None]], dim=1)
+            diff = (fp8.dequantize(q, scale).float() - want.float()).abs()
+            assert (diff <= fp8.error_bound(want, scale)).all(), (i, (diff / fp8.error_bound(want, scale)).max())
 
 
 def test_killed_run_resumes_to_the_same_output(capture_server, dump_dir, tmp_path):

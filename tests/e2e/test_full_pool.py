@@ -9,19 +9,20 @@ and the finish worker slowed (_slow_finish: gathers still pending when their slo
 handed out again). SGLang's own eviction counter (sglang:evicted_tokens_total, /metrics) must show the
 radix cache evicting many times over, so the tests cannot pass on an idle pool.
 
-- full_pool_server: every request captured, --hs-copy direct; every row of every record judged
-  against HF float32 (row_judge, TOL).
+- float32_pool_server (the exact oracle's direct-copy server, test_exact_rows.py, shared): every request
+  captured, --hs-copy direct; every row of every record, both final states, judged against HF float32
+  (row_judge, TOL).
 - full_pool_opt_in_server: --hs-capture opt-in, --hs-copy staging with an 8-row stage; most requests
   are not captured (each leaves a marker, reason not_opted_in), a few opt in and are judged row by row.
 """
 import concurrent.futures as cf
-import re
 
 import pytest
 import requests
 
 import row_judge
-from helpers import status_after, writer_status
+from helpers import settled
+from sglang_hs.status import metrics
 from conftest import POOL
 from sglang_hs import HiddenStateReader, NotCaptured
 
@@ -52,9 +53,7 @@ def _workload(hf):
 
 def _metric(server, name):
     """Sum over label sets of SGLang's Prometheus sample `name` (0 when absent)."""
-    text = requests.get(f"{server.url}/metrics", timeout=60).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-
+    return metrics(server.url, prefix="sglang:").get(name, 0.0)
 
 
 def _run(server, hf, opted_in):
@@ -86,7 +85,9 @@ def _run(server, hf, opted_in):
     assert sent > 8 * POOL
     # Full: SGLang evicts only when the free list cannot hold an allocation; every few steps, not once.
     assert evicted >= 4 * POOL and passes >= WAVES * 2, (evicted, passes)
-    assert sum(c >= 16 for c in cached) >= WAVES and sum(c == 0 for c in cached) >= 1, cached  # hits and misses
+    # hits and misses (a miss may still find the BOS every prompt starts with: the server is shared with
+    # test_exact_rows.py, whose prompts start with it too)
+    assert sum(c >= 16 for c in cached) >= WAVES and sum(c <= 1 for c in cached) >= 1, cached
     return done
 
 
@@ -94,18 +95,18 @@ def _judge(rec, hf, want_ids):
     return row_judge.assert_exact(rec, hf, want_ids, LAYERS, N_LAYERS, 256)
 
 
-def test_every_record_exact_with_the_pool_full(full_pool_server, hf):
+def test_every_record_exact_with_the_pool_full(float32_pool_server, hf):
     """Every request captured (--hs-copy direct): every row of every record within TOL of HF float32 while
     the radix cache evicts every few steps; nothing dropped, failed or left pending."""
-    server = full_pool_server
+    server = float32_pool_server
     reader = HiddenStateReader(str(server.dump))
     try:
         assert reader.manifest["dtype"] == "float32" and reader.manifest["copy"] == "direct"
-        before = writer_status(server)
+        before = settled(server)["writer"]  # earlier requests all counted: the baseline
         done = _run(server, hf, opted_in=set())
         worst = max(_judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]) for rid, ids, out in done)
-        after = status_after(server, before["records"] + len(done))
-        assert after["records"] == before["records"] + len(done) and after["finish_pending"] == 0, after
+        after = settled(server)["writer"]
+        assert after["records"] == before["records"] + len(done) and after["finish_pending"] == 0, (before, after)
         assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0, after
         print(f"{len(done)} records exact, worst row {worst:.2e}")
     finally:
@@ -119,7 +120,7 @@ def test_opt_in_markers_and_the_few_captured_exact_with_the_pool_full(full_pool_
     reader = HiddenStateReader(str(server.dump))
     try:
         assert reader.manifest["copy"] == "staging"
-        before = writer_status(server)
+        before = settled(server)["writer"]  # earlier requests all counted: the baseline
         opted_in = {rid for w, wave in enumerate(_workload(hf)) for rid, _ in wave[w % 3::PER_WAVE]}
         done = _run(server, hf, opted_in)
         assert 0 < len(opted_in) < len(done) / 4
@@ -132,8 +133,8 @@ def test_opt_in_markers_and_the_few_captured_exact_with_the_pool_full(full_pool_
                     reader.take(rid, timeout=60)
                 assert e.value.reason == "not_opted_in", (rid, e.value.reason)
         assert not [r for r in reader.ready_rids() if r.startswith("fp-")]
-        after = status_after(server, before["records"] + len(opted_in))
-        assert after["records"] == before["records"] + len(opted_in) and after["finish_pending"] == 0, after
+        after = settled(server)["writer"]
+        assert after["records"] == before["records"] + len(opted_in) and after["finish_pending"] == 0, (before, after)
         assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0, after
         print(f"{len(opted_in)} captured records exact (worst row {worst:.2e}), "
               f"{len(done) - len(opted_in)} markers")

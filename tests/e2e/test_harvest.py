@@ -16,10 +16,8 @@
    and exact, and each request has either its record, a marker, or is counted as unmarked.
 """
 import concurrent.futures as cf
-import glob
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,9 +25,9 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import requests
 
 import row_judge
+from helpers import metrics_of, settled
 from sglang_hs import HiddenStateReader
 from sglang_hs.reader import NotCaptured
 from conftest import HARVEST_SAMPLE_KEY
@@ -46,38 +44,9 @@ def sample_point(rid):
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
-def _status(dump, want=lambda s: True, seconds=30):
-    """The overlay's status file once `want(status)` holds (it is rewritten every half second)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        files = glob.glob(os.path.join(dump, "overlay-*.json"))
-        try:
-            status = json.load(open(files[0])) if files else None
-        except ValueError:  # caught mid-rename
-            status = None
-        if status is not None and (want(status) or time.monotonic() > deadline):
-            return status
-        assert time.monotonic() < deadline, "no status file"
-        time.sleep(0.1)
-
-
-def _not_captured_metrics(server):
-    text = requests.get(f"{server.url}/metrics", timeout=30).text
-    out = {}
-    for m in re.finditer(r'^sglang_hs:requests_not_captured_total\{([^}]*)\} (\S+)$', text, re.M):
-        reason = re.search(r'reason="([^"]+)"', m.group(1)).group(1)
-        out[reason] = out.get(reason, 0) + float(m.group(2))
-    return out
-
-
-def _metric_reaches(server, reason, n, seconds=30):
-    """/metrics counts at least `n` requests not captured for `reason` (it is refreshed twice a second)."""
-    deadline = time.monotonic() + seconds
-    while _not_captured_metrics(server).get(reason, 0) < n:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+def _not_captured(server, snapshot, reason):
+    """/metrics' requests not captured for `reason`, once it shows `snapshot`'s figures or later ones."""
+    return metrics_of(server, snapshot, by=("reason",)).get(("sglang_hs:requests_not_captured_total", reason), 0)
 
 
 # `python -m sglang_hs.extract` that stops itself (SIGSTOP) as it starts writing its n-th file: the record
@@ -171,7 +140,7 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
     def send(rid):
         return server.chat(messages[rid], max_tokens=6, temperature=0, rid=rid)
 
-    records0 = _status(server.dump)["writer"]["records"]
+    records0 = settled(server)["writer"]["records"]  # every earlier request counted: the baseline
     # stops itself as it begins the second file of the second half's records
     harvester = _harvester(harvesters, server.dump, out, log, stop_at_write=len(first) + 2)
     replies = {}
@@ -182,7 +151,7 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
         futures = {rid: pool.submit(send, rid) for rid in rids[10:]}
         _wait_stopped(harvester, log)
         replies.update({rid: f.result(timeout=300) for rid, f in futures.items()})  # served while it is stopped
-        status = _status(server.dump, lambda s: s["writer"]["records"] - records0 >= len(sampled))
+        status = settled(server)  # every reply is in: each outcome is counted
         assert status["writer"]["records"] - records0 == len(sampled), status  # all published, to the ring
         assert status["output_ring_fill"] > 0, status  # ... and not all acknowledged
         harvested = {e["rid"] for e in _journaled(out)}
@@ -192,8 +161,9 @@ def test_production_chat_traffic_sampled_and_harvested_by_a_harvester_killed_and
         harvester = _harvester(harvesters, server.dump, out, log)
     assert all(r["choices"][0]["message"]["content"] is not None for r in replies.values())  # every one served
     _wait_journaled(out, len(sampled), harvester, log)
-    status = _status(server.dump, lambda s: s["output_ring_fill"] == 0)
-    assert status["output_ring_fill"] == 0, status  # every record acknowledged, and nothing more came
+    # every record acknowledged, and nothing more came
+    status = settled(server, until=lambda s: s["output_ring_fill"] == 0, timeout=120)
+    assert status["writer"]["records"] - records0 == len(sampled), status
     harvester.send_signal(signal.SIGTERM)
     assert harvester.wait(120) == 0, log.read_text()
     manifest = json.load(open(out / "manifest.json"))
@@ -260,7 +230,7 @@ def test_only_sampled_and_opted_in_requests_are_captured_and_exact(harvest, hf):
         out = server.generate(input_ids=ids, rid=rid, sampling_params={**GREEDY, **extra})
         return ids, out
 
-    before = _status(server.dump)["admission"]
+    before = settled(server)["admission"]  # every earlier request counted: the baseline
     with cf.ThreadPoolExecutor(4) as pool:
         futures = {rid: pool.submit(send, i, rid) for i, rid in enumerate(rids)}
         while not all(f.done() for f in futures.values()):
@@ -283,13 +253,12 @@ def test_only_sampled_and_opted_in_requests_are_captured_and_exact(harvest, hf):
             assert e.value.reason == "not_sampled" and reader.not_captured(rid) is None
     assert not [r for r in reader.ready_rids() if r.startswith("mix-")]
     n_skip = len(rids) - len(selected)
-    status = _status(server.dump, lambda s: s["admission"]["skipped_not_sampled"] - before["skipped_not_sampled"]
-                      >= n_skip)
+    status = settled(server)
     a = status["admission"]
     assert a["skipped_not_sampled"] - before["skipped_not_sampled"] == n_skip, a
     assert a["skipped_reader_behind"] == before["skipped_reader_behind"] == 0, a
     assert a["markers_dropped"] == 0 and a["held_now"] == 0 and status["writer"]["dropped"] == 0, status
-    assert _metric_reaches(server, "not_sampled", n_skip)
+    assert _not_captured(server, status, "not_sampled") == a["skipped_not_sampled"], status
     print(f"\n{len(selected)} of {len(rids)} captured, worst row error {worst:.2e}")
 
 
@@ -299,7 +268,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
     rids = [f"behind-{i}" for i in range(N)]
     prompts = {rid: row_judge.prompt_ids(hf, f"Unread request {i} " + "with a longer prompt " * (3 + i % 3))
                for i, rid in enumerate(rids)}
-    status0 = _status(server.dump)
+    status0 = settled(server)  # every earlier request counted: the baseline
     before = status0["admission"]
 
     def accounted(s):  # finishes the file has seen: a record or a marker published, or dropped
@@ -312,9 +281,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
                                     sampling_params={**GREEDY, "custom_params": {"hs_capture": True}})
                    for rid in rids}
         outs = {rid: f.result(timeout=150) for rid, f in futures.items()}  # every one served, none held
-    # the status file is rewritten twice a second: wait for one that has seen every request finish (its
-    # admission counters, counted when each was admitted, then are whole too)
-    status = _status(server.dump, lambda s: accounted(s) >= N)
+    status = settled(server)  # every reply is in: each outcome is counted
     assert accounted(status) == N, status
     a = status["admission"]
     skipped = a["skipped_reader_behind"] - before["skipped_reader_behind"]
@@ -322,7 +289,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
     assert status["output_ring_fill"] > 0.5, status
     unmarked = a["markers_dropped"] - before["markers_dropped"]
     assert "served without capture (--hs-when-behind skip)" in server.output
-    assert _metric_reaches(server, "reader_behind", skipped)
+    assert _not_captured(server, status, "reader_behind") == a["skipped_reader_behind"], status
     # Now a reader drains: each request has its whole, exact record, or a marker, or is counted as unmarked.
     got, marked, deadline = {}, set(), time.monotonic() + 120
     while len(got) + len(marked) + unmarked < N and time.monotonic() < deadline:
@@ -342,7 +309,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
     for rid, rec in got.items():
         row_judge.assert_exact(rec, hf, (prompts[rid] + outs[rid]["output_ids"])[:-1], LAYERS, N_LAYERS,
                                reader.manifest["hidden_size"])
-    assert _status(server.dump)["writer"]["dropped"] == 0
+    assert settled(server)["writer"]["dropped"] == 0
     # the reader caught up: an opted-in request is captured again
     out = server.generate(input_ids=prompts[rids[0]], rid="after-catch-up",
                           sampling_params={**GREEDY, "custom_params": {"hs_capture": True}})

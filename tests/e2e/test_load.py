@@ -5,9 +5,6 @@ with the scheduling features off (plain_sched_server): identical row counts, pro
 within bf16 tolerance, generated ones up to where the two servers' greedy choices differ (bf16 logits
 depend on batching). The figures are printed (pytest -s) for the closing note."""
 import concurrent.futures as cf
-import glob
-import json
-import os
 import random
 import threading
 import time
@@ -15,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import serving
+from helpers import serving, settled
 from sglang_hs import HiddenStateReader
 
 pytestmark = pytest.mark.e2e
@@ -50,13 +47,17 @@ def load_server(tmp_path_factory):
 
 def test_load_with_admission_matches_requests_run_alone(load_server, plain_sched_server, plain_dump_dir):
     reqs = _requests()
-    reader = HiddenStateReader(str(load_server.dump))
+    with HiddenStateReader(str(load_server.dump)) as reader, HiddenStateReader(str(plain_dump_dir)) as ref_reader:
+        _load(load_server, plain_sched_server, reqs, reader, ref_reader)
+
+
+def _load(load_server, plain_sched_server, reqs, reader, ref_reader):
     got, stop = {}, threading.Event()
 
     def drain():  # a reader that keeps up only in bursts, so the ring fills and admission waits
         while not stop.is_set():
             reader.poll()
-            for rid in [r for r in list(reader._ready) if r.startswith("load-")]:
+            for rid in [r for r in reader.ready_rids() if r.startswith("load-")]:
                 got[rid] = reader.take(rid)
             time.sleep(0.05)
 
@@ -74,14 +75,10 @@ def test_load_with_admission_matches_requests_run_alone(load_server, plain_sched
     stop.set()
     t.join(5)
     assert sorted(got) == sorted(r[0] for r in reqs)
-    # the status file is rewritten within half a second of a change: wait for the one counting every record
-    status_path = glob.glob(os.path.join(load_server.dump, "overlay-*.json"))[0]
-    deadline = time.monotonic() + 30
-    while (status := json.load(open(status_path)))["writer"]["records"] < N and time.monotonic() < deadline:
-        time.sleep(0.1)
+    status = settled(load_server)  # every reply is in: every outcome counted
+    assert status["writer"]["records"] >= N, status
 
     # The same requests, one at a time, on the plain scheduler (no chunking, radix cache or overlap).
-    ref_reader = HiddenStateReader(str(plain_dump_dir))
     errs, mismatched = [], []
     for (rid, ids, new), out in zip(reqs, outs):
         alone = plain_sched_server.generate(input_ids=ids, rid=f"alone-{rid}",

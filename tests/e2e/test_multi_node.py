@@ -25,9 +25,9 @@ import pytest
 
 import row_judge
 from conftest import CHUNK
-from helpers import Launcher, free_port, leftover_server_processes, server_session
+from helpers import (Launcher, assert_connection_lost, free_port, leftover_server_processes, server_session, settled,
+                     until_decoding)
 from sglang_hs import HiddenStateReader
-from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 from sglang_hs.reader import NoWriterHere, coverage
 from sglang_hs.tools.supervisor import EXIT_NODE0_LOST
 
@@ -120,8 +120,9 @@ def test_requests_routed_to_both_nodes_are_read_on_their_node(dp_nodes, hf):
         assert rec.dp_rank == dp
         worst = max(worst, row_judge.assert_exact(rec, hf, (ids + out["output_ids"])[:-1], LAYERS, N_LAYERS, 256))
         other = readers[1 - dp]
+        settled(nodes[1 - dp].dump)  # the other node published all it will for the requests answered so far
         other.poll()
-        assert rid not in other._ready and not other.not_captured(rid)
+        assert rid not in other.ready_rids() and not other.not_captured(rid)
     print(f"two nodes, DP attention: 4 records routed to both nodes, worst row {worst:.2e} (tolerance {row_judge.TOL})")
 
 
@@ -233,13 +234,6 @@ def test_harvester_on_each_node_harvests_what_its_node_served(dp_nodes, hf, tmp_
           f"(bf16 files, tolerance {row_judge.BF16_TOL})")
 
 
-def _decode_steps(dump, pid):
-    try:
-        return json.load(open(dump / f"overlay-{pid}.json"))["forwards"].get("DECODE", 0)
-    except (OSError, ValueError):
-        return 0
-
-
 def _long_request(node, rid, dp_rank, errors):
     """A request decoding for long (3000 tokens), routed to `dp_rank` (None: not routed); the error that ends
     it goes into `errors`."""
@@ -257,13 +251,6 @@ def _long_request(node, rid, dp_rank, errors):
     return t
 
 
-def _until_decoding(node, dump, writer, before, t):
-    deadline = time.monotonic() + 300
-    while _decode_steps(dump, writer) < before + 8:
-        assert time.monotonic() < deadline and t.is_alive(), node.tail()
-        time.sleep(FLUSH_INTERVAL_S)
-
-
 def test_node_0_lost_mid_generation_node_1_reports_it_and_its_dump_stays_whole(dp_nodes):
     """Node 0 lost (its launcher and every server process SIGKILLed, as a machine going down) while node 1
     decodes a request routed to its DP rank: node 1's launcher says in one line that node 0 (its
@@ -275,8 +262,9 @@ def test_node_0_lost_mid_generation_node_1_reports_it_and_its_dump_stays_whole(d
     try:
         writer = reader.manifest["writers"][0]["pid"]
         errors = []
+        decoding = until_decoding(nodes[1], nodes[1].dump, writer)  # a fresh count of its decode steps first
         t = _long_request(nodes[0], "node0-lost", 1, errors)
-        _until_decoding(nodes[1], nodes[1].dump, writer, _decode_steps(nodes[1].dump, writer), t)
+        decoding(t)
         session = server_session(nodes[0].output)
         nodes[0].proc.kill()
         os.killpg(session, signal.SIGKILL)
@@ -287,9 +275,10 @@ def test_node_0_lost_mid_generation_node_1_reports_it_and_its_dump_stays_whole(d
         assert len(lines) == 1 and lines[0].startswith(
             f"[sglang-hs] node 0 (--dist-init-addr 127.0.0.1:{nodes[1].dist}) went away ("), nodes[1].tail()
         print(lines[0])
-        assert errors
-        assert reader.poll() == 0 and "node0-lost" not in reader.ready_rids() and not reader.not_captured("node0-lost")
+        assert_connection_lost(errors)
+        # no writer is left on either node: one poll sees all there is
         assert not leftover_server_processes(nodes[1].output) and not leftover_server_processes(nodes[0].output)
+        assert reader.poll() == 0 and "node0-lost" not in reader.ready_rids() and not reader.not_captured("node0-lost")
     finally:
         reader.close()
 
@@ -366,8 +355,9 @@ def test_node_1_stopped_alone_mid_generation_stops_at_once_and_node_0_reports_it
     nodes, reader = tp_nodes
     writer = reader.manifest["writers"][0]["pid"]
     errors = []
+    decoding = until_decoding(nodes[0], nodes[0].dump, writer)  # a fresh count of its decode steps first
     t = _long_request(nodes[0], "node1-stopped", None, errors)
-    _until_decoding(nodes[0], nodes[0].dump, writer, _decode_steps(nodes[0].dump, writer), t)
+    decoding(t)
     nodes[1].proc.send_signal(signal.SIGTERM)
     rc1 = nodes[1].wait_exit(timeout=600)
     assert rc1 == 128 + signal.SIGTERM, nodes[1].tail()
@@ -378,6 +368,6 @@ def test_node_1_stopped_alone_mid_generation_stops_at_once_and_node_0_reports_it
     t.join(120)
     assert rc0 != 0, nodes[0].tail()
     assert "[sglang-hs] server exited with status" in nodes[0].output, nodes[0].tail()
-    assert errors
+    assert_connection_lost(errors)
+    assert not leftover_server_processes(nodes[0].output)  # no writer is left: one poll sees all there is
     assert reader.poll() == 0 and "node1-stopped" not in reader.ready_rids() and not reader.not_captured("node1-stopped")
-    assert not leftover_server_processes(nodes[0].output)

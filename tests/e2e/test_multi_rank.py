@@ -17,7 +17,6 @@ test ends the tp2 server: it stays the last test of that server.
 """
 import concurrent.futures as cf
 import glob
-import json
 import os
 import signal
 
@@ -25,8 +24,8 @@ import pytest
 
 import row_judge
 from conftest import CHUNK
-from helpers import (Launcher, killed_mid_generation, leftover_server_processes, processes_in_session, server_session,
-                     until_decoding)
+from helpers import (Launcher, assert_connection_lost, killed_mid_generation, leftover_server_processes,
+                     processes_in_session, server_session, settled, until_decoding)
 from sglang_hs import HiddenStateReader
 
 pytestmark = pytest.mark.e2e
@@ -110,7 +109,7 @@ def test_one_writer_attention_tp_rank_0(tp2):
     dump = server.dump
     assert sorted(p.name for p in dump.glob("store-*.bin")) == ["store-w0.bin"]
     assert sorted(p.name for p in dump.glob("ring-*.bin")) == ["ring-w0.bin"]
-    status = {json.load(open(p))["pid"]: json.load(open(p)) for p in glob.glob(str(dump / "overlay-*.json"))}
+    status = {s["pid"]: s for s in settled(server)["files"]}
     assert set(status) == {_scheduler(server, 0), _scheduler(server, 1)}, status
     assert "writer" in status[_scheduler(server, 0)] and "writer" not in status[_scheduler(server, 1)]
     assert "local_omp_cpuid=1" in server.output  # the launcher's default binding: rank 1 on core group 1
@@ -164,16 +163,17 @@ def test_non_writer_rank_killed_mid_generation(tp2):
     and exits non-zero, the client gets an error, no record (torn or whole) of that request is emitted,
     and nothing is left running. Ends the module's server: keep this test last."""
     server, reader = tp2
+    settled(server)
     reader.poll()
-    reader._ready.clear()  # records a failed test above left behind
+    assert not reader.ready_rids(), "records a test above left unread"
     victim = _scheduler(server, 1)
     rc, errors = killed_mid_generation(server, "tp-killed", 3000, until_decoding(server, str(server.dump), victim),
                                        lambda: os.kill(victim, signal.SIGKILL), 300, 120)  # rank 1 decodes it
     assert rc != 0, server.tail()
     assert "[sglang-hs] server exited with status" in server.output, server.tail()  # rank 0's gloo read fails
-    assert errors  # the client was not told a lie
-    assert reader.poll() == 0 and "tp-killed" not in reader._ready  # nothing of it, nothing torn
-    assert not leftover_server_processes(server.output)
+    assert_connection_lost(errors)  # the client was not told a lie
+    assert not leftover_server_processes(server.output)  # no writer is left: one poll sees all there is
+    assert reader.poll() == 0 and "tp-killed" not in reader.ready_rids()  # nothing of it, nothing torn
 
 
 # -- data-parallel attention with expert parallel: `--tp 2 --dp 2 --enable-dp-attention --ep-size 2` --
@@ -215,6 +215,7 @@ def test_dpep_one_writer_per_group(dpep):
     assert [w["pid"] for w in m["writers"]] == [_scheduler(server, 0, dp=0, ep=0), _scheduler(server, 1, dp=1, ep=1)]
     assert sorted(p.name for p in server.dump.glob("store-*.bin")) == ["store-w0.bin", "store-w1.bin"]
     assert sorted(p.name for p in server.dump.glob("ring-*.bin")) == ["ring-w0.bin", "ring-w1.bin"]
+    settled(server)  # everything the server answered so far is published
     assert reader.poll() == 0, reader.ready_rids()  # the warm-up batch was tagged, not published
 
 

@@ -1,46 +1,22 @@
 """The real server, started by the launcher, serves through the overlay with capture on."""
-import glob
-import json
-import os
-import time
-
 import pytest
 
 from conftest import CHUNK
-from helpers import leftover_server_processes
-from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
+from helpers import leftover_server_processes, settled
 
 pytestmark = pytest.mark.e2e
 
 
-def _settled_status(dump_dir):
-    """The status file once every forward so far is flushed (the overlay writes it every 0.5 s)."""
-    time.sleep(2 * FLUSH_INTERVAL_S + 0.2)
-    for path in glob.glob(os.path.join(dump_dir, "overlay-*.json")):
-        return json.load(open(path))
-    return {}
-
-
-def _status(dump_dir, want_rid, timeout=30):
-    time.sleep(2 * FLUSH_INTERVAL_S + 0.2)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for path in glob.glob(os.path.join(dump_dir, "overlay-*.json")):
-            data = json.load(open(path))
-            if want_rid in data["recent_rids"]:
-                return path, data
-        time.sleep(0.3)
-    raise AssertionError(f"no overlay status file lists rid {want_rid}: {os.listdir(dump_dir)}")
-
-
 def test_chunked_prefill_and_decode_go_through_the_overlay(capture_server, dump_dir):
-    before = _settled_status(dump_dir)
+    # every forward of a request is counted before its reply leaves: a snapshot taken after the reply has them
+    before = settled(capture_server)
     prompt = [(7 * i + 11) % 900 + 5 for i in range(40)]  # 40 tokens, 3 chunks of <= 16
     out = capture_server.generate(
         input_ids=prompt, rid="e2e-chunked-decode", sampling_params={"max_new_tokens": 8, "temperature": 0}
     )
     assert out["meta_info"]["completion_tokens"] == 8
-    path, status = _status(dump_dir, "e2e-chunked-decode")
+    status = settled(capture_server)
+    assert "e2e-chunked-decode" in status["recent_rids"] and len(status["files"]) == 1, status
     # Written by the scheduler process that served the request, not by the launcher.
     assert status["pid"] != capture_server.proc.pid and status["pid"] in leftover_server_processes(capture_server.output)
     assert status["module"] == "sglang_hs.server.models.deepseek_v2" and status["class"] == "DeepseekV3ForCausalLM"

@@ -5,20 +5,18 @@ and the server keeps serving.
 
 One float32 server (conftest.py `contract_server`); every record is judged row by row against HF
 transformers float32 on the token ids it claims (tests/e2e/row_judge.py), and where the client knows
-what was forwarded, those ids are checked too. After every test the reader is polled once more: no
-record and no marker beyond the ones the test took may be there (the finish worker publishes in
-finish order, so anything a test's requests left is in the ring by the time its last record is)."""
+what was forwarded, those ids are checked too. Around every test the server's status is settled first
+(sglang_hs.status: every request answered so far has its outcome published) and the reader polled: no
+record and no marker beyond the ones the test took may be there, before or after it."""
 import concurrent.futures as cf
-import glob
 import json
-import time
 
 import pytest
 import requests
 
 import row_judge
+from helpers import settled
 from sglang_hs import HiddenStateReader, NotCaptured
-from sglang_hs.server.overlay_status import FLUSH_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS = [2, 4, 5], 8
@@ -37,17 +35,23 @@ def served(contract_server):
 
 @pytest.fixture(autouse=True)
 def nothing_unexpected(served):
-    """Every record and marker a test's requests leave is one the test took."""
-    _, reader = served
+    """Every record and marker a test's requests leave is one the test took: checked once the server has
+    published the outcome of every request answered (settled), before the test and after it. What a
+    failed test left is reported at its own teardown, then cleared, so the next test starts clean."""
+    server, reader = served
+    settled(server)
     reader.poll()
-    for rid in reader.ready_rids():  # what an earlier failed test left: its failure was reported there
-        reader.pop_ready(rid)
+    assert reader.ready_rids() == [], f"records that arrived after the last test's check: {reader.ready_rids()}"
     _expected_markers.clear()
     markers = reader.markers
     yield
+    settled(server)
     reader.poll()
-    assert reader.ready_rids() == [], f"records nobody asked for: {reader.ready_rids()}"
-    assert reader.markers == markers + _expected_markers.pop("n", 0), "a marker nobody asked for"
+    left, got = reader.ready_rids(), reader.markers - markers
+    for rid in left:
+        reader.pop_ready(rid)
+    assert left == [], f"records nobody asked for: {left}"
+    assert got == _expected_markers.pop("n", 0), f"{got} markers, the test took {_expected_markers}"
 
 
 _expected_markers = {}
@@ -75,10 +79,6 @@ def _post(server, path, body, ok=True):
         assert r.status_code == 200, r.text
         return r.json()
     return r
-
-
-def _writer_status(server):
-    return json.load(open(glob.glob(str(server.dump / "overlay-*.json"))[0]))["writer"]
 
 
 # --- item 1: beam search ------------------------------------------------------------------------------
@@ -111,9 +111,9 @@ def test_a_beam_request_sglang_refuses_gets_a_4xx_and_leaves_nothing(served, hf)
                                     "sampling_params": {"beam_width": 2, "max_new_tokens": 3, "stop": ["x"]}},
               ok=False)
     assert 400 <= r.status_code < 500 and "beam" in r.text.lower(), r.text
-    time.sleep(1)
+    settled(server)  # whatever it left is published now
     reader.poll()
-    assert reader.not_captured("beam-refused") is None
+    assert reader.not_captured("beam-refused") is None and "beam-refused" not in reader.ready_rids()
 
 
 # --- item 2: sessions ---------------------------------------------------------------------------------
@@ -172,7 +172,8 @@ def test_n_choices_give_one_record_each_and_nothing_else(served, hf):
     for out in outs:
         prompt = ids if out["meta_info"]["prompt_tokens"] == len(ids) else ids2
         exact(reader.take(out["meta_info"]["id"], timeout=60), hf, (prompt + out["output_ids"])[:-1])
-    reader.poll()  # the prefix requests finished before their choices were sent: their records would be here
+    settled(server)  # every request answered so far is published: a prefix request's record would be here
+    reader.poll()
     assert reader.ready_rids() == [], "a record of SGLang's parallel-sampling prefix request"
 
 
@@ -182,10 +183,8 @@ def test_openai_chat_with_n_gives_one_record_per_choice(served, hf):
             "max_tokens": 4, "temperature": 1.0}
     resp = _post(server, "/v1/chat/completions", body)
     assert len(resp["choices"]) == 2
-    deadline = time.monotonic() + 60
-    while len(reader.ready_rids()) < 2 and time.monotonic() < deadline:
-        reader.poll()
-        time.sleep(0.1)
+    settled(server)  # both choices' records are in the ring, and nothing else of this request is coming
+    reader.poll()
     rids = reader.ready_rids()
     assert len(rids) == 2, rids
     assert resp["id"] in rids, (resp["id"], rids)  # the response id is the first choice's rid
@@ -255,9 +254,9 @@ def test_refused_shapes_get_a_4xx_naming_the_reason_and_leave_nothing(served, hf
         payload["input_ids"] = _ids(hf, TEXT)
     r = _post(server, "/generate", payload, ok=False)
     assert 400 <= r.status_code < 500 and says in r.text.lower(), (r.status_code, r.text)
-    time.sleep(1)
+    settled(server)  # whatever it left is published now
     reader.poll()
-    assert reader.not_captured(payload["rid"]) is None
+    assert reader.not_captured(payload["rid"]) is None and payload["rid"] not in reader.ready_rids()
 
 
 def test_a_batch_mixing_shapes(served, hf):
@@ -290,7 +289,6 @@ def test_the_server_keeps_serving_and_dropped_nothing(served, hf):
     ids = _ids(hf, "The last request of the contract module.")
     out = server.generate(input_ids=ids, rid="contract-last", sampling_params={"max_new_tokens": 4, **GREEDY})
     exact(reader.take("contract-last", timeout=60), hf, (ids + out["output_ids"])[:-1])
-    time.sleep(2 * FLUSH_INTERVAL_S)
-    status = _writer_status(server)
-    assert status["dropped"] == 0 and status["finish_failed"] == 0, status
+    status = settled(server)["writer"]  # every request of the module accounted for
+    assert status["records"] > 0 and status["dropped"] == 0 and status["finish_failed"] == 0, status
     assert requests.get(f"{server.url}/health_generate", timeout=60).status_code == 200

@@ -7,6 +7,7 @@ number moved) and every later reader refused the ring."""
 import pytest
 import requests
 
+from helpers import settled
 from test_capture import _prompt, check_against_hf
 from sglang_hs import HiddenStateReader
 
@@ -49,6 +50,7 @@ def test_a_rid_too_long_for_a_record_is_refused_and_the_server_serves_on(capture
     _refused(requests.post(f"{server.url}/v1/completions", timeout=300, json={
         "model": "default", "prompt": ids, "max_tokens": 2, "temperature": 0, "rid": "C" * LONG}))
     _served_exactly(server, reader, hf, "after-long-rids", "The scheduler groups requests into batches.")
+    settled(server)  # every request answered so far is published: one poll is an absence check now
     reader.poll()
     assert not [r for r in reader.ready_rids() if len(r) > 1000]  # no record under a refused rid
     # the refused batch's short member never ran: no record and no marker (its client got the 400)

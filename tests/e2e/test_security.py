@@ -4,6 +4,7 @@ init on its `nccl_port`, chosen below the ephemeral port range) binds the wildca
 no option to bind it elsewhere (docs/security.md#the-network). The test pins that to exactly that one
 socket, so any new exposure fails it."""
 import os
+import re
 
 import pytest
 
@@ -14,13 +15,20 @@ pytestmark = pytest.mark.e2e
 EXPECTED = {"manifest.json", "ring-w0.bin", "ring-w0.offset", "store-w0.bin", ".lock"}
 
 
+def _names(dump_dir):
+    """The dump dir's entries, less the temporary file of a status rewrite in flight (the overlay's thread
+    writes `.overlay-<pid>.json.<hex>.tmp` and renames it over its status file every tick)."""
+    return {n for n in os.listdir(dump_dir) if not re.fullmatch(r"\.overlay-\d+\.json\.[0-9a-f]{8}\.tmp", n)}
+
+
 @pytest.mark.parametrize("rid", ["../../../tmp/evil", "a/b/c", "x\x00y", "..", "/abs/path", "é 漢字 ✓"])
 def test_request_ids_are_data_never_paths(capture_server, dump_dir, rid, tmp_path):
-    before = set(os.listdir(dump_dir))
+    before = _names(dump_dir)
     out = capture_server.generate(input_ids=[5, 6, 7, 8], rid=rid, sampling_params={"max_new_tokens": 1})
-    rec = HiddenStateReader(str(dump_dir)).take(rid, timeout=60)
+    with HiddenStateReader(str(dump_dir)) as reader:
+        rec = reader.take(rid, timeout=60)
     assert rec.rid == rid and rec.input_ids.tolist() == [5, 6, 7, 8] and out["meta_info"]["id"] == rid
-    after = set(os.listdir(dump_dir))
+    after = _names(dump_dir)
     assert after == before and {n for n in after if not n.startswith("overlay-")} <= EXPECTED
     assert not os.path.exists("/tmp/evil") and not os.path.exists(os.path.join(dump_dir, "a"))
 

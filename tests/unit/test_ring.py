@@ -42,11 +42,14 @@ def test_records_cross_processes_whole_in_order_with_wraparound(tmp_path):
     capacity = 3 * ring.record_bytes(57, P, H, 2, 16) + 1000  # small: forces wraps and back-pressure
     p = mp.get_context("spawn").Process(target=_writer, args=(str(tmp_path), capacity))
     p.start()
-    while not (tmp_path / "ring-w0.bin").exists():
-        assert p.exitcode is None
     import time
 
-    time.sleep(0.2)  # creation happens before the header is written
+    # RingWriter.create writes the header, then makes the reader's offset file: once that is there, the
+    # ring is ready to open (the ring file alone exists before its header is written)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / ring.offset_name("ring-w0.bin")).exists():
+        assert p.exitcode is None and time.monotonic() < deadline
+        time.sleep(0.01)
     reader = ring.RingReader.open(str(tmp_path), "ring-w0.bin")
     got = []
     deadline = time.monotonic() + 120

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import readers_path, trainer_env
+from helpers import readers_path, specforge_losses, trainer_env
 from sglang_hs.tools import tiny_model
 from sglang_hs.extract import output
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
@@ -193,14 +193,6 @@ def test_speculators_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_pat
 
 
 
-SPECFORGE_STEPS = """
-import json, sys
-from specforge.data.preprocessing import build_offline_eagle3_dataset
-from specforge_train import Eagle3Training
-t = Eagle3Training(sys.argv[1])
-ds = build_offline_eagle3_dataset(t.cfg.data.hidden_states_path, max_len=t.cfg.data.max_length)
-print("LOSSES", json.dumps(t.epochs(3, lambda epoch: (ds[j] for j in range(len(ds))))))
-"""
 
 
 def test_specforge_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path):
@@ -211,7 +203,6 @@ def test_specforge_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path)
     its gradient clip. CPU by configuration only, in a process of its own since Triton reads it at import:
     TRITON_INTERPRET=1 (its Triton loss), TORCHDYNAMO_DISABLE=1, no FSDP wrap. The loss is finite and falls."""
     import json
-    import subprocess
 
     _readers()
     ckpt, rows = hf_rows
@@ -221,10 +212,7 @@ def test_specforge_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_path)
         sink.write(i, r["ids"], r["mask"], r["aux"], sink.final_of(_record(r)))
     manifest = {"model_path": ckpt, "layer_ids": LAYERS, "num_hidden_layers": 8, "context_len": 256}
     (tmp_path / "run.json").write_text(json.dumps(output.specforge_config(str(out), manifest)))
-    proc = subprocess.run([sys.executable, "-c", SPECFORGE_STEPS, str(tmp_path / "run.json")], env=trainer_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = json.loads(proc.stdout.split("LOSSES", 1)[1])
+    losses = specforge_losses(tmp_path / "run.json")
     print("SpecForge losses per epoch", losses)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
 
