@@ -655,3 +655,25 @@ def test_a_slow_worker_that_keeps_finishing_jobs_is_not_tripped(writer, monkeypa
         time.sleep(0.2)
     assert not tripped and writer.stats["records"] == 4 and int(worker._done_dev[0]) == 4
     worker.poll()
+
+
+def test_a_worker_idle_for_long_before_a_wait_is_not_taken_for_a_stuck_one(writer, monkeypatch):
+    """The watchdog counts from the later of the worker's last finished job and the start of the waits
+    outstanding: a worker with nothing to do for an hour, then handed a job a step waits for, has its
+    whole limit to finish it (it tripped at once when the count ran from its last job)."""
+    worker = _worker(writer)
+    worker.watchdog_s = 0.5
+    waits, tripped = _device_waits(worker, monkeypatch)
+    worker._progress_t -= 3600  # its last finished job: an hour ago
+    gate = Gate(writer, rids=["fresh"])
+    worker.submit("fresh", [1], torch.tensor([1]))
+    assert worker.order_device_writes() and waits == [1]
+    started = time.monotonic()
+    assert gate.started["fresh"].wait(30)
+    while time.monotonic() - started < 0.25:  # within the limit the watchdog has looked at least once
+        time.sleep(0.01)
+    assert not tripped, tripped
+    gate.per_rid["fresh"].set()
+    worker._wait_for(1)
+    worker.poll()
+

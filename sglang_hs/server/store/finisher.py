@@ -163,6 +163,7 @@ class FinishWorker:
         self._current: Optional[Tuple[int, str]] = None  # (seq, rid) of the job the worker runs now
         self._progress_t = time.monotonic()  # when the worker last finished a job (or started)
         self._device_wait = 0  # CUDA: the highest seq a forward stream was made to wait for (order_device_writes)
+        self._wait_began = 0.0  # when the device waits outstanding now began (an idle worker is not a stuck one)
         self._stuck: Optional[str] = None  # the watchdog's verdict: nothing is published after it
         self._watchdog = None  # CUDA: its thread, from the first device wait
         self.on_stuck: Callable[[str], None] = self._stop_the_server  # what the watchdog does once it trips
@@ -338,6 +339,8 @@ class FinishWorker:
         stream = torch.cuda.current_stream()
         _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), upto)
         self.stats["device_write_waits"] += 1
+        if self._device_wait <= self._done_now():  # no wait outstanding before: the watchdog counts from now
+            self._wait_began = time.monotonic()
         self._device_wait = max(self._device_wait, upto)
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="sglang-hs-finish-watchdog", daemon=True)
@@ -357,7 +360,7 @@ class FinishWorker:
             if self._device_wait <= self._done_now():
                 continue
             dead = not self._thread.is_alive()
-            idle = time.monotonic() - self._progress_t
+            idle = time.monotonic() - max(self._progress_t, self._wait_began)
             if dead or idle > self.watchdog_s:
                 self.trip("its thread is gone" if dead else f"it finished no job for {idle:.0f}s")
 
