@@ -239,7 +239,8 @@ def test_metrics_export_a_snapshot_and_metrics_after_waits_for_its_seq(tmp_path)
                 "admission": {"held_now": 1, "skipped_not_sampled": 2}, "output_ring_fill": 0.25}
         m.refresh(snap)
         got = status.metrics_after(url, {"files": [dict(snap, writer_id=3)]}, timeout=10)
-        assert got["sglang_hs:status_seq"] == 7 and got["sglang_hs:records_published_total"] == 5
+        assert got["sglang_hs:status_seq_total"] == 7 and got["sglang_hs:status_gauges_seq"] == 7
+        assert got["sglang_hs:records_published_total"] == 5
         assert got["sglang_hs:requests_unaccounted"] == 2 and got["sglang_hs:admission_held"] == 1
         assert got["sglang_hs:requests_not_captured_total"] == 2 and got["sglang_hs:output_ring_fill_ratio"] == 0.25
         with pytest.raises(status.NotSettled, match="status seq 8"):
@@ -265,3 +266,45 @@ def test_a_missing_record_is_given_up_once_a_later_status_has_nothing_in_flight(
     pending[0] = 0
     status.settled(str(tmp_path), since_ns=int(t_reply * 1e9), timeout=30)
     assert "every request it answered published" in samples.record_overdue(str(tmp_path), t_reply)
+
+
+def test_a_job_handed_over_without_a_ticket_is_unaccounted_until_its_outcome_is_counted(tmp_path, monkeypatch):
+    """A request whose ticket a reconcile dropped (SGLang held it somewhere the reconcile did not look) is
+    still published by the finish worker: the status's unaccounted counts that job from its hand-over until
+    its record is counted (it read 0 meanwhile, and settled could return before the record was in the ring)."""
+    from sglang_hs.server.patches import capture_hooks
+    from sglang_hs.server.store.admission import AdmissionControl
+    from sglang_hs.server.store.finisher import FinishWorker
+    from sglang_hs.server.store.writer import CaptureWriter
+
+    writer = CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], True, 4, 16), 64, torch.float32, 1 << 20)
+    gate, inner = threading.Event(), writer.publish_gathered
+    writer.publish_gathered = lambda *a, **k: (gate.wait(30), inner(*a, **k))[1]
+    worker = FinishWorker(writer)
+    monkeypatch.setattr(capture_hooks, "_admission", AdmissionControl(_Ring(1 << 30), 2, 16, 4, 64))
+    monkeypatch.setattr(capture_hooks, "_finisher", worker)
+    try:
+        worker.submit("no-ticket", [1, 2, 3], torch.arange(3), ticket=None)
+        worker.poll()
+        assert capture_hooks._unaccounted() == 1 and writer.stats["records"] == 0
+        gate.set()
+        worker.drain()
+        assert capture_hooks._unaccounted() == 0 and writer.stats["records"] == 1
+    finally:
+        gate.set()
+        worker.close()
+
+
+def test_requests_sglang_holds_before_its_waiting_queue_are_known_to_the_reconcile(monkeypatch):
+    """The reconcile drops the tickets of rids the scheduler no longer knows; SGLang's colocated-batch input
+    blocker and the EPD multimodal receiver hold admitted requests before the waiting queue."""
+    from types import SimpleNamespace as NS
+
+    from sglang_hs.server.patches import capture_hooks
+
+    s = NS(waiting_queue=[NS(rid="w")], _deferred_input_requests=[], grammar_manager=None, running_batch=None,
+           last_batch=None, chunked_req=None, input_blocker=NS(_pending_reqs=[NS(rid="blocked"), NS(batch=[
+               NS(rid="b1"), NS(rid="b2")])]), mm_receiver=NS(waiting_list=[NS(rid="mm")]))
+    monkeypatch.setattr(capture_hooks, "_scheduler", s)
+    monkeypatch.setattr(capture_hooks, "_finisher", None)
+    assert {"w", "blocked", "b1", "b2", "mm"} <= capture_hooks._known_rids()

@@ -72,7 +72,7 @@ def _after_init_capturers(self) -> None:
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
         status.ring_fill = _writer.ring.fill_ratio
-        status.unaccounted = _admission.unaccounted
+        status.unaccounted = _unaccounted
         status.writer_id = writer_id
         from sglang_hs.server import metrics
 
@@ -94,6 +94,13 @@ def check_kv_index_space(runner) -> None:
             f"{type(getattr(runner, 'token_to_kv_pool_allocator', None)).__name__}: a unified SWA/Mamba allocator "
             "or a fused draft); capture copies rows by the ids a CUDA-graph replay was captured with, which are "
             "physical there while records are gathered by virtual ones: not supported with --hs-dump-dir")
+
+
+def _unaccounted() -> int:
+    """The status file's `unaccounted`: admission's (tickets and held requests), and the finish worker's
+    jobs handed over without a ticket (a request whose ticket a reconcile dropped): their outcome is not
+    counted yet either."""
+    return _admission.unaccounted() + (_finisher.untracked if _finisher else 0)
 
 
 def node_writers(par) -> dict:
@@ -342,6 +349,13 @@ def _known_rids():
         rids.update(getattr(r, "rid", None) for r in (batch if isinstance(batch, list) else (msg,)))
     grammar = getattr(s, "grammar_manager", None)  # requests waiting for their grammar to compile
     rids.update(r.rid for r in getattr(grammar, "grammar_queue", ()))
+    # pulled and admitted, held back by SGLang before the waiting queue: the colocated-batch input blocker
+    # (SGLANG_ENABLE_COLOCATED_BATCH_GEN) and, language-only under EPD, the multimodal receiver's waiting list
+    for pending in (getattr(getattr(s, "input_blocker", None), "_pending_reqs", ()),
+                    getattr(getattr(s, "mm_receiver", None), "waiting_list", ())):
+        for msg in pending or ():
+            batch = getattr(msg, "batch", None)
+            rids.update(getattr(r, "rid", None) for r in (batch if isinstance(batch, list) else (msg,)))
     for batch in (s.running_batch, s.last_batch):
         if batch is not None:
             rids.update(r.rid for r in batch.reqs)

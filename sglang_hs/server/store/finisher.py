@@ -146,6 +146,7 @@ class FinishWorker:
         self._done = 0  # seq of the last job the worker finished (under _cv)
         self._results: Deque[Tuple[int, str, Optional[BaseException], Any]] = collections.deque()  # under _cv
         self._pending: Dict[int, str] = {}  # seq -> rid, handed over and not yet polled (scheduler thread)
+        self.untracked = 0  # of those, jobs handed over without an admission ticket (read by the status thread)
         # per store slot, the seq of the last job that reads it (set at hand-over when the slot ids are on the
         # host; on CUDA they are not, and every write then waits for every gather handed over before it)
         # (numpy: one np.put / np.take per request, no index tensors; an int64 read is atomic on the scatter thread)
@@ -228,6 +229,7 @@ class FinishWorker:
         if T:
             self._gathered = seq
         self._pending[seq] = rid
+        self.untracked += ticket is None
         self._enqueue(_Job(seq, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
                            ticket=ticket, shipped=shipped))
 
@@ -237,6 +239,7 @@ class FinishWorker:
         reads no slot, so no write ever waits for it."""
         self._handed += 1
         self._pending[self._handed] = rid
+        self.untracked += ticket is None
         self._enqueue(_Job(self._handed, rid, None, torch.empty(0, dtype=torch.int64), skipped=reason, ticket=ticket))
 
     def mark_iteration(self) -> None:
@@ -277,6 +280,8 @@ class FinishWorker:
                 logger.error("sglang-hs: record of request %s NOT published: %r", rid, err)
             if self.on_done is not None:
                 self.on_done(rid, ticket)
+            if ticket is None:
+                self.untracked -= 1  # likewise after its outcome is counted
         self.stats["finish_pending"] = len(self._pending)
         if self._fatal is not None:
             err, self._fatal = self._fatal, None
@@ -350,8 +355,9 @@ class FinishWorker:
     # --- the watchdog of the device-side wait (CUDA, direct) -----------------------------------------
     def _watch(self) -> None:
         """While a forward stream waits on the GPU for a gather (order_device_writes), the scheduler thread
-        may be blocked behind it (SGLang's copy_done.synchronize()), so nothing on it would ever notice a
-        worker that stopped: its error is never raised, health checks hang. This thread does: when the
+        may be blocked behind it (SGLang's copy_done.synchronize()), so nothing on it notices a worker that
+        stopped: its error is never raised, and only SGLang's own watchdog (--watchdog-timeout, 300 s, on the
+        scheduler's forward count) would stop the server, without naming the cause. This thread does: when the
         worker has finished no job for `watchdog_s` (or its thread is gone) while such a wait is
         outstanding, it trips (below)."""
         period = min(1.0, self.watchdog_s / 4)
