@@ -24,7 +24,8 @@ which every process wrote after `since_ns` and nothing is unaccounted: each requ
 
 `wait(dump_dir, until)` waits for any condition on a fresh snapshot (requests held right now, a ring that
 fills), `metrics(url)` reads SGLang's /metrics (prometheus_client's own parser) and `metrics_after(url,
-snapshot)` waits until /metrics shows that snapshot's figures or later ones (`sglang_hs:status_seq`).
+snapshot)` waits until /metrics shows that snapshot's figures or later ones (the counters' and the gauges'
+status seq, sglang_hs/server/metrics.py).
 
 An aggregated snapshot has the keys of one file; `writer`, `admission`, `forwards` and `rows` are summed
 over the processes (one writer per data-parallel attention group), `output_ring_fill` is the fullest
@@ -174,17 +175,20 @@ def metrics(url: str, prefix: str = "sglang_hs:", by: tuple = ()) -> Dict:
 
 def metrics_after(url: str, snap: dict, timeout: float = 60.0, by: tuple = ()) -> Dict:
     """metrics(url, by=by) once /metrics shows the figures of snapshot `snap` (a status file's, or an
-    aggregated one of a single writer) or later ones: `sglang_hs:status_seq` >= the writer's seq in `snap`."""
+    aggregated one of a single writer) or later ones: the counters' and the gauges' seq
+    (`sglang_hs:status_seq_total`, `sglang_hs:status_gauges_seq`) both >= the writer's seq in `snap`."""
     writers = [s for s in snap.get("files", [snap]) if "writer" in s]
     if len(writers) != 1:
         raise ValueError(f"sglang-hs: metrics_after takes the snapshot of one writer, not {len(writers)}")
     want = writers[0]["seq"]
     deadline = time.monotonic() + timeout
+    seqs = ("sglang_hs:status_seq_total", "sglang_hs:status_gauges_seq")
     while True:
-        m = metrics(url)
-        if m.get("sglang_hs:status_seq", 0) >= want:
-            return metrics(url, by=by) if by else m
+        m = metrics(url, by=by)
+        at = [sum(v for k, v in m.items() if (k[0] if by else k) == name) for name in seqs]
+        if min(at) >= want:
+            return m
         if time.monotonic() > deadline:
             raise NotSettled(f"sglang-hs: /metrics of {url} did not reach status seq {want} within {timeout:.0f}s "
-                             f"(at {m.get('sglang_hs:status_seq')})", snap)
+                             f"(counters at {at[0]:.0f}, gauges at {at[1]:.0f})", snap)
         time.sleep(POLL_S)

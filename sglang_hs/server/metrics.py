@@ -4,11 +4,14 @@ SGLang sets PROMETHEUS_MULTIPROC_DIR before it starts the scheduler processes an
 aggregates every process's metric files, so metrics created here, in the writer's scheduler process,
 appear beside SGLang's `sglang:*` ones. They are refreshed by the overlay's status thread from each
 snapshot it writes to the status file (every FLUSH_INTERVAL_S), never from the forward or the scheduler
-loop, so they hold exactly that snapshot's figures: `sglang_hs:status_seq` is set last, to the snapshot's
-`seq`, and a /metrics read that shows it shows every figure of that snapshot or of a later one
-(sglang_hs/status.py: metrics_after):
+loop, so they hold exactly that snapshot's figures. SGLang's /metrics reads the counters' file and the
+gauges' file of this process one after the other, each from its start: each file has a seq of its own,
+made first (so it lies first in its file and is read before the figures after it) and set last, to the
+snapshot's `seq`; a /metrics read that shows both at N or more shows every figure of snapshot N or of a
+later one (sglang_hs/status.py: metrics_after):
 
-    sglang_hs:status_seq                  the status file snapshot these figures are from (its seq)
+    sglang_hs:status_seq_total            the status file snapshot the counters are from (its seq)
+    sglang_hs:status_gauges_seq           the snapshot the gauges are from
     sglang_hs:requests_unaccounted        its `unaccounted`: requests whose outcome is not counted yet
 
     sglang_hs:records_published_total     finished requests published to the output ring
@@ -79,6 +82,12 @@ class CaptureMetrics:
         from prometheus_client import Counter, Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
 
         labels = {"writer": str(writer_id)}
+        # first of their files, set last (module docstring)
+        self._seq = Counter("sglang_hs:status_seq", "The status-file snapshot the counters are from (its seq); "
+                            "set last.", list(labels)).labels(**labels)
+        self._gauges_seq = Gauge("sglang_hs:status_gauges_seq", "The status-file snapshot the gauges are from; set "
+                                 "last.", list(labels), multiprocess_mode="mostrecent").labels(**labels)
+        self._seq_seen = 0
         self._counters = {}
         for name, (source, key, doc) in COUNTERS.items():
             self._counters[name] = (source, key, Counter(f"sglang_hs:{name}", doc, list(labels)).labels(**labels))
@@ -97,7 +106,6 @@ class CaptureMetrics:
         self._pending = gauge("finish_pending", "Finished requests handed to the finish worker, not yet published.")
         self._fill = gauge("output_ring_fill_ratio", "Unread bytes / capacity of the output ring.")
         self._unaccounted = gauge("requests_unaccounted", "Requests admitted or held whose outcome is not counted yet.")
-        self._seq = gauge("status_seq", "The status-file snapshot these figures are from (its seq); set last.")
 
     def refresh(self, snapshot: dict) -> None:
         """Export one snapshot the status thread wrote (OverlayStatus._flush): its figures, then its seq."""
@@ -110,4 +118,8 @@ class CaptureMetrics:
         self._pending.set(snapshot.get("writer", {}).get("finish_pending", 0))
         self._fill.set(snapshot.get("output_ring_fill") or 0.0)
         self._unaccounted.set(snapshot.get("unaccounted", 0))
-        self._seq.set(snapshot["seq"])  # last: whoever sees it sees the figures above
+        # last: whoever sees them sees the figures above
+        if snapshot["seq"] > self._seq_seen:
+            self._seq.inc(snapshot["seq"] - self._seq_seen)
+            self._seq_seen = snapshot["seq"]
+        self._gauges_seq.set(snapshot["seq"])
