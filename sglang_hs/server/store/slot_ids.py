@@ -13,8 +13,9 @@ the scheduler thread) idles for a whole step. So the copy runs on a side stream 
 iteration's start mark: after the previous iteration's result processing (the radix cache's checkpoint of
 an unfinished request rewrites its req_to_token row there) and before this iteration's launch. The current
 stream then waits for the copy, so SGLang's later rewrite of the row stays after it. The request's own
-forward is synchronised by the host already (process_batch_result: copy_done), so its rows and ids are
-final when the copy is issued. The side stream comes from PyTorch's high-priority pool, never one of
+forward is synchronised by the host already (the overlap loop: process_batch_result syncs copy_done; the
+plain loop: its results' next_token_ids.tolist() on the same stream), so its rows and ids are final when
+the copy is issued. The side stream comes from PyTorch's high-priority pool, never one of
 SGLang's priority-0 streams. Before the first mark (the first finish) the current stream is used.
 """
 from __future__ import annotations

@@ -234,7 +234,8 @@ class CaptureWriter:
         if slots.is_cuda:
             # Not .cpu() or a stream synchronize on the schedule stream: under the overlap scheduler it already
             # waits for the next step's whole forward (slot_ids.py). The request's forward, and with it the
-            # direct copy into the store, completed before result processing (SGLang syncs copy_done).
+            # direct copy into the store, completed before result processing (SGLang syncs copy_done, or reads
+            # the step's next token ids on the same stream without the overlap scheduler).
             slots, errors, ready = self.slot_ids.to_host(slots, self.copy_errors())
             ready.synchronize()
             if errors is not None:  # a row whose KV slot lay outside the store: stop with one clear error
