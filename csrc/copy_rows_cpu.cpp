@@ -15,6 +15,7 @@
 
 #include <c10/util/Optional.h>
 
+#include "check.h"
 #include "row_threads.h"
 #include "stream_copy.h"
 
@@ -22,33 +23,34 @@ namespace sglang_hs {
 
 void copy_rows_cpu(const at::Tensor& aux, const c10::optional<at::Tensor>& last, const at::Tensor& loc,
                    at::Tensor& store, int64_t num_threads) {
-  TORCH_CHECK(store.device().is_cpu() && aux.device().is_cpu() && loc.device().is_cpu(),
-              "copy_rows_cpu: aux, loc and store must be CPU tensors");
-  TORCH_CHECK(store.dim() == 3 && store.is_contiguous(), "copy_rows_cpu: store must be a contiguous [S, P, H]");
+  HS_CHECK(store.device().is_cpu() && aux.device().is_cpu() && loc.device().is_cpu(),
+           "copy_rows_cpu: aux, loc and store must be CPU tensors");
+  HS_CHECK(store.dim() == 3 && store.is_contiguous(), "copy_rows_cpu: store must be a contiguous [S, P, H]");
   const int64_t S = store.size(0), P = store.size(1), H = store.size(2);
   const bool has_last = last.has_value() && last->defined();
   const int64_t K = P - (has_last ? 1 : 0);
   const int64_t T = aux.size(0);
-  TORCH_CHECK(K >= 1 && aux.dim() == 2 && aux.size(1) == K * H, "copy_rows_cpu: aux ", aux.sizes(),
-              " does not hold K=", K, " layers of H=", H, " for a store of ", store.sizes());
-  TORCH_CHECK(aux.stride(1) == 1, "copy_rows_cpu: aux rows must be contiguous");
-  TORCH_CHECK(aux.scalar_type() == store.scalar_type(), "copy_rows_cpu: aux is ", aux.scalar_type(),
-              ", store is ", store.scalar_type());
+  HS_CHECK(K >= 1 && aux.dim() == 2 && aux.size(1) == K * H,
+           "copy_rows_cpu: aux %s does not hold K=%lld layers of H=%lld for a store of %s", dims(aux.sizes()).c_str(),
+           (long long)K, (long long)H, dims(store.sizes()).c_str());
+  HS_CHECK(aux.stride(1) == 1, "copy_rows_cpu: aux rows must be contiguous");
+  HS_CHECK(aux.scalar_type() == store.scalar_type(), "copy_rows_cpu: aux is %s, store is %s",
+           dtype_name(aux.scalar_type()), dtype_name(store.scalar_type()));
   if (has_last) {
-    TORCH_CHECK(last->device().is_cpu() && last->dim() == 2 && last->size(0) == T && last->size(1) == H &&
-                    last->stride(1) == 1 && last->scalar_type() == store.scalar_type(),
-                "copy_rows_cpu: last ", last->sizes(), " does not match [T=", T, ", H=", H, "] ",
-                store.scalar_type());
+    HS_CHECK(last->device().is_cpu() && last->dim() == 2 && last->size(0) == T && last->size(1) == H &&
+                 last->stride(1) == 1 && last->scalar_type() == store.scalar_type(),
+             "copy_rows_cpu: last %s does not match [T=%lld, H=%lld] %s", dims(last->sizes()).c_str(), (long long)T,
+             (long long)H, dtype_name(store.scalar_type()));
   }
-  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == T &&
-                  (loc.scalar_type() == at::kInt || loc.scalar_type() == at::kLong),
-              "copy_rows_cpu: loc must be [T=", T, "] int32/int64");
-  TORCH_CHECK(num_threads >= 1, "copy_rows_cpu: num_threads must be >= 1, got ", num_threads);
+  HS_CHECK(loc.dim() == 1 && loc.size(0) == T && (loc.scalar_type() == at::kInt || loc.scalar_type() == at::kLong),
+           "copy_rows_cpu: loc must be [T=%lld] int32/int64", (long long)T);
+  HS_CHECK(num_threads >= 1, "copy_rows_cpu: num_threads must be >= 1, got %lld", (long long)num_threads);
   if (T == 0) return;
   const at::Tensor slots = loc.to(at::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(s[t] >= 0 && s[t] < S, "copy_rows_cpu: slot ", s[t], " of row ", t, " outside [0, ", S, ")");
+    HS_CHECK(s[t] >= 0 && s[t] < S, "copy_rows_cpu: slot %lld of row %lld outside [0, %lld)", (long long)s[t],
+             (long long)t, (long long)S);
   }
   const int64_t esz = store.element_size();
   const int64_t part = H * esz;

@@ -8,15 +8,16 @@
 #include <ATen/core/Tensor.h>
 #include <cuda_runtime.h>
 
+#include "check.h"
+
 namespace sglang_hs {
 namespace {
 void check_host(const at::Tensor& buf, const char* fn) {
-  TORCH_CHECK(buf.device().is_cpu() && buf.is_contiguous(), "sglang_hs.", fn,
-              ": expects a contiguous host tensor");
+  HS_CHECK(buf.device().is_cpu() && buf.is_contiguous(), "sglang_hs.%s: expects a contiguous host tensor", fn);
 }
 void check_cuda(cudaError_t err, const char* fn) {
-  TORCH_CHECK(err == cudaSuccess, "sglang_hs.", fn, ": ", cudaGetErrorName(err), " (", static_cast<int>(err),
-              "): ", cudaGetErrorString(err));
+  HS_CHECK(err == cudaSuccess, "sglang_hs.%s: %s (%d): %s", fn, cudaGetErrorName(err), static_cast<int>(err),
+           cudaGetErrorString(err));
 }
 }  // namespace
 

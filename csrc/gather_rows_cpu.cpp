@@ -15,6 +15,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
 
+#include "check.h"
 #include "row_threads.h"
 #include "stream_copy.h"
 
@@ -44,32 +45,35 @@ void copy_range(char* out, const char* src, const int64_t* idx, int64_t begin, i
 
 void gather_rows_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& idx, at::Tensor& out,
                      int64_t num_threads) {
-  TORCH_CHECK(src.device().is_cpu() && out.device().is_cpu(), "gather_rows_cpu: src and out must be CPU tensors");
-  TORCH_CHECK(src.dim() >= 1 && out.dim() == src.dim() && src.sizes().slice(1) == out.sizes().slice(1),
-              "gather_rows_cpu: out ", out.sizes(), " does not hold rows of src ", src.sizes());
-  TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), "gather_rows_cpu: src and out must be contiguous");
+  HS_CHECK(src.device().is_cpu() && out.device().is_cpu(), "gather_rows_cpu: src and out must be CPU tensors");
+  HS_CHECK(src.dim() >= 1 && out.dim() == src.dim() && src.sizes().slice(1) == out.sizes().slice(1),
+           "gather_rows_cpu: out %s does not hold rows of src %s", dims(out.sizes()).c_str(),
+           dims(src.sizes()).c_str());
+  HS_CHECK(src.is_contiguous() && out.is_contiguous(), "gather_rows_cpu: src and out must be contiguous");
   const auto overlap = at::get_overlap_status(out, src);
-  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-              "gather_rows_cpu: out overlaps src");
-  TORCH_CHECK(src.scalar_type() == out.scalar_type(), "gather_rows_cpu: src is ", src.scalar_type(), ", out is ",
-              out.scalar_type());
-  TORCH_CHECK(num_threads >= 1, "gather_rows_cpu: num_threads must be >= 1, got ", num_threads);
+  HS_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+           "gather_rows_cpu: out overlaps src");
+  HS_CHECK(src.scalar_type() == out.scalar_type(), "gather_rows_cpu: src is %s, out is %s",
+           dtype_name(src.scalar_type()), dtype_name(out.scalar_type()));
+  HS_CHECK(num_threads >= 1, "gather_rows_cpu: num_threads must be >= 1, got %lld", (long long)num_threads);
   const int64_t S = src.size(0), T = out.size(0);
   const bool has_idx = idx.has_value() && idx->defined();
   at::Tensor slots;
   const int64_t* s = nullptr;
   if (has_idx) {
-    TORCH_CHECK(idx->device().is_cpu() && idx->dim() == 1 && idx->size(0) == T &&
-                    (idx->scalar_type() == at::kInt || idx->scalar_type() == at::kLong),
-                "gather_rows_cpu: idx must be a CPU [T=", T, "] int32/int64 tensor, got ", idx->sizes(), " ",
-                idx->scalar_type());
+    HS_CHECK(idx->device().is_cpu() && idx->dim() == 1 && idx->size(0) == T &&
+                 (idx->scalar_type() == at::kInt || idx->scalar_type() == at::kLong),
+             "gather_rows_cpu: idx must be a CPU [T=%lld] int32/int64 tensor, got %s %s", (long long)T,
+             dims(idx->sizes()).c_str(), dtype_name(idx->scalar_type()));
     slots = idx->to(at::kLong).contiguous();
     s = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(s[t] >= 0 && s[t] < S, "gather_rows_cpu: index ", s[t], " of row ", t, " outside [0, ", S, ")");
+      HS_CHECK(s[t] >= 0 && s[t] < S, "gather_rows_cpu: index %lld of row %lld outside [0, %lld)", (long long)s[t],
+               (long long)t, (long long)S);
     }
   } else {
-    TORCH_CHECK(S == T, "gather_rows_cpu: without idx, out must have src's ", S, " rows, not ", T);
+    HS_CHECK(S == T, "gather_rows_cpu: without idx, out must have src's %lld rows, not %lld", (long long)S,
+             (long long)T);
   }
   if (T == 0 || src.numel() == 0) return;
   const int64_t row = src.numel() / S * src.element_size();

@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 
+#include "check.h"
+
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -30,7 +32,7 @@ namespace sglang_hs {
 namespace {
 
 [[noreturn]] void fail_errno(const std::string& what, const std::string& path, int err) {
-  TORCH_CHECK(false, what, " ", path, ": ", std::strerror(err), " (errno ", err, ")");
+  fail("%s %s: %s (errno %d)", what.c_str(), path.c_str(), std::strerror(err), err);
 }
 
 struct Fd {
@@ -40,14 +42,14 @@ struct Fd {
 };
 
 uint64_t* word(const at::Tensor& buf, int64_t offset) {
-  TORCH_CHECK(buf.device().is_cpu(), "sglang_hs atomics: buffer must be a CPU (host) tensor");
-  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(),
-              "sglang_hs atomics: buffer must be a contiguous uint8 tensor, got ", buf.scalar_type());
-  TORCH_CHECK(offset >= 0 && offset + 8 <= buf.numel(), "sglang_hs atomics: offset ", offset,
-              " outside a buffer of ", buf.numel(), " bytes");
+  HS_CHECK(buf.device().is_cpu(), "sglang_hs atomics: buffer must be a CPU (host) tensor");
+  HS_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(),
+           "sglang_hs atomics: buffer must be a contiguous uint8 tensor, got %s", dtype_name(buf.scalar_type()));
+  HS_CHECK(offset >= 0 && offset + 8 <= buf.numel(), "sglang_hs atomics: offset %lld outside a buffer of %lld bytes",
+           (long long)offset, (long long)buf.numel());
   auto* p = static_cast<uint8_t*>(buf.data_ptr()) + offset;
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % alignof(uint64_t) == 0,
-              "sglang_hs atomics: offset ", offset, " is not 8-byte aligned");
+  HS_CHECK(reinterpret_cast<uintptr_t>(p) % alignof(uint64_t) == 0, "sglang_hs atomics: offset %lld is not 8-byte aligned",
+           (long long)offset);
   return reinterpret_cast<uint64_t*>(p);
 }
 
@@ -55,10 +57,10 @@ uint64_t* word(const at::Tensor& buf, int64_t offset) {
 
 at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nbytes, bool create,
                     int64_t owner_uid) {
-  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
-              "sglang_hs.map_file: name must be a plain file name, got '", name, "'");
-  TORCH_CHECK(nbytes >= 0, "sglang_hs.map_file: nbytes must be >= 0, got ", nbytes);
-  TORCH_CHECK(!create || nbytes > 0, "sglang_hs.map_file: a new file needs nbytes > 0");
+  HS_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
+           "sglang_hs.map_file: name must be a plain file name, got '%s'", name.c_str());
+  HS_CHECK(nbytes >= 0, "sglang_hs.map_file: nbytes must be >= 0, got %lld", (long long)nbytes);
+  HS_CHECK(!create || nbytes > 0, "sglang_hs.map_file: a new file needs nbytes > 0");
   const std::string path = dir + "/" + name;
 
   Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
@@ -69,10 +71,10 @@ at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nby
 
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) fail_errno("cannot stat", path, errno);
-  TORCH_CHECK(S_ISREG(st.st_mode), "sglang_hs.map_file: ", path, " is not a regular file");
+  HS_CHECK(S_ISREG(st.st_mode), "sglang_hs.map_file: %s is not a regular file", path.c_str());
   const uid_t owner = owner_uid < 0 ? ::geteuid() : static_cast<uid_t>(owner_uid);
-  TORCH_CHECK(st.st_uid == owner, "sglang_hs.map_file: ", path, " is owned by uid ", st.st_uid, ", not by uid ",
-              owner, owner_uid < 0 ? " (this user)" : " (the owner the reader trusts)");
+  HS_CHECK(st.st_uid == owner, "sglang_hs.map_file: %s is owned by uid %lld, not by uid %lld%s", path.c_str(),
+           (long long)st.st_uid, (long long)owner, owner_uid < 0 ? " (this user)" : " (the owner the reader trusts)");
   if (create) {
     if (::fchmod(fd.fd, 0600) != 0) fail_errno("cannot chmod", path, errno);  // despite the umask
     int err = ::posix_fallocate(fd.fd, 0, nbytes);
@@ -81,10 +83,10 @@ at::Tensor map_file(const std::string& dir, const std::string& name, int64_t nby
       fail_errno("cannot reserve " + std::to_string(nbytes) + " bytes for", path, err);
     }
   } else {
-    TORCH_CHECK(nbytes == 0 || st.st_size == nbytes, "sglang_hs.map_file: ", path, " has ", st.st_size,
-                " bytes, expected ", nbytes);
+    HS_CHECK(nbytes == 0 || st.st_size == nbytes, "sglang_hs.map_file: %s has %lld bytes, expected %lld", path.c_str(),
+             (long long)st.st_size, (long long)nbytes);
     nbytes = st.st_size;
-    TORCH_CHECK(nbytes > 0, "sglang_hs.map_file: ", path, " is empty");
+    HS_CHECK(nbytes > 0, "sglang_hs.map_file: %s is empty", path.c_str());
   }
   // MAP_POPULATE: fault every page in now, not one 4 KiB page at a time inside a forward step's copy or
   // a record's publish (on tmpfs that first touch otherwise caps the store and ring at ~1 GB/s).
