@@ -16,7 +16,10 @@ stream then waits for the copy, so SGLang's later rewrite of the row stays after
 forward is synchronised by the host already (the overlap loop: process_batch_result syncs copy_done; the
 plain loop: its results' next_token_ids.tolist() on the same stream), so its rows and ids are final when
 the copy is issued. The side stream comes from PyTorch's high-priority pool, never one of
-SGLang's priority-0 streams. Before the first mark (the first finish) the current stream is used.
+SGLang's priority-0 streams, and is taken when the writer is made: the first high-priority stream of a
+process creates that pool, which waited for the device to go idle (36 ms behind queued matmuls on an
+H200, issue 49), so taking it at the first hand-over stalled that finish behind the forward. Before the
+first mark the current stream is used.
 """
 from __future__ import annotations
 
@@ -26,14 +29,16 @@ import torch
 
 
 class SlotIdCopy:
-    def __init__(self) -> None:
-        self.side = None  # the stream the copies run on, made with the first copy (its device)
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        """`device`: the writer's CUDA device, whose side stream is taken now (module docstring); None without
+        CUDA (a SlotIdCopy made without it takes the stream at its first copy)."""
+        self.side = torch.cuda.Stream(device, priority=-1) if device is not None else None
         self._mark = None  # an event at the start of the scheduler's current iteration
 
     def mark_iteration(self) -> None:
         """At the start of every scheduler iteration (ingest_requests' hook): an event on the current stream
-        that the next copies wait for (a stream wait takes the event's latest record). Nothing before the
-        first copy made the side stream (and nothing at all without CUDA)."""
+        that the next copies wait for (a stream wait takes the event's latest record). Nothing without a side
+        stream (without CUDA)."""
         if self.side is not None:
             if self._mark is None:
                 self._mark = torch.cuda.Event()

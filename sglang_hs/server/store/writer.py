@@ -125,7 +125,8 @@ class CaptureWriter:
         self.finisher = None  # the FinishWorker (finisher.py) the store's writes are ordered after, once it runs
         from sglang_hs.server.store.slot_ids import SlotIdCopy
 
-        self.slot_ids = SlotIdCopy()  # CUDA: finished requests' slot ids to the host, off the schedule stream
+        # CUDA: finished requests' slot ids to the host, off the schedule stream (its side stream taken now)
+        self.slot_ids = SlotIdCopy(torch.device(device) if str(device).startswith("cuda") else None)
         manifest = {
             "format_version": FORMAT_VERSION,
             "sglang_hs_version": __version__,
