@@ -43,14 +43,17 @@ def test_the_synchronous_finish_does_not_wait_for_the_next_forward(copy):
         w.after_step(T, False)
         want = torch.cat([aux.view(T, K, H), last.view(T, 1, H)], 1).cpu()
         torch.cuda.current_stream().synchronize()  # the step's results are processed: copy_done synchronised
-        w.finish("warm-up", list(range(T)), slots)  # the first finish makes the side stream
+        w.finish("warm-up", list(range(T)), slots)
+        # The request's req_to_token row, written by an earlier iteration: before this iteration's mark. (Cloned
+        # after the barrier below, the row itself waited behind the held forward, and the slot ids copied on
+        # the side stream were the clone's uninitialised memory: the gather refused a slot of -1071529666.)
+        table = slots.clone()
         w.slot_ids.mark_iteration()  # the next iteration starts
         forward = torch.cuda.Stream()
         gates.hold(forward)  # its forward, held
         held = torch.cuda.Event()
         held.record(forward)
         torch.cuda.current_stream().wait_stream(forward)  # SGLang's write-after-read barrier
-        table = slots.clone()  # the request's req_to_token row
         done = threading.Event()
         finisher = threading.Thread(target=lambda: (w.finish("r", list(range(7, 7 + T)), table), done.set()))
         finisher.start()  # (its current stream is the device's default one, as this thread's)
