@@ -157,6 +157,17 @@ def test_the_users_hs_flags_reach_every_run_and_the_staging_ones_only_staging_ru
                              "2", "--hs-ring-size", "1GiB", "--hs-gather-threads", "3"]
     assert _hs_flags(ns, copy="direct") == ["--hs-last", "post-norm", "--hs-copy", "direct", "--hs-ring-size", "1GiB",
                                             "--hs-gather-threads", "3"]
+    assert _hs_flags(ns, copy="deferred") == ["--hs-last", "post-norm", "--hs-copy", "deferred", "--hs-staging-rows", "64",
+                                              "--hs-ring-size", "1GiB", "--hs-gather-threads", "3"]
+
+
+def test_every_other_copy_strategy_is_run_deferred_only_on_a_gpu():
+    from sglang_hs.tools.selftest import other_copies
+
+    assert other_copies(None, cpu=True) == ["staging"]
+    assert other_copies(None, cpu=False) == ["staging", "deferred"]
+    assert other_copies("staging", cpu=True) == ["direct"]
+    assert other_copies("deferred", cpu=False) == ["direct", "staging"]
 
 
 def test_hs_hc_streams_reaches_every_run():
@@ -203,8 +214,11 @@ def test_v4_on_the_cpu_engine_is_refused_in_one_line_before_any_server(tmp_path,
 
 
 def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(capsys, no_server):
+    from sglang_hs.tools import tiny_model
     from sglang_hs.tools.selftest import main
 
+    tiny_model.ensure()  # on a cold cache, its shards' progress bar is not the refusal's output
+    capsys.readouterr()
     assert main(["--hs-hc-streams", "full", "--device", "cpu"]) == 2  # the embedded DeepSeek-V3
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["sglang-hs selftest: error: --hs-hc-streams: only for models with hyper-connections "
