@@ -208,7 +208,8 @@ def command_errors(page: Path, text: str, help_flags=module_help_flags) -> List[
                     errors.append(f"{where}: from {m.group(1)} import: {e}")
                     continue
                 for name in (n.strip() for n in m.group(2).split(",")):
-                    if not hasattr(mod, name):
+                    # a name, or a submodule (`from sglang_hs import status`: an attribute only once imported)
+                    if not hasattr(mod, name) and importlib.util.find_spec(f"{m.group(1)}.{name}") is None:
                         errors.append(f"{where}: {m.group(1)} has no {name}")
             continue
         for m in re.finditer(r"python3? -m (sglang_hs(?:\.\w+)*)(\.\.\.|\.<)?", line):
