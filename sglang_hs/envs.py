@@ -74,7 +74,7 @@ def _layers() -> Optional[List[int]]:
     return [int(x) for x in v.split(",")] if v else None
 
 
-COPY_STRATEGIES = ("direct", "staging")
+COPY_STRATEGIES = ("direct", "staging", "deferred")
 CAPTURE_MODES = ("all", "opt-in")
 WHEN_BEHIND = ("hold", "skip")
 DEFAULT_RING_BYTES = 1 << 30
@@ -130,8 +130,9 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # control until the reader frees room, or "skip": serve it without capture.
     "SGLANG_HS_WHEN_BEHIND": _str("SGLANG_HS_WHEN_BEHIND", "hold"),
     # How rows reach the store (--hs-copy): "direct" (the copy kernel writes the store: registered,
-    # mapped host memory on CUDA) or "staging" (a device buffer shipped on a copy stream,
-    # sglang_hs/server/store/staging.py).
+    # mapped host memory on CUDA), "staging" (a device buffer shipped on a copy stream and scattered on the
+    # host, sglang_hs/server/store/staging.py) or "deferred" (CUDA: the same device buffer, written into the
+    # mapped store by the copy kernel on the copy stream after the step).
     "SGLANG_HS_COPY": _str("SGLANG_HS_COPY", "direct"),
     # Rows of the staging buffers (--hs-staging-rows); 0: max(chunked prefill size, max running requests).
     "SGLANG_HS_STAGING_ROWS": _int("SGLANG_HS_STAGING_ROWS", 0),

@@ -98,10 +98,13 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                         "the request (default; --hs-admission-timeout), or skip: serve it without capture")
     g.add_argument("--hs-copy", default=None, choices=envs.COPY_STRATEGIES,
                    help="how captured rows reach the host store: direct (the copy kernel writes registered, mapped "
-                        "host memory) or staging (a device buffer, copied out on a copy stream after each step and "
-                        "scattered on the host); both exact (default direct)")
+                        "host memory inside the forward), staging (a device buffer, copied out on a copy stream after "
+                        "each step and scattered on the host) or deferred (CUDA: the same device buffer, written into "
+                        "the mapped store by the copy kernel on the copy stream); all exact (default direct; "
+                        "docs/gpu.md compares them)")
     g.add_argument("--hs-staging-rows", type=int, default=None, metavar="N",
-                   help="rows of the --hs-copy staging buffers (2 on the device, 2 pinned on the host); larger "
+                   help="rows of the --hs-copy staging/deferred buffers (2 on the device; staging: 2 pinned on the "
+                        "host too); larger "
                         "steps are shipped in chunks; CUDA graphs must fit (default: max(--chunked-prefill-size, "
                         "--max-running-requests))")
     g.add_argument("--hs-scatter-threads", type=int, default=None, metavar="N",
@@ -479,17 +482,20 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             env["SGLANG_HS_LAST"] = last_choice(spec.finals)
         if ns.hs_copy:
             env["SGLANG_HS_COPY"] = ns.hs_copy
-        for flag, key, unit, staging_only in (("--hs-staging-rows", "SGLANG_HS_STAGING_ROWS", "rows", True),
-                                              ("--hs-scatter-threads", "SGLANG_HS_SCATTER_THREADS", "threads", True),
-                                              ("--hs-gather-threads", "SGLANG_HS_GATHER_THREADS", "threads", False)):
+        for flag, key, unit, copies in (("--hs-staging-rows", "SGLANG_HS_STAGING_ROWS", "rows", ("staging", "deferred")),
+                                        ("--hs-scatter-threads", "SGLANG_HS_SCATTER_THREADS", "threads", ("staging",)),
+                                        ("--hs-gather-threads", "SGLANG_HS_GATHER_THREADS", "threads", None)):
             value = getattr(ns, flag[2:].replace("-", "_"))
             if value is None:
                 continue
-            if staging_only and ns.hs_copy != "staging":
-                raise CaptureConfigError(f"{flag} needs --hs-copy staging")
+            if copies is not None and ns.hs_copy not in copies:
+                raise CaptureConfigError(f"{flag} needs --hs-copy {' or '.join(copies)}")
             if value <= 0:
                 raise CaptureConfigError(f"{flag}: must be > 0 {unit}, got {value}")
             env[key] = str(value)
+        if ns.hs_copy == "deferred" and env.get("SGLANG_HS_CPU_MODE"):
+            raise CaptureConfigError("--hs-copy deferred needs a CUDA device (this server runs SGLang's CPU engine); "
+                                     "use --hs-copy direct or staging")
         env.update(selection_env(ns))
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last ' + last_choice(spec.finals) if spec.last else ''} of "
               f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)

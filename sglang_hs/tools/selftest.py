@@ -12,7 +12,8 @@ Configurations (each a fresh server):
   plain-scheduler  chunked prefill (a chunk longer than any prompt), radix cache and the overlap
                    scheduler all off
   no-cuda-graph    --disable-cuda-graph (on a GPU only)
-  --hs-copy ...    the other copy strategy than the reference's (staging when you gave none)
+  --hs-copy ...    each other copy strategy than the reference's (direct when you gave none; deferred only
+                   on a GPU)
   sglang-json      SGLang's capture-only JSON path, chunked prefill and radix cache off (it returns
                    only the last chunk and the uncached suffix otherwise); aux layers only
 
@@ -252,9 +253,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, extra in configurations(sglang_args):
             runs, _ = run_capture(name, hs_args + sglang_args + extra, prompts, ("cold",), workdir)
             results.append((name, *compare(runs["cold"], ref, dtype)))
-        other = "direct" if ns.hs_copy == "staging" else "staging"
-        runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",), workdir)
-        results.append((f"--hs-copy {other}", *compare(runs["cold"], ref, dtype)))
+        from sglang_hs.tools.launch_server import runs_on_cpu
+
+        for other in other_copies(ns.hs_copy, runs_on_cpu(sglang_args)):
+            runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",), workdir)
+            results.append((f"--hs-copy {other}", *compare(runs["cold"], ref, dtype)))
         if hc:  # DeepseekV4ForCausalLM has no set_eagle3_layers_to_capture: SGLang's JSON aux path is EAGLE-3's
             print("[selftest] sglang-json: skipped (SGLang 0.5.23's capture-only JSON path is EAGLE-3's, which "
                   "DeepSeek-V4 does not serve)", flush=True)
@@ -292,6 +295,14 @@ def _check_model(ns, sglang_args: List[str]) -> bool:
     return spec.hc_mult > 1
 
 
+def other_copies(copy: Optional[str], cpu: bool) -> List[str]:
+    """The copy strategies the self-test runs besides the reference's (`copy`, direct when None): deferred
+    needs CUDA."""
+    from sglang_hs import envs
+
+    return [c for c in envs.COPY_STRATEGIES if c != (copy or "direct") and not (cpu and c == "deferred")]
+
+
 def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
     """The user's --hs-* flags (but the dump dir) back as arguments; `copy` overrides --hs-copy."""
     out = ["--hs-layers", ns.hs_layers] if ns.hs_layers is not None else []
@@ -299,9 +310,10 @@ def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
     out += ["--hs-hc-streams", ns.hs_hc_streams] if ns.hs_hc_streams else []
     copy = copy or ns.hs_copy
     out += ["--hs-copy", copy] if copy else []
+    if copy in ("staging", "deferred"):
+        out += ["--hs-staging-rows", str(ns.hs_staging_rows)] if ns.hs_staging_rows is not None else []
     if copy == "staging":
-        for flag, value in (("--hs-staging-rows", ns.hs_staging_rows), ("--hs-scatter-threads", ns.hs_scatter_threads)):
-            out += [flag, str(value)] if value is not None else []
+        out += ["--hs-scatter-threads", str(ns.hs_scatter_threads)] if ns.hs_scatter_threads is not None else []
     for flag, value in (("--hs-ring-size", ns.hs_ring_size), ("--hs-admission-timeout", ns.hs_admission_timeout),
                         ("--hs-startup-timeout", ns.hs_startup_timeout), ("--hs-gather-threads", ns.hs_gather_threads)):
         if value is not None:

@@ -141,6 +141,10 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
          "--hs-staging-rows: must be > 0 rows, got 0"),
         (["--hs-gather-threads", "0"], "DeepseekV3ForCausalLM", "--hs-gather-threads: must be > 0 threads, got 0"),
         (["--hs-scatter-threads", "2"], "DeepseekV3ForCausalLM", "--hs-scatter-threads needs --hs-copy staging"),
+        (["--hs-copy", "deferred", "--hs-scatter-threads", "2"], "DeepseekV3ForCausalLM",
+         r"--hs-scatter-threads needs --hs-copy staging$"),
+        (["--hs-copy", "deferred"], "DeepseekV3ForCausalLM",
+         r"--hs-copy deferred needs a CUDA device \(this server runs SGLang's CPU engine\)"),
         (["--hs-copy", "staging", "--hs-scatter-threads", "0"], "DeepseekV3ForCausalLM",
          "--hs-scatter-threads: must be > 0 threads, got 0"),
         (["--hs-capture", "some"], "DeepseekV3ForCausalLM", "--hs-capture: all or opt-in, got 'some'"),
@@ -217,7 +221,7 @@ def test_unknown_copy_strategy_is_refused_naming_the_choices(capsys):
     with pytest.raises(SystemExit) as e:
         launch_server.split_argv(["--hs-copy", "zero-copy"])
     assert e.value.code == 2
-    assert "--hs-copy: invalid choice: 'zero-copy' (choose from 'direct', 'staging')" in capsys.readouterr().err
+    assert "--hs-copy: invalid choice: 'zero-copy' (choose from 'direct', 'staging', 'deferred')" in capsys.readouterr().err
 
 
 def test_prepare_share_group_opens_the_folder_to_the_group_and_back(tmp_path, clean_env):

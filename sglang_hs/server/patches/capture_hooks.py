@@ -56,7 +56,8 @@ def _after_init_capturers(self) -> None:
         writer_id=writer_id, node=node_writers(par),
     )
     model.hs_writer = _writer
-    if str(self.device).startswith("cuda") and _writer.staging is None and not envs.SGLANG_HS_SYNC_FINISH:
+    if str(self.device).startswith("cuda") and (_writer.staging is None or _writer.staging.deferred) \
+            and not envs.SGLANG_HS_SYNC_FINISH:
         from sglang_hs.server.store.finisher import check_stream_wait
 
         check_stream_wait()  # the finish worker orders the store's writes with it: refused now, not mid-serving
@@ -168,10 +169,10 @@ def _alloc_memory_pool(self, *args, **kwargs):
 
 def _staging_reservation_rows(runner) -> int:
     """Rows to hold device memory for: 0 unless this is the writer rank of a capturing server with
-    --hs-copy staging on an accelerator (on the CPU engine the stage is host memory, like the pool)."""
+    --hs-copy staging or deferred on an accelerator (on the CPU engine the stage is host memory, like the pool)."""
     from sglang_hs import envs
 
-    if envs.SGLANG_HS_COPY != "staging" or str(runner.device).startswith("cpu"):
+    if envs.SGLANG_HS_COPY not in ("staging", "deferred") or str(runner.device).startswith("cpu"):
         return 0
     if getattr(runner.model, "hs_spec", None) is None or getattr(runner, "is_draft_worker", False):
         return 0

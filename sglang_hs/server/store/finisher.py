@@ -331,17 +331,18 @@ class FinishWorker:
         self.flush()
         return self._gathered if self._order is None else self._order.take_bound()
 
-    def order_device_writes(self) -> bool:
-        """CUDA, direct copy: make the current stream wait (on the GPU, no host sync) until the worker has
-        finished the gathers the step about to be launched may overwrite the slots of (`step_bound`),
-        before it writes the store. Call before the forward, outside any graph capture. Returns whether a
-        wait was issued."""
-        upto = self.step_bound()
+    def order_device_writes(self, stream=None, upto: Optional[int] = None) -> bool:
+        """CUDA: make `stream` wait (on the GPU, no host sync) until the worker has finished the gathers
+        whose slots the writes queued next may overwrite, before they write the store. Direct copy: the
+        current stream, before the forward (outside any graph capture), for the step's bound (`step_bound`).
+        Deferred copy (staging.py): the copy stream, before a chunk's kernel, for the chunk's `upto` (the
+        step's bound, taken at before_step, capped). Returns whether a wait was issued."""
+        upto = self.step_bound() if upto is None else upto
         if self._done_dev is None or self._done_now() >= upto:
             return False
         if torch.cuda.is_current_stream_capturing():  # never inside a graph: replays would wait on a stale value
             raise RuntimeError("sglang-hs: order_device_writes called during CUDA-graph capture")
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream() if stream is None else stream
         _stream_wait_value64(stream.cuda_stream, self._done_dev.data_ptr(), upto)
         self.stats["device_write_waits"] += 1
         if self._device_wait <= self._done_now():  # no wait outstanding before: the watchdog counts from now
@@ -354,7 +355,8 @@ class FinishWorker:
 
     # --- the watchdog of the device-side wait (CUDA, direct) -----------------------------------------
     def _watch(self) -> None:
-        """While a forward stream waits on the GPU for a gather (order_device_writes), the scheduler thread
+        """While a stream waits on the GPU for a gather (order_device_writes: the forward stream with --hs-copy
+        direct, the copy stream with deferred, which the forward then waits behind), the scheduler thread
         may be blocked behind it (SGLang's copy_done.synchronize()), so nothing on it notices a worker that
         stopped: its error is never raised, and only SGLang's own watchdog (--watchdog-timeout, 300 s, on the
         scheduler's forward count) would stop the server, without naming the cause. This thread does: when the
@@ -378,7 +380,7 @@ class FinishWorker:
         GPU's wait is never released: the step behind it would overwrite slots the pending gathers read."""
         current = self._current
         job = f"gather {current[0]} (request {current[1]})" if current else f"gather {self._done_now() + 1}"
-        msg = (f"sglang-hs: the finish worker is stuck: {why} at {job}, while the forward stream waits on the GPU "
+        msg = (f"sglang-hs: the finish worker is stuck: {why} at {job}, while a stream waits on the GPU "
                f"for gather {self._device_wait} (done {self._done_now()}); stopping the server "
                "(SGLANG_HS_FINISH_WATCHDOG_S)")
         logger.error("%s", msg)

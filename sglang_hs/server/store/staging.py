@@ -48,11 +48,29 @@ in the `copied` event's sync (a blocking-sync event) instead of spinning a core.
 
 On the CPU the same bookkeeping and thread run with synchronous copies and events that have always
 fired; it is what the CPU tests exercise.
+
+`--hs-copy deferred` (CUDA; a StagedCopy given `host_store`, the registered store `--hs-copy direct` writes)
+keeps the stage and its shipping, and replaces the host half: after the device copy, the copy stream itself
+runs the copy kernel from the twin into the mapped store by slot (PCIe writes at the direct copy's speed, no
+pinned host buffers, no scatter thread), then copies the kernel's slot-error counter to pinned memory and
+records `copied`. Before the kernel, the copy stream waits on the GPU for the gathers the chunk's slots may
+be read by (FinishWorker.order_device_writes with the chunk's bound, as the direct copy's forward stream
+does), after `freed`: the step that wrote the chunk does not wait for them. One twin on one copy stream: the
+next chunk's device copy is queued behind this chunk's wait and kernel, so the compute stream, which waits
+for that copy's `freed` after the next step (or, in a step shipped in chunks, before its next chunk), does
+wait where a gather or the PCIe write outlasts a whole forward: a step later than the direct copy would,
+and shorter by that forward. (Two twins on two streams would take that too; not done.) `drain` syncs
+`copied` of the chunks it needs (no thread) and raises if the counter says a row was dropped (its slot lay
+outside the store).
+Issue 49's H200 figures: the direct copy holds the compute stream for the whole PCIe copy (7.7% of a
+DeepSeek-V3 step at 8192 tokens), staging's host scatter reaches 40% of the PCIe bandwidth; deferred holds
+it for the device copy only and writes at the kernel's speed (docs/gpu.md).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 import time
@@ -61,6 +79,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+logger = logging.getLogger(__name__)
 HOST_BUFFERS = 2
 _CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal (Global 0, ThreadLocal 1, Relaxed 2)
 
@@ -150,13 +169,19 @@ def device_bytes(rows: int, P: int, H: int, elem: int) -> int:
 
 
 class StagedCopy:
-    def __init__(self, store: torch.Tensor, rows: int, device, scatter_threads: int = 1) -> None:
+    def __init__(self, store: torch.Tensor, rows: int, device, scatter_threads: int = 1, host_store=None) -> None:
+        """`host_store`: the store's registered mapping (copy_rows.HostStore) for --hs-copy deferred (CUDA):
+        the copy stream writes it with the copy kernel instead of shipping to the host (module docstring)."""
         assert store.dim() == 3 and store.is_contiguous() and store.device.type == "cpu"
         assert rows > 0, "staging rows must be > 0"
         assert scatter_threads > 0, "scatter threads must be > 0"
         self.store, self.rows, self.device = store, rows, torch.device(device)
         self.scatter_threads = scatter_threads
         self.cuda = self.device.type == "cuda"
+        self.host_store = host_store
+        self.deferred = host_store is not None
+        if self.deferred and not self.cuda:
+            raise ValueError(f"sglang-hs: --hs-copy deferred needs a CUDA device, not {self.device}")
         if self.cuda and self.device.index is None:  # the scatter thread must name the device (no default there)
             self.device = torch.device("cuda", torch.cuda.current_device())
         _, P, H = store.shape
@@ -168,8 +193,11 @@ class StagedCopy:
             self.stage2 = torch.empty_like(self.stage)
             self.loc2 = torch.empty_like(self.stage_loc)
             self.copy_stream = torch.cuda.Stream(self.device)
-        self.host = [(torch.empty(rows, P, H, dtype=dt, pin_memory=self.cuda),
-                      torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda)) for _ in range(HOST_BUFFERS)]
+        self.host = [] if self.deferred else [
+            (torch.empty(rows, P, H, dtype=dt, pin_memory=self.cuda),
+             torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda)) for _ in range(HOST_BUFFERS)]
+        if self.deferred:  # the kernel's slot-error counter, copied after each chunk (read by drain)
+            self._errors_host = torch.zeros(3, dtype=torch.int64, pin_memory=True)
         self.shipped_in_forward = False  # set by an eager forward; a graph replay leaves it False
         self._step_bound: Optional[int] = None  # the finisher's step_bound() for the step running (before_step)
         # each key written by one thread (finisher.py): scheduler staged_rows, stage_wait_s; scatter thread
@@ -187,6 +215,9 @@ class StagedCopy:
         from sglang_hs._ext import ext
 
         self._scatter_op = ext().copy_rows_cpu  # here, so that a missing extension stops start-up, not the thread
+        self._thread = None
+        if self.deferred:  # the copy stream writes the store: no scatter thread
+            return
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._scatter_loop, name="sglang-hs-scatter", daemon=True)
         self._thread.start()
@@ -200,7 +231,7 @@ class StagedCopy:
     def nbytes(self) -> int:
         """Bytes held: device (stage and its copy-out twin on CUDA) and pinned host."""
         one = self.stage.numel() * self.stage.element_size()
-        return one * ((2 if self.cuda else 1) + HOST_BUFFERS)
+        return one * ((2 if self.cuda else 1) + len(self.host))
 
     # --- inside the forward ------------------------------------------------------------------------
     def write(self, aux: torch.Tensor, last: Optional[torch.Tensor], loc: torch.Tensor) -> None:
@@ -251,6 +282,9 @@ class StagedCopy:
 
     # --- the scheduler's side: ship, and wait for the store ------------------------------------------
     def _ship(self, n: int) -> None:
+        if self.deferred:
+            self._ship_deferred(n)
+            return
         with self._cv:
             if self._error is not None:
                 self._raise()
@@ -279,16 +313,52 @@ class StagedCopy:
             host[:n].copy_(self.stage[:n])
             host_loc[:n].copy_(self.stage_loc[:n])
             ready, copied = self._cpu_copy_events()
+        self._append(buf, n, ready, copied, self._gathers())
+
+    def _gathers(self) -> int:
+        """The most gathers a chunk shipped now may have to wait for: every one handed over (flushed: the
+        scatter thread may wait for any of them), capped by the step's bound."""
         gathers = 0
         if self.finisher is not None:
-            gathers = self.finisher.gathers_handed()  # (flushed: the scatter thread may wait for any of them)
+            gathers = self.finisher.gathers_handed()
             if self._step_bound is not None:
                 gathers = min(gathers, self._step_bound)
+        return gathers
+
+    def _append(self, buf: Optional[int], n: int, ready, copied, gathers: int) -> None:
         with self._cv:
             self._shipped += 1
             self.pending.append(_Shipped(self._shipped, buf, n, ready, copied, gathers))
             self.stats["staged_rows"] += n
             self._cv.notify_all()
+
+    def _ship_deferred(self, n: int) -> None:
+        """--hs-copy deferred: the device copy, then on the same copy stream the wait for the chunk's gathers,
+        the copy kernel into the mapped store and the error counter's copy (module docstring)."""
+        from sglang_hs.server.ops.copy_rows import copy_rows
+
+        with self._cv:  # the chunks already in the store (their `copied` has fired) need no drain
+            while self.pending and self.pending[0].copied.query():
+                self._scattered = self.pending.popleft().seq
+        gathers = self._gathers()
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self.copy_stream.wait_event(ready)
+        P, H = self.stage.shape[1:]
+        with torch.cuda.stream(self.copy_stream):
+            self.stage2[:n].copy_(self.stage[:n])
+            self.loc2[:n].copy_(self.stage_loc[:n])
+            freed = torch.cuda.Event()
+            freed.record(self.copy_stream)
+            if self.finisher is not None and gathers:
+                self.finisher.order_device_writes(stream=self.copy_stream, upto=gathers)
+            copy_rows(self.stage2[:n].view(n, P * H), None, self.loc2[:n], self.host_store)
+            self._errors_host.copy_(self.host_store.errors.counts, non_blocking=True)
+            copied = torch.cuda.Event(blocking=True)  # drain sleeps in its sync, not spins
+            copied.record(self.copy_stream)
+        compute.wait_event(freed)  # the next write to stage waits for the device copy, on the GPU
+        self._append(None, n, ready, copied, gathers)
 
     def _cpu_copy_events(self):
         """(ready, copied) of a CPU step: its copies are synchronous. The tests hold some back."""
@@ -309,12 +379,34 @@ class StagedCopy:
                 if (upto is not None and s.seq > upto) or not s.ready.query():
                     break
                 target = s.seq
-            if self._scattered < target:
+            if self.deferred:
+                need = [s for s in self.pending if s.seq <= target]
+            elif self._scattered < target:
                 t0 = time.perf_counter()
                 self._wait(lambda: self._scattered >= target)
                 waited = time.perf_counter() - t0
             elif self._error is not None:
                 self._raise()
+        if self.deferred:
+            return self._drain_deferred(need, target)
+        return waited
+
+    def _drain_deferred(self, need, target: int) -> float:
+        """Sync `copied` of the chunks drain needs (on the calling thread, no scatter thread), then check the
+        kernel's error counter: a row dropped because its slot lay outside the store stops the server."""
+        t0 = time.perf_counter()
+        for s in need:  # in order: each `copied` fires after the one before (one copy stream)
+            s.copied.synchronize()
+        waited = time.perf_counter() - t0 if need else 0.0
+        with self._cv:
+            while self.pending and self.pending[0].seq <= target:
+                self.pending.popleft()
+            self._scattered = max(self._scattered, target)
+        from sglang_hs.server.ops.copy_rows import check_slot_errors
+
+        # As of the last chunk whose `copied` fired: every chunk drain needs, and those _ship_deferred pruned
+        # (a cumulative count: once a row is dropped, every drain raises)
+        check_slot_errors(*self._errors_host.tolist())
         return waited
 
     def _wait(self, done) -> None:
@@ -330,12 +422,24 @@ class StagedCopy:
     def _raise(self):
         raise RuntimeError(f"sglang-hs: the staging scatter thread failed: {self._error!r}") from self._error
 
-    def close(self) -> None:
-        """Stop the scatter thread once what is shipped is in the store."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the scatter thread once what is shipped is in the store (deferred: wait for the copy stream,
+        which may be parked on a gather that never comes: at most `timeout` seconds, then say so)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=60)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+        elif self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+            deadline = time.monotonic() + timeout
+            while not done.query():
+                if time.monotonic() > deadline:
+                    logger.warning("sglang-hs: the deferred copy stream still waits after %.0f s at close (a gather "
+                                   "that never finished?): rows shipped since may not be in the store", timeout)
+                    return
+                time.sleep(0.01)
 
     # --- the scatter thread -----------------------------------------------------------------------
     def _await_copy(self, s: _Shipped) -> None:

@@ -79,7 +79,9 @@ class CaptureWriter:
         from sglang_hs import envs
 
         if copy not in envs.COPY_STRATEGIES:
-            raise ValueError(f"sglang-hs: unknown copy strategy {copy!r} (direct or staging)")
+            raise ValueError(f"sglang-hs: unknown copy strategy {copy!r} ({', '.join(envs.COPY_STRATEGIES)})")
+        if copy == "deferred" and not str(device).startswith("cuda"):
+            raise ValueError(f"sglang-hs: --hs-copy deferred needs a CUDA device, not {device} (use direct or staging)")
         share_gid = envs.SGLANG_HS_SHARE_GID
         gather_threads, scatter_threads = envs.SGLANG_HS_GATHER_THREADS, envs.SGLANG_HS_SCATTER_THREADS
         for name, flag, value in (("SGLANG_HS_GATHER_THREADS", "--hs-gather-threads", gather_threads),
@@ -136,7 +138,7 @@ class CaptureWriter:
             "dtype": str(dtype).replace("torch.", ""),
             **spec.describe(),
             "rows_per_token": self.P,
-            "copy": copy,  # how rows reach the store: direct (the kernel writes it) or staging
+            "copy": copy,  # how rows reach the store: direct (the kernel writes it), staging or deferred
             "context_len": context_len,
             "page_size": page_size,  # the KV pool's: the store holds a page of slots more than SGLang's pool
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
@@ -155,14 +157,15 @@ class CaptureWriter:
         manifest["writers"][0]["dp_rank"] = writer_id
         if len(node["dp_ranks"]) > 1:  # readers wait for every writer of this node
             manifest.update(num_writers=len(node["dp_ranks"]), session=os.getsid(0))
-        if str(device).startswith("cuda") and copy == "direct":
+        if str(device).startswith("cuda") and copy in ("direct", "deferred"):
             self._host_store()  # register now: never during CUDA-graph capture
         self.staging = None
-        if copy == "staging":
+        if copy in ("staging", "deferred"):
             from sglang_hs.server.store.staging import StagedCopy
 
             try:
-                self.staging = StagedCopy(self.store, staging_rows, device, scatter_threads)
+                self.staging = StagedCopy(self.store, staging_rows, device, scatter_threads,
+                                          host_store=self._host_store() if copy == "deferred" else None)
             except torch.OutOfMemoryError:
                 raise RuntimeError(
                     f"sglang-hs: no room for the {staging_rows}-row staging buffers on {device}; lower "
@@ -172,7 +175,10 @@ class CaptureWriter:
         _write_manifest(dump_dir, manifest, share_gid)
         logger.info("sglang-hs store: %d slots x %d x %d %s = %.1f MB; output ring %.1f MB", num_slots, self.P, H,
                     dtype, self.region.nbytes / 1e6, ring_bytes / 1e6)
-        if self.staging is not None:
+        if self.staging is not None and self.staging.deferred:
+            logger.info("sglang-hs deferred copy: %d staging rows, %.1f MB of device memory; the copy stream writes "
+                        "the store", staging_rows, self.staging.nbytes / 1e6)
+        elif self.staging is not None:
             logger.info("sglang-hs staging: %d rows, %.1f MB (device and pinned host), scatter on up to %d threads",
                         staging_rows, self.staging.nbytes / 1e6, scatter_threads)
 
