@@ -14,6 +14,9 @@ The strategies of `--hs-copy`, as the server runs them (sglang_hs/server/ops/cop
   staging_graph   the stage write captured in a CUDA graph; after each replay the step is shipped
                   (both with the default scatter threads, SGLANG_HS_SCATTER_THREADS or 4)
   staging_eager_tN  staging_eager with N scatter threads (--scatter-threads, 1,2,8 by default)
+  deferred_eager  the stage and its device copy as staging, then the copy kernel on the copy stream writes
+                  the twin into the registered store by slot (no host buffer, no scatter thread)
+  deferred_graph  the stage write captured in a CUDA graph, shipped after each replay
 and two references: memcpy_d2h_pinned (cudaMemcpyAsync of the same bytes, device to pinned host: the
 practical PCIe limit) and cpu_pageable (tensor.cpu(), what naive dumping does).
 
@@ -31,6 +34,13 @@ Per (tokens, strategy), median and min-max over --reps steps:
                 61, attention left out, so the step is a lower bound and the fraction an upper bound
   scatter_ms    the scatter thread's time per step; wait_ms what the caller (the scheduler) waited for
                 a host buffer or for the store (staging only)
+  cost_ms       what the step adds to the forward that follows it on the compute stream (product strategies):
+                the stand-in step's matmuls right after the step, minus the same matmuls alone (medians of
+                --cost-reps, events on the compute stream): the hold plus what the copy's work on other
+                streams (the copy stream's kernel or copies) takes from the forward meanwhile; cost_of_step
+                against the step. Differences of two ~17-120 ms figures: a few tenths of a ms are noise.
+                No finish worker runs here: waits for gathers (slot reuse, tests/gpu/test_write_order_gpu.py)
+                are not in any figure
   device_MB, pinned_MB   what the strategy allocates on the device and in pinned host memory
   rows_checked, rows_bad after the timing, one more round of steps back to back, each at its own slots
                 with its own rows (a tag in every row part: the step's number), read back from the
@@ -63,7 +73,8 @@ K, H, P = 3, 7168, 4
 DT = torch.bfloat16
 ROW_BYTES = P * H * 2
 TOKENS = (512, 2048, 8192)
-PRODUCT = ("direct_eager", "direct_graph", "staging_eager", "staging_graph")
+STRATEGIES = ("direct", "staging", "deferred")  # the choices of --hs-copy (sglang_hs/envs.py)
+PRODUCT = tuple(f"{c}_{v}" for c in STRATEGIES for v in ("eager", "graph"))
 TARGET_BW, TARGET_HOLD = 0.80, 0.02  # of the pinned-copy bandwidth; of the forward step
 ROUNDS = 3  # of back-to-back steps, for pipelined_ms
 SPIN_CYCLES = 5_000_000  # ~2.5 ms of GPU clock: the host enqueues a timed step meanwhile
@@ -72,8 +83,8 @@ LAYER_MATMULS = [(7168, 1536), (1536, 16 * 192), (7168, 576), (512, 16 * 256), (
     [(7168, 2 * 256), (256, 7168)] * 9
 FIELDS = ["gpu", "tokens", "strategy", "ms", "ms_min", "ms_max", "pipelined_ms", "pipelined_min",
           "pipelined_max", "GBps", "bw_of_memcpy", "hold_ms", "hold_min", "hold_max", "hold_of_step",
-          "hold_of_memcpy", "ms_of_step", "scatter_ms", "wait_ms", "scatter_threads", "step_ms", "memcpy_ms",
-          "device_MB", "pinned_MB", "rows_checked", "rows_bad"]
+          "hold_of_memcpy", "ms_of_step", "cost_ms", "cost_of_step", "scatter_ms", "wait_ms", "scatter_threads",
+          "step_ms", "memcpy_ms", "device_MB", "pinned_MB", "rows_checked", "rows_bad"]
 
 
 def spread(xs: Sequence[float]) -> Tuple[float, float, float]:
@@ -124,7 +135,8 @@ def host_ms(step: Callable[[int], None], finish: Callable[[], None], reps: int, 
     return out
 
 
-def forward_step_ms(T: int) -> float:
+def make_layer(T: int) -> Callable[[int], None]:
+    """One stand-in DeepSeek-V3 layer of T tokens (LAYER_MATMULS) on the current stream."""
     xs = {i: torch.randn(T, i, device="cuda", dtype=DT) for i, _ in LAYER_MATMULS}
     ws = [torch.randn(i, o, device="cuda", dtype=DT) / i**0.5 for i, o in LAYER_MATMULS]
 
@@ -132,7 +144,24 @@ def forward_step_ms(T: int) -> float:
         for (i, _o), w in zip(LAYER_MATMULS, ws):
             xs[i] @ w
 
-    return 61 * statistics.median(event_ms(layer, 10))
+    return layer
+
+
+def forward_step_ms(T: int) -> float:
+    return 61 * statistics.median(event_ms(make_layer(T), 10))
+
+
+def forward_cost_ms(step: Callable[[int], None], layer: Callable[[int], None], reps: int,
+                    between: Optional[Callable[[], None]] = None) -> float:
+    """cost_ms: the compute stream's time for step(i) then a 61-layer stand-in forward, minus the forward
+    alone (medians over reps; `between()` untimed before each, as event_ms)."""
+    def forward(_):
+        for j in range(61):
+            layer(j)
+
+    alone = statistics.median(event_ms(forward, reps, warmup=1))
+    both = statistics.median(event_ms(lambda i: (step(i), forward(i)), reps, warmup=1, between=between))
+    return both - alone
 
 
 def open_store(gib: float):
@@ -179,6 +208,8 @@ class Case:
         perm = torch.randperm(S - 1, device=device)[: n * T] + 1
         self.sets = perm.view(n, T)
         self.slots = torch.empty(T, dtype=torch.int64, device=device)  # the graphs' static input
+        self.layer: Optional[Callable[[int], None]] = None  # the stand-in layer cost_ms runs (main sets it)
+        self.cost_reps = 0
 
     def new_rows(self):
         """Fresh aux/last (so that rows left by another strategy never pass the check), and the rows due."""
@@ -245,17 +276,19 @@ def run_direct(case: Case, store, graph: bool, reps: int) -> dict:
     pipelined = host_ms(step, torch.cuda.synchronize, reps, per_call=False)
     checked, bad = case.tagged_round(aux, last, want, step, torch.cuda.synchronize)
     store.check()
-    return dict(ms=ms, pipelined=pipelined, hold=ms, device_MB=device_mb, pinned_MB=0.0,
+    cost = forward_cost_ms(step, case.layer, case.cost_reps) if case.layer is not None else ""
+    return dict(ms=ms, pipelined=pipelined, hold=ms, cost=cost, device_MB=device_mb, pinned_MB=0.0,
                 rows_checked=checked, rows_bad=bad)
 
 
-def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
+def run_staging(case: Case, graph: bool, reps: int, threads: int, store=None, cost: bool = True) -> dict:
+    """--hs-copy staging, or with `store` (the registered HostStore) --hs-copy deferred; cost_ms unless not `cost`."""
     from sglang_hs.server.store.staging import StagedCopy
 
     aux, last, want = case.new_rows()
     T = case.T
     m0 = torch.cuda.memory_allocated()
-    sc = StagedCopy(case.host, T, "cuda", scatter_threads=threads)
+    sc = StagedCopy(case.host, T, "cuda", scatter_threads=threads, host_store=store)
     device_mb = (torch.cuda.memory_allocated() - m0) / 2**20
     pinned_mb = sum(h.nbytes + l.nbytes for h, l in sc.host) / 2**20
     try:
@@ -293,9 +326,15 @@ def run_staging(case: Case, graph: bool, reps: int, threads: int) -> dict:
         scatter_ms = (sc.stats["scatter_s"] - scatter0) / steps * 1e3
         wait_ms = (sc.stats["stage_wait_s"] - wait0) / steps * 1e3
         checked, bad = case.tagged_round(aux, last, want, step, into_store)
+        cost = forward_cost_ms(step, case.layer, case.cost_reps, between=into_store) \
+            if cost and case.layer is not None else ""
+        into_store()
     finally:
         sc.close()
-    return dict(ms=alone, pipelined=pipelined, hold=hold, scatter_ms=scatter_ms, wait_ms=wait_ms,
+    if store is not None:  # deferred: no scatter thread, no host buffer to wait for
+        return dict(ms=alone, pipelined=pipelined, hold=hold, cost=cost, device_MB=device_mb,
+                    pinned_MB=pinned_mb, rows_checked=checked, rows_bad=bad)
+    return dict(ms=alone, pipelined=pipelined, hold=hold, cost=cost, scatter_ms=scatter_ms, wait_ms=wait_ms,
                 scatter_threads=threads, device_MB=device_mb, pinned_MB=pinned_mb, rows_checked=checked, rows_bad=bad)
 
 
@@ -308,6 +347,7 @@ def row(gpu: str, T: int, name: str, r: dict, step_ms: float, memcpy_ms: Optiona
                pipelined_min=pl_lo, pipelined_max=pl_hi, GBps=T * ROW_BYTES / pl / 1e6,
                bw_of_memcpy=memcpy_ms / pl, hold_ms=hold, hold_min=hold_lo, hold_max=hold_hi,
                hold_of_step=hold / step_ms, hold_of_memcpy=hold / memcpy_ms, ms_of_step=ms / step_ms,
+               cost_ms=r.get("cost", ""), cost_of_step=r["cost"] / step_ms if r.get("cost", "") != "" else "",
                scatter_ms=r.get("scatter_ms", ""), wait_ms=r.get("wait_ms", ""),
                scatter_threads=r.get("scatter_threads", ""), step_ms=step_ms,
                memcpy_ms=memcpy_ms, device_MB=r.get("device_MB", ""), pinned_MB=r.get("pinned_MB", ""),
@@ -317,8 +357,8 @@ def row(gpu: str, T: int, name: str, r: dict, step_ms: float, memcpy_ms: Optiona
 
 def verdict(rows: List[dict], tokens: int = 8192) -> Tuple[Optional[str], List[str]]:
     """The targets at `tokens` per product strategy, and the CUDA default for --hs-copy they point to:
-    the strategy (direct or staging) whose eager AND graph variants meet every target, the lower
-    compute-stream hold first; None when neither does. Returns (default, lines to print)."""
+    the strategy (STRATEGIES) whose eager AND graph variants meet every target, the lower compute-stream
+    hold first; None when none does. Returns (default, lines to print)."""
     at = {r["strategy"]: r for r in rows if int(r["tokens"]) == tokens}
     lines = [f"targets at {tokens} tokens: >= {TARGET_BW:.0%} of the pinned-copy bandwidth, compute-stream hold "
              f"< {TARGET_HOLD:.0%} of the forward step, no row lost or misplaced"]
@@ -332,14 +372,15 @@ def verdict(rows: List[dict], tokens: int = 8192) -> Tuple[Optional[str], List[s
         bw, hold = float(r["bw_of_memcpy"]), float(r["hold_of_step"])
         bad = r["rows_bad"] == "" or int(r["rows_bad"]) != 0 or int(r["rows_checked"] or 0) == 0
         ok[name] = bw >= TARGET_BW and hold < TARGET_HOLD and not bad
+        cost = f", cost to the forward {float(r['cost_of_step']):6.2%}" if r.get("cost_of_step", "") != "" else ""
         lines.append(f"  {name:14s} {'MEETS' if ok[name] else 'misses':6s}  bandwidth {bw:6.1%} of memcpy "
-                     f"({float(r['GBps']):.1f} GB/s), hold {hold:6.2%} of a {float(r['step_ms']):.1f} ms step, "
+                     f"({float(r['GBps']):.1f} GB/s), hold {hold:6.2%} of a {float(r['step_ms']):.1f} ms step{cost}, "
                      f"{r['rows_bad'] if r['rows_bad'] != '' else '?'} bad of {r['rows_checked'] or 0} rows")
-    passing = [c for c in ("direct", "staging") if ok[f"{c}_eager"] and ok[f"{c}_graph"]]
+    passing = [c for c in STRATEGIES if ok[f"{c}_eager"] and ok[f"{c}_graph"]]
     passing.sort(key=lambda c: max(float(at[f"{c}_{v}"]["hold_of_step"]) for v in ("eager", "graph")))
     default = passing[0] if passing else None
     lines.append(f"CUDA default for --hs-copy: {default}" if default else
-                 "CUDA default for --hs-copy: neither strategy meets every target; keep the current default "
+                 "CUDA default for --hs-copy: no strategy meets every target; keep the current default "
                  "and look at the misses above")
     eager = sorted((int(r["scatter_threads"]), float(r["bw_of_memcpy"])) for n, r in at.items()
                    if n.startswith("staging_eager") and r.get("scatter_threads", "") != "")
@@ -357,6 +398,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20, help="timed steps per strategy (default 20)")
     ap.add_argument("--store-gib", type=float, default=16.0, help="size of the store (default 16 GiB)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per step, comma-separated")
+    ap.add_argument("--cost-reps", type=int, default=5,
+                    help="stand-in forwards per product strategy for cost_ms (0: not measured; default 5)")
     ap.add_argument("--scatter-threads", default="1,2,8",
                     help="staging_eager also at these scatter thread counts (staging_eager_tN; staging_eager and "
                          "staging_graph run the default, SGLANG_HS_SCATTER_THREADS or 4)")
@@ -407,6 +450,8 @@ def main():
     def one_size(T: int) -> None:
         step_ms = forward_step_ms(T)
         case = Case(host, T, args.reps)
+        if args.cost_reps > 0:
+            case.layer, case.cost_reps = make_layer(T), args.cost_reps
         src = torch.randn(T, P, H, device="cuda", dtype=DT)
         dst = torch.empty(T, P, H, dtype=DT, pin_memory=True)
         memcpy = event_ms(lambda i: dst.copy_(src, non_blocking=True), args.reps)
@@ -417,8 +462,10 @@ def main():
         runs = [("direct_eager", lambda: run_direct(case, store, False, args.reps)),
                 ("direct_graph", lambda: run_direct(case, store, True, args.reps)),
                 ("staging_eager", lambda: run_staging(case, False, args.reps, default_threads)),
-                ("staging_graph", lambda: run_staging(case, True, args.reps, default_threads))]
-        runs += [(f"staging_eager_t{n}", lambda n=n: run_staging(case, False, args.reps, n))
+                ("staging_graph", lambda: run_staging(case, True, args.reps, default_threads)),
+                ("deferred_eager", lambda: run_staging(case, False, args.reps, 1, store=store)),
+                ("deferred_graph", lambda: run_staging(case, True, args.reps, 1, store=store))]
+        runs += [(f"staging_eager_t{n}", lambda n=n: run_staging(case, False, args.reps, n, cost=False))
                  for n in sweep if n != default_threads]
         for name, fn in runs:
             try:

@@ -30,7 +30,7 @@ LAYERS, N_LAYERS, H, SLOTS, POOL, MAXLEN = [2, 4, 5], 8, 512, 8192, 8, 600
 K = len(LAYERS)
 
 
-@pytest.mark.parametrize("copy", ["direct", "staging"])
+@pytest.mark.parametrize("copy", ["direct", "staging", "deferred"])
 def test_finish_hands_over_without_a_device_sync(copy):
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:

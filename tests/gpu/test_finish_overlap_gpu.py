@@ -89,7 +89,7 @@ def rig(request):
         w.after_step(T, False)
         rows[name] = torch.cat([aux.view(T, K, H), last.view(T, 1, H)], 1).cpu()
     torch.cuda.current_stream().synchronize()  # those steps' results are processed: copy_done synchronised
-    worker.submit("warm-up", list(range(T)), old)  # the first CUDA hand-over makes the side stream
+    worker.submit("warm-up", list(range(T)), old)  # the first CUDA hand-over (before any mark: current stream)
     worker.mark_iteration()
     worker.drain()
     try:
@@ -119,7 +119,7 @@ def _record_rows(rig, rid):
     return torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
 
 
-COPIES = pytest.mark.parametrize("rig", ["direct", "staging"], indirect=True)
+COPIES = pytest.mark.parametrize("rig", ["direct", "staging", "deferred"], indirect=True)
 
 
 @COPIES

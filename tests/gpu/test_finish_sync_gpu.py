@@ -27,7 +27,7 @@ LAYERS, N_LAYERS, H, SLOTS, T = [1, 3], 6, 256, 4096, 300
 K = len(LAYERS)
 
 
-@pytest.mark.parametrize("copy", ["direct", "staging"])
+@pytest.mark.parametrize("copy", ["direct", "staging", "deferred"])
 def test_the_synchronous_finish_does_not_wait_for_the_next_forward(copy):
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     gates = Gates()

@@ -62,14 +62,15 @@ def _overwrite_held_then_released(worker, gate, d, rid, why):
     rows are returned once the overwrite has run too."""
     after = torch.cuda.Event()
     after.record()
-    assert not after.query(), why
-    gate.set()
+    held = not after.query()
+    gate.set()  # before any assertion: a closed gate would park the stream (and the next test) for good
     worker.drain()
     after.synchronize()
+    assert held, why
     return _record_rows(d, rid)
 
 
-def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
+def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots(request):
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
@@ -80,6 +81,7 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
         worker = FinishWorker(w)
         assert worker.order_device_writes() is False  # nothing handed over: nothing to wait for
         gate = _gate(worker)
+        request.addfinalizer(gate.set)  # whatever fails, the worker and the stream are let go
         g = torch.Generator(device="cuda").manual_seed(0)
         loc = (torch.randperm(SLOTS - 1, device="cuda", generator=g)[:T] + 1).to(torch.int32)
         rows_a = _step(w, loc, g)
@@ -97,7 +99,55 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait():
+@pytest.mark.parametrize("staging_rows", [512, 128])
+def test_a_deferred_overwrite_waits_on_the_copy_stream_not_the_forward(staging_rows, request):
+    """--hs-copy deferred: the same overwrite of a slot whose gather is held back waits on the GPU, on the copy
+    stream (order_device_writes with the chunk's bound, after the device copy), and once the gate opens the
+    record holds A and the store B. A step shipped in one chunk leaves the compute stream running (an event
+    recorded on it after the step fires while the gate is closed). In several chunks (128 rows: 3) the second
+    chunk's device copy is queued behind the first chunk's wait, so the forward waits too, as with --hs-copy
+    direct: only the order is checked then."""
+    import time
+
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        w = CaptureWriter(d, CaptureSpec.resolve(LAYERS, True, N_LAYERS, H), SLOTS, torch.bfloat16, 256 << 20,
+                          device="cuda", copy="deferred", staging_rows=staging_rows)
+        worker = FinishWorker(w)
+        gate = _gate(worker)
+        request.addfinalizer(gate.set)  # whatever fails, the worker and the copy stream are let go
+        g = torch.Generator(device="cuda").manual_seed(2)
+        loc = (torch.randperm(SLOTS - 1, device="cuda", generator=g)[:T] + 1).to(torch.int32)
+        rows_a = _step(w, loc, g)
+        worker.submit("a", list(range(T)), loc)
+        waits = w.stats["device_write_waits"]
+        rows_b = _step(w, loc, g)
+        assert w.stats["device_write_waits"] > waits, "no wait issued for the chunks overwriting a's slots"
+        forward, copy = torch.cuda.Event(), torch.cuda.Event()
+        forward.record()
+        copy.record(w.staging.copy_stream)
+        ran = True
+        if staging_rows >= T:
+            deadline = time.monotonic() + 60
+            while not forward.query() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ran = forward.query()
+        parked = not copy.query()
+        gate.set()  # before any assertion: a closed gate would park the stream (and the next test) for good
+        worker.drain()
+        copy.synchronize()
+        assert ran, "the compute stream waited for a gather (it must wait only for the device copy)"
+        assert parked, "the copy stream overwrote a's slots while their gather was held back"
+        assert torch.equal(_record_rows(d, "a"), rows_a.cpu()), "the record holds rows written after its finish"
+        w.staging.drain()
+        assert torch.equal(w.store[loc.long().cpu()], rows_b.cpu())
+        worker.close()
+        w.staging.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait(request):
     """FinishWorker.watch_allocator (free_list_order.py): with SGLang's token allocator on the GPU, a step
     whose slots come from the free list's never-freed part issues no wait though a gather is pending; a step
     that takes the slots freed after that gather's hand-over waits for it, and the record holds its rows."""
@@ -114,6 +164,7 @@ def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait():
         alloc = TokenToKVPoolAllocator(2 * T, torch.bfloat16, "cuda", None, need_sort=False)
         worker.watch_allocator(alloc)
         gate = _gate(worker)
+        request.addfinalizer(gate.set)  # whatever fails, the worker and the stream are let go
         g = torch.Generator(device="cuda").manual_seed(1)
         loc_a = alloc.alloc(T)
         assert worker.order_device_writes() is False  # nothing handed over yet

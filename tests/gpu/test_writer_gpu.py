@@ -33,10 +33,11 @@ def _read_all(dump_dir, rids, out_path):
                out_path)
 
 
-@pytest.mark.parametrize("copy", ["direct", "staging"])
+@pytest.mark.parametrize("copy", ["direct", "staging", "deferred"])
 def test_writer_through_graph_replays_to_a_reader_process(copy):
-    """With --hs-copy staging a 16-row stage: the 77-row prefill is shipped in 5 chunks (each waiting on
-    the GPU for the one before, and for a free host buffer), each replay is shipped after the step."""
+    """With --hs-copy staging (and deferred) a 16-row stage: the 77-row prefill is shipped in 5 chunks (each
+    waiting on the GPU for the one before; staging also for a free host buffer), each replay is shipped
+    after the step."""
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
     w = CaptureWriter(d, spec, SLOTS, torch.bfloat16, 64 << 20, device="cuda", copy=copy, staging_rows=16)
@@ -126,21 +127,23 @@ def test_writer_through_graph_replays_to_a_reader_process(copy):
         assert ids.tolist() == tokens[i] and want.shape[0] == prompt_len[i] + new_tokens[i] - 1
         assert torch.equal(aux_rows, want[:, :K]) and torch.equal(last_rows, want[:, K]), f"request {i}"
     assert w.stats["records"] == n_req
-    if copy == "direct":
-        pinned.unregister(w.region.buf)
-    else:
+    if copy != "direct":
         assert w.stats["staged_rows"] >= sum(prompt_len) + sum(new_tokens) - n_req
+        w.staging.close()
+    if copy != "staging":
+        pinned.unregister(w.region.buf)
     shutil.rmtree(d)
 
 
-def test_staging_keeps_step_order_without_host_syncs():
+@pytest.mark.parametrize("copy", ["staging", "deferred"])
+def test_staging_keeps_step_order_without_host_syncs(copy):
     """60 eager steps of 1-40 rows through a 16-row stage with no host synchronisation between them,
     slots reused from step to step: after a final drain every slot holds its last writer's row, as the
     plain-torch reference applied in step order says (a stage overwritten before its copy, or a scatter
     out of order, shows here)."""
     d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     spec = CaptureSpec.resolve([2, 4, 5], True, 8, H)
-    w = CaptureWriter(d, spec, 256, torch.bfloat16, 1 << 20, device="cuda", copy="staging", staging_rows=16)
+    w = CaptureWriter(d, spec, 256, torch.bfloat16, 1 << 20, device="cuda", copy=copy, staging_rows=16)
     want = torch.full((256, K + 1, H), float("nan"), dtype=torch.bfloat16)
     w.store.copy_(want)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -163,6 +166,9 @@ def test_staging_keeps_step_order_without_host_syncs():
     for aux, last, loc in steps:
         copy_rows_ref(aux.cpu(), last.cpu(), loc.cpu(), want)
     assert torch.equal(w.store.nan_to_num(7.0), want.nan_to_num(7.0))
+    w.staging.close()
+    if copy == "deferred":
+        pinned.unregister(w.region.buf)
     shutil.rmtree(d)
 
 
@@ -199,6 +205,33 @@ def test_staging_refuses_a_slot_outside_the_store_at_the_next_drain():
         assert not store.any(), "rows of the refused step reached the store"
     finally:
         sc.close()
+
+
+def test_deferred_drops_a_slot_outside_the_store_and_every_drain_raises():
+    """--hs-copy deferred: the copy stream's kernel drops a row whose slot lies outside the store (a kernel
+    cannot stop a step) and counts it; the next drain (the finish that would publish the request) raises it,
+    and so does every drain after. The step's other rows are in the store."""
+    S = 64
+    host = torch.zeros(S * (K + 1) * H * 2, dtype=torch.uint8)
+    view = host.view(torch.bfloat16).view(S, K + 1, H)
+    sc = StagedCopy(view, 16, "cuda", host_store=HostStore(view, pinned.register(host)))
+    try:
+        aux = torch.randn(4, K * H, device="cuda", dtype=torch.bfloat16)
+        last = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+        sc.before_step()
+        sc.write(aux, last, torch.tensor([1, 2, S, 3], device="cuda"))
+        sc.after_step(4, graph_replayed=False)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=rf"dropped 1 row whose KV slot lay outside the store's \[0, {S}\) "
+                                               rf"\(e.g. slot {S}\)"):
+            sc.drain()
+        want = torch.cat([aux.view(4, K, H), last[:, None]], 1).cpu()
+        assert torch.equal(view[[1, 2, 3]], want[[0, 1, 3]]) and not view[0].any()
+        with pytest.raises(RuntimeError, match="dropped 1 row"):
+            sc.drain()
+    finally:
+        sc.close()
+        pinned.unregister(host)
 
 
 def test_staging_scatter_thread_syncing_during_a_global_capture_does_not_break_it():

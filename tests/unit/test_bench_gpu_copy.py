@@ -66,7 +66,23 @@ def test_both_meet_the_lower_hold_wins_and_the_boundaries():
     assert verdict(_rows(direct_hold=0.0199 * STEP, staging_bad=1))[0] == "direct"
     assert verdict(_rows(staging_pipelined=MEMCPY / 0.8))[0] == "staging"  # 80% of memcpy is enough
     default, lines = verdict(_rows(staging_pipelined=MEMCPY / 0.79))
-    assert default is None and "neither strategy meets every target" in lines[-2]
+    assert default is None and "no strategy meets every target" in lines[-2]
+
+
+def test_deferred_when_it_meets_every_target_with_the_lowest_hold():
+    """--hs-copy deferred: the direct copy's bandwidth at staging's hold; its cost to the forward is shown."""
+    rows = _rows(staging_pipelined=MEMCPY / 0.5)  # staging's host scatter at half the bandwidth: misses
+    for name in ("deferred_eager", "deferred_graph"):
+        r = dict(ms=[11.0] * 3, pipelined=[11.0] * 3, hold=[0.5] * 3, cost=0.9, rows_checked=20 * T, rows_bad=0,
+                 device_MB=0.0, pinned_MB=0.0)
+        rows.append(row("GPU", T, name, r, STEP, MEMCPY))
+    default, lines = verdict(rows)
+    assert default == "deferred", lines
+    assert rows[-1]["cost_of_step"] == pytest.approx(0.9 / STEP, abs=1e-5) and rows[-1]["scatter_ms"] == ""
+    assert any(l.strip().startswith("deferred_graph") and "MEETS" in l and "cost to the forward  0.71%" in l
+               for l in lines), lines
+    rows[-1]["rows_bad"] = 3  # a bad row in one variant rules it out
+    assert verdict(rows)[0] is None
 
 
 def _tagged(fault):
