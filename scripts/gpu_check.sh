@@ -57,9 +57,9 @@ else
 fi
 mark "extension"
 
-HOST_UNIT_TESTS="tests/unit/test_ext_refusals.py tests/unit/test_staging.py"
+HOST_UNIT_TESTS="tests/unit/test_ext_refusals.py"
 if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
-    for f in tests/gpu/test_*.py $HOST_UNIT_TESTS; do
+    for f in $HOST_UNIT_TESTS tests/gpu/test_*.py; do
         name=$(basename "$f" .py)
         budget=$(( $(left) - BENCH_RESERVE ))
         [ $budget -gt 150 ] && budget=150
