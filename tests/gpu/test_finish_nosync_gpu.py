@@ -86,5 +86,4 @@ def _run(d, copy):
             got = torch.cat([rec.aux_hidden_states, rec.last_hidden_state[:, None]], 1)
             assert torch.equal(got, rows.cpu()), f"{rid}: rows differ from what the step computed"
     worker.close()
-    if w.staging is not None:
-        w.staging.close()
+    w.close()

@@ -98,8 +98,7 @@ def rig(request):
         gates.open_all()
         torch.cuda.synchronize()
         worker.close()
-        if w.staging is not None:
-            w.staging.close()
+        w.close()
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -95,6 +95,7 @@ def test_an_overwrite_waits_on_the_gpu_for_the_gather_of_its_slots(request):
         assert torch.equal(store, rows_b.cpu())
         assert worker.order_device_writes() is False  # every gather done: no wait issued
         worker.close()
+        w.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -142,7 +143,7 @@ def test_a_deferred_overwrite_waits_on_the_copy_stream_not_the_forward(staging_r
         w.staging.drain()
         assert torch.equal(w.store[loc.long().cpu()], rows_b.cpu())
         worker.close()
-        w.staging.close()
+        w.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -182,5 +183,6 @@ def test_with_the_allocator_watched_only_steps_reusing_a_read_slot_wait(request)
                                             "was held back")
         assert torch.equal(got, rows_a.cpu())
         worker.close()
+        w.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)

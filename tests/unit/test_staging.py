@@ -419,3 +419,25 @@ def test_a_stale_extension_is_refused_at_start_up(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"predates this sglang-hs .*copy_rows_cpu has no num_threads.*rebuild"):
         CaptureWriter(str(tmp_path), CaptureSpec.resolve([1, 2, 3], True, 4, H), num_slots=S, dtype=torch.bfloat16,
                       ring_bytes=1 << 20, copy="staging", staging_rows=4)
+
+
+def test_writer_close_stops_the_copy_and_unregisters_the_store(tmp_path, monkeypatch):
+    """CaptureWriter.close(): the staging thread is stopped once its rows are in the store, and a store that was
+    registered for the GPU is unregistered (a GPU run saw the next store, mapped at the freed address, refused as
+    "already registered" otherwise); a second close does nothing more. Registration is a stand-in here."""
+    from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store import pinned
+    from sglang_hs.server.store.writer import CaptureWriter
+
+    w = CaptureWriter(str(tmp_path), CaptureSpec.resolve([1, 2, 3], True, 4, H), num_slots=S, dtype=torch.bfloat16,
+                      ring_bytes=1 << 20, copy="staging", staging_rows=4)
+    rows = torch.randn(2, 3 * H).bfloat16(), torch.randn(2, H).bfloat16()
+    w.copy(*rows, torch.tensor([5, 6]))
+    unregistered = []
+    monkeypatch.setattr(pinned, "unregister", lambda buf: unregistered.append(buf.data_ptr()))
+    w._registered = object()  # as if the store had been registered (CUDA)
+    w.close()
+    assert not w.staging._thread.is_alive() and unregistered == [w.region.buf.data_ptr()]
+    assert torch.equal(w.store[[5, 6]], copy_rows_ref(*rows, torch.tensor([5, 6]), torch.zeros_like(w.store))[[5, 6]])
+    w.close()
+    assert unregistered == [w.region.buf.data_ptr()]

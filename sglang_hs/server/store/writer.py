@@ -230,6 +230,19 @@ class CaptureWriter:
             hs = self._registered = HostStore(self.store, pinned.register(self.region.buf))
         return hs
 
+    def close(self) -> None:
+        """Stop the staging/deferred copy (once what was shipped is in the store) and undo the store's CUDA
+        registration. Before the store is unmapped: CUDA does not notice an unmap, and a later mapping at the
+        same address would fail to register ("already registered", as a GPU test saw). The server never
+        calls it (the writer lives as long as its process)."""
+        if self.staging is not None:
+            self.staging.close()
+        if getattr(self, "_registered", None) is not None:
+            from sglang_hs.server.store import pinned
+
+            pinned.unregister(self.region.buf)
+            self._registered = None
+
     def finish(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
                next_token: int = -1) -> None:
         """Publish the record of a finished request: `slots` are its KV slots in position order;
