@@ -361,7 +361,8 @@ def verdict(rows: List[dict], tokens: int = 8192) -> Tuple[Optional[str], List[s
     hold first; None when none does. Returns (default, lines to print)."""
     at = {r["strategy"]: r for r in rows if int(r["tokens"]) == tokens}
     lines = [f"targets at {tokens} tokens: >= {TARGET_BW:.0%} of the pinned-copy bandwidth, compute-stream hold "
-             f"< {TARGET_HOLD:.0%} of the forward step, no row lost or misplaced"]
+             f"(and cost to the forward, where measured) < {TARGET_HOLD:.0%} of the forward step, no row lost or "
+             "misplaced"]
     ok: Dict[str, bool] = {}
     for name in PRODUCT:
         r = at.get(name)
@@ -371,13 +372,17 @@ def verdict(rows: List[dict], tokens: int = 8192) -> Tuple[Optional[str], List[s
             continue
         bw, hold = float(r["bw_of_memcpy"]), float(r["hold_of_step"])
         bad = r["rows_bad"] == "" or int(r["rows_bad"]) != 0 or int(r["rows_checked"] or 0) == 0
-        ok[name] = bw >= TARGET_BW and hold < TARGET_HOLD and not bad
+        # The hold target is judged on what the step costs the forward too, where measured: a copy that leaves
+        # the compute stream at once but takes its SMs from the forward meanwhile (deferred's kernel) holds it
+        # all the same (issue 49's H200 run: hold 0.39% of the step, cost 7.7-12.3%)
+        cost = float(r["cost_of_step"]) if r.get("cost_of_step", "") != "" else hold
+        ok[name] = bw >= TARGET_BW and max(hold, cost) < TARGET_HOLD and not bad
         cost = f", cost to the forward {float(r['cost_of_step']):6.2%}" if r.get("cost_of_step", "") != "" else ""
         lines.append(f"  {name:14s} {'MEETS' if ok[name] else 'misses':6s}  bandwidth {bw:6.1%} of memcpy "
                      f"({float(r['GBps']):.1f} GB/s), hold {hold:6.2%} of a {float(r['step_ms']):.1f} ms step{cost}, "
                      f"{r['rows_bad'] if r['rows_bad'] != '' else '?'} bad of {r['rows_checked'] or 0} rows")
     passing = [c for c in STRATEGIES if ok[f"{c}_eager"] and ok[f"{c}_graph"]]
-    passing.sort(key=lambda c: max(float(at[f"{c}_{v}"]["hold_of_step"]) for v in ("eager", "graph")))
+    passing.sort(key=lambda c: max(float(at[f"{c}_{v}"]["hold_of_step"]) for v in ("eager", "graph")))  # then hold
     default = passing[0] if passing else None
     lines.append(f"CUDA default for --hs-copy: {default}" if default else
                  "CUDA default for --hs-copy: no strategy meets every target; keep the current default "

@@ -85,6 +85,18 @@ def test_deferred_when_it_meets_every_target_with_the_lowest_hold():
     assert verdict(rows)[0] is None
 
 
+def test_a_copy_that_frees_the_stream_but_slows_the_forward_misses_the_hold_target():
+    """Issue 49's H200 run: deferred held the compute stream 0.39% of the step, but the forward after it took
+    7.7-12.3% longer (its kernel takes the SMs meanwhile): the hold target is judged on the larger of the two."""
+    rows = _rows(staging_pipelined=MEMCPY / 0.5)
+    for name in ("deferred_eager", "deferred_graph"):
+        r = dict(ms=[11.0] * 3, pipelined=[11.0] * 3, hold=[0.5] * 3, cost=0.10 * STEP, rows_checked=20 * T,
+                 rows_bad=0, device_MB=0.0, pinned_MB=0.0)
+        rows.append(row("GPU", T, name, r, STEP, MEMCPY))
+    default, lines = verdict(rows)
+    assert default is None and any(l.strip().startswith("deferred_graph") and "misses" in l for l in lines), lines
+
+
 def _tagged(fault):
     """rows_bad of a tagged round of 6 steps of 5 rows through a stand-in strategy with `fault`."""
     torch.manual_seed(0)
