@@ -62,9 +62,10 @@ wait where a gather or the PCIe write outlasts a whole forward: a step later tha
 and shorter by that forward. (Two twins on two streams would take that too; not done.) `drain` syncs
 `copied` of the chunks it needs (no thread) and raises if the counter says a row was dropped (its slot lay
 outside the store).
-Issue 49's H200 figures: the direct copy holds the compute stream for the whole PCIe copy (7.7% of a
-DeepSeek-V3 step at 8192 tokens), staging's host scatter reaches 40% of the PCIe bandwidth; deferred holds
-it for the device copy only and writes at the kernel's speed (docs/gpu.md).
+Issue 49's H200 figures (docs/gpu.md), 8192 DeepSeek-V3 tokens: the direct copy holds the compute stream for
+the whole PCIe copy (8-9.5% of a step), staging's host scatter reaches 27-44% of PCIe; deferred holds it for
+the device copy only (0.4%) at 80-83% of PCIe, but its kernel takes SMs from the forward meanwhile: the
+forward after it is 7.7-12.3% slower, as after a direct copy, so direct stays the default.
 """
 from __future__ import annotations
 
