@@ -176,6 +176,11 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # freed and handed out again while their gather is pending (tests/e2e/test_exact_rows.py).
     "SGLANG_HS_TEST_FINISH_DELAY": _test_only("SGLANG_HS_TEST_FINISH_DELAY", _float("SGLANG_HS_TEST_FINISH_DELAY", 0.0),
                                               0.0),
+    # Test-only (TEST_GATE): the gather of a request whose rid starts with this prefix is held until a write into
+    # the store waits for it (a slot it reads was handed out again and written), at most SGLANG_HS_TEST_HOLD_S
+    # seconds: a test proves the ordering on published state instead of hoping a delay lines it up.
+    "SGLANG_HS_TEST_HOLD_RID": _test_only("SGLANG_HS_TEST_HOLD_RID", _str("SGLANG_HS_TEST_HOLD_RID"), None),
+    "SGLANG_HS_TEST_HOLD_S": _test_only("SGLANG_HS_TEST_HOLD_S", _float("SGLANG_HS_TEST_HOLD_S", 30.0), 30.0),
     # Test-only (TEST_GATE): make the overlay module fail to import, as a broken install would.
     "SGLANG_HS_TEST_BREAK_OVERLAY": _test_only("SGLANG_HS_TEST_BREAK_OVERLAY", _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
                                                False),

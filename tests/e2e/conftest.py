@@ -50,6 +50,7 @@ CHUNK = 16
 HARVEST_SAMPLE_KEY = "5eed" * 8  # harvest_server's --hs-capture-sample-key (a server draws one by default)
 POOL = 128  # KV slots of the float32 servers: freed slots are handed out again at once (test_exact_rows.py)
 FINISH_DELAY = 0.05  # seconds their finish worker waits before each gather: writes into its slots wait meanwhile
+HOLD_RID, HOLD_S = "x-hold-", 20  # their gather of a request with this rid prefix waits for a write to wait for it
 # SGLang's admission reserves new_token_ratio x the remaining max_new_tokens of KV for each running
 # request's decode (0.7 at start, decaying to 0.1; the request being admitted reserves all of its own).
 # The float32 servers start at RETRACT_RATIO, and go back to it when idle: next to nothing is reserved
@@ -190,9 +191,11 @@ def hf_states(model, ids):
 
 
 def _slow_finish(server_gen):
-    """Start the server of `server_gen` with SGLANG_HS_TEST_FINISH_DELAY=FINISH_DELAY and
-    SGLANG_INIT_NEW_TOKEN_RATIO=RETRACT_RATIO, then run its teardown."""
+    """Start the server of `server_gen` with SGLANG_HS_TEST_FINISH_DELAY=FINISH_DELAY, the held gathers of
+    HOLD_RID requests (SGLANG_HS_TEST_HOLD_RID, at most HOLD_S) and SGLANG_INIT_NEW_TOKEN_RATIO=RETRACT_RATIO,
+    then run its teardown."""
     env = {"SGLANG_HS_TEST_FINISH_DELAY": str(FINISH_DELAY), "SGLANG_HS_TESTING": "1",  # the switch's gate
+           "SGLANG_HS_TEST_HOLD_RID": HOLD_RID, "SGLANG_HS_TEST_HOLD_S": str(HOLD_S),
            "SGLANG_INIT_NEW_TOKEN_RATIO": str(RETRACT_RATIO)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -27,7 +27,7 @@ import pytest
 
 import row_judge
 from helpers import settled
-from conftest import CHUNK, POOL, RETRACT_RATIO
+from conftest import CHUNK, HOLD_RID, POOL, RETRACT_RATIO
 from sglang_hs import HiddenStateReader
 
 pytestmark = pytest.mark.e2e
@@ -124,53 +124,68 @@ def test_staging_counters_grow_by_the_rows_shipped(staging_pair, hf):
 
 
 
-REUSE_ROUNDS = 4  # at most this many rounds of the slot-reuse workload, until a write has waited (direct)
+HOLD_TRIES = 5  # held requests tried, each until a write has waited for its gather or the hold ran out (HOLD_S)
 
 
 def test_slot_reuse_under_a_tiny_kv_pool(served, hf):
     """Exactness under slot reuse (issue 16, item 3). Both servers run with a KV pool of POOL tokens
     (conftest.py), so every slot is freed and handed out again many times while this test runs, and the
-    finish worker gathers a record after SGLang has already released the request's slots (the servers'
-    worker waits FINISH_DELAY before each gather, so the window is wide): the ordering of the store's writes
-    after pending gathers is all that keeps those slots from being overwritten first. Each round: 24
-    requests at once, about 950 tokens in all (over 7x the pool), in prefix-sharing groups (radix hits:
-    concurrent misses of one prefix free their duplicate slots at finish, while their gathers are still
-    pending), 1 to 8 generated tokens; every row of every record is judged, and nothing is dropped or left
-    pending. With --hs-copy direct, rounds go on (up to REUSE_ROUNDS) until the server's status shows a
-    forward copy that waited for a pending gather: the test proves the ordering was exercised, on published
-    state, instead of hoping one round's timing did it (an earlier form passed on a stale baseline)."""
+    finish worker gathers a record after SGLang has already released the request's slots: the ordering of
+    the store's writes after pending gathers is all that keeps those slots from being overwritten first.
+
+    First a round of 24 requests at once, about 950 tokens in all (over 7x the pool), in prefix-sharing
+    groups (radix hits), 1 to 8 generated tokens: every row of every record is judged, nothing is dropped or
+    left pending. Then the ordering itself, proved on published state: the servers hold the gather of a
+    request whose rid starts with HOLD_RID until a write into the store waits for it (conftest.py; at most
+    HOLD_S), and unique requests cycle the pool (more than twice its size) meanwhile, so that request's slots
+    are evicted from the radix cache, handed out and written again while its gather is pending. The status
+    must show a write that waited (the forward's copy with --hs-copy direct, the scatter thread with
+    staging), and that record must still be exact. (Before, rounds were sent until a wait happened to occur:
+    on the direct server none did in 4 rounds, here on a quiet machine, at this and the previous commit: with
+    a 128-slot pool SGLang runs few requests at once, and a finished request's slots are the radix cache's
+    newest, evicted only after its gather was done.)"""
     server, reader = served
     before = settled(server)["writer"]
     texts = [LONG, "The scheduler groups requests into batches. A long prompt is cut into chunks so that",
              "Shared memory lets one process write and another read without copying through the kernel."]
     waits = lambda st: st["write_waits"] + st.get("scatter_waits", 0)  # noqa: E731
-    worst, sent = 0.0, 0
-    for rnd in range(REUSE_ROUNDS):
-        jobs = []
-        for i in range(24):
-            ids = row_judge.prompt_ids(hf, texts[i % 3])[: 12 + (i * 7) % 36]  # shared prefixes: radix hits
-            ids += row_judge.prompt_ids(hf, f" request {i} of pressure round {rnd}")[1:]  # a record of its own
-            jobs.append((f"x-reuse-{rnd}-{i}", ids, 1 + i % 8))
-        with cf.ThreadPoolExecutor(24) as pool:
-            outs = list(pool.map(lambda j: server.generate(
-                input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), jobs))
-        assert sum(len(ids) + len(out["output_ids"]) for (_, ids, _), out in zip(jobs, outs)) > 7 * POOL
-        assert any(out["meta_info"]["cached_tokens"] > 0 for out in outs)  # the radix cache served prefixes
-        for (rid, ids, _), out in zip(jobs, outs):
-            worst = max(worst, assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
-        sent += len(jobs)
+    jobs = []
+    for i in range(24):
+        ids = row_judge.prompt_ids(hf, texts[i % 3])[: 12 + (i * 7) % 36]  # shared prefixes: radix hits
+        ids += row_judge.prompt_ids(hf, f" request {i} of the pressure round")[1:]  # a record of its own
+        jobs.append((f"x-reuse-{i}", ids, 1 + i % 8))
+
+    def run(batch):
+        with cf.ThreadPoolExecutor(len(batch)) as pool:
+            return list(pool.map(lambda j: server.generate(
+                input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": j[2], **GREEDY}), batch))
+
+    outs = run(jobs)
+    assert sum(len(ids) + len(out["output_ids"]) for (_, ids, _), out in zip(jobs, outs)) > 7 * POOL
+    assert any(out["meta_info"]["cached_tokens"] > 0 for out in outs)  # the radix cache served prefixes
+    worst = max(assert_exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1])
+                for (rid, ids, _), out in zip(jobs, outs))
+    sent = len(jobs)
+    for k in range(HOLD_TRIES):
+        waited0 = waits(settled(server)["writer"])
+        held = (f"{HOLD_RID}{k}", row_judge.prompt_ids(hf, f"The held request {k} of the slot-reuse test")
+                [: POOL // 4], 2)
+        held_out = run([held])[0]  # finished: its gather is held until a write waits for it
+        cycle = [(f"x-cycle-{k}-{i}", row_judge.prompt_ids(hf, f"Cycling request {i} of try {k}: "
+                                                           + texts[i % 3])[:40], 4) for i in range(8)]
+        outs = run(cycle)  # 8 x ~44 tokens, none cached: the held request's slots are evicted and reused
+        assert sum(len(ids) + len(out["output_ids"]) for (_, ids, _), out in zip(cycle, outs)) > 2 * POOL
+        for (rid, ids, _), out in zip([held] + cycle, [held_out] + outs):
+            worst = max(worst, assert_exact(reader.take(rid, timeout=120), hf, (ids + out["output_ids"])[:-1]))
+        sent += 1 + len(cycle)
         after = settled(server)["writer"]
         assert after["records"] == before["records"] + sent and after["finish_pending"] == 0, (before, after)
         assert after["dropped"] == before["dropped"] and after["finish_failed"] == 0
-        if waits(after) > waits(before) or after.get("staged_rows", 0):
+        if waits(after) > waited0:
             break
-    # With --hs-copy direct the forward's copy runs right after the allocation, so a copy into a slot whose
-    # gather still sleeps FINISH_DELAY waits: required. With staging the scatter thread reaches a chunk
-    # whenever the machine lets it, often after the gather is done: its waits are printed, not required.
-    if after.get("staged_rows", 0) == 0:
-        assert waits(after) > waits(before), f"no write waited for a gather in {rnd + 1} rounds: {after}"
-    print(f"{sent} records in {rnd + 1} round(s), worst row {worst:.2e}, writes that waited for a gather "
-          f"{waits(after) - waits(before)}")
+    assert waits(after) > waits(before), f"no write waited for a held gather in {k + 1} tries: {after}"
+    print(f"{sent} records, {k + 1} held request(s) until a write waited for one, worst row {worst:.2e}, writes "
+          f"that waited for a gather {waits(after) - waits(before)}")
 
 
 def test_rows_exact_through_decode_retraction(served, hf):

@@ -677,3 +677,37 @@ def test_a_worker_idle_for_long_before_a_wait_is_not_taken_for_a_stuck_one(write
     worker._wait_for(1)
     worker.poll()
 
+
+
+def test_a_held_gather_waits_for_a_write_to_wait_for_it(writer, tmp_path, monkeypatch):
+    """The test-only hold (SGLANG_HS_TEST_HOLD_RID, tests/e2e/test_exact_rows.py's slot-reuse proof): the gather
+    of a held request starts only once a write into its slots waits for it, which the write then does until
+    the gather is done; the record holds the old rows, the store the new. Without such a write the hold ends
+    after SGLANG_HS_TEST_HOLD_S; a request of another rid is not held."""
+    monkeypatch.setenv("SGLANG_HS_TESTING", "1")
+    monkeypatch.setenv("SGLANG_HS_TEST_HOLD_RID", "x-hold-")
+    monkeypatch.setenv("SGLANG_HS_TEST_HOLD_S", "60")
+    worker = _worker(writer)
+    slots = torch.tensor([3, 4, 5])
+    worker.submit("x-hold-1", [1, 2, 3], slots)
+    worker.poll()
+    writer.copy(*_rows(-1, 3), slots)  # waits for the held gather, which starts because a write waits for it
+    assert writer.stats["write_waits"] == 1 and (writer.store[slots] == -1).all()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("x-hold-1", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [3.0, 4.0, 5.0]
+    worker.close()
+    monkeypatch.setenv("SGLANG_HS_TEST_HOLD_S", "0.5")
+    worker = _worker(writer)
+    t0 = time.monotonic()
+    worker.submit("other", [1], torch.tensor([8]))
+    worker.flush()
+    with HiddenStateReader(str(tmp_path)) as reader:
+        reader.take("other", timeout=TAKE_S)
+        not_held = time.monotonic() - t0
+        t0 = time.monotonic()
+        worker.submit("x-hold-2", [1], torch.tensor([9]))
+        worker.flush()
+        reader.take("x-hold-2", timeout=TAKE_S)  # published once the hold ran out, no write waiting for it
+        held = time.monotonic() - t0
+    assert held >= 0.5, (held, not_held)
+    worker.close()

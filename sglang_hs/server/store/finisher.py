@@ -160,6 +160,8 @@ class FinishWorker:
         from sglang_hs import envs
 
         self._test_delay = envs.SGLANG_HS_TEST_FINISH_DELAY  # test-only: widen the window gathers are pending
+        self._test_hold, self._test_hold_s = envs.SGLANG_HS_TEST_HOLD_RID, envs.SGLANG_HS_TEST_HOLD_S  # test-only
+        self._waiting_for = 0  # the highest job seq a writer has blocked on (_wait_for), under _cv
         self.watchdog_s = envs.SGLANG_HS_FINISH_WATCHDOG_S  # read here: a bad value stops start-up in one line
         self._current: Optional[Tuple[int, str]] = None  # (seq, rid) of the job the worker runs now
         self._progress_t = time.monotonic()  # when the worker last finished a job (or started)
@@ -413,6 +415,8 @@ class FinishWorker:
             raise RuntimeError(f"sglang-hs: waiting for finish job {seq}, which is not handed to the worker yet "
                                f"(last handed {self._queued}): flush() first")
         with self._cv:
+            self._waiting_for = max(self._waiting_for, seq)
+            self._cv.notify_all()  # (a test's held gather waits for this: _hold_for_a_write)
             while self._done < seq and self._thread.is_alive():
                 self._cv.wait(timeout=1.0)
             gone = self._done < seq
@@ -485,6 +489,14 @@ class FinishWorker:
             self._results.append((job.seq, job.rid, err, job.ticket))
             self._cv.notify_all()
 
+    def _hold_for_a_write(self, seq: int) -> None:
+        """Test-only (SGLANG_HS_TEST_HOLD_RID): before gathering job `seq`, wait until a writer blocks on it (or
+        on a later job: every earlier one is done), at most SGLANG_HS_TEST_HOLD_S seconds."""
+        deadline = time.monotonic() + self._test_hold_s
+        with self._cv:
+            while self._waiting_for < seq and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.05)
+
     def _publish(self, job: _Job) -> None:
         w = self.writer
         if job.skipped is not None:
@@ -492,6 +504,8 @@ class FinishWorker:
             return
         if self._test_delay:
             time.sleep(self._test_delay)
+        if self._test_hold and job.rid.startswith(self._test_hold):
+            self._hold_for_a_write(job.seq)
         if job.ready is not None:
             job.ready.synchronize()
         if job.slot_errors is not None:  # the direct copy kernel's counter, copied with the slots
