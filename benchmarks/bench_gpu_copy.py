@@ -382,7 +382,7 @@ def verdict(rows: List[dict], tokens: int = 8192) -> Tuple[Optional[str], List[s
                      f"({float(r['GBps']):.1f} GB/s), hold {hold:6.2%} of a {float(r['step_ms']):.1f} ms step{cost}, "
                      f"{r['rows_bad'] if r['rows_bad'] != '' else '?'} bad of {r['rows_checked'] or 0} rows")
     passing = [c for c in STRATEGIES if ok[f"{c}_eager"] and ok[f"{c}_graph"]]
-    passing.sort(key=lambda c: max(float(at[f"{c}_{v}"]["hold_of_step"]) for v in ("eager", "graph")))  # then hold
+    passing.sort(key=lambda c: max(float(at[f"{c}_{v}"]["hold_of_step"]) for v in ("eager", "graph")))
     default = passing[0] if passing else None
     lines.append(f"CUDA default for --hs-copy: {default}" if default else
                  "CUDA default for --hs-copy: no strategy meets every target; keep the current default "

@@ -492,10 +492,8 @@ class FinishWorker:
     def _hold_for_a_write(self, seq: int) -> None:
         """Test-only (SGLANG_HS_TEST_HOLD_RID): before gathering job `seq`, wait until a writer blocks on it (or
         on a later job: every earlier one is done), at most SGLANG_HS_TEST_HOLD_S seconds."""
-        deadline = time.monotonic() + self._test_hold_s
         with self._cv:
-            while self._waiting_for < seq and time.monotonic() < deadline:
-                self._cv.wait(timeout=0.05)
+            self._cv.wait_for(lambda: self._waiting_for >= seq, timeout=self._test_hold_s)
 
     def _publish(self, job: _Job) -> None:
         w = self.writer

@@ -296,20 +296,11 @@ class StagedCopy:
             buf = self.free.popleft()
         host, host_loc = self.host[buf]
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            ready = torch.cuda.Event()
-            ready.record(compute)
-            self.copy_stream.wait_event(ready)
-            with torch.cuda.stream(self.copy_stream):
-                self.stage2[:n].copy_(self.stage[:n])
-                self.loc2[:n].copy_(self.stage_loc[:n])
-                freed = torch.cuda.Event()
-                freed.record(self.copy_stream)
+            def to_host():
                 host[:n].copy_(self.stage2[:n], non_blocking=True)
                 host_loc[:n].copy_(self.loc2[:n], non_blocking=True)
-                copied = torch.cuda.Event(blocking=True)  # the scatter thread sleeps in its sync, not spins
-                copied.record(self.copy_stream)
-            compute.wait_event(freed)  # the next write to stage waits for the device copy, on the GPU
+
+            ready, copied = self._ship_on_copy_stream(n, to_host)
         else:
             host[:n].copy_(self.stage[:n])
             host_loc[:n].copy_(self.stage_loc[:n])
@@ -342,24 +333,37 @@ class StagedCopy:
             while self.pending and self.pending[0].copied.query():
                 self._scattered = self.pending.popleft().seq
         gathers = self._gathers()
+        P, H = self.stage.shape[1:]
+
+        def into_store():
+            if self.finisher is not None and gathers:
+                self.finisher.order_device_writes(stream=self.copy_stream, upto=gathers)
+            copy_rows(self.stage2[:n].view(n, P * H), None, self.loc2[:n], self.host_store)
+            self._errors_host.copy_(self.host_store.errors.counts, non_blocking=True)
+
+        ready, copied = self._ship_on_copy_stream(n, into_store)
+        self._append(None, n, ready, copied, gathers)
+
+    def _ship_on_copy_stream(self, n: int, out_of_twin) -> tuple:
+        """CUDA: once the compute stream has the chunk's rows (`ready`), the copy stream copies stage to its
+        twin and records `freed` (the compute stream's next write into stage waits for it, on the GPU), then
+        runs `out_of_twin()` (staging: the copy to a pinned host buffer; deferred: the wait for gathers and the
+        kernel into the store) and records `copied`, a blocking-sync event (its waiter sleeps, not spins).
+        Returns (ready, copied)."""
         compute = torch.cuda.current_stream(self.device)
         ready = torch.cuda.Event()
         ready.record(compute)
         self.copy_stream.wait_event(ready)
-        P, H = self.stage.shape[1:]
         with torch.cuda.stream(self.copy_stream):
             self.stage2[:n].copy_(self.stage[:n])
             self.loc2[:n].copy_(self.stage_loc[:n])
             freed = torch.cuda.Event()
             freed.record(self.copy_stream)
-            if self.finisher is not None and gathers:
-                self.finisher.order_device_writes(stream=self.copy_stream, upto=gathers)
-            copy_rows(self.stage2[:n].view(n, P * H), None, self.loc2[:n], self.host_store)
-            self._errors_host.copy_(self.host_store.errors.counts, non_blocking=True)
-            copied = torch.cuda.Event(blocking=True)  # drain sleeps in its sync, not spins
+            out_of_twin()
+            copied = torch.cuda.Event(blocking=True)
             copied.record(self.copy_stream)
-        compute.wait_event(freed)  # the next write to stage waits for the device copy, on the GPU
-        self._append(None, n, ready, copied, gathers)
+        compute.wait_event(freed)
+        return ready, copied
 
     def _cpu_copy_events(self):
         """(ready, copied) of a CPU step: its copies are synchronous. The tests hold some back."""
