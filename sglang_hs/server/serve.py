@@ -19,6 +19,19 @@ if __name__ == "__mp_main__":  # a spawned SGLang process: patch what its schedu
     apply_spawned()
 
 
+# Speculative algorithms whose verify pass is the target's own forward over the draft tokens, at KV slots
+# the store follows (docs/serving.md#speculative-decoding); the others are refused in one line.
+SPECULATIVE_SUPPORTED = ("NGRAM",)
+
+
+def _speculative_refusal(algorithm):
+    name = str(algorithm or "").upper()
+    if not name or name in SPECULATIVE_SUPPORTED:
+        return None
+    return (f"--speculative-algorithm {name}: capture under this algorithm is not supported yet (supported: "
+            f"{', '.join(SPECULATIVE_SUPPORTED)}); serve it without --hs-dump-dir or drop the draft")
+
+
 def check_server_args(cfg) -> None:
     """Refuse SGLang settings capture cannot run with (cfg: SGLang's resolved view of ServerArgs).
 
@@ -46,8 +59,7 @@ def check_server_args(cfg) -> None:
         and "--pp-size > 1 (pipeline parallel): capture needs every layer on one rank; use --tp",
         getattr(cfg, "enable_two_batch_overlap", False)
         and "--enable-two-batch-overlap: two-batch overlap skips aux capture in its MoE layers; drop it",
-        getattr(cfg, "speculative_algorithm", None)
-        and "--speculative-algorithm: speculative decoding cannot run with --hs-dump-dir; serve the target alone",
+        _speculative_refusal(getattr(cfg, "speculative_algorithm", None)),
         getattr(cfg, "enable_torch_compile", False)
         and "--enable-torch-compile: the capture copy is not a registered custom op yet; drop it (CUDA graphs stay)",
         (getattr(cfg, "dp_size", 1) or 1) > (getattr(cfg, "attn_dp_size", 1) or 1)  # DP attention is allowed

@@ -134,6 +134,17 @@ def contract_server(tmp_path_factory):
                        "--enable-return-hidden-states"])
 
 
+@pytest.fixture(scope="module")  # used by one module: stopped after it
+def ngram_server(tmp_path_factory):
+    """A float32 server that decodes speculatively with SGLang's NGRAM drafter (tests/e2e/test_speculative.py):
+    its default tree of 12 draft tokens per verify (up to 10 branches), chunked prefill of CHUNK tokens, the
+    radix cache, --hs-last both, metrics on. Verify steps write rows at draft slots, and accepted drafts'
+    KV (and rows) are moved within each request's window."""
+    yield from _serve(tmp_path_factory.mktemp("hs-ngram") / "dump",
+                      ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
+                       "--speculative-algorithm", "NGRAM", "--enable-metrics"])
+
+
 @pytest.fixture(scope="session")
 def hf():
     """HF transformers' float32 `output_hidden_states` of the embedded checkpoint, for token ids, with the

@@ -94,7 +94,7 @@ def test_numerics_with_the_source_patch_and_the_runtime_fix_off(patched_root, tm
     try:
         server.wait_ready()
         applied = ("runtime-patches=['capture_hooks', 'cpu_gloo_groups', 'dsa_torch_native', 'moe_native_ep', "
-                   "'torch_native_cpu_pad']")
+                   "'spec_verify_torch_native', 'torch_native_cpu_pad']")
         assert applied in server.output  # the MLA fix came from the source
         check_prompt_logprobs(server)
     finally:

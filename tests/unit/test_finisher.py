@@ -711,3 +711,51 @@ def test_a_held_gather_waits_for_a_write_to_wait_for_it(writer, tmp_path, monkey
         held = time.monotonic() - t0
     assert held >= 0.5, (held, not_held)
     worker.close()
+
+
+def test_a_kv_move_takes_the_rows_along_and_waits_for_gathers_of_its_targets(writer, tmp_path):
+    """CaptureWriter.move (SGLang's move_kv_cache after a speculative verify): each target slot gets its
+    source's row, read before any is written (a target may be another pair's source), pairs with target ==
+    source and SGLang's zero padding move nothing; a target a pending gather reads waits for that gather,
+    whose record keeps the row it had."""
+    worker = _worker(writer)
+    gate = Gate(writer, rids=("held",))
+    worker.submit("held", [0, 0], torch.tensor([30, 31]))
+    worker.poll()
+    gate.started["held"].wait()
+    before = writer.store.clone()
+    _never_waits(worker)
+    tgt, src = torch.tensor([5, 6, 7, 0, 0]), torch.tensor([6, 9, 7, 0, 0])  # 5 <- 6 while 6 <- 9
+    writer.move(tgt, src)
+    assert torch.equal(writer.store[5], before[6]) and torch.equal(writer.store[6], before[9])
+    unchanged = [s for s in range(NUM_SLOTS + 1) if s not in (5, 6)]
+    assert torch.equal(writer.store[unchanged], before[unchanged]) and writer.stats["moved_rows"] == 2
+    del worker._wait_for
+    waits, began = _watch_waits(worker)
+    mover = _thread_then(began, writer.move, torch.tensor([31]), torch.tensor([40]))
+    began.wait()
+    assert waits == [1]
+    gate.per_rid["held"].set()
+    mover.join()
+    assert torch.equal(writer.store[31], before[40]) and writer.stats["write_waits"] == 1
+    with HiddenStateReader(str(tmp_path)) as reader:
+        assert reader.take("held", timeout=TAKE_S).aux_hidden_states[:, 0, 0].tolist() == [30, 31]
+    with pytest.raises(RuntimeError, match="a KV move of"):
+        writer.move(torch.tensor([1, 2]), torch.tensor([3]))
+
+
+def test_a_kv_move_waits_for_the_staged_rows_of_its_step(staged_writer):
+    """With --hs-copy staging the step's rows reach the store on the scatter thread: a move right after the
+    step waits until they have landed and moves the rows that step wrote, not what its slots held before."""
+    from test_staging import _blocked, _in_thread, _write_held
+
+    staged_writer.staging.before_step()
+    ready, copied = _write_held(staged_writer.staging, *_rows(-9, 2), torch.tensor([12, 13]))
+    staged_writer.staging.after_step(2, False)
+    ready.fire()  # computed; its host copy has not landed
+    mover = _in_thread(lambda: staged_writer.move(torch.tensor([20]), torch.tensor([13])))
+    assert _blocked(mover)
+    copied.fire()
+    mover.join(60)
+    assert not mover.is_alive()
+    assert (staged_writer.store[20] == -9).all() and (staged_writer.store[12] == -9).all()

@@ -46,6 +46,9 @@ Ledger (what / why / upstream status / removal plan):
 | dsa_cpu_server_   | DSA configs' server-argument resolution on   | CPU mode, HTTP   |
 | args              | CPU: no GPU capability query or FP8/DSA      | server process   |
 |                   | kernel defaults; torch_native, page size 1   | (serve.py)       |
+| spec_verify_torch_| wraps TorchNativeAttnBackend.forward_extend: | CPU mode only    |
+| native            | a TARGET_VERIFY batch attends over each      |                  |
+|                   | request's prefix and its draft tree          |                  |
 | hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
 |                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
 |                   | mean to write the streams into such a slot   | --hs-hc-streams  |
@@ -183,6 +186,21 @@ dsa_cpu_server_args
   removal:  when SGLang resolves DSA configs for the CPU engine; the V3.2 server of
             tests/e2e/test_model_family.py does not start without it.
 
+spec_verify_torch_native
+  why:      a speculative worker (NGRAM here; EAGLE's verify is the same pass) verifies its drafts with one
+            forward of the target over draft_token_num tokens per request, each seeing the request's prefix
+            and, among the drafts, its ancestors and itself (spec_info.custom_mask). 0.5.23's torch_native
+            backend has no such path: forward_extend reads extend_prefix_lens, which a verify batch does
+            not carry (AttributeError at the server's warm-up), and would attend causally. The wrapper
+            handles TARGET_VERIFY only (KV written as upstream, then scaled_dot_product_attention per
+            request with the prefix visible and the tree mask, QLEN or FULL layout); every other mode goes
+            to the original. Greedy outputs of an NGRAM server equal HF's and every captured row matches
+            HF float32 (tests/e2e/test_speculative.py).
+  upstream: present in sglang 0.5.23 (torch_native_backend.py has no target-verify branch; the CPU
+            speculative path is written for the Intel AMX backend); not reported upstream by us yet.
+  removal:  when TorchNativeAttnBackend verifies trees itself; test_speculative's server fails its
+            warm-up without it.
+
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
             `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
@@ -238,6 +256,11 @@ def apply() -> dict:
             from sglang_hs.server.patches import dsa_torch_native
 
             _applied["dsa_torch_native"] = dsa_torch_native.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "spec_verify_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "spec_verify_torch_native" not in _applied:
+            from sglang_hs.server.patches import spec_verify_torch_native
+
+            _applied["spec_verify_torch_native"] = spec_verify_torch_native.apply()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.server.patches import capture_hooks
 

@@ -56,6 +56,7 @@ def _after_init_capturers(self) -> None:
         writer_id=writer_id, node=node_writers(par),
     )
     model.hs_writer = _writer
+    follow_kv_moves(self.token_to_kv_pool, _writer)
     if str(self.device).startswith("cuda") and (_writer.staging is None or _writer.staging.deferred) \
             and not envs.SGLANG_HS_SYNC_FINISH:
         from sglang_hs.server.store.finisher import check_stream_wait
@@ -79,6 +80,21 @@ def _after_init_capturers(self) -> None:
 
         if metrics.enabled():
             status.listeners.append(metrics.CaptureMetrics(writer_id).refresh)
+
+
+def follow_kv_moves(pool, writer) -> None:
+    """Make `pool.move_kv_cache` (this pool object's alone) move the store's rows after the KV: speculative
+    workers move accepted draft tokens' KV within a request's draft window after every verify
+    (spec_utils.move_accept_tokens_to_target_kvcache, through token_to_kv_pool_allocator.get_kvcache(),
+    which is this pool)."""
+    original = pool.move_kv_cache
+
+    def move_kv_cache(tgt_loc, src_loc):
+        original(tgt_loc, src_loc)
+        writer.move(tgt_loc, src_loc)
+
+    move_kv_cache.__wrapped__ = original
+    pool.move_kv_cache = move_kv_cache
 
 
 def check_kv_index_space(runner) -> None:

@@ -119,7 +119,8 @@ class CaptureWriter:
                                "lower --hs-ring-size") from None
         self.ring.gather_threads = gather_threads
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
-                      "reader_offsets_refused": 0}  # read offsets the ring refused (ring.py)
+                      "reader_offsets_refused": 0,  # read offsets the ring refused (ring.py)
+                      "moved_rows": 0}  # rows that followed SGLang's KV moves (move())
         self.ring.stats = self.stats
         # The finish worker's (sglang_hs/server/store/finisher.py), here from the start: the status thread
         # reads this dict
@@ -204,6 +205,34 @@ class CaptureWriter:
                     self.stats["write_waits"] += 1
                     self.stats["write_wait_s"] += waited
             ext().copy_rows_cpu(aux, last, loc, self.store)
+
+    def move(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Follow SGLang's move of KV from slots `src_loc` to `tgt_loc` (the pool's move_kv_cache: after a
+        speculative verify, each request's accepted draft tokens' KV goes to the front of its draft window,
+        spec_utils.move_accept_tokens_to_target_kvcache): their rows go with it, so req_to_token finds, at
+        each accepted token's position, the row its verify forward computed. Runs on the scheduler thread
+        after the step's forward; pairs with tgt == src (a chain's accepted prefix, SGLang's zero padding)
+        move nothing."""
+        if tgt_loc.numel() == 0:
+            return
+        if tgt_loc.shape != src_loc.shape:
+            raise RuntimeError(f"sglang-hs: a KV move of {tuple(src_loc.shape)} slots to {tuple(tgt_loc.shape)}")
+        if tgt_loc.is_cuda:  # the step's copy into the store (the compute stream's) must be done first
+            torch.cuda.current_stream(tgt_loc.device).synchronize()
+        if self.staging is not None:  # and its staged rows scattered
+            self.stats["store_wait_s"] += self.staging.drain()
+        tgt, src = tgt_loc.reshape(-1).long().cpu(), src_loc.reshape(-1).long().cpu()
+        keep = tgt != src
+        if not bool(keep.any()):
+            return
+        tgt, src = tgt[keep], src[keep]
+        if self.finisher is not None:  # the targets may be slots a pending gather still reads
+            waited = self.finisher.wait_before_write(tgt)
+            if waited:
+                self.stats["write_waits"] += 1
+                self.stats["write_wait_s"] += waited
+        self.store[tgt] = self.store[src]  # gathered first: a target may be another pair's source
+        self.stats["moved_rows"] += int(tgt.shape[0])
 
     def before_step(self) -> None:
         """Called before every ModelRunner.forward of the writer rank (by the hook, when staging)."""
