@@ -26,6 +26,8 @@ later one (sglang_hs/status.py: metrics_after):
     sglang_hs:device_write_waits_total    CUDA, --hs-copy direct: steps whose forward stream was made to wait
                                           on the GPU for gathers their KV slots may still be read by
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
+    sglang_hs:rows_moved_total            rows moved with SGLang's KV after speculative verify steps (accepted
+                                          drafts to the front of their window; CaptureWriter.move)
     sglang_hs:staged_rows_total           rows shipped through the staging buffer (--hs-copy staging)
     sglang_hs:scatter_seconds_total       scatter-thread time spent putting staged rows into the store
     sglang_hs:stage_wait_seconds_total    scheduler-thread time waiting for a free staging host buffer
@@ -58,6 +60,7 @@ COUNTERS = {  # metric name -> (source, key, help)
     "device_write_waits": ("writer", "device_write_waits",
                            "CUDA direct: steps whose forward stream waited on the GPU for gathers of their slots."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
+    "rows_moved": ("writer", "moved_rows", "Rows moved with SGLang's KV after speculative verify steps."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),
     "scatter_seconds": ("writer", "scatter_s", "Scatter-thread time spent putting staged rows into the store."),
     "stage_wait_seconds": ("writer", "stage_wait_s", "Scheduler time waiting for a free staging host buffer."),

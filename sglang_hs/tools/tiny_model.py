@@ -44,6 +44,10 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   index_topk 11, below every test prompt's length, so the sparse selection really drops keys from the
   second chunk of a prompt on (with index_topk >= the length every key is kept and a wrong indexer is
   invisible). HF transformers' DeepseekV32ForCausalLM is the reference.
+- "v3-mtp": the V3 checkpoint plus DeepSeek-V3's MTP layer (num_nextn_predict_layers 1, weights under
+  model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
+  propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
+  output repeats a token. HF transformers ignores the layer: the target's reference is the V3 model's.
 """
 from __future__ import annotations
 
@@ -160,8 +164,13 @@ def _v32(cfg: dict) -> dict:
     return dict(cfg, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", **V32_INDEX)
 
 
+def _v3_mtp(cfg: dict) -> dict:
+    return dict(cfg, num_nextn_predict_layers=1)
+
+
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32}
+            "v32": _v32, "v3-mtp": _v3_mtp}
+MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
@@ -183,6 +192,8 @@ def path(variant: str = "v3") -> str:
         h.update(f"mistral-router-std={_MISTRAL_ROUTER_STD};".encode())
     for name, text in sorted(_EXTRA_FILES.get(variant, {}).items()):
         h.update(name.encode() + b"\0" + text.encode())
+    if variant in MTP:
+        h.update(inspect.getsource(_add_mtp_layer).encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{variant}-{h.hexdigest()[:16]}")
 
 
@@ -451,10 +462,67 @@ def _generate(out: str, variant: str = "v3") -> None:
     _write_config(out, variant)
     if variant in WRAPPED:
         _prefix_weights(out, "language_model.")
+    if variant in MTP:
+        _add_mtp_layer(out, cfg)
     for name, text in _EXTRA_FILES.get(variant, {}).items():
         with open(os.path.join(out, name), "w") as f:
             f.write(text)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json")), "no weight map written"
+
+
+def _add_mtp_layer(out: str, cfg) -> None:
+    """DeepSeek-V3's MTP (NextN) layer as `model.layers.<n>.*`, the names SGLang's DeepseekV3ForCausalLMNextN
+    loads, in a shard of its own. A draft that accepts often enough to test with, by construction: eh_proj
+    takes the hnorm half (the target's final hidden state h_t) as is, the decoder layer adds nothing
+    (its attention output and MLP down projections are zero, so the residual stream passes through) and
+    both norms are ones, so the draft's logits are the target head's on h_t / rms(h_t): it proposes the
+    token the target just chose, again. Accepted wherever the target's greedy output repeats a token,
+    rejected elsewhere. hnorm and shared_head.norm stay ones (the argmax of the target's head must survive
+    both); the layer's other norms and enorm are drawn like every norm (randomise_norms' range), and its
+    other weights (query/KV projections, router, up projections) are a normally initialised HF layer's: the
+    draft runs all of SGLang's MTP path."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    n = cfg.num_hidden_layers
+    deeper = transformers.DeepseekV3Config.from_dict(dict(cfg.to_dict(), num_hidden_layers=n + 1))
+    torch.manual_seed(SEED + 3)
+    donor = transformers.AutoModelForCausalLM.from_config(deeper, dtype=torch.float32)
+    tmp = tempfile.mkdtemp(prefix=".mtp-", dir=out)
+    try:
+        donor.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        prefix = f"model.layers.{n}."
+        layer = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                layer.update({k: v for k, v in load_file(os.path.join(tmp, name)).items() if k.startswith(prefix)})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not layer:
+        raise RuntimeError(f"no {prefix}* weights in the donor model")
+    H = cfg.hidden_size
+    gen = torch.Generator().manual_seed(SEED + 4)
+    lo, hi = NORM_WEIGHT_RANGE
+    layer[prefix + "enorm.weight"] = torch.ones(H)
+    for k in sorted(layer):
+        if k.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+            layer[k] = torch.zeros_like(layer[k])
+        elif _is_norm_weight(k):
+            layer[k] = (lo + (hi - lo) * torch.rand(layer[k].shape, generator=gen)).to(torch.bfloat16)
+    eh = torch.zeros(H, 2 * H, dtype=torch.bfloat16)
+    eh[:, H:] = torch.eye(H, dtype=torch.bfloat16)  # [enorm(embedding); hnorm(h_t)] -> hnorm(h_t)
+    ones = torch.ones(H, dtype=torch.bfloat16)
+    layer.update({prefix + "hnorm.weight": ones, prefix + "shared_head.norm.weight": ones.clone(),
+                  prefix + "eh_proj.weight": eh})
+    shard = "model-mtp.safetensors"
+    save_file(layer, os.path.join(out, shard), metadata={"format": "pt"})
+    index = os.path.join(out, "model.safetensors.index.json")
+    with open(index) as f:
+        idx = json.load(f)
+    idx["weight_map"].update({k: shard for k in layer})
+    with open(index, "w") as f:
+        json.dump(idx, f, indent=2)
 
 
 def _GENERATOR_SOURCES():

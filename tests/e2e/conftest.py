@@ -134,15 +134,31 @@ def contract_server(tmp_path_factory):
                        "--enable-return-hidden-states"])
 
 
-@pytest.fixture(scope="module")  # used by one module: stopped after it
-def ngram_server(tmp_path_factory):
-    """A float32 server that decodes speculatively with SGLang's NGRAM drafter (tests/e2e/test_speculative.py):
-    its default tree of 12 draft tokens per verify (up to 10 branches), chunked prefill of CHUNK tokens, the
-    radix cache, --hs-last both, metrics on. Verify steps write rows at draft slots, and accepted drafts'
-    KV (and rows) are moved within each request's window."""
-    yield from _serve(tmp_path_factory.mktemp("hs-ngram") / "dump",
-                      ["--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
-                       "--speculative-algorithm", "NGRAM", "--enable-metrics"])
+# The speculative servers (tests/e2e/test_speculative.py), one per algorithm, one at a time: float32, chunked
+# prefill of CHUNK tokens, the radix cache, --hs-last both, metrics on. NGRAM: SGLang's default tree of 12
+# draft tokens per verify (up to 10 branches), so accepted drafts' KV (and rows) are moved within each
+# request's window. EAGLE: the "v3-mtp" checkpoint's MTP layer as the draft, DeepSeek's MTP setting (one
+# step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer).
+SPECULATIVE = {
+    "NGRAM": ["--speculative-algorithm", "NGRAM"],
+    "EAGLE": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "2"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECULATIVE))
+def speculative_server(request, tmp_path_factory):
+    from sglang_hs.tools import tiny_model
+
+    model = ["--model-path", tiny_model.ensure("v3-mtp")] if request.param == "EAGLE" else []
+    dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
+    gen = _serve(dump, [*model, "--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
+                        *SPECULATIVE[request.param], "--enable-metrics"])
+    server = next(gen)
+    server.algorithm = request.param
+    yield server
+    for _ in gen:  # stop it and check it left nothing
+        pass
 
 
 @pytest.fixture(scope="session")

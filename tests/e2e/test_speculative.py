@@ -1,15 +1,21 @@
-"""Capture on a server that decodes speculatively (issue 44): SGLang's NGRAM drafter on the CPU engine.
+"""Capture on a server that decodes speculatively (issue 44), on the CPU engine: SGLang's NGRAM drafter and
+EAGLE with DeepSeek's MTP layer as the draft (conftest.py `speculative_server`, one server per algorithm).
 
-Each decode step of such a server is a verify pass: one forward of the target over a tree of 12 draft
-tokens per request (written at KV slots of the request's draft window, rows included), after which the
-accepted drafts' KV is moved to the front of the window and the rest is dropped. A record must hold
-exactly the rows of the tokens the request ends with, each the row a plain forward of that sequence
-gives: every row is judged against HF transformers float32 (tests/e2e/row_judge.py) on the token ids
-the server sent. How drafts get accepted with a tiny random model: n-gram drafting needs no draft model,
-only text that repeats, and the tiny model's greedy continuations fall into short loops of their own,
-which the n-gram corpus then proposes; SGLang's own per-request counters (meta_info spec_*) show that
-drafts were accepted and rejected in the judged requests, and the overlay's status that rows followed
-KV moves (`moved_rows`), i.e. that accepted drafts were not all at the front of the tree.
+Each decode step of such a server is a verify pass: one forward of the target over the draft tokens of each
+request (NGRAM: a tree of 12; MTP: the last token and one draft), written at KV slots of the request's draft
+window, rows included; then the accepted drafts' KV is moved to the front of the window and the rest
+dropped. A record must hold exactly the rows of the tokens the request ends with, each the row a plain
+forward of that sequence gives: every row is judged against HF transformers float32 (tests/e2e/row_judge.py)
+on the token ids the server sent.
+
+How drafts get accepted with a tiny random model. NGRAM needs no draft model, only text that repeats: the
+tiny model's greedy continuations fall into short loops, which the n-gram corpus then proposes; SGLang's
+own per-request counters (meta_info spec_*) show drafts accepted and rejected in each judged request, and
+the overlay's status that rows followed KV moves (`moved_rows`: accepted drafts off the tree's front).
+The MTP draft is built to propose the target's last token again (tiny_model._add_mtp_layer: it reads the
+target's final hidden state, which the overlay hands over while capturing): accepted where the target's
+greedy output repeats a token, so SGLang's accepted count must equal what that rule predicts from the
+output, which also shows the draft got the target's hidden states intact with capture on.
 """
 import concurrent.futures as cf
 import json
@@ -31,10 +37,10 @@ TEXTS = ("one two three four five six seven eight. " * 5,
 
 
 @pytest.fixture(scope="module")
-def served(ngram_server):
-    reader = HiddenStateReader(str(ngram_server.dump))
+def served(speculative_server):
+    reader = HiddenStateReader(str(speculative_server.dump))
     assert reader.manifest["dtype"] == "float32" and reader.manifest["rows_per_token"] == 5
-    yield ngram_server, reader
+    yield speculative_server, reader
     reader.close()
 
 
@@ -47,6 +53,20 @@ def _drafts(meta):
     return meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]
 
 
+def _repeat_draft_accepts(output_ids):
+    """Drafts a one-step draft that proposes the last token again gets accepted, for this greedy output:
+    each verify after the prefill's token either accepts (the next token repeats the last: two tokens
+    emitted) or not (one)."""
+    i, accepted = 0, 0
+    while i + 1 < len(output_ids):
+        if output_ids[i + 1] == output_ids[i]:
+            accepted += 1
+            i += 2
+        else:
+            i += 1
+    return accepted
+
+
 def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
     """Four requests at once (prompts of 25-60 tokens, chunked at 16), 48 greedy tokens each: every row of
     every record exact, drafts accepted and rejected in each, and rows moved after KV."""
@@ -56,14 +76,24 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
             "max_new_tokens": 48, **GREEDY}), jobs))
+    total = 0
     for (rid, ids), out in zip(jobs, outs):
         verifies, accepted, proposed = _drafts(out["meta_info"])
-        assert verifies > 0 and 0 < accepted < proposed, (rid, out["meta_info"])  # both kinds in this record
+        assert verifies > 0 and accepted < proposed, (rid, out["meta_info"])  # drafts rejected in every record
+        if server.algorithm == "NGRAM":
+            assert accepted > 0, (rid, out["meta_info"])  # and accepted in every record
+        else:  # the MTP draft repeats the last token: accepted exactly where the output repeats one
+            assert accepted == _repeat_draft_accepts(out["output_ids"]), (rid, out["output_ids"], out["meta_info"])
+        total += accepted
         rec = reader.take(rid, timeout=60)
         assert rec.prompt_len == len(ids)
         _exact(rec, hf, (ids + out["output_ids"])[:-1])
+    assert total > 0
     after = settled(server)["writer"]
-    assert after["moved_rows"] > before["moved_rows"], (before, after)  # accepted drafts off the tree's front
+    if server.algorithm == "NGRAM":  # accepted drafts off the tree's front: their rows moved with their KV
+        assert after["moved_rows"] > before["moved_rows"], (before, after)
+    else:  # a chain's accepted drafts are at the window's front already
+        assert after["moved_rows"] == before["moved_rows"], (before, after)
 
 
 def test_radix_hit_stop_string_stream_and_logprobs(served, hf):
@@ -74,7 +104,9 @@ def test_radix_hit_stop_string_stream_and_logprobs(served, hf):
     first = server.generate(input_ids=ids, rid="spec-warm", sampling_params={"max_new_tokens": 24, **GREEDY})
     _exact(reader.take("spec-warm", timeout=60), hf, (ids + first["output_ids"])[:-1])
     again = server.generate(input_ids=ids, rid="spec-hit", sampling_params={"max_new_tokens": 40, **GREEDY})
-    assert again["meta_info"]["cached_tokens"] >= len(ids) - 1, again["meta_info"]
+    # the prompt's rows from the radix cache (all but the last token or two: SGLang's EAGLE computes one
+    # more for its draft's extend pass)
+    assert again["meta_info"]["cached_tokens"] >= len(ids) - 2, again["meta_info"]
     assert again["output_ids"][:24] == first["output_ids"]  # greedy: speculation changes nothing
     _exact(reader.take("spec-hit", timeout=60), hf, (ids + again["output_ids"])[:-1])
     # prompt logprobs from the start: SGLang computes the whole prompt again (no cache hit), then verifies

@@ -124,13 +124,45 @@ for seed, (bs, n, steps) in enumerate([(1, 1, 1), (1, 6, 4), (3, 12, 6), (4, 9, 
             assert torch.equal(a, b), (seed, trial, name, a, b)
         checked += int(outs[0][2].sum())
 assert checked > 5, checked  # drafts were accepted, not only roots
+
+# EAGLE's tree: parent_list and selected_index made by SGLang's own top-k expansion (select_top_k_tokens,
+# organize_draft_results) from random draft scores, built by ours and by SGLang's Triton twin
+from sglang.srt.speculative.spec_utils import select_top_k_tokens
+from sglang.srt.speculative.eagle_utils import organize_draft_results
+from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+trees = 0
+for seed, (bs, topk, steps, n) in enumerate([(1, 1, 1, 2), (2, 1, 3, 4), (3, 2, 3, 5), (2, 4, 3, 8), (4, 3, 4, 7)]):
+    gen = torch.Generator().manual_seed(100 + seed)
+    scores, hidden, token_list, score_list, parents_list = None, torch.zeros(bs, 4), [], [], []
+    for i in range(steps):
+        rows = bs if i == 0 else bs * topk
+        p = torch.rand(rows, topk, generator=gen).sort(dim=-1, descending=True).values
+        idx = torch.randint(0, 50, (rows, topk), generator=gen)
+        _, hidden, scores, (sc, tok, par) = select_top_k_tokens(i, p, idx, hidden, scores, topk)
+        score_list.append(sc); token_list.append(tok); parents_list.append(par)
+    parent_list, selected, _ = organize_draft_results(score_list, token_list, parents_list, n)
+    seq_lens = torch.randint(1, 40, (bs,), generator=gen)
+    for mode in (0, 1):
+        size = bs * n * n + (int(seq_lens.sum()) * n if mode == 0 else 0)
+        outs = []
+        for fn in (spec_ops.build_tree_kernel_efficient_cpu, sgl_build_tree_kernel_triton):
+            mask = torch.full((size,), True)
+            pos = torch.full((bs * n,), -9, dtype=torch.long)
+            ri, rn, rs = torch.full((3, bs, n), -1, dtype=torch.long)
+            fn(parent_list, selected, seq_lens, mask, pos, ri, rn, rs, topk, steps, n, mode)
+            outs.append((mask, pos, ri, rn, rs))
+        for name, a, b in zip(("tree_mask", "positions", "index", "next_token", "next_sibling"), *outs):
+            assert torch.equal(a, b), (seed, mode, name, a, b)
+        trees += 1
+assert trees == 10, trees
 print("OK", checked)
 """
 
 
 def test_tree_ops_agree_with_sglangs_triton_twins():
-    """Our reconstruct and greedy verification against SGLang's Triton kernels of the same contract, run by
-    Triton's interpreter on CPU tensors in a child process."""
+    """Our reconstruct, greedy verification and EAGLE tree build (QLEN and FULL masks, top-k 1 to 4) against
+    SGLang's Triton kernels of the same contract, run by Triton's interpreter on CPU tensors in a child
+    process."""
     env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_USE_CPU_ENGINE="1")
     code = TRITON_TWINS.format(stubs=stubs_dir(), tests=os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

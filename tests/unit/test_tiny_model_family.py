@@ -147,10 +147,17 @@ def test_every_norm_weight_is_drawn_not_one(variant):
     ckpt = tiny_model.ensure(variant)
     norms = _norm_weights(ckpt)
     layers = tiny_model.hf_config(ckpt, variant).num_hidden_layers
+    if variant in tiny_model.MTP:  # the MTP layer: hnorm and shared_head.norm ones by design, the rest drawn
+        mtp = {k[len(f"model.layers.{layers}."):]: norms.pop(k) for k in list(norms)
+               if k.startswith(f"model.layers.{layers}.")}
+        assert all((mtp.pop(k) == 1).all() for k in ("hnorm.weight", "shared_head.norm.weight")), sorted(mtp)
+        assert sorted(mtp) == ["enorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                               "self_attn.kv_a_layernorm.weight", "self_attn.q_a_layernorm.weight"]
+        norms.update({f"mtp.{k}": w for k, w in mtp.items()})  # checked below with the others
     # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms (V3.2: and its DSA
     # indexer's key norm); and the final norm
     per_layer = {"v2": 3, "v32": 5}.get(variant, 4)
-    assert len(norms) == layers * per_layer + 1, sorted(norms)
+    assert len(norms) == layers * per_layer + 1 + (5 if variant in tiny_model.MTP else 0), sorted(norms)
     final = norms["norm.weight" if variant in tiny_model.MISTRAL_NATIVE else
                   "language_model.model.norm.weight" if variant in tiny_model.WRAPPED else "model.norm.weight"]
     x = torch.randn(4, final.shape[0])

@@ -133,6 +133,7 @@ class HostStore:
         self.dtype, self.shape = host.dtype, host.shape
         self.device = torch.device("cuda")
         self.errors = SlotErrors(self.device)
+        self._rows = None
 
     def check(self) -> None:
         """Raise if a copy into this store dropped a row whose slot lay outside it (synchronises)."""
@@ -140,6 +141,17 @@ class HostStore:
 
     def data_ptr(self) -> int:
         return self._ptr
+
+    def device_rows(self) -> torch.Tensor:
+        """The store as a CUDA tensor of bytes, [S, one slot's bytes], over the mapping (zero copy: its reads
+        and writes are the host memory's), for moving rows on the GPU in stream order. Made once."""
+        if self._rows is None:
+            row_bytes = self.host[0].numel() * self.host.element_size()
+            mapped = type("MappedStore", (), {})()
+            mapped.__cuda_array_interface__ = {"shape": (self.shape[0], row_bytes), "typestr": "|u1",
+                                               "data": (self._ptr, False), "strides": None, "version": 3}
+            self._rows = torch.as_tensor(mapped, device=self.device)
+        return self._rows
 
     def stride(self, dim: int) -> int:
         return self.host.stride(dim)

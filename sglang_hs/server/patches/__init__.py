@@ -49,6 +49,10 @@ Ledger (what / why / upstream status / removal plan):
 | spec_verify_torch_| wraps TorchNativeAttnBackend.forward_extend: | CPU mode only    |
 | native            | a TARGET_VERIFY batch attends over each      |                  |
 |                   | request's prefix and its draft tree          |                  |
+| eagle_cpu_draft   | DeepseekV2ForCausalLM.set_embed_and_head     | CPU mode only    |
+|                   | without CUDA calls on a CPU device; a        |                  |
+|                   | torch_native draft-extend backend in         |                  |
+|                   | DraftBackendFactory._create_backend          |                  |
 | hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
 |                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
 |                   | mean to write the streams into such a slot   | --hs-hc-streams  |
@@ -201,6 +205,19 @@ spec_verify_torch_native
   removal:  when TorchNativeAttnBackend verifies trees itself; test_speculative's server fails its
             warm-up without it.
 
+eagle_cpu_draft
+  why:      EAGLE/NEXTN drafts (DeepSeek's MTP layer) on the CPU engine: the draft takes the target's
+            embedding and LM head through set_embed_and_head, which ends with torch.cuda.empty_cache() and
+            torch.cuda.synchronize() (RuntimeError without a CUDA driver); on a CPU device the same
+            rebinding runs without them. The draft's extend pass needs an attention backend from
+            DraftBackendFactory, whose map has none for torch_native ("EAGLE is not supported in attention
+            backend torch_native"): the single (non-container) backend it builds gets SGLang's own
+            TorchNativeAttnBackend for the draft runner. The multi-step draft decode backend is left
+            alone: only --speculative-num-steps 1 (DeepSeek's MTP setting) runs on the CPU engine.
+  upstream: present in sglang 0.5.23 (deepseek_v2.py set_embed_and_head; speculative/draft_utils.py); not
+            reported upstream by us yet.
+  removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server does not start without it.
+
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
             `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
@@ -261,6 +278,11 @@ def apply() -> dict:
             from sglang_hs.server.patches import spec_verify_torch_native
 
             _applied["spec_verify_torch_native"] = spec_verify_torch_native.apply()
+        wanted = envs.SGLANG_HS_CPU_MODE and "eagle_cpu_draft" not in envs.SGLANG_HS_DISABLE_PATCHES
+        if wanted and "eagle_cpu_draft" not in _applied:
+            from sglang_hs.server.patches import eagle_cpu_draft
+
+            _applied["eagle_cpu_draft"] = eagle_cpu_draft.apply()
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.server.patches import capture_hooks
 

@@ -211,13 +211,22 @@ class CaptureWriter:
         speculative verify, each request's accepted draft tokens' KV goes to the front of its draft window,
         spec_utils.move_accept_tokens_to_target_kvcache): their rows go with it, so req_to_token finds, at
         each accepted token's position, the row its verify forward computed. Runs on the scheduler thread
-        after the step's forward; pairs with tgt == src (a chain's accepted prefix, SGLang's zero padding)
-        move nothing."""
+        after the step's forward. On CUDA with the direct copy the move is two device ops on the current
+        stream, after the step's copy and, like it, after the gathers the step's slots waited for (the
+        targets are slots of the step): no host synchronisation. Elsewhere it runs on the host once the
+        step's rows are in the store; pairs with tgt == src (a chain's accepted prefix, SGLang's zero
+        padding) move nothing there. `moved_rows` counts the pairs moved (on CUDA direct: every pair
+        handed over, unchanged ones included: telling them apart would take a synchronisation)."""
         if tgt_loc.numel() == 0:
             return
         if tgt_loc.shape != src_loc.shape:
             raise RuntimeError(f"sglang-hs: a KV move of {tuple(src_loc.shape)} slots to {tuple(tgt_loc.shape)}")
-        if tgt_loc.is_cuda:  # the step's copy into the store (the compute stream's) must be done first
+        if tgt_loc.is_cuda and self.staging is None:
+            rows = self._host_store().device_rows()
+            rows[tgt_loc.reshape(-1).long()] = rows[src_loc.reshape(-1).long()]  # sources gathered first
+            self.stats["moved_rows"] += int(tgt_loc.numel())
+            return
+        if tgt_loc.is_cuda:  # staging/deferred: the step's rows reach the store off the compute stream
             torch.cuda.current_stream(tgt_loc.device).synchronize()
         if self.staging is not None:  # and its staged rows scattered
             self.stats["store_wait_s"] += self.staging.drain()

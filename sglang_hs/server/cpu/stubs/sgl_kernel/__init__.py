@@ -16,6 +16,7 @@ from sgl_kernel.spec_ops import (  # noqa: E402,F401  (plain-torch CPU ops: spec
     assign_draft_cache_locs_contiguous_cpu,
     assign_extend_cache_locs_cpu,
     assign_req_to_token_pool_cpu,
+    build_tree_kernel_efficient_cpu,
     fill_accept_out_cache_loc_cpu,
     fill_bonus_tokens_cpu,
     verify_tree_greedy_cpu,
@@ -23,7 +24,6 @@ from sgl_kernel.spec_ops import (  # noqa: E402,F401  (plain-torch CPU ops: spec
 
 _NAMES = (  # imported by sglang on the CPU path, never implemented here: they raise when called
     "copy_all_layer_kv_cache_cpu",
-    "build_tree_kernel_efficient_cpu",
 )
 
 

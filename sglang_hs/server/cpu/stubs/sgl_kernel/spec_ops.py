@@ -120,3 +120,70 @@ def reconstruct_indices_from_tree_mask(tree_mask, verified_seq_len, positions, r
     later = order[None, :] > order[:, None]  # [i, k]: k > i
     same = (parent[:, None, :] == parent[:, :, None]) & later & (parent[:, :, None] >= 0)
     retrive_next_sibling.view(bs, n).copy_(_first_true(same))
+
+
+def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_len, tree_mask, positions,
+                                    retrive_index, retrive_next_token, retrive_next_sibling, topk, depth,
+                                    draft_token_num, tree_mask_mode) -> None:
+    """EAGLE's draft tree from its top-k expansion. selected_index [bs, n - 1] holds the chosen draft tokens'
+    ids in the expansion (parent_list [bs, topk * (depth - 1) + 1] the ids of their parents), in the order
+    of the verify tokens 1..n-1 (token 0 is the root, the last verified token). Per request b: retrive_index
+    = b * n + i; next_token / next_sibling link each node to its first child and the next child of its
+    parent (children inserted from the last, so siblings in index order); positions = seq_len + depth; and
+    the tree mask, each row the node's ancestors and itself, in QLEN layout (mode 1: [n, n] per request)
+    or FULL layout (mode 0: the row's [seq_len + n] columns, of which the prefix's are left as they are).
+    Rows are scanned over selected_index flat, as the C++ op reads it."""
+    mode, n, k = int(tree_mask_mode), int(draft_token_num), int(topk)
+    if mode == 2:
+        raise NotImplementedError("build_tree_kernel_efficient_cpu: QLEN_ONLY_BITPACKING has no CPU path")
+    bs = parent_list.shape[0]
+    parents, seq = parent_list.tolist(), verified_seq_len.tolist()
+    sel = selected_index.reshape(-1).tolist()
+    stride = n - 1
+
+    def chosen(b, j):  # selected_index[b, j], read flat like the C++ op (j may run one past the row)
+        at = b * stride + j
+        return sel[at] if at < len(sel) else None
+
+    ri, nxt, sib = retrive_index.view(bs, n), retrive_next_token.view(bs, n), retrive_next_sibling.view(bs, n)
+    pos, mask = positions.view(-1), tree_mask.view(-1)
+    full_start = 0
+    for b in range(bs):
+        off, L = b * n, int(seq[b])
+        pos[off] = L
+        ri[b, 0] = off
+        for i in range(n - 1, 0, -1):
+            ri[b, i] = off + i
+            parent_tb = chosen(b, i - 1) // k
+            at = 0
+            if parent_tb > 0:
+                token = parents[b][parent_tb]
+                while at < n:
+                    at += 1
+                    if chosen(b, at - 1) == token:
+                        break
+                else:
+                    at = n
+            if at == n:
+                continue
+            first = int(nxt[b, at])
+            nxt[b, at] = i
+            if first != -1:
+                sib[b, i] = first
+        for tid in range(n):
+            row = (off + tid) * n if mode == 1 else full_start + (L + n) * tid + L
+            mask[row] = True
+            mask[row + 1:row + n] = False
+            if tid == 0:
+                continue
+            depth_of, cur = 0, tid - 1
+            while True:
+                depth_of += 1
+                mask[row + cur + 1] = True
+                parent_tb = chosen(b, cur) // k
+                if parent_tb == 0:
+                    break
+                token = parents[b][parent_tb]
+                cur = next((c for c in range(n) if chosen(b, c) == token), n)
+            pos[off + tid] = depth_of + L
+        full_start += (L + n) * n
