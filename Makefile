@@ -33,6 +33,7 @@ bench: setup
 	$(PY) benchmarks/bench_live.py --out benchmarks/results
 	$(PY) benchmarks/bench_harvest.py --out benchmarks/results
 	$(PY) benchmarks/bench_omp_wait.py --out benchmarks/results
+	$(PY) benchmarks/bench_speculative.py --out benchmarks/results
 
 clean:
 	rm -rf .venv build *.egg-info sglang_hs/_C*.so

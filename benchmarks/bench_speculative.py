@@ -1,0 +1,187 @@
+"""Capture under speculative decoding (issue 44), side by side in ONE run on the CPU engine:
+
+  a_spec_capture     NGRAM + --hs-dump-dir: `--regenerate` extraction (the CLI, --server, safetensors files)
+  b_plain_capture    --hs-dump-dir without a draft: the same extraction
+  c_spec_plain       NGRAM without capture, driven by /generate with the extraction's requests
+  d_spec_capture_gen a_spec_capture's server driven like c_spec_plain (a reader drains the ring)
+
+Same tiny checkpoint, bf16, greedy, the same conversations (repetitive text, so n-gram drafts get
+accepted) with a 96-token reply each; every server sees each prompt set once per rep (fresh prompts each
+rep: no radix hits across methods). Reported per rep and as medians: generated tokens/s, the ratios
+a/b (what speculative decoding buys an extraction; the replies must be the same tokens) and d/c (what
+capture costs a speculative server; goal >= 0.97), and SGLang's accepted drafts per verify. Writes
+bench_speculative.csv, bench_speculative_summary.csv and bench_speculative.png.
+
+    python benchmarks/bench_speculative.py --out benchmarks/results [--reps 3] [--samples 8] [--concurrency 4]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import requests
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
+from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
+
+NEW_TOKENS = 96
+WORDS = ("one two three four five six seven eight nine ten the cat sat on mat and dog log red blue green "
+         "alpha beta gamma delta").split()
+
+
+def conversations(rng, n):
+    """n user turns of a few words repeated (n-gram drafting feeds on repeats)."""
+    out = []
+    for _ in range(n):
+        phrase = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 8)))
+        out.append({"conversations": [{"role": "user", "content": (phrase + ". ") * rng.randint(3, 6)},
+                                      {"role": "assistant", "content": "replaced by --regenerate"}]})
+    return out
+
+
+def extract(server, dump, data, out, conc) -> dict:
+    from sglang_hs.extract.cli import main as run
+
+    rc = run(["--data", data, "--output", out, "--format", "safetensors", "--server", server.url,
+              "--hs-dump-dir", dump, "--concurrency", str(conc), "--regenerate", "--max-new-tokens",
+              str(NEW_TOKENS), "--no-progress"])
+    assert rc == 0, f"the extraction from {server.url} failed ({rc})"
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert not m["failed"], m["failed"][:3]
+    return {"seconds": m["wall_s"], "samples": m["samples_written"]}
+
+
+def generate(server, prompts, conc, dump=None) -> dict:
+    """/generate of each prompt (greedy, NEW_TOKENS); with `dump`, a reader thread drains its ring."""
+    stop, reader_thread = threading.Event(), None
+    if dump is not None:
+        from sglang_hs import HiddenStateReader
+
+        def drain():
+            with HiddenStateReader(dump) as reader:
+                while not stop.is_set():
+                    reader.poll()
+                    for rid in reader.ready_rids():
+                        reader.pop_ready(rid)
+                    stop.wait(0.01)
+
+        reader_thread = threading.Thread(target=drain, daemon=True)
+        reader_thread.start()
+
+    def one(ids):
+        r = requests.post(f"{server.url}/generate", timeout=900, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
+        r.raise_for_status()
+        return r.json()
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(conc) as pool:
+        outs = list(pool.map(one, prompts))
+    seconds = time.perf_counter() - t0
+    stop.set()
+    if reader_thread is not None:
+        reader_thread.join(10)
+    meta = [o["meta_info"] for o in outs]
+    verifies = sum(m.get("spec_verify_ct", 0) for m in meta)
+    return {"seconds": seconds, "samples": len(outs), "outputs": [o["output_ids"] for o in outs],
+            "accepted_per_verify": (sum(m.get("spec_num_correct_drafts", 0) for m in meta) / verifies
+                                    if verifies else None)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench-spec-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    files, logs = tempfile.mkdtemp(prefix="bench-spec-files-"), tempfile.mkdtemp(prefix="bench-spec-logs-")
+    common = ["--max-total-tokens", "8192", "--chunked-prefill-size", "256"]
+    dumps = {"a": os.path.join(work, "a"), "b": os.path.join(work, "b")}
+    servers = {
+        "a_spec_capture": ServerProcess(["--hs-dump-dir", dumps["a"], "--hs-last", "pre-norm", "--speculative-algorithm", "NGRAM",
+                                         *common], os.path.join(logs, "a.log")),
+        "b_plain_capture": ServerProcess(["--hs-dump-dir", dumps["b"], "--hs-last", "pre-norm", *common],
+                                         os.path.join(logs, "b.log")),
+        "c_spec_plain": ServerProcess(["--speculative-algorithm", "NGRAM", *common], os.path.join(logs, "c.log")),
+    }
+    rows, ok = [], False
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        from transformers import AutoTokenizer
+
+        from sglang_hs.tools import tiny_model
+
+        tok = AutoTokenizer.from_pretrained(tiny_model.ensure())
+        rng = random.Random(0)
+        for rep in range(args.reps):
+            convs = conversations(rng, args.samples)
+            data = os.path.join(work, f"data-{rep}.jsonl")
+            with open(data, "w") as f:
+                f.writelines(json.dumps(c) + "\n" for c in convs)
+            ids = lambda t: t["input_ids"] if hasattr(t, "keys") else list(t)  # noqa: E731 (BatchEncoding or list)
+            # the generate runs use other prompts of the same shape (reversed words): no radix hit on the
+            # prefix the extraction runs cached
+            other = [ids(tok.apply_chat_template([{"role": "user", "content": " ".join(
+                c["conversations"][0]["content"].split()[::-1])}], add_generation_prompt=True, tokenize=True))
+                for c in convs]
+            res = {}
+            for method in ("a_spec_capture", "b_plain_capture"):
+                out = os.path.join(files, f"{method}-{rep}")
+                res[method] = extract(servers[method], dumps[method[0]], data, out, args.concurrency)
+                shutil.rmtree(out, ignore_errors=True)
+            res["c_spec_plain"] = generate(servers["c_spec_plain"], other, args.concurrency)
+            res["d_spec_capture_gen"] = generate(servers["a_spec_capture"], other, args.concurrency, dumps["a"])
+            same = res["c_spec_plain"]["outputs"] == res["d_spec_capture_gen"]["outputs"]
+            for method, r in res.items():
+                tokens = r["samples"] * NEW_TOKENS  # --regenerate: every reply runs to NEW_TOKENS (no EOS here)
+                rows.append({"rep": rep, "method": method, "samples": r["samples"], "seconds": round(r["seconds"], 3),
+                             "gen_tokens_per_s": round(tokens / r["seconds"], 2),
+                             "accepted_per_verify": r.get("accepted_per_verify"), "same_outputs_c_d": same})
+                print(rows[-1], flush=True)
+            write_csv(os.path.join(args.out, "bench_speculative.csv"), rows)
+        ok = True
+    finally:
+        stop_servers(servers, work, logs, ok)
+        shutil.rmtree(files, ignore_errors=True)
+    med = {m: statistics.median(r["gen_tokens_per_s"] for r in rows if r["method"] == m)
+           for m in dict.fromkeys(r["method"] for r in rows)}
+    per_rep = lambda a, b: [x["gen_tokens_per_s"] / y["gen_tokens_per_s"] for x, y in zip(  # noqa: E731
+        [r for r in rows if r["method"] == a], [r for r in rows if r["method"] == b])]
+    summary = [{"method": m, "median_gen_tokens_per_s": round(v, 2)} for m, v in med.items()]
+    summary += [{"method": "ratio a/b (speculative vs not, extraction)", "median": round(statistics.median(
+        per_rep("a_spec_capture", "b_plain_capture")), 3), "per_rep": per_rep("a_spec_capture", "b_plain_capture")},
+                {"method": "ratio d/c (capture on vs off, speculative)", "median": round(statistics.median(
+                    per_rep("d_spec_capture_gen", "c_spec_plain")), 3),
+                 "per_rep": per_rep("d_spec_capture_gen", "c_spec_plain")}]
+    write_summary(args.out, "bench_speculative", summary, f"\nmedians ({machine()}):", lambda s: str(s))
+    plt = _pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        methods = list(med)
+        for i, m in enumerate(methods):
+            vals = [r["gen_tokens_per_s"] for r in rows if r["method"] == m]
+            ax.scatter([i] * len(vals), vals, color="#27a")
+            ax.bar(i, med[m], color="#ccc", zorder=0)
+        ax.set_xticks(range(len(methods)), methods, rotation=15, fontsize=8)
+        ax.set_ylabel("generated tokens/s (bars: median, dots: reps)")
+        save_figure(plt, fig, os.path.join(args.out, "bench_speculative.png"),
+                    f"speculative (NGRAM) vs not, capture on vs off; CPU engine ({machine()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
