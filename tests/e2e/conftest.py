@@ -135,7 +135,8 @@ def contract_server(tmp_path_factory):
 
 
 # The speculative servers (tests/e2e/test_speculative.py), one per algorithm, one at a time: float32, chunked
-# prefill of CHUNK tokens, the radix cache, --hs-last both, metrics on. NGRAM: SGLang's default tree of 12
+# prefill of CHUNK tokens, the radix cache, --hs-last both, metrics on, and harvesting as a production server
+# would (--hs-capture opt-in: only requests that ask are captured, the others leave a marker). NGRAM: SGLang's default tree of 12
 # draft tokens per verify (up to 10 branches), so accepted drafts' KV (and rows) are moved within each
 # request's window. EAGLE: the "v3-mtp" checkpoint's MTP layer as the draft, DeepSeek's MTP setting (one
 # step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer).
@@ -153,7 +154,7 @@ def speculative_server(request, tmp_path_factory):
     model = ["--model-path", tiny_model.ensure("v3-mtp")] if request.param == "EAGLE" else []
     dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
     gen = _serve(dump, [*model, "--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
-                        *SPECULATIVE[request.param], "--enable-metrics"])
+                        *SPECULATIVE[request.param], "--enable-metrics", "--hs-capture", "opt-in"])
     server = next(gen)
     server.algorithm = request.param
     yield server

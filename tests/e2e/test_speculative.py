@@ -16,6 +16,9 @@ The MTP draft is built to propose the target's last token again (tiny_model._add
 target's final hidden state, which the overlay hands over while capturing): accepted where the target's
 greedy output repeats a token, so SGLang's accepted count must equal what that rule predicts from the
 output, which also shows the draft got the target's hidden states intact with capture on.
+
+The servers harvest as a production one would (--hs-capture opt-in): the tests' requests opt in, one that
+does not leaves a marker; and the extraction CLI's --regenerate runs against each server.
 """
 import concurrent.futures as cf
 import json
@@ -23,13 +26,17 @@ import json
 import pytest
 import requests
 
+import types
+
+from safetensors.torch import load_file
+
 import row_judge
 from helpers import settled
-from sglang_hs import HiddenStateReader
+from sglang_hs import HiddenStateReader, NotCaptured
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS, H = [2, 4, 5], 8, 256
-GREEDY = {"temperature": 0}
+GREEDY = {"temperature": 0, "custom_params": {"hs_capture": True}}  # the servers capture opted-in requests only
 TEXTS = ("one two three four five six seven eight. " * 5,
          "The cat sat on the mat and the dog sat on the log. " * 4,
          "Speculative decoding proposes tokens; the target checks them in one pass. " * 3,
@@ -131,6 +138,43 @@ def test_radix_hit_stop_string_stream_and_logprobs(served, hf):
     rec = reader.take("spec-stream", timeout=60)
     assert rec.input_ids.tolist()[:30] == ids[:30] and rec.num_tokens == 30 + 32 - 1
     _exact(rec, hf, rec.input_ids.tolist())
+    # harvest: a request that does not opt in is served without capture and leaves a marker saying so
+    out = server.generate(input_ids=ids[:20], rid="spec-not-opted", sampling_params={"max_new_tokens": 8,
+                                                                                       "temperature": 0})
+    assert len(out["output_ids"]) == 8
+    with pytest.raises(NotCaptured, match="not_opted_in"):
+        reader.take("spec-not-opted", timeout=60)
     settled(server)
     reader.poll()
     assert reader.ready_rids() == []
+
+
+def test_regenerate_extraction_from_a_speculative_server(served, hf, tmp_path):
+    """`python -m sglang_hs.extract --regenerate` against the speculative server (last in the module: the
+    extraction opens the dump's reader, so the module's closes first): the replies the target writes
+    while drafting, every row of every file judged against HF float32, and checked by the CLI against the
+    server's own logprobs (--verify)."""
+    import subprocess
+    import sys
+
+    server, reader = served
+    reader.close()
+    convs = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "-"}]}
+             for text in TEXTS[:3]]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "sglang_hs.extract", "--no-progress", "--data", str(data),
+                           "--output", str(out), "--format", "safetensors", "--regenerate", "--max-new-tokens", "32",
+                           "--verify", "1.0", "--server", server.url, "--hs-dump-dir", str(server.dump)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.load(open(out / "manifest.json"))
+    assert m["samples_written"] == 3 and m["verified"] == 3 and not m["failed"], m
+    for i in range(3):
+        t = load_file(str(out / f"hs_{i}.safetensors"))
+        ids = t["token_ids"].tolist()
+        assert sum(t["loss_mask"].tolist()) > 0  # generated rows
+        rec = types.SimpleNamespace(rid=f"file {i}", input_ids=t["token_ids"], aux_hidden_states=t["hidden_states"][:, :3],
+                                    last_hidden_state=None, last_pre_norm=t["hidden_states"][:, 3])
+        _exact(rec, hf, ids)

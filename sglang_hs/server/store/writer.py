@@ -120,7 +120,8 @@ class CaptureWriter:
         self.ring.gather_threads = gather_threads
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
                       "reader_offsets_refused": 0,  # read offsets the ring refused (ring.py)
-                      "moved_rows": 0}  # rows that followed SGLang's KV moves (move())
+                      "moved_rows": 0,  # rows that followed SGLang's KV moves (move())
+                      "move_wait_s": 0.0}  # the scheduler's wait in move() for the step's staged rows
         self.ring.stats = self.stats
         # The finish worker's (sglang_hs/server/store/finisher.py), here from the start: the status thread
         # reads this dict
@@ -223,13 +224,19 @@ class CaptureWriter:
             raise RuntimeError(f"sglang-hs: a KV move of {tuple(src_loc.shape)} slots to {tuple(tgt_loc.shape)}")
         if tgt_loc.is_cuda and self.staging is None:
             rows = self._host_store().device_rows()
-            rows[tgt_loc.reshape(-1).long()] = rows[src_loc.reshape(-1).long()]  # sources gathered first
+            tgt, src = tgt_loc.reshape(-1).long(), src_loc.reshape(-1).long()
+            # A slot outside the store cannot be refused without a synchronisation, and an out-of-range index
+            # would stop the CUDA context: such a pair becomes the padding slot's move to itself (SGLang's own
+            # move of the same ids, just before, would have failed first).
+            bad = (tgt < 0) | (tgt >= rows.shape[0]) | (src < 0) | (src >= rows.shape[0])
+            tgt, src = tgt.masked_fill(bad, 0), src.masked_fill(bad, 0)
+            rows[tgt] = rows[src]  # sources gathered first
             self.stats["moved_rows"] += int(tgt_loc.numel())
             return
         if tgt_loc.is_cuda:  # staging/deferred: the step's rows reach the store off the compute stream
             torch.cuda.current_stream(tgt_loc.device).synchronize()
-        if self.staging is not None:  # and its staged rows scattered
-            self.stats["store_wait_s"] += self.staging.drain()
+        if self.staging is not None:  # and its staged rows scattered (this thread's own key: move_wait_s)
+            self.stats["move_wait_s"] += self.staging.drain()
         tgt, src = tgt_loc.reshape(-1).long().cpu(), src_loc.reshape(-1).long().cpu()
         keep = tgt != src
         if not bool(keep.any()):

@@ -132,18 +132,18 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
     parent (children inserted from the last, so siblings in index order); positions = seq_len + depth; and
     the tree mask, each row the node's ancestors and itself, in QLEN layout (mode 1: [n, n] per request)
     or FULL layout (mode 0: the row's [seq_len + n] columns, of which the prefix's are left as they are).
-    Rows are scanned over selected_index flat, as the C++ op reads it."""
+    As SGLang's Triton twin (spec_tree.sgl_build_tree_kernel_efficient_triton) walks it: a parent is looked
+    for in the request's own row, a node whose parent was not selected hangs nowhere (no link) and its mask
+    walk stops there, and the walk up takes at most `depth` steps."""
     mode, n, k = int(tree_mask_mode), int(draft_token_num), int(topk)
     if mode == 2:
         raise NotImplementedError("build_tree_kernel_efficient_cpu: QLEN_ONLY_BITPACKING has no CPU path")
     bs = parent_list.shape[0]
     parents, seq = parent_list.tolist(), verified_seq_len.tolist()
-    sel = selected_index.reshape(-1).tolist()
-    stride = n - 1
+    sel = selected_index.reshape(bs, -1).tolist()
 
-    def chosen(b, j):  # selected_index[b, j], read flat like the C++ op (j may run one past the row)
-        at = b * stride + j
-        return sel[at] if at < len(sel) else None
+    def where_selected(b, token):  # the verify index - 1 of expansion id `token` in request b, or None
+        return next((c for c in range(n - 1) if sel[b][c] == token), None)
 
     ri, nxt, sib = retrive_index.view(bs, n), retrive_next_token.view(bs, n), retrive_next_sibling.view(bs, n)
     pos, mask = positions.view(-1), tree_mask.view(-1)
@@ -154,18 +154,13 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
         ri[b, 0] = off
         for i in range(n - 1, 0, -1):
             ri[b, i] = off + i
-            parent_tb = chosen(b, i - 1) // k
-            at = 0
+            parent_tb = sel[b][i - 1] // k
+            at = 0  # the root
             if parent_tb > 0:
-                token = parents[b][parent_tb]
-                while at < n:
-                    at += 1
-                    if chosen(b, at - 1) == token:
-                        break
-                else:
-                    at = n
-            if at == n:
-                continue
+                c = where_selected(b, parents[b][parent_tb])
+                if c is None:
+                    continue
+                at = c + 1
             first = int(nxt[b, at])
             nxt[b, at] = i
             if first != -1:
@@ -177,13 +172,14 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
             if tid == 0:
                 continue
             depth_of, cur = 0, tid - 1
-            while True:
+            for _ in range(int(depth)):
                 depth_of += 1
                 mask[row + cur + 1] = True
-                parent_tb = chosen(b, cur) // k
+                parent_tb = sel[b][cur] // k
                 if parent_tb == 0:
                     break
-                token = parents[b][parent_tb]
-                cur = next((c for c in range(n) if chosen(b, c) == token), n)
+                cur = where_selected(b, parents[b][parent_tb])
+                if cur is None:
+                    break
             pos[off + tid] = depth_of + L
         full_start += (L + n) * n
