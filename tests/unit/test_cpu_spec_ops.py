@@ -142,18 +142,22 @@ for seed, (bs, topk, steps, n) in enumerate([(1, 1, 1, 2), (2, 1, 3, 4), (3, 2, 
         score_list.append(sc); token_list.append(tok); parents_list.append(par)
     parent_list, selected, _ = organize_draft_results(score_list, token_list, parents_list, n)
     seq_lens = torch.randint(1, 40, (bs,), generator=gen)
-    for mode in (0, 1):
-        size = bs * n * n + (int(seq_lens.sum()) * n if mode == 0 else 0)
-        outs = []
-        for fn in (spec_ops.build_tree_kernel_efficient_cpu, sgl_build_tree_kernel_triton):
-            mask = torch.full((size,), True)
-            pos = torch.full((bs * n,), -9, dtype=torch.long)
-            ri, rn, rs = torch.full((3, bs, n), -1, dtype=torch.long)
-            fn(parent_list, selected, seq_lens, mask, pos, ri, rn, rs, topk, steps, n, mode)
-            outs.append((mask, pos, ri, rn, rs))
-        for name, a, b in zip(("tree_mask", "positions", "index", "next_token", "next_sibling"), *outs):
-            assert torch.equal(a, b), (seed, mode, name, a, b)
-        trees += 1
+
+    def both_builds(chosen, case):
+        for mode in (0, 1):
+            size = bs * n * n + (int(seq_lens.sum()) * n if mode == 0 else 0)
+            outs = []
+            for fn in (spec_ops.build_tree_kernel_efficient_cpu, sgl_build_tree_kernel_triton):
+                mask = torch.full((size,), True)
+                pos = torch.full((bs * n,), -9, dtype=torch.long)
+                ri, rn, rs = torch.full((3, bs, n), -1, dtype=torch.long)
+                fn(parent_list, chosen, seq_lens, mask, pos, ri, rn, rs, topk, steps, n, mode)
+                outs.append((mask, pos, ri, rn, rs))
+            for name, a, b in zip(("tree_mask", "positions", "index", "next_token", "next_sibling"), *outs):
+                assert torch.equal(a, b), (case, seed, mode, name, a, b)
+        return 2
+
+    trees += both_builds(selected, "tree")
     # a selected node whose parent was not selected (possible when scores tie): it hangs nowhere, and its
     # mask walk stops. A selected parent's id is replaced by a valid expansion id that nothing refers to.
     referred = {{int(parent_list[b, t // topk]) for b in range(bs) for t in selected[b].tolist() if t // topk > 0}}
@@ -164,19 +168,8 @@ for seed, (bs, topk, steps, n) in enumerate([(1, 1, 1, 2), (2, 1, 3, 4), (3, 2, 
         b, c = hit[0]
         orphaned = selected.clone()
         orphaned[b, c] = spare[0]
-        for mode in (0, 1):
-            size = bs * n * n + (int(seq_lens.sum()) * n if mode == 0 else 0)
-            outs = []
-            for fn in (spec_ops.build_tree_kernel_efficient_cpu, sgl_build_tree_kernel_triton):
-                mask = torch.full((size,), True)
-                pos = torch.full((bs * n,), -9, dtype=torch.long)
-                ri, rn, rs = torch.full((3, bs, n), -1, dtype=torch.long)
-                fn(parent_list, orphaned, seq_lens, mask, pos, ri, rn, rs, topk, steps, n, mode)
-                outs.append((mask, pos, ri, rn, rs))
-            for name, a, b_ in zip(("tree_mask", "positions", "index", "next_token", "next_sibling"), *outs):
-                assert torch.equal(a, b_), ("orphan", seed, mode, name, a, b_)
-            trees += 1
-assert trees >= 12, trees
+        trees += both_builds(orphaned, "orphan")
+assert trees >= 12, trees  # 5 trees and at least one with an orphaned node, each in both layouts
 print("OK", checked)
 """
 

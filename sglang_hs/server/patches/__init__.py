@@ -249,40 +249,17 @@ _lock = threading.Lock()
 _applied: dict = {}
 
 
+# The CPU engine's patches, in the order they are applied: spec_verify_torch_native wraps
+# TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
+CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "torch_native_cpu_pad", "moe_native_ep", "dsa_torch_native",
+               "spec_verify_torch_native", "eagle_cpu_draft")
+
+
 def apply() -> dict:
     """Apply the patches this process needs; idempotent. Returns {name: original} for tests."""
     with _lock:
-        wanted = envs.SGLANG_HS_CPU_MODE and "mla_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
-        if wanted and "mla_torch_native" not in _applied:
-            from sglang_hs.server.patches import mla_torch_native
-
-            _applied["mla_torch_native"] = mla_torch_native.apply()
-        _apply_cpu_gloo_groups()
-        wanted = envs.SGLANG_HS_CPU_MODE and "torch_native_cpu_pad" not in envs.SGLANG_HS_DISABLE_PATCHES
-        if wanted and "torch_native_cpu_pad" not in _applied:
-            from sglang_hs.server.patches import torch_native_cpu_pad
-
-            _applied["torch_native_cpu_pad"] = torch_native_cpu_pad.apply()
-        wanted = envs.SGLANG_HS_CPU_MODE and "moe_native_ep" not in envs.SGLANG_HS_DISABLE_PATCHES
-        if wanted and "moe_native_ep" not in _applied:
-            from sglang_hs.server.patches import moe_native_ep
-
-            _applied["moe_native_ep"] = moe_native_ep.apply()
-        wanted = envs.SGLANG_HS_CPU_MODE and "dsa_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
-        if wanted and "dsa_torch_native" not in _applied:
-            from sglang_hs.server.patches import dsa_torch_native
-
-            _applied["dsa_torch_native"] = dsa_torch_native.apply()
-        wanted = envs.SGLANG_HS_CPU_MODE and "spec_verify_torch_native" not in envs.SGLANG_HS_DISABLE_PATCHES
-        if wanted and "spec_verify_torch_native" not in _applied:
-            from sglang_hs.server.patches import spec_verify_torch_native
-
-            _applied["spec_verify_torch_native"] = spec_verify_torch_native.apply()
-        wanted = envs.SGLANG_HS_CPU_MODE and "eagle_cpu_draft" not in envs.SGLANG_HS_DISABLE_PATCHES
-        if wanted and "eagle_cpu_draft" not in _applied:
-            from sglang_hs.server.patches import eagle_cpu_draft
-
-            _applied["eagle_cpu_draft"] = eagle_cpu_draft.apply()
+        for name in CPU_PATCHES:
+            _apply_cpu(name)
         if envs.SGLANG_HS_DUMP_DIR and "capture_hooks" not in _applied:
             from sglang_hs.server.patches import capture_hooks
 
@@ -290,17 +267,17 @@ def apply() -> dict:
         return dict(_applied)
 
 
-def _apply_cpu_gloo_groups() -> None:
-    if envs.SGLANG_HS_CPU_MODE and "cpu_gloo_groups" not in envs.SGLANG_HS_DISABLE_PATCHES \
-            and "cpu_gloo_groups" not in _applied:
-        from sglang_hs.server.patches import cpu_gloo_groups
+def _apply_cpu(name: str) -> None:
+    """A CPU-engine patch, once, unless SGLANG_HS_DISABLE_PATCHES names it."""
+    if envs.SGLANG_HS_CPU_MODE and name not in envs.SGLANG_HS_DISABLE_PATCHES and name not in _applied:
+        import importlib
 
-        _applied["cpu_gloo_groups"] = cpu_gloo_groups.apply()
+        _applied[name] = importlib.import_module(f"sglang_hs.server.patches.{name}").apply()
 
 
 def apply_spawned() -> dict:
     """The patches a spawned SGLang process needs before its scheduler builds the parallel groups
     (sglang_hs/server/serve.py runs this in every such process); idempotent."""
     with _lock:
-        _apply_cpu_gloo_groups()
+        _apply_cpu("cpu_gloo_groups")
         return dict(_applied)
