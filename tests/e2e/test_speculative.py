@@ -149,6 +149,27 @@ def test_radix_hit_stop_string_stream_and_logprobs(served, hf):
     assert reader.ready_rids() == []
 
 
+def test_n_choices_and_an_over_long_rid(served, hf):
+    """The request contract's n > 1 and its rid limit on a speculative server: one exact record per choice
+    and none for SGLang's parallel-sampling prefix request; a rid longer than a record can name gets a 400
+    naming the limit, and the next request is exact."""
+    server, reader = served
+    ids = row_judge.prompt_ids(hf, TEXTS[3])
+    outs = server.generate(input_ids=ids, rid="spec-n", sampling_params={"n": 2, "max_new_tokens": 24, **GREEDY})
+    assert isinstance(outs, list) and len(outs) == 2
+    for out in outs:
+        _exact(reader.take(out["meta_info"]["id"], timeout=60), hf, (ids + out["output_ids"])[:-1])
+    r = requests.post(f"{server.url}/generate", timeout=300, json={
+        "input_ids": ids, "rid": "L" * 70_000, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    assert r.status_code == 400 and "at most 65535 bytes" in r.text, (r.status_code, r.text[:300])
+    out = server.generate(input_ids=ids[:25], rid="spec-after-long-rid", sampling_params={"max_new_tokens": 16,
+                                                                                           **GREEDY})
+    _exact(reader.take("spec-after-long-rid", timeout=60), hf, (ids[:25] + out["output_ids"])[:-1])
+    settled(server)  # every request answered is published: one poll is an absence check
+    reader.poll()
+    assert reader.ready_rids() == [], "a record of the prefix request or of the refused rid"
+
+
 def test_regenerate_extraction_from_a_speculative_server(served, hf, tmp_path):
     """`python -m sglang_hs.extract --regenerate` against the speculative server (last in the module: the
     extraction opens the dump's reader, so the module's closes first): the replies the target writes
