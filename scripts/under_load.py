@@ -21,7 +21,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODULES = ["tests/e2e/test_admission.py", "tests/e2e/test_harvest.py", "tests/e2e/test_request_contract.py",
                    "tests/e2e/test_exact_rows.py", "tests/e2e/test_overlay_serves.py", "tests/e2e/test_reader_restart.py",
-                   "tests/e2e/test_security.py", "tests/e2e/test_request_rids.py", "tests/e2e/test_full_pool.py"]
+                   "tests/e2e/test_security.py", "tests/e2e/test_request_rids.py", "tests/e2e/test_full_pool.py",
+                   "tests/e2e/test_speculative.py"]
 HOG = "import time, sys\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 

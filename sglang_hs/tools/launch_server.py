@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 # argv.py holds them (the supervisor reads flags too); the names here stay as the launcher has always called them
 from sglang_hs.tools.argv import flag_value as _flag_value, has_flag as _has_flag
 from sglang_hs.server.capture_spec import (
+    DSA_ARCHITECTURES,
     HC_ARCHITECTURES,
     STREAMS_CHOICES,
     TEXT_CONFIG_WRAPPERS,
@@ -369,6 +370,12 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
                                hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
     if arch in HC_ARCHITECTURES and cpu:
         raise CaptureConfigError(v4_on_cpu(arch) + v4_hint)
+    algorithm = _flag_value(sg_argv, "--speculative-algorithm")
+    if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:
+        raise CaptureConfigError(
+            f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
+            "DeepSeek-V2/V3-family MLA models only (docs/serving.md#speculative-decoding); serve this model without "
+            "a draft, or without --hs-dump-dir")
     return arch, config, spec
 
 

@@ -369,6 +369,19 @@ def test_prepare_refuses_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, cle
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("arch, extra", [("DeepseekV4ForCausalLM", {"hc_mult": 4, "index_topk": 8}),
+                                         ("DeepseekV32ForCausalLM", {"index_topk": 8})])
+def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(tmp_path, clean_env, arch, extra):
+    """Speculative capture is proven on the V2/V3 family's MLA pools (tests/e2e/test_speculative.py); V4's
+    compressed pools and V3.2's sparse verify are not, so the pair is refused before any model loads."""
+    model = _model_dir(tmp_path, arch=arch, **extra)
+    with pytest.raises(CaptureConfigError, match=rf"^--speculative-algorithm NGRAM with {arch}: capture under "
+                                                 r"speculative decoding is proven for DeepSeek-V2/V3") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cuda", "--hs-dump-dir", str(tmp_path / "hs"),
+                               "--speculative-algorithm", "NGRAM"])
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("streams, rows", [(None, 3), ("full", 9)])
 def test_prepare_deepseek_v4_streams_reach_the_overlay(tmp_path, clean_env, streams, rows):
     from sglang_hs.server.capture_spec import CaptureSpec
