@@ -102,32 +102,22 @@ def indexer_forward_native(self, x, q_lora, positions, forward_batch, layer_id, 
 
 def _sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, topk_indices):
     """MLA (absorbed) attention of each query over its request's selected keys (and causal)."""
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-    from torch.nn.functional import scaled_dot_product_attention
+    from sglang_hs.server.ops.masked_attention import masked_attention
 
-    pool = backend.token_to_kv_pool
-    if save_kv_cache and k is not None and v is not None:
-        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
-    q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    start = 0
-    for req, prefix, n in _requests(forward_batch):
-        length = prefix + n
-        tokens = req_to_token[req, :length].long()
-        sel = topk_indices[start:start + n].long()
-        chosen = torch.zeros((n, length + 1), dtype=torch.bool, device=q.device)  # last column: the -1s
-        chosen.scatter_(1, torch.where(sel < 0, length, sel), True)
-        mask = chosen[:, :length] & _causal(prefix, n, length, q.device)
-        key, value = k_cache[tokens].to(q.dtype), v_cache[tokens].to(q.dtype)  # [length, kv heads, dim]
-        o[start:start + n] = scaled_dot_product_attention(
-            q[start:start + n].transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
-            value.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=layer.scaling,
-            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-        )[0].transpose(0, 1)
-        start += n
-    return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+    def spans():
+        start = 0
+        for req, prefix, n in _requests(forward_batch):
+            sel = topk_indices[start:start + n].long()
+
+            def mask(length, sel=sel, prefix=prefix, n=n):
+                chosen = torch.zeros((n, length + 1), dtype=torch.bool, device=sel.device)  # last column: the -1s
+                chosen.scatter_(1, torch.where(sel < 0, length, sel), True)
+                return chosen[:, :length] & _causal(prefix, n, length, sel.device)
+
+            yield req, prefix + n, slice(start, start + n), mask
+            start += n
+
+    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, spans())
 
 
 def _with_topk(original):

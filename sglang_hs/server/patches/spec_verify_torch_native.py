@@ -38,33 +38,19 @@ def _tree_masks(spec_info, prefixes, n: int):
 
 
 def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-    from torch.nn.functional import scaled_dot_product_attention
+    from sglang_hs.server.ops.masked_attention import masked_attention
 
-    pool = backend.token_to_kv_pool
-    if save_kv_cache and k is not None and v is not None:
-        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
-    spec = forward_batch.spec_info
-    n = int(spec.draft_token_num)
+    n = int(forward_batch.spec_info.draft_token_num)
     prefixes = [int(x) for x in forward_batch.seq_lens_cpu.tolist()]
     reqs = forward_batch.req_pool_indices.tolist()
-    q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    if q.shape[0] != len(reqs) * n:
-        raise RuntimeError(f"sglang-hs spec_verify_torch_native: {q.shape[0]} query rows for {len(reqs)} requests "
+    rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).shape[0]
+    if rows != len(reqs) * n:
+        raise RuntimeError(f"sglang-hs spec_verify_torch_native: {rows} query rows for {len(reqs)} requests "
                            f"of {n} drafts")
-    o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    for i, (req, prefix, mask) in enumerate(zip(reqs, prefixes, _tree_masks(spec, prefixes, n))):
-        tokens = req_to_token[req, :prefix + n].long()
-        key, value = k_cache[tokens].to(q.dtype), v_cache[tokens].to(q.dtype)  # [prefix + n, kv heads, dim]
-        rows = slice(i * n, (i + 1) * n)
-        o[rows] = scaled_dot_product_attention(
-            q[rows].transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
-            value.transpose(0, 1).unsqueeze(0), attn_mask=mask.to(q.device), scale=layer.scaling,
-            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-        )[0].transpose(0, 1)
-    return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+    masks = _tree_masks(forward_batch.spec_info, prefixes, n)
+    spans = [(req, prefix + n, slice(i * n, (i + 1) * n), lambda length, m=m: m)
+             for i, (req, prefix, m) in enumerate(zip(reqs, prefixes, masks))]
+    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, spans)
 
 
 def _with_verify(original):
