@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from helpers import serving
+from helpers import Launcher, leftover_server_processes, serving
 from sglang_hs.tools.supervisor import mapped_shm
 
 _LAST_USER = {}  # shared server fixture -> nodeid of the last selected test that uses it
@@ -140,26 +140,40 @@ def contract_server(tmp_path_factory):
 # draft tokens per verify (up to 10 branches), so accepted drafts' KV (and rows) are moved within each
 # request's window. EAGLE: the "v3-mtp" checkpoint's MTP layer as the draft, DeepSeek's MTP setting (one
 # step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer).
+# EAGLE3: a tiny EAGLE-3 draft (tiny_eagle3) reading target layers of its own beside ours, same setting; its
+# server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
+SPEC_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
 SPECULATIVE = {
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
-    "EAGLE": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", "2"],
+    "EAGLE": ["--speculative-algorithm", "EAGLE", *SPEC_STEP],
+    "EAGLE3": ["--speculative-algorithm", "EAGLE3", *SPEC_STEP],
 }
 
 
 @pytest.fixture(scope="module", params=sorted(SPECULATIVE))
 def speculative_server(request, tmp_path_factory):
-    from sglang_hs.tools import tiny_model
+    from sglang_hs.tools import tiny_eagle3, tiny_model
 
-    model = ["--model-path", tiny_model.ensure("v3-mtp")] if request.param == "EAGLE" else []
-    dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
-    gen = _serve(dump, [*model, "--dtype", "float32", "--hs-last", "both", "--chunked-prefill-size", str(CHUNK),
-                        *SPECULATIVE[request.param], "--enable-metrics", "--hs-capture", "opt-in"])
-    server = next(gen)
-    server.algorithm = request.param
-    yield server
-    for _ in gen:  # stop it and check it left nothing
-        pass
+    model = {"EAGLE": ["--model-path", tiny_model.ensure("v3-mtp")],
+             "EAGLE3": ["--speculative-draft-model-path", tiny_eagle3.ensure()]}.get(request.param, [])
+    flags = [*model, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), *SPECULATIVE[request.param],
+             "--enable-metrics"]
+    plain = Launcher(flags) if request.param == "EAGLE3" else None
+    try:
+        dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
+        gen = _serve(dump, [*flags, "--hs-last", "both", "--hs-capture", "opt-in"])
+        server = next(gen)
+        server.algorithm = request.param
+        try:
+            server.plain = plain and plain.wait_ready()
+            yield server
+        finally:
+            for _ in gen:  # stop it and check it left nothing
+                pass
+    finally:
+        if plain is not None:
+            assert plain.stop() == 128 + 15, f"launcher exit {plain.proc.returncode}:\n{plain.tail()}"
+            assert not leftover_server_processes(plain.output)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""Capture on a server that decodes speculatively (issue 44), on the CPU engine: SGLang's NGRAM drafter and
-EAGLE with DeepSeek's MTP layer as the draft (conftest.py `speculative_server`, one server per algorithm).
+"""Capture on a server that decodes speculatively (issue 44), on the CPU engine: SGLang's NGRAM drafter,
+EAGLE with DeepSeek's MTP layer as the draft and EAGLE3 with a tiny EAGLE-3 draft (conftest.py
+`speculative_server`, one server per algorithm).
 
 Each decode step of such a server is a verify pass: one forward of the target over the draft tokens of each
 request (NGRAM: a tree of 12; MTP: the last token and one draft), written at KV slots of the request's draft
@@ -16,6 +17,11 @@ The MTP draft is built to propose the target's last token again (tiny_model._add
 target's final hidden state, which the overlay hands over while capturing): accepted where the target's
 greedy output repeats a token, so SGLang's accepted count must equal what that rule predicts from the
 output, which also shows the draft got the target's hidden states intact with capture on.
+
+The EAGLE-3 draft (tiny_eagle3) is built the same way, proposing the token it is given again, but reads the
+target's aux states too, which overrule some of its guesses: accepted at most where the output repeats, and
+exactly as often as on the same server without capture (the overlay captures the draft's layers beside ours
+and hands it its own).
 
 The servers harvest as a production one would (--hs-capture opt-in): the tests' requests opt in, one that
 does not leaves a marker; and the extraction CLI's --regenerate runs against each server.
@@ -89,8 +95,10 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
         assert verifies > 0 and accepted < proposed, (rid, out["meta_info"])  # drafts rejected in every record
         if server.algorithm == "NGRAM":
             assert accepted > 0, (rid, out["meta_info"])  # and accepted in every record
-        else:  # the MTP draft repeats the last token: accepted exactly where the output repeats one
+        elif server.algorithm == "EAGLE":  # the MTP draft repeats the last token: accepted where the output does
             assert accepted == _repeat_draft_accepts(out["output_ids"]), (rid, out["output_ids"], out["meta_info"])
+        else:  # the EAGLE-3 draft repeats it too, unless the target's aux states overrule it
+            assert accepted <= _repeat_draft_accepts(out["output_ids"]), (rid, out["output_ids"], out["meta_info"])
         total += accepted
         rec = reader.take(rid, timeout=60)
         assert rec.prompt_len == len(ids)
@@ -101,6 +109,41 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
         assert after["moved_rows"] > before["moved_rows"], (before, after)
     else:  # a chain's accepted drafts are at the window's front already
         assert after["moved_rows"] == before["moved_rows"], (before, after)
+
+
+# Prompts for the EAGLE-3 comparison: the tiny target's greedy output repeats tokens after some of them more
+# than after others, and each repeat is a draft the aux states may overrule
+ACCEPT_TEXTS = (*TEXTS, "x x x x x x x x", "Hello world. " * 6, "1 2 3 4 5 6 7 8 9 10", "the the the the the",
+                "Lorem ipsum dolor sit amet, consectetur adipiscing elit.")
+
+
+@pytest.mark.parametrize("speculative_server", ["EAGLE3"], indirect=True)
+def test_eagle3_draft_fares_the_same_with_capture_on(served, hf):
+    """The target captures the EAGLE-3 draft's layers (SGLang's ids 2, 5, 7) beside ours (2, 4, 5), once each,
+    and hands the draft its own: the same prompts, greedy, one at a time, give the same tokens and the same
+    drafts accepted per request as on the same server without capture (`.plain`), and every row of every
+    record is exact. The draft's proposals hang on those aux states (tiny_eagle3: they overrule about a third
+    of its guesses), so a draft handed our layers instead is accepted differently in several of these
+    requests (4 of 10 when planted)."""
+    server, reader = served
+    assert ("EAGLE-3 draft reads the target's layers [2, 5, 7] (SGLang's ids); capturing [2, 4, 5, 7] once: "
+            "ours [2, 4, 5]") in server.output
+    prompts = [row_judge.prompt_ids(hf, text) for text in ACCEPT_TEXTS]
+
+    def serve_all(target, tag, params):
+        return [target.generate(input_ids=ids, rid=f"e3-{tag}-{i}", sampling_params={"max_new_tokens": 96, **params})
+                for i, ids in enumerate(prompts)]
+
+    with cf.ThreadPoolExecutor(2) as pool:  # each server one request at a time, both at once
+        on = pool.submit(serve_all, server, "on", GREEDY)
+        off = pool.submit(serve_all, server.plain, "off", {"temperature": 0})
+        on, off = on.result(), off.result()
+    for i, (ids, a, b) in enumerate(zip(prompts, on, off)):
+        assert a["output_ids"] == b["output_ids"], i
+        assert _drafts(a["meta_info"]) == _drafts(b["meta_info"]), (i, a["meta_info"], b["meta_info"])
+        _exact(reader.take(f"e3-on-{i}", timeout=60), hf, (ids + a["output_ids"])[:-1])
+    accepted = [_drafts(a["meta_info"])[1] for a in on]
+    assert sum(accepted) > 0 and sum(accepted) < sum(_repeat_draft_accepts(a["output_ids"]) for a in on), accepted
 
 
 def test_radix_hit_stop_string_stream_and_logprobs(served, hf):

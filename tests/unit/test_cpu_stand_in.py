@@ -3,6 +3,7 @@ import importlib
 import sys
 
 import pytest
+import torch
 
 from sglang_hs.server.cpu import stubs_dir
 
@@ -18,8 +19,31 @@ def stand_in(monkeypatch):
         sys.modules["sgl_kernel"] = saved
 
 
-def test_names_exist_and_raise_when_called(stand_in):
+def test_the_stand_in_implements_the_ops_sglang_calls_on_the_cpu_engine(stand_in):
     assert stand_in.SGLANG_HS_STAND_IN
-    for name in stand_in._NAMES:
-        with pytest.raises(NotImplementedError, match=f"sgl_kernel.{name} was called on the CPU engine"):
-            getattr(stand_in, name)(1, 2)
+    for name in ("assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu",
+                 "assign_req_to_token_pool_cpu", "build_tree_kernel_efficient_cpu", "copy_all_layer_kv_cache_cpu",
+                 "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu", "verify_tree_greedy_cpu"):
+        assert callable(getattr(stand_in, name)), name
+    with pytest.raises(ImportError):  # anything else is missing: its import fails, nothing computes garbage
+        exec("from sgl_kernel import fused_moe_router_cpu", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mha_kv_move_copies_every_buffer_at_raw_addresses(stand_in, dtype):
+    """copy_all_layer_kv_cache_cpu, an MHA pool's move_kv_cache (an EAGLE-3 draft's pool warms it up at
+    start-up): every layer's K and V buffer (odd slot sizes, one buffer per stride) gets slot tgt[i] = slot
+    src[i], all sources read before any write, against a plain gather-then-scatter on copies."""
+    gen = torch.Generator().manual_seed(0)
+    bufs = [torch.randn(40, heads, dim, generator=gen).to(dtype) for heads, dim in ((1, 7), (3, 5), (2, 64))]
+    ref = [b.clone() for b in bufs]
+    src = torch.tensor([3, 4, 5, 30, 0], dtype=torch.int64)
+    tgt = torch.tensor([4, 5, 6, 2, 39], dtype=torch.int64)  # overlaps its sources: read-before-write matters
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
+    strides = torch.tensor([b[0].numel() * b.element_size() for b in bufs])
+    stand_in.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for b, r in zip(bufs, ref):
+        r[tgt] = r[src].clone()
+        assert torch.equal(b, r)
+    stand_in.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt[:0], src[:0])  # nothing to move: nothing touched
+    assert all(torch.equal(b, r) for b, r in zip(bufs, ref))

@@ -40,3 +40,20 @@ def test_other_outputs(fixed):
         fixed((torch.zeros(3, 16),), SPEC, "EXTEND")
     with pytest.raises(RuntimeError, match="unexpected inner model output list"):
         fixed([torch.zeros(3, 16), torch.zeros(3, 48)], SPEC, "EXTEND")
+
+
+@pytest.mark.parametrize("draft", [(2, 5, 7), (2, 4, 5), (0, 1, 3), (4, 5, 6)])
+def test_ours_and_an_eagle3_drafts_layers_come_out_of_one_capture(overlay_module, draft):
+    """With an EAGLE-3 draft the inner model captures the union of its layers and ours once each, ascending
+    (SGLang's packer order); each side gets its own layers back, contiguous (a view) or not (a copy)."""
+    m, ours, H, T = overlay_module, (2, 4, 5), 16, 3
+    captured = tuple(sorted(set(ours) | set(draft)))
+    aux = torch.cat([torch.full((T, H), float(i)) for i in captured], dim=1)
+    h, out = m.fixed_capture_output((torch.zeros(T, H), aux), SPEC, "EXTEND", captured)
+    assert out is aux
+    for want in (ours, draft):
+        got = m.take_layers(out, m._layer_split(captured, want), H)
+        assert torch.equal(got, torch.cat([torch.full((T, H), float(i)) for i in want], dim=1)), (want, captured)
+    with pytest.raises(RuntimeError, match=r"expected \(3, 48\) for layers \[2, 4, 5\]"):
+        m.fixed_capture_output((torch.zeros(T, H), aux), SPEC, "EXTEND") if len(captured) != 3 else \
+            m.fixed_capture_output((torch.zeros(T, H), aux[:, :-1]), SPEC, "EXTEND")

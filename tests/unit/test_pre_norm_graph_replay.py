@@ -60,7 +60,7 @@ def test_every_replay_of_a_prefill_graph_carries_its_own_pre_norm_state(overlay_
     inner = object.__new__(m._CapturingDeepseekModel)
     torch.nn.Module.__init__(inner)
     inner.norm = Norm()
-    inner.hs_spec = spec
+    inner.hs_spec, inner.hs_captured = spec, tuple(spec.layers)  # as _hs_setup_capture sets them
     m._pre_norm_capturing(inner.norm)
 
     outer = object.__new__(m.DeepseekV3ForCausalLM)

@@ -39,7 +39,7 @@ REFUSED = [
     (["--pp-size", "2"], "--pp-size > 1"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
     (["--enable-pdmux"], "--enable-pdmux"),
-    (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3"),  # capture under it: not yet
+    (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),  # capture under it: not yet
     (["--enable-torch-compile"], "--enable-torch-compile"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"], "--enable-lora"),
     (["--enable-decoder-swa-bounded-replay"], "--enable-decoder-swa-bounded-replay"),  # DeepSeek-V4.1
@@ -57,6 +57,7 @@ ALLOWED = [
     ["--tp", "2", "--attn-dp-size", "2"],  # one writer per DP attention group (tests/e2e/test_multi_rank.py)
     ["--tp", "2", "--dp-size", "2", "--enable-dp-attention"],  # the same, older spelling (resolves to attn_dp_size)
     ["--speculative-algorithm", "NGRAM"],  # its verify is the target's forward; the store follows its KV moves
+    ["--speculative-algorithm", "EAGLE3"],  # the same, and the draft's aux layers are captured with ours
 ]
 
 # Also audited and not refused by sglang-hs: SGLang's own resolution rejects each of these unless a flag

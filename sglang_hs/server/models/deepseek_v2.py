@@ -51,20 +51,22 @@ def _maybe_hang(phase: str) -> None:
                 time.sleep(1)
 
 
-def fixed_capture_output(out, spec: CaptureSpec, mode: str):
-    """Normalise the inner model's output to `(hidden [T, H], aux [T, K*H])`, or raise.
+def fixed_capture_output(out, spec: CaptureSpec, mode: str, captured=None):
+    """Normalise the inner model's output to `(hidden [T, H], aux [T, K*H])`, or raise; K is the number of
+    layers the inner model captures (`captured`: ours, or ours and an EAGLE-3 draft's; default ours).
 
     Upstream returns a bare tensor when no layer appended a capture (0-row idle batches): a 2-row bare
     tensor would then be silently split by `hidden, aux = ...`. Pure shape logic and, for a 0-row
     batch, an empty tensor: safe inside a captured CUDA graph.
     """
-    width = spec.num_aux * spec.hidden_size
+    layers = spec.layers if captured is None else captured
+    width = len(layers) * spec.rows_per_layer * spec.hidden_size
     if isinstance(out, torch.Tensor):
         if out.shape[0] == 0:
             return out, out.new_empty((0, width))
         raise RuntimeError(
             f"sglang-hs: the model captured no aux layer for a {out.shape[0]}-row {mode} batch "
-            f"(layers {list(spec.layers)})"
+            f"(layers {list(layers)})"
         )
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise RuntimeError(f"sglang-hs: unexpected inner model output {type(out).__name__} in a {mode} batch")
@@ -72,9 +74,25 @@ def fixed_capture_output(out, spec: CaptureSpec, mode: str):
     if aux.shape != (hidden.shape[0], width):
         raise RuntimeError(
             f"sglang-hs: aux hidden states of shape {tuple(aux.shape)} in a {mode} batch, expected "
-            f"({hidden.shape[0]}, {width}) for layers {list(spec.layers)}"
+            f"({hidden.shape[0]}, {width}) for layers {list(layers)}"
         )
     return hidden, aux
+
+
+def _layer_split(captured, wanted):
+    """Where the `wanted` layers sit among the `captured` ones (both ascending): a `slice` of layer positions
+    when they are contiguous, else the tuple of positions."""
+    pos = [captured.index(i) for i in wanted]
+    if pos == list(range(pos[0], pos[0] + len(pos))):
+        return slice(pos[0], pos[0] + len(pos))
+    return tuple(pos)
+
+
+def take_layers(aux, where, hidden_size: int):
+    """The layers at `where` (`_layer_split`) of a [T, K*H] aux tensor: a view for a slice, else a copy."""
+    if isinstance(where, slice):
+        return aux[:, where.start * hidden_size:where.stop * hidden_size]
+    return torch.cat([aux[:, i * hidden_size:(i + 1) * hidden_size] for i in where], dim=1)
 
 
 class _PreNormCapturingNorm:
@@ -109,6 +127,7 @@ class _CapturingDeepseekModel(OriginalDeepseekV2Model):
     """
 
     hs_spec: Optional[CaptureSpec] = None
+    hs_captured: Optional[tuple] = None  # the ids `layers_to_capture` holds, ascending: ours, or ours and EAGLE-3's
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
         if self.hs_spec is not None and self.hs_spec.pre_norm:
@@ -117,7 +136,7 @@ class _CapturingDeepseekModel(OriginalDeepseekV2Model):
         if self.hs_spec is None:
             return out
         mode = forward_batch.forward_mode.name
-        hidden, aux = fixed_capture_output(out, self.hs_spec, mode)
+        hidden, aux = fixed_capture_output(out, self.hs_spec, mode, self.hs_captured)
         if self.hs_spec.pre_norm:
             # Returned with the layers, [T, (K+1)*H], never left on the norm for the outer forward to pick up:
             # SGLang's prefill CUDA graphs (breakable and full) capture this forward alone and, at replay, hand
@@ -144,6 +163,7 @@ class _HiddenStateOverlay:
     """Mixed in before the upstream class: runs the patches, the upstream constructor, then ours."""
 
     hs_check_architecture = True
+    hs_eagle3 = None  # with an EAGLE-3 draft: (its layer ids, our layers' and its layers' places in the capture)
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         from sglang_hs.server import patches
@@ -187,16 +207,33 @@ class _HiddenStateOverlay:
         self.model.layers_to_capture = list(self.hs_spec.layers)
         self.model.__class__ = _CapturingDeepseekModel
         self.model.hs_spec = self.hs_spec
+        self.model.hs_captured = tuple(self.hs_spec.layers)
         if self.hs_spec.pre_norm:
             _pre_norm_capturing(self.model.norm)
 
     def set_eagle3_layers_to_capture(self, layer_ids=None):
-        if self.hs_spec is not None:
+        """An EAGLE-3 draft's aux states beside ours: SGLang resolves the draft's ids as it always does (its
+        default [2, L // 2, L - 3], or the draft config's ids shifted by one when the first is 1), then the
+        model captures the union of those and ours, once each, and `forward` hands each side its own layers
+        (the draft's in ascending order, as SGLang packs them). Called by SGLang before any graph capture."""
+        if self.hs_spec is None:
+            return super().set_eagle3_layers_to_capture(layer_ids)
+        ours = tuple(self.hs_spec.layers)
+        if not self.pp_group.is_last_rank:  # upstream captures nothing for the draft there either
+            return None
+        super().set_eagle3_layers_to_capture(layer_ids)
+        draft = list(self.model.layers_to_capture)
+        n = self.config.num_hidden_layers
+        if len(set(draft)) != len(draft) or any(not 0 <= i < n for i in draft):
             raise RuntimeError(
-                "sglang-hs: speculative decoding (EAGLE-3 aux capture) cannot run together with "
-                "--hs-dump-dir; the overlay owns the layer ids"
-            )
-        return super().set_eagle3_layers_to_capture(layer_ids)
+                f"sglang-hs: the EAGLE-3 draft's aux layer ids {layer_ids} resolve to {draft} in SGLang's "
+                f"convention: expected distinct ids in [0, {n}) (eagle_config.eagle_aux_hidden_state_layer_ids)")
+        captured = tuple(sorted(set(ours) | set(draft)))
+        self.model.layers_to_capture = list(captured)
+        self.model.hs_captured = captured
+        self.hs_eagle3 = (tuple(sorted(draft)), _layer_split(captured, ours), _layer_split(captured, sorted(draft)))
+        print(f"[sglang-hs] EAGLE-3 draft reads the target's layers {sorted(draft)} (SGLang's ids); capturing "
+              f"{list(captured)} once: ours {list(ours)}", file=sys.stderr, flush=True)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
@@ -207,16 +244,22 @@ class _HiddenStateOverlay:
         if self._hs_hang_in_warmup and getattr(forward_batch, "rids", None):
             _maybe_hang("warmup")
         pre = None
+        H = self.hs_spec.hidden_size
         if self.hs_spec.pre_norm:  # the inner model returned it after the layers (_CapturingDeepseekModel.forward)
-            k = len(self.hs_spec.layers) * self.hs_spec.hidden_size
+            k = len(self.model.hs_captured) * H
             aux, pre = aux[:, :k], aux[:, k:]  # views: the copies take rows of any stride
+        draft_aux = None
+        if self.hs_eagle3 is not None:
+            _, ours, theirs = self.hs_eagle3
+            aux, draft_aux = take_layers(aux, ours, H), take_layers(aux, theirs, H)
         self.hs_status.saw_aux(tuple(aux.shape))  # steps are counted by the ModelRunner.forward hook
         if self.hs_writer is not None:
             loc = getattr(forward_batch, "out_cache_loc_virtual", None)
             rows, last = self.hs_spec.pack(aux, hidden, pre)
             self.hs_writer.copy(rows, last, forward_batch.out_cache_loc if loc is None else loc)
-        # aux stays ours: the logits processor gets None, so SGLang's own aux JSON path stays off.
-        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None)
+        # Our layers stay ours: the logits processor gets only an EAGLE-3 draft's (None without one, so SGLang's
+        # own aux JSON path stays off).
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, draft_aux)
 
 
 class DeepseekV2ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV2ForCausalLM):

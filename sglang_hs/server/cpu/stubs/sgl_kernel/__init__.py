@@ -4,9 +4,9 @@ PyPI's sglang-kernel is CUDA-only (it needs libcuda.so.1), yet five sglang 0.5.2
 `from sgl_kernel import X` at import time on the CPU path. Without AMX, no sgl_kernel op is called
 there by a model: every layer takes a plain-PyTorch path. The launcher puts this folder's parent first
 on PYTHONPATH in CPU mode only, so these names resolve. The speculative-decoding ops SGLang's workers
-call on the CPU engine (NGRAM, EAGLE) are implemented in plain torch (spec_ops.py, `sgl_kernel.speculative`);
-every other name raises if it is ever called, so a path that does need the real kernel fails loudly
-instead of computing garbage.
+call on the CPU engine (NGRAM, EAGLE, EAGLE-3) and the MHA KV pool's move are implemented in plain torch
+(spec_ops.py, `sgl_kernel.speculative`); any other name is missing, so a path that needs the real kernel
+fails loudly at its import instead of computing garbage.
 """
 
 __version__ = "0.0.0+sglang-hs-cpu-stand-in"
@@ -17,27 +17,8 @@ from sgl_kernel.spec_ops import (  # noqa: E402,F401  (plain-torch CPU ops: spec
     assign_extend_cache_locs_cpu,
     assign_req_to_token_pool_cpu,
     build_tree_kernel_efficient_cpu,
+    copy_all_layer_kv_cache_cpu,
     fill_accept_out_cache_loc_cpu,
     fill_bonus_tokens_cpu,
     verify_tree_greedy_cpu,
 )
-
-_NAMES = (  # imported by sglang on the CPU path, never implemented here: they raise when called
-    "copy_all_layer_kv_cache_cpu",
-)
-
-
-def _stand_in(name):
-    def op(*args, **kwargs):
-        raise NotImplementedError(
-            f"sgl_kernel.{name} was called on the CPU engine, where sglang-hs provides only an import "
-            "stand-in for sgl_kernel; this code path needs a real sgl_kernel build (a GPU machine)"
-        )
-
-    op.__name__ = name
-    return op
-
-
-for _name in _NAMES:
-    globals()[_name] = _stand_in(_name)
-del _name

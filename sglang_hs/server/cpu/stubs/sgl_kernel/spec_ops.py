@@ -183,3 +183,23 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
                     break
             pos[off + tid] = depth_of + L
         full_start += (L + n) * n
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
+    """An MHA KV pool's move (memory_pool.py `move_kv_cache`, and its warm-up at start-up): in every buffer
+    `data_ptrs[j]` (a layer's K or V, `strides[j]` bytes per slot), slot tgt_loc[i] = slot src_loc[i], all
+    sources read before any target is written (SGLang's Triton twin, `copy_all_layer_kv_cache_tiled`, is
+    safe in place the same way). The buffers are raw addresses, as the real op takes them."""
+    import ctypes
+
+    tgt, src = tgt_loc.to(torch.long).cpu(), src_loc.to(torch.long).cpu()
+    if tgt.numel() == 0:
+        return
+    if tgt.shape != src.shape:
+        raise ValueError(f"copy_all_layer_kv_cache_cpu: {tgt.numel()} targets for {src.numel()} sources")
+    slots = int(torch.maximum(tgt.max(), src.max())) + 1
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        raw = (ctypes.c_uint8 * (slots * int(stride))).from_address(int(ptr))
+        buf = torch.frombuffer(raw, dtype=torch.uint8).view(slots, int(stride))
+        buf[tgt] = buf[src].clone()
+
