@@ -60,6 +60,13 @@ def check_server_args(cfg) -> None:
         getattr(cfg, "enable_two_batch_overlap", False)
         and "--enable-two-batch-overlap: two-batch overlap skips aux capture in its MoE layers; drop it",
         _speculative_refusal(getattr(cfg, "speculative_algorithm", None)),
+        # SGLang's capture-only JSON path (--enable-return-aux-hidden-states) names its convention with
+        # --speculative-algorithm and resets that to None: EAGLE3's is served beside capture, the others'
+        # would take the model's capture layers over
+        (getattr(cfg, "aux_hidden_state_capture", None) or "eagle3") != "eagle3"
+        and f"--enable-return-aux-hidden-states with --speculative-algorithm "
+            f"{str(getattr(cfg, 'aux_hidden_state_capture', '')).upper()}: its layer convention is not supported "
+            "beside capture (EAGLE3's is); drop one",
         getattr(cfg, "enable_torch_compile", False)
         and "--enable-torch-compile: the capture copy is not a registered custom op yet; drop it (CUDA graphs stay)",
         (getattr(cfg, "dp_size", 1) or 1) > (getattr(cfg, "attn_dp_size", 1) or 1)  # DP attention is allowed

@@ -51,7 +51,7 @@ def test_unsupported_architecture(tmp_path):
     [
         (["--pp-size", "2"], "--pp-size > 1"),
         (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
-        (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3"),
+        (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
         (["--enable-torch-compile"], "--enable-torch-compile"),
     ],
 )

@@ -41,6 +41,8 @@ REFUSED = [
     (["--enable-pdmux"], "--enable-pdmux"),
     (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),  # capture under it: not yet
     (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--enable-return-aux-hidden-states", "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids",
+      "1", "2"], "--enable-return-aux-hidden-states with --speculative-algorithm DFLASH"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"], "--enable-lora"),
     (["--enable-decoder-swa-bounded-replay"], "--enable-decoder-swa-bounded-replay"),  # DeepSeek-V4.1
 ]
@@ -58,6 +60,7 @@ ALLOWED = [
     ["--tp", "2", "--dp-size", "2", "--enable-dp-attention"],  # the same, older spelling (resolves to attn_dp_size)
     ["--speculative-algorithm", "NGRAM"],  # its verify is the target's forward; the store follows its KV moves
     ["--speculative-algorithm", "EAGLE3"],  # the same, and the draft's aux layers are captured with ours
+    ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"],  # SGLang's JSON aux beside ours
 ]
 
 # Also audited and not refused by sglang-hs: SGLang's own resolution rejects each of these unless a flag

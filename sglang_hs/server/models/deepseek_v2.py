@@ -224,16 +224,22 @@ class _HiddenStateOverlay:
         super().set_eagle3_layers_to_capture(layer_ids)
         draft = list(self.model.layers_to_capture)
         n = self.config.num_hidden_layers
-        if len(set(draft)) != len(draft) or any(not 0 <= i < n for i in draft):
+        if not draft or len(set(draft)) != len(draft) or any(not 0 <= i < n for i in draft):
             raise RuntimeError(
-                f"sglang-hs: the EAGLE-3 draft's aux layer ids {layer_ids} resolve to {draft} in SGLang's "
-                f"convention: expected distinct ids in [0, {n}) (eagle_config.eagle_aux_hidden_state_layer_ids)")
+                f"sglang-hs: EAGLE-3 aux layer ids {layer_ids} resolve to {draft} in SGLang's convention (+1 "
+                f"when the first is 1): expected at least one, distinct, each in [0, {n}) (the draft config's "
+                "eagle_config.eagle_aux_hidden_state_layer_ids, or --return-aux-hidden-state-layer-ids)")
         captured = tuple(sorted(set(ours) | set(draft)))
         self.model.layers_to_capture = list(captured)
         self.model.hs_captured = captured
         self.hs_eagle3 = (tuple(sorted(draft)), _layer_split(captured, ours), _layer_split(captured, sorted(draft)))
         print(f"[sglang-hs] EAGLE-3 draft reads the target's layers {sorted(draft)} (SGLang's ids); capturing "
               f"{list(captured)} once: ours {list(ours)}", file=sys.stderr, flush=True)
+
+    def set_dflash_layers_to_capture(self, layer_ids):
+        if self.hs_spec is not None:  # refused at launch (serve.check_server_args); never take our layers over
+            raise RuntimeError("sglang-hs: DFlash aux capture cannot run together with --hs-dump-dir")
+        return super().set_dflash_layers_to_capture(layer_ids)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):

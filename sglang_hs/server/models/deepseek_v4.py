@@ -88,6 +88,10 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
         if self.hs_spec.pre_norm:
             _pre_norm_capturing(self.model.norm)
 
+    def set_eagle3_layers_to_capture(self, layer_ids=None):  # upstream V4 has none: EAGLE-3 is not served
+        raise RuntimeError("sglang-hs: EAGLE-3 aux capture is not supported for DeepSeek-V4 (SGLang 0.5.23's "
+                           "DeepseekV4ForCausalLM has none)")
+
     def set_dspark_layers_to_capture(self, layer_ids):
         if self.hs_spec is not None:
             raise RuntimeError("sglang-hs: speculative decoding (DSpark aux capture) cannot run together with "
