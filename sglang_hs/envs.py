@@ -122,6 +122,11 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # start, so no client can choose a request id that gets sampled. Set it to sample alike across runs.
     "SGLANG_HS_CAPTURE_SAMPLE_KEY": lambda: bytes.fromhex(os.environ["SGLANG_HS_CAPTURE_SAMPLE_KEY"])
     if os.environ.get("SGLANG_HS_CAPTURE_SAMPLE_KEY") else None,
+    # --hs-capture-accept-below L (speculative servers): a captured request whose draft did well, SGLang's
+    # spec_accept_length (tokens per verify step) >= L, is dropped at its finish (marker draft_accepted);
+    # opted-in requests are always kept. Unset: no selection on the draft.
+    "SGLANG_HS_CAPTURE_ACCEPT_BELOW": lambda: float(os.environ["SGLANG_HS_CAPTURE_ACCEPT_BELOW"])
+    if os.environ.get("SGLANG_HS_CAPTURE_ACCEPT_BELOW") else None,
     # --hs-capture-max-bytes N: at most N bytes of captured records (worst case, charged at admission);
     # unset: no limit. Past it, requests are served without capture (reason over_budget).
     "SGLANG_HS_CAPTURE_MAX_BYTES": lambda: int(os.environ["SGLANG_HS_CAPTURE_MAX_BYTES"])

@@ -39,7 +39,8 @@ later one (sglang_hs/status.py: metrics_after):
     sglang_hs:requests_not_captured_total{reason}  requests served without capture: not_opted_in,
                                           not_sampled (--hs-capture, --hs-capture-sample), reader_behind
                                           (--hs-when-behind skip while the ring was full), over_budget
-                                          (--hs-capture-max-bytes spent)
+                                          (--hs-capture-max-bytes spent), draft_accepted (dropped at the finish:
+                                          the draft did well, --hs-capture-accept-below)
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
@@ -72,7 +73,8 @@ COUNTERS = {  # metric name -> (source, key, help)
     "skip_markers_dropped": ("admission", "markers_dropped",
                              "Requests served without capture and without a marker record (no ring room)."),
 }
-NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind", "beam_search", "input_embeds", "over_budget")
+NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind", "beam_search", "input_embeds", "over_budget",
+                        "draft_accepted")
 
 
 def enabled() -> bool:

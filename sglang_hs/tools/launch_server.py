@@ -90,6 +90,10 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-capture-sample-key", default=None, metavar="HEX",
                    help="the key of --hs-capture-sample's hash, 1 to 64 bytes in hex, to sample the same request "
                         "ids across runs (default: drawn at random at start)")
+    g.add_argument("--hs-capture-accept-below", default=None, metavar="L",
+                   help="on a speculative server, keep only the captured requests its draft did poorly on: those "
+                        "whose accept length (SGLang's spec_accept_length, tokens per verify step) is below L > 1; "
+                        "the others leave a marker, reason draft_accepted (opted-in requests are always kept)")
     g.add_argument("--hs-capture-max-bytes", default=None, metavar="SIZE",
                    help="capture at most SIZE bytes of records (e.g. 100GiB; each captured request is charged its "
                         "worst-case record as it is admitted); past it, requests are served without capture, "
@@ -151,6 +155,15 @@ def selection_env(ns: argparse.Namespace) -> dict:
         if not 1 <= len(key) <= 64:
             raise CaptureConfigError(f"--hs-capture-sample-key: 1 to 64 bytes in hex, got {ns.hs_capture_sample_key!r}")
         env["SGLANG_HS_CAPTURE_SAMPLE_KEY"] = key.hex()
+    if getattr(ns, "hs_capture_accept_below", None) is not None:
+        try:
+            below = float(ns.hs_capture_accept_below)
+        except ValueError:
+            below = float("nan")
+        if not below > 1 or below == float("inf"):
+            raise CaptureConfigError(f"--hs-capture-accept-below: an accept length L > 1 (tokens per verify step; "
+                                     f"every step gives at least 1), got {ns.hs_capture_accept_below!r}")
+        env["SGLANG_HS_CAPTURE_ACCEPT_BELOW"] = repr(below)
     if ns.hs_capture_max_bytes is not None:
         env["SGLANG_HS_CAPTURE_MAX_BYTES"] = str(parse_size(ns.hs_capture_max_bytes, "--hs-capture-max-bytes"))
     if ns.hs_when_behind is not None:
@@ -371,6 +384,10 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in HC_ARCHITECTURES and cpu:
         raise CaptureConfigError(v4_on_cpu(arch) + v4_hint)
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
+    if getattr(ns, "hs_capture_accept_below", None) is not None and (
+            not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
+        raise CaptureConfigError("--hs-capture-accept-below selects on the draft's accept length: it needs a server "
+                                 "that decodes speculatively (--speculative-algorithm with a draft)")
     if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:
         raise CaptureConfigError(
             f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
@@ -459,7 +476,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_HC_STREAMS", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
-                "SGLANG_HS_CAPTURE_MAX_BYTES"):
+                "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -510,10 +527,10 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \
             or ns.hs_capture_sample is not None or ns.hs_when_behind is not None \
             or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None \
-            or ns.hs_hc_streams is not None:
+            or ns.hs_hc_streams is not None or ns.hs_capture_accept_below is not None:
         raise CaptureConfigError("--hs-layers/--hs-last/--hs-hc-streams/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
                                  "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
-                                 "bytes/--hs-when-behind need "
+                                 "bytes/--hs-capture-accept-below/--hs-when-behind need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 

@@ -142,7 +142,10 @@ def contract_server(tmp_path_factory):
 # step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer).
 # EAGLE3: a tiny EAGLE-3 draft (tiny_eagle3) reading target layers of its own beside ours, same setting; its
 # server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
+# Each also samples half of the requests that do not opt in (HARVEST_SAMPLE_KEY) and keeps of those only the
+# ones its draft did poorly on (--hs-capture-accept-below SPEC_ACCEPT_BELOW).
 SPEC_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+SPEC_SAMPLE, SPEC_ACCEPT_BELOW = 0.5, 1.25
 SPECULATIVE = {
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
     "EAGLE": ["--speculative-algorithm", "EAGLE", *SPEC_STEP],
@@ -161,7 +164,9 @@ def speculative_server(request, tmp_path_factory):
     plain = Launcher(flags) if request.param == "EAGLE3" else None
     try:
         dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
-        gen = _serve(dump, [*flags, "--hs-last", "both", "--hs-capture", "opt-in"])
+        gen = _serve(dump, [*flags, "--hs-last", "both", "--hs-capture", "opt-in", "--hs-capture-sample",
+                            str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY,
+                            "--hs-capture-accept-below", str(SPEC_ACCEPT_BELOW)])
         server = next(gen)
         server.algorithm = request.param
         try:

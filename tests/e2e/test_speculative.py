@@ -37,8 +37,10 @@ import types
 from safetensors.torch import load_file
 
 import row_judge
+from conftest import HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_SAMPLE
 from helpers import settled
 from sglang_hs import HiddenStateReader, NotCaptured
+from sglang_hs.server.store.admission import sample_point
 
 pytestmark = pytest.mark.e2e
 LAYERS, N_LAYERS, H = [2, 4, 5], 8, 256
@@ -181,13 +183,91 @@ def test_radix_hit_stop_string_stream_and_logprobs(served, hf):
     rec = reader.take("spec-stream", timeout=60)
     assert rec.input_ids.tolist()[:30] == ids[:30] and rec.num_tokens == 30 + 32 - 1
     _exact(rec, hf, rec.input_ids.tolist())
-    # harvest: a request that does not opt in is served without capture and leaves a marker saying so
+    # harvest: a request that does not opt in (nor falls in the sample) is served without capture and leaves
+    # a marker saying so
+    assert sample_point("spec-not-opted", bytes.fromhex(HARVEST_SAMPLE_KEY)) >= SPEC_SAMPLE
     out = server.generate(input_ids=ids[:20], rid="spec-not-opted", sampling_params={"max_new_tokens": 8,
                                                                                        "temperature": 0})
     assert len(out["output_ids"]) == 8
-    with pytest.raises(NotCaptured, match="not_opted_in"):
+    with pytest.raises(NotCaptured, match="not_sampled"):
         reader.take("spec-not-opted", timeout=60)
     settled(server)
+    reader.poll()
+    assert reader.ready_rids() == []
+
+
+def test_session_turns_and_an_aborted_request(served, hf):
+    """The request contract's sessions and abort on a speculative server: two turns of a session, the second
+    continuing the first, each recorded as the whole context SGLang forwarded for it, exact; a streamed
+    request aborted (/abort_request) while it decodes leaves nothing, not even a marker (an aborted request
+    is no sample, docs/reading.md), and the request after it is exact."""
+    server, reader = served
+    r = requests.post(f"{server.url}/open_session", json={"capacity_of_str_len": 4096}, timeout=60)
+    assert r.status_code == 200, r.text
+    sid = r.json()
+    sp = {"max_new_tokens": 16, "ignore_eos": True, **GREEDY}
+    first = row_judge.prompt_ids(hf, TEXTS[1])
+    a = server.generate(input_ids=first, rid="spec-sess-1", sampling_params=sp, session_params={"id": sid})
+    second = row_judge.prompt_ids(hf, " And then the bird sat on the log too.")
+    b = server.generate(input_ids=second, rid="spec-sess-2", sampling_params=sp,
+                        session_params={"id": sid, "rid": "spec-sess-1"})
+    _exact(reader.take("spec-sess-1", timeout=60), hf, (first + a["output_ids"])[:-1])
+    context = first + a["output_ids"] + second[1:]  # the BOS of a continuing turn is dropped
+    rec = reader.take("spec-sess-2", timeout=60)
+    assert rec.input_ids.tolist() == (context + b["output_ids"])[:-1]
+    _exact(rec, hf, (context + b["output_ids"])[:-1])
+    requests.post(f"{server.url}/close_session", json={"session_id": sid}, timeout=60)
+
+    ids = row_judge.prompt_ids(hf, TEXTS[2])
+    stream = requests.post(f"{server.url}/generate", stream=True, timeout=300, json={
+        "input_ids": ids, "rid": "spec-aborted", "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, **GREEDY}})
+    chunks, aborted = 0, False
+    for line in stream.iter_lines(decode_unicode=True):
+        if not (line and line.startswith("data: {")):
+            continue
+        chunks += 1
+        if chunks == 4:  # decoding (verify steps) under way: abort it
+            r = requests.post(f"{server.url}/abort_request", json={"rid": "spec-aborted"}, timeout=60)
+            assert r.status_code == 200, r.text
+        if json.loads(line[6:])["meta_info"].get("finish_reason") is not None:
+            aborted = json.loads(line[6:])["meta_info"]["finish_reason"]["type"] == "abort"
+    assert chunks >= 4 and aborted, (chunks, aborted)
+    out = server.generate(input_ids=ids[:25], rid="spec-after-abort", sampling_params={"max_new_tokens": 16,
+                                                                                        **GREEDY})
+    _exact(reader.take("spec-after-abort", timeout=60), hf, (ids[:25] + out["output_ids"])[:-1])
+    settled(server)  # every request answered is published: one poll is an absence check
+    reader.poll()
+    assert reader.ready_rids() == [], "a record or marker of the aborted request"
+
+
+def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
+    """--hs-capture-accept-below: of the sampled requests (not opted in), exactly those whose accept length,
+    SGLang's own spec_accept_length in the reply, is below the threshold have records, each row exact; the
+    others leave a draft_accepted marker, and the status and /metrics count them. Both outcomes occur."""
+    server, reader = served
+    key = bytes.fromhex(HARVEST_SAMPLE_KEY)
+    rids = [rid for rid in (f"spec-pick-{i}" for i in range(40)) if sample_point(rid, key) < SPEC_SAMPLE]
+    jobs = list(zip(rids, (row_judge.prompt_ids(hf, text) for text in ACCEPT_TEXTS)))
+    before = settled(server)["admission"]["skipped_draft_accepted"]
+    outs = [server.generate(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 64, "temperature": 0})
+            for rid, ids in jobs]
+    kept = dropped = 0
+    for (rid, ids), out in zip(jobs, outs):
+        length = out["meta_info"].get("spec_accept_length")
+        assert length is not None and length >= 1, out["meta_info"]
+        if length < SPEC_ACCEPT_BELOW:
+            kept += 1
+            _exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1])
+        else:
+            dropped += 1
+            with pytest.raises(NotCaptured, match="draft_accepted"):
+                reader.take(rid, timeout=60)
+    assert kept and dropped, [o["meta_info"]["spec_accept_length"] for o in outs]
+    after = settled(server)
+    assert after["admission"]["skipped_draft_accepted"] - before == dropped, after["admission"]
+    metrics = requests.get(f"{server.url}/metrics", timeout=60).text
+    assert 'sglang_hs:requests_not_captured_total{reason="draft_accepted"' in metrics
     reader.poll()
     assert reader.ready_rids() == []
 

@@ -23,6 +23,7 @@ class Admission:
 
     def __init__(self):
         self.released = []
+        self.stats = {"skipped_draft_accepted": 0}
 
     def release(self, rid, req=None):
         self.released.append(rid)
@@ -168,6 +169,31 @@ def test_a_request_with_no_token_at_all_is_not_emitted_but_released(hook):
     assert hook.admission.released == ["empty", "after-empty"]
     assert hook.reader.next(timeout=5).rid == "after-empty"
     assert hook.writer.stats["dropped"] == 0
+
+
+def test_accept_below_keeps_the_requests_the_draft_did_poorly_on(hook, monkeypatch):
+    """--hs-capture-accept-below 1.5: a request whose accept length (output tokens per verify step, SGLang's
+    spec_accept_length) is 1.5 or more leaves a draft_accepted marker; one below, one opted in and one that
+    never reached a verify step keep their records."""
+    from sglang_hs import NotCaptured
+    from sglang_hs.server.patches import capture_hooks
+
+    monkeypatch.setattr(capture_hooks, "_accept_below", 1.5)
+    cases = {"poor": (6, 5, False), "good": (6, 4, False), "good-opted": (6, 2, True), "no-verify": (1, 0, False)}
+    for i, (rid, (n, verifies, opted)) in enumerate(cases.items()):
+        req = _req(rid, [1, 2, 3], list(range(40, 40 + n)), pool_idx=i)
+        req.spec_verify_ct = verifies
+        if opted:
+            req.sampling_params.custom_params = {"hs_capture": True}
+        hook.finish(req)
+    hook.settle()
+    assert capture_hooks.accept_length(req) is None and hook.admission.stats["skipped_draft_accepted"] == 1
+    with pytest.raises(NotCaptured, match="draft_accepted"):
+        hook.reader.take("good", timeout=5)
+    for i, (rid, (n, _, _)) in enumerate(cases.items()):
+        if rid != "good":
+            output = list(range(40, 40 + n))
+            _assert_record(hook, rid, ([1, 2, 3] + output)[:2 + n], hook.table[i, :2 + n].tolist(), 3, output)
 
 
 @pytest.mark.parametrize("prompt,output", [

@@ -153,6 +153,13 @@ def test_prepare_default_ids_and_user_kv_flags_kept(tmp_path, clean_env):
         (["--hs-capture-sample", "nan"], "DeepseekV3ForCausalLM", "--hs-capture-sample: a fraction"),
         (["--hs-capture-sample", "10%"], "DeepseekV3ForCausalLM", "--hs-capture-sample: .* got '10%'"),
         (["--hs-when-behind", "drop"], "DeepseekV3ForCausalLM", "--hs-when-behind: hold or skip, got 'drop'"),
+        (["--hs-capture-accept-below", "1", "--speculative-algorithm", "NGRAM"], "DeepseekV3ForCausalLM",
+         r"--hs-capture-accept-below: an accept length L > 1 .* got '1'"),
+        (["--hs-capture-accept-below", "fast", "--speculative-algorithm", "NGRAM"], "DeepseekV3ForCausalLM",
+         "--hs-capture-accept-below: an accept length L > 1"),
+        (["--hs-capture-accept-below", "1.5"], "DeepseekV3ForCausalLM",
+         "--hs-capture-accept-below selects on the draft's accept length: it needs a server that decodes "
+         "speculatively"),
     ],
 )
 def test_prepare_refuses(tmp_path, clean_env, extra, arch, message):
@@ -173,7 +180,7 @@ def test_prepare_refuses_sparse_attention_by_config_under_any_class_name(tmp_pat
 @pytest.mark.parametrize("flag", [["--hs-layers", "2"], ["--hs-share-group", "0"], ["--hs-copy", "staging"],
                                   ["--hs-staging-rows", "8"], ["--hs-capture", "opt-in"], ["--hs-capture-sample", "0.1"],
                                   ["--hs-when-behind", "skip"], ["--hs-gather-threads", "4"],
-                                  ["--hs-scatter-threads", "2"]])
+                                  ["--hs-scatter-threads", "2"], ["--hs-capture-accept-below", "1.5"]])
 def test_prepare_layers_without_dump_dir(tmp_path, clean_env, flag):
     with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
         launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", *flag])
@@ -215,6 +222,10 @@ def test_prepare_capture_selection_reaches_the_server_env(tmp_path, clean_env):
     assert (envs.SGLANG_HS_CAPTURE, envs.SGLANG_HS_CAPTURE_SAMPLE, envs.SGLANG_HS_WHEN_BEHIND) == ("opt-in", 0.1, "skip")
     launch_server.prepare(base("c"))  # not inherited by the next run in the same environment
     assert (envs.SGLANG_HS_CAPTURE, envs.SGLANG_HS_CAPTURE_SAMPLE, envs.SGLANG_HS_WHEN_BEHIND) == ("all", None, "hold")
+    launch_server.prepare(base("d") + ["--speculative-algorithm", "NGRAM", "--hs-capture-accept-below", "1.5"])
+    assert envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW == 1.5
+    launch_server.prepare(base("e"))
+    assert envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW is None
 
 
 def test_unknown_copy_strategy_is_refused_naming_the_choices(capsys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from array import array
+from typing import Optional
 
 from sglang_hs.version import SGLANG_VERSION
 
@@ -26,11 +27,12 @@ _admission = None  # its AdmissionControl
 _scheduler = None  # the Scheduler of this process, for reconciling reservations
 _reserved = None  # (rows, device tensor): the staging buffers' memory, held while SGLang sizes the KV pool
 _finisher = None  # its FinishWorker once the first request finished; False: the synchronous path
+_accept_below = None  # --hs-capture-accept-below
 
 
 def _after_init_capturers(self) -> None:
     ORIGINALS["init_routed_experts_capturer"](self)
-    global _writer, _admission, _reserved
+    global _writer, _admission, _reserved, _accept_below
     from sglang.srt.runtime_context import get_parallel
 
     model, par = self.model, get_parallel()
@@ -70,6 +72,7 @@ def _after_init_capturers(self) -> None:
                                   when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len,
                                   sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
                                   max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES)
+    _accept_below = envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
@@ -244,6 +247,10 @@ def _after_collect(self, req) -> None:
     if ticket is not None and ticket.decision is not None:  # served without capture: at most a marker record
         _publish_marker(self, str(req.rid), *ticket.decision, ticket=ticket)
         return
+    if _draft_did_well(req):  # --hs-capture-accept-below: its rows are not what the next draft needs
+        _admission.stats["skipped_draft_accepted"] += 1
+        _publish_marker(self, str(req.rid), "draft_accepted", True, ticket=ticket)
+        return
     tokens = _token_record(req.origin_input_ids, req.output_ids_through_stop)
     if not tokens:  # nothing forwarded and nothing sent (an empty prompt that generated nothing): no record
         _admission.drop(ticket)
@@ -263,6 +270,24 @@ def _after_collect(self, req) -> None:
         logger.error("sglang-hs: record of request %s NOT published: %s", req.rid, e)
     finally:  # after its outcome is counted: the status file's unaccounted
         _admission.drop(ticket)
+
+
+def accept_length(req) -> Optional[float]:
+    """SGLang's spec_accept_length of a request (completion tokens per verify step, the bonus token included:
+    tokenizer_manager's meta_info), or None before its first verify step."""
+    verifies = getattr(req, "spec_verify_ct", 0) or 0
+    return len(req.output_ids) / verifies if verifies > 0 else None
+
+
+def _draft_did_well(req) -> bool:
+    """With --hs-capture-accept-below L: a request not opted in whose accept length is L or more (one that never
+    reached a verify step tells nothing about the draft: kept)."""
+    if _accept_below is None:
+        return False
+    from sglang_hs.server.store.admission import opted_in
+
+    length = accept_length(req)
+    return length is not None and length >= _accept_below and not opted_in(req)
 
 
 def _token_record(prompt, output) -> array:

@@ -74,9 +74,10 @@ from sglang_hs._ext import ext
 from sglang_hs.server.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 5  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
+VERSION = 6  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
 # 4: the record header holds the prompt length and the token after the last row (harvesting live traffic);
-# 5: the reader writes its offset into its own file (ring-*.offset), the ring is the writer's alone
+# 5: the reader writes its offset into its own file (ring-*.offset), the ring is the writer's alone;
+# 6: marker reason 7, draft_accepted (--hs-capture-accept-below)
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
@@ -92,7 +93,7 @@ DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
 # flags of a marker record (T = 0): why that request has no record
 SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind", 4: "beam_search", 5: "input_embeds",
-                6: "over_budget"}
+                6: "over_budget", 7: "draft_accepted"}
 MAX_RID_BYTES = 0xFFFF  # the record header holds the request id's utf-8 length in 16 bits
 
 
