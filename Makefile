@@ -34,6 +34,7 @@ bench: setup
 	$(PY) benchmarks/bench_harvest.py --out benchmarks/results
 	$(PY) benchmarks/bench_omp_wait.py --out benchmarks/results
 	$(PY) benchmarks/bench_speculative.py --out benchmarks/results
+	$(PY) benchmarks/bench_speculative.py --algorithm EAGLE3 --out benchmarks/results
 
 clean:
 	rm -rf .venv build *.egg-info sglang_hs/_C*.so

@@ -1,18 +1,23 @@
 """Capture under speculative decoding (issue 44), side by side in ONE run on the CPU engine:
 
-  a_spec_capture     NGRAM + --hs-dump-dir: `--regenerate` extraction (the CLI, --server, safetensors files)
+  a_spec_capture     ALGO + --hs-dump-dir: `--regenerate` extraction (the CLI, --server, safetensors files)
   b_plain_capture    --hs-dump-dir without a draft: the same extraction
-  c_spec_plain       NGRAM without capture, driven by /generate with the extraction's requests
+  c_spec_plain       ALGO without capture, driven by /generate with the extraction's requests
   d_spec_capture_gen a_spec_capture's server driven like c_spec_plain (a reader drains the ring)
+
+ALGO (--algorithm): NGRAM (no draft model), or EAGLE3 with the tiny EAGLE-3 draft (sglang_hs/tools/tiny_eagle3.py:
+its aux layers captured beside ours; one step, top-1, the CPU engine's setting).
 
 Same tiny checkpoint, bf16, greedy, the same conversations (repetitive text, so n-gram drafts get
 accepted) with a 96-token reply each; every server sees each prompt set once per rep (fresh prompts each
 rep: no radix hits across methods). Reported per rep and as medians: generated tokens/s, the ratios
 a/b (what speculative decoding buys an extraction; the replies must be the same tokens) and d/c (what
-capture costs a speculative server; goal >= 0.97), and SGLang's accepted drafts per verify. Writes
-bench_speculative.csv, bench_speculative_summary.csv and bench_speculative.png.
+capture costs a speculative server; goal >= 0.97), and SGLang's accepted drafts per verify (c and d must
+agree: capture changes no draft). Writes bench_speculative.csv, bench_speculative_summary.csv and
+bench_speculative.png (bench_speculative_eagle3.* for EAGLE3).
 
-    python benchmarks/bench_speculative.py --out benchmarks/results [--reps 3] [--samples 8] [--concurrency 4]
+    python benchmarks/bench_speculative.py --out benchmarks/results [--algorithm NGRAM|EAGLE3] [--reps 3]
+        [--samples 8] [--concurrency 4]
 """
 from __future__ import annotations
 
@@ -104,18 +109,26 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--algorithm", choices=("NGRAM", "EAGLE3"), default="NGRAM")
     args = ap.parse_args()
+    name = "bench_speculative" + ("" if args.algorithm == "NGRAM" else "_" + args.algorithm.lower())
+    spec = ["--speculative-algorithm", args.algorithm]
+    if args.algorithm == "EAGLE3":
+        from sglang_hs.tools import tiny_eagle3
+
+        spec += ["--speculative-draft-model-path", tiny_eagle3.ensure(), "--speculative-num-steps", "1",
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-spec-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     files, logs = tempfile.mkdtemp(prefix="bench-spec-files-"), tempfile.mkdtemp(prefix="bench-spec-logs-")
     common = ["--max-total-tokens", "8192", "--chunked-prefill-size", "256"]
     dumps = {"a": os.path.join(work, "a"), "b": os.path.join(work, "b")}
     servers = {
-        "a_spec_capture": ServerProcess(["--hs-dump-dir", dumps["a"], "--hs-last", "pre-norm", "--speculative-algorithm", "NGRAM",
-                                         *common], os.path.join(logs, "a.log")),
+        "a_spec_capture": ServerProcess(["--hs-dump-dir", dumps["a"], "--hs-last", "pre-norm", *spec, *common],
+                                        os.path.join(logs, "a.log")),
         "b_plain_capture": ServerProcess(["--hs-dump-dir", dumps["b"], "--hs-last", "pre-norm", *common],
                                          os.path.join(logs, "b.log")),
-        "c_spec_plain": ServerProcess(["--speculative-algorithm", "NGRAM", *common], os.path.join(logs, "c.log")),
+        "c_spec_plain": ServerProcess([*spec, *common], os.path.join(logs, "c.log")),
     }
     rows, ok = [], False
     try:
@@ -146,13 +159,15 @@ def main() -> int:
             res["c_spec_plain"] = generate(servers["c_spec_plain"], other, args.concurrency)
             res["d_spec_capture_gen"] = generate(servers["a_spec_capture"], other, args.concurrency, dumps["a"])
             same = res["c_spec_plain"]["outputs"] == res["d_spec_capture_gen"]["outputs"]
+            same = same and res["c_spec_plain"]["accepted_per_verify"] == res["d_spec_capture_gen"]["accepted_per_verify"]
             for method, r in res.items():
                 tokens = r["samples"] * NEW_TOKENS  # --regenerate: every reply runs to NEW_TOKENS (no EOS here)
                 rows.append({"rep": rep, "method": method, "samples": r["samples"], "seconds": round(r["seconds"], 3),
                              "gen_tokens_per_s": round(tokens / r["seconds"], 2),
-                             "accepted_per_verify": r.get("accepted_per_verify"), "same_outputs_c_d": same})
+                             "accepted_per_verify": r.get("accepted_per_verify"), "same_outputs_c_d": same,
+                             "algorithm": args.algorithm})
                 print(rows[-1], flush=True)
-            write_csv(os.path.join(args.out, "bench_speculative.csv"), rows)
+            write_csv(os.path.join(args.out, f"{name}.csv"), rows)
         ok = True
     finally:
         stop_servers(servers, work, logs, ok)
@@ -167,7 +182,7 @@ def main() -> int:
                 {"method": "ratio d/c (capture on vs off, speculative)", "median": round(statistics.median(
                     per_rep("d_spec_capture_gen", "c_spec_plain")), 3),
                  "per_rep": per_rep("d_spec_capture_gen", "c_spec_plain")}]
-    write_summary(args.out, "bench_speculative", summary, f"\nmedians ({machine()}):", lambda s: str(s))
+    write_summary(args.out, name, summary, f"\nmedians ({machine()}):", lambda s: str(s))
     plt = _pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -178,8 +193,8 @@ def main() -> int:
             ax.bar(i, med[m], color="#ccc", zorder=0)
         ax.set_xticks(range(len(methods)), methods, rotation=15, fontsize=8)
         ax.set_ylabel("generated tokens/s (bars: median, dots: reps)")
-        save_figure(plt, fig, os.path.join(args.out, "bench_speculative.png"),
-                    f"speculative (NGRAM) vs not, capture on vs off; CPU engine ({machine()})")
+        save_figure(plt, fig, os.path.join(args.out, f"{name}.png"),
+                    f"speculative ({args.algorithm}) vs not, capture on vs off; CPU engine ({machine()})")
     return 0
 
 
