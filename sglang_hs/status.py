@@ -148,7 +148,10 @@ def settled(dump_dir: str, since_ns: Optional[int] = None, until: Optional[Calla
 
 def in_flight(dump_dir: str, timeout: float = 5.0) -> Optional[int]:
     """The `unaccounted` requests of a snapshot written after this call (requests whose record or marker may
-    still come); None when no process of a server is alive there or none wrote within `timeout`."""
+    still come); None when no process of a server is alive there (at once: no live process has a status file)
+    or none wrote within `timeout`."""
+    if not files(dump_dir):
+        return None
     try:
         return wait(dump_dir, lambda s: True, timeout=timeout)["unaccounted"]
     except NotSettled:

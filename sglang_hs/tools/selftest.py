@@ -1,4 +1,4 @@
-"""python -m sglang_hs.selftest [launcher flags]
+"""python -m sglang_hs.selftest [--only NAMES] [launcher flags]
 
 Run this on your own node before a long extraction. The same prompts go through the server with
 capture on in several configurations, and through SGLang's own capture-only JSON path
@@ -16,6 +16,11 @@ Configurations (each a fresh server):
                    on a GPU)
   sglang-json      SGLang's capture-only JSON path, chunked prefill and radix cache off (it returns
                    only the last chunk and the uncached suffix otherwise); aux layers only
+
+--only NAMES (comma-separated: chunked-16, plain-scheduler, no-cuda-graph, copy-staging, copy-deferred,
+sglang-json) runs the reference and those configurations only: each configuration starts a server, which
+on a large model takes minutes. One that cannot run here (no-cuda-graph or copy-deferred without CUDA) is
+said and skipped.
 
 DeepSeek-V4 (hyper-connection streams): `--hs-hc-streams mean|full` reaches every configuration, and the
 sglang-json configuration is skipped (SGLang's capture-only JSON path is EAGLE-3's, which SGLang 0.5.23 does
@@ -205,6 +210,31 @@ def print_table(rows: List[Tuple[str, bool, dict]]) -> None:
           "closer to their own reference row than to any other around it)")
 
 
+CONFIG_NAMES = ("chunked-16", "plain-scheduler", "no-cuda-graph", "copy-staging", "copy-deferred", "sglang-json")
+
+
+def take_only(argv: List[str]) -> Tuple[List[str], Optional[set]]:
+    """`--only NAMES` out of `argv`: (the other arguments, the chosen configuration names or None for all).
+    ValueError in one line for a missing value or an unknown name."""
+    rest, only = [], None
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if a == "--only" or a.startswith("--only="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            if "=" not in a:
+                next(it, None)
+            names = [n.strip() for n in value.split(",") if n.strip()]
+            unknown = [n for n in names if n not in CONFIG_NAMES]
+            if not names or unknown:
+                raise ValueError(f"--only: comma-separated configuration names out of {', '.join(CONFIG_NAMES)}, "
+                                 f"got {value!r}")
+            only = (only or set()) | set(names)
+        else:
+            rest.append(a)
+    return rest, only
+
+
 def configurations(sglang_args: List[str]) -> List[Tuple[str, List[str]]]:
     from sglang_hs.tools.argv import flag_value
     from sglang_hs.tools.launch_server import cuda_available
@@ -222,6 +252,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
+    try:
+        argv, only = take_only(argv)
+    except ValueError as e:
+        print(f"sglang-hs selftest: error: {e}", file=sys.stderr)
+        return 2
+
+    def chosen(name: str) -> bool:
+        return only is None or name in only
     from sglang_hs.server.capture_spec import CaptureConfigError
     from sglang_hs.tools.launch_server import split_argv
     from sglang_hs.tools.server_process import ServerStartError
@@ -250,18 +288,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref = ref_runs["cold"]
         dtype = manifest["dtype"]  # the server's: each has its own tolerance
         results.append(("reference, warm radix cache", *compare(ref_runs["warm"], ref, dtype)))
+        possible = []
         for name, extra in configurations(sglang_args):
-            runs, _ = run_capture(name, hs_args + sglang_args + extra, prompts, ("cold",), workdir)
-            results.append((name, *compare(runs["cold"], ref, dtype)))
+            possible.append(name)
+            if chosen(name):
+                runs, _ = run_capture(name, hs_args + sglang_args + extra, prompts, ("cold",), workdir)
+                results.append((name, *compare(runs["cold"], ref, dtype)))
         from sglang_hs.tools.launch_server import runs_on_cpu
 
         for other in other_copies(ns.hs_copy, runs_on_cpu(sglang_args)):
-            runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",), workdir)
-            results.append((f"--hs-copy {other}", *compare(runs["cold"], ref, dtype)))
-        if hc:  # DeepseekV4ForCausalLM has no set_eagle3_layers_to_capture: SGLang's JSON aux path is EAGLE-3's
+            possible.append(f"copy-{other}")
+            if chosen(f"copy-{other}"):
+                runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",),
+                                      workdir)
+                results.append((f"--hs-copy {other}", *compare(runs["cold"], ref, dtype)))
+        possible.append("sglang-json")
+        for name in sorted((only or set()) - set(possible)):
+            print(f"[selftest] --only {name}: skipped (it does not run with these flags on this machine)", flush=True)
+        if chosen("sglang-json") and hc:  # DeepseekV4ForCausalLM has no set_eagle3_layers_to_capture
             print("[selftest] sglang-json: skipped (SGLang 0.5.23's capture-only JSON path is EAGLE-3's, which "
                   "DeepSeek-V4 does not serve)", flush=True)
-        else:
+        elif chosen("sglang-json"):
             json_caps = run_json(sglang_args, manifest["layer_ids"], manifest["hidden_size"], prompts, workdir)
             aux_only = [Capture(c.token_ids, c.aux, None) for c in ref]
             results.append(("sglang-json (aux layers)", *compare(json_caps, aux_only, dtype)))

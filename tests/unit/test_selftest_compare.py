@@ -224,3 +224,23 @@ def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(
     assert err == ["sglang-hs selftest: error: --hs-hc-streams: only for models with hyper-connections "
                    "(DeepseekV4ForCausalLM, hc_mult > 1); this model has one residual stream"], err
     assert no_server == []
+
+
+@pytest.mark.parametrize("argv, rest, only", [
+    (["--hs-last"], ["--hs-last"], None),
+    (["--only", "sglang-json", "--tp", "2"], ["--tp", "2"], {"sglang-json"}),
+    (["--only=copy-staging,chunked-16", "--hs-last"], ["--hs-last"], {"copy-staging", "chunked-16"}),
+    (["--only", "plain-scheduler", "--only", "no-cuda-graph"], [], {"plain-scheduler", "no-cuda-graph"}),
+])
+def test_only_picks_configurations_and_leaves_the_other_flags(argv, rest, only):
+    from sglang_hs.tools.selftest import take_only
+
+    assert take_only(argv) == (rest, only)
+
+
+@pytest.mark.parametrize("argv", [["--only"], ["--only", "chunked"], ["--only=reference"], ["--only", ",,"]])
+def test_only_refuses_unknown_or_missing_names_in_one_line(argv):
+    from sglang_hs.tools.selftest import take_only
+
+    with pytest.raises(ValueError, match=r"^--only: comma-separated configuration names out of chunked-16, "):
+        take_only(argv)
