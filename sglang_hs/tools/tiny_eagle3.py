@@ -31,8 +31,6 @@ import hashlib
 import inspect
 import json
 import os
-import shutil
-import tempfile
 
 from sglang_hs import envs
 from sglang_hs.tools import tiny_model
@@ -71,23 +69,7 @@ def path() -> str:
 
 def ensure() -> str:
     """Return the draft's folder, generating it (and its target) once if missing."""
-    dst = path()
-    if os.path.exists(os.path.join(dst, ".complete")):
-        return dst
-    target = tiny_model.ensure()
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(dst))
-    try:
-        _generate(tmp, target)
-        open(os.path.join(tmp, ".complete"), "w").close()
-        try:
-            os.rename(tmp, dst)
-        except OSError:  # another process finished first: keep theirs
-            if not os.path.exists(os.path.join(dst, ".complete")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    return tiny_model.build_once(path(), lambda tmp: _generate(tmp, tiny_model.ensure()))
 
 
 def _target_embedding(target: str):

@@ -199,13 +199,18 @@ def path(variant: str = "v3") -> str:
 
 def ensure(variant: str = "v3") -> str:
     """Return the checkpoint folder, generating it once (a few seconds) if missing."""
-    dst = path(variant)
+    return build_once(path(variant), lambda tmp: _generate(tmp, variant))
+
+
+def build_once(dst: str, generate) -> str:
+    """`dst`, made by `generate(folder)` into a temporary sibling folder then renamed into place, unless a
+    complete one is there already (a concurrent builder's finished folder wins)."""
     if os.path.exists(os.path.join(dst, ".complete")):
         return dst
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(dst))
     try:
-        _generate(tmp, variant)
+        generate(tmp)
         open(os.path.join(tmp, ".complete"), "w").close()
         try:
             os.rename(tmp, dst)
