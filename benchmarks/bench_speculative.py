@@ -159,7 +159,8 @@ def main() -> int:
             res["c_spec_plain"] = generate(servers["c_spec_plain"], other, args.concurrency)
             res["d_spec_capture_gen"] = generate(servers["a_spec_capture"], other, args.concurrency, dumps["a"])
             same = res["c_spec_plain"]["outputs"] == res["d_spec_capture_gen"]["outputs"]
-            same = same and res["c_spec_plain"]["accepted_per_verify"] == res["d_spec_capture_gen"]["accepted_per_verify"]
+            if args.algorithm != "NGRAM":  # a model draft: capture must change no draft (NGRAM's corpora differ)
+                same = same and res["c_spec_plain"]["accepted_per_verify"] == res["d_spec_capture_gen"]["accepted_per_verify"]
             for method, r in res.items():
                 tokens = r["samples"] * NEW_TOKENS  # --regenerate: every reply runs to NEW_TOKENS (no EOS here)
                 rows.append({"rep": rep, "method": method, "samples": r["samples"], "seconds": round(r["seconds"], 3),

@@ -17,10 +17,11 @@ Configurations (each a fresh server):
   sglang-json      SGLang's capture-only JSON path, chunked prefill and radix cache off (it returns
                    only the last chunk and the uncached suffix otherwise); aux layers only
 
---only NAMES (comma-separated: chunked-16, plain-scheduler, no-cuda-graph, copy-staging, copy-deferred,
-sglang-json) runs the reference and those configurations only: each configuration starts a server, which
-on a large model takes minutes. One that cannot run here (no-cuda-graph or copy-deferred without CUDA) is
-said and skipped.
+--only NAMES (comma-separated: chunked-16, plain-scheduler, no-cuda-graph, copy-direct, copy-staging,
+copy-deferred, sglang-json) runs the reference and those configurations only: each configuration starts a
+server, which on a large model takes minutes. One that cannot run here (no-cuda-graph or copy-deferred
+without CUDA, the reference's own copy strategy, sglang-json for DeepSeek-V4) is said and skipped; when none
+of them can, the self-test stops before starting any server.
 
 DeepSeek-V4 (hyper-connection streams): `--hs-hc-streams mean|full` reaches every configuration, and the
 sglang-json configuration is skipped (SGLang's capture-only JSON path is EAGLE-3's, which SGLang 0.5.23 does
@@ -210,7 +211,8 @@ def print_table(rows: List[Tuple[str, bool, dict]]) -> None:
           "closer to their own reference row than to any other around it)")
 
 
-CONFIG_NAMES = ("chunked-16", "plain-scheduler", "no-cuda-graph", "copy-staging", "copy-deferred", "sglang-json")
+CONFIG_NAMES = ("chunked-16", "plain-scheduler", "no-cuda-graph", "copy-direct", "copy-staging", "copy-deferred",
+                "sglang-json")  # the copy ones: each --hs-copy strategy other than the reference's
 
 
 def take_only(argv: List[str]) -> Tuple[List[str], Optional[set]]:
@@ -279,6 +281,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"sglang-hs selftest: error: {e}", file=sys.stderr)
         return 2
     hs_args = _hs_flags(ns)
+    from sglang_hs.tools.launch_server import runs_on_cpu
+
+    # (name, table label, launcher flags) of each configuration after the reference, as this run can have them
+    plan = [(name, name, hs_args + sglang_args + extra) for name, extra in configurations(sglang_args)]
+    plan += [(f"copy-{other}", f"--hs-copy {other}", _hs_flags(ns, copy=other) + sglang_args)
+             for other in other_copies(ns.hs_copy, runs_on_cpu(sglang_args))]
+    runnable = [name for name, _, _ in plan] + ([] if hc else ["sglang-json"])
+    if only is not None:
+        if not only & set(runnable):
+            print(f"sglang-hs selftest: error: --only {','.join(sorted(only))}: none of these configurations runs "
+                  f"with these flags on this machine (here: {', '.join(runnable)})", file=sys.stderr)
+            return 2
+        for name in sorted(only - set(runnable)):
+            print(f"[selftest] --only {name}: skipped (it does not run with these flags on this machine)", flush=True)
     prompts = _prompts_for(sglang_args)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     workdir = tempfile.mkdtemp(prefix="sglang-hs-selftest-", dir=base)
@@ -288,27 +304,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref = ref_runs["cold"]
         dtype = manifest["dtype"]  # the server's: each has its own tolerance
         results.append(("reference, warm radix cache", *compare(ref_runs["warm"], ref, dtype)))
-        possible = []
-        for name, extra in configurations(sglang_args):
-            possible.append(name)
+        for name, label, args in plan:
             if chosen(name):
-                runs, _ = run_capture(name, hs_args + sglang_args + extra, prompts, ("cold",), workdir)
-                results.append((name, *compare(runs["cold"], ref, dtype)))
-        from sglang_hs.tools.launch_server import runs_on_cpu
-
-        for other in other_copies(ns.hs_copy, runs_on_cpu(sglang_args)):
-            possible.append(f"copy-{other}")
-            if chosen(f"copy-{other}"):
-                runs, _ = run_capture(f"copy-{other}", _hs_flags(ns, copy=other) + sglang_args, prompts, ("cold",),
-                                      workdir)
-                results.append((f"--hs-copy {other}", *compare(runs["cold"], ref, dtype)))
-        possible.append("sglang-json")
-        for name in sorted((only or set()) - set(possible)):
-            print(f"[selftest] --only {name}: skipped (it does not run with these flags on this machine)", flush=True)
-        if chosen("sglang-json") and hc:  # DeepseekV4ForCausalLM has no set_eagle3_layers_to_capture
+                runs, _ = run_capture(name, args, prompts, ("cold",), workdir)
+                results.append((label, *compare(runs["cold"], ref, dtype)))
+        if hc and only is None:  # DeepseekV4ForCausalLM has no set_eagle3_layers_to_capture
             print("[selftest] sglang-json: skipped (SGLang 0.5.23's capture-only JSON path is EAGLE-3's, which "
                   "DeepSeek-V4 does not serve)", flush=True)
-        elif chosen("sglang-json"):
+        elif not hc and chosen("sglang-json"):
             json_caps = run_json(sglang_args, manifest["layer_ids"], manifest["hidden_size"], prompts, workdir)
             aux_only = [Capture(c.token_ids, c.aux, None) for c in ref]
             results.append(("sglang-json (aux layers)", *compare(json_caps, aux_only, dtype)))

@@ -34,7 +34,9 @@ def test_selftest_refuses_a_dump_dir_and_bad_flags(tmp_path):
     for args, message in ((["--hs-dump-dir", str(tmp_path)], "--hs-dump-dir is chosen by the self-test"),
                           (["--hs-lyers", "2"], "unknown sglang-hs flag --hs-lyers"),
                           (["--only", "chunked-16,chunky"], "--only: comma-separated configuration names out of "
-                                                            "chunked-16, plain-scheduler")):
+                                                            "chunked-16, plain-scheduler"),
+                          (["--only", "no-cuda-graph"], "--only no-cuda-graph: none of these configurations runs "
+                                                        "with these flags on this machine")):
         proc = subprocess.run([sys.executable, "-m", "sglang_hs.selftest", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -178,14 +178,24 @@ def test_accept_below_keeps_the_requests_the_draft_did_poorly_on(hook, monkeypat
     from sglang_hs import NotCaptured
     from sglang_hs.server.patches import capture_hooks
 
+    from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
+
     monkeypatch.setattr(capture_hooks, "_accept_below", 1.5)
     cases = {"poor": (6, 5, False), "good": (6, 4, False), "good-opted": (6, 2, True), "no-verify": (1, 0, False)}
+    # a verify step's accepted run that reached past the stop: 8 tokens appended, 5 through the stop (SGLang's
+    # completion_tokens), 4 verifies: 1.25, kept (8 / 4 would drop it)
+    past = _req("past-stop", [1, 2, 3], list(range(40, 48)), pool_idx=4, finished_reason=FINISH_MATCHED_TOKEN(44),
+                finished_len=5)
+    past.spec_verify_ct = 4
+    assert capture_hooks.accept_length(past) == 1.25
     for i, (rid, (n, verifies, opted)) in enumerate(cases.items()):
         req = _req(rid, [1, 2, 3], list(range(40, 40 + n)), pool_idx=i)
         req.spec_verify_ct = verifies
         if opted:
             req.sampling_params.custom_params = {"hs_capture": True}
         hook.finish(req)
+    hook.settle()
+    hook.finish(past)
     hook.settle()
     assert capture_hooks.accept_length(req) is None and hook.admission.stats["skipped_draft_accepted"] == 1
     with pytest.raises(NotCaptured, match="draft_accepted"):
@@ -194,6 +204,7 @@ def test_accept_below_keeps_the_requests_the_draft_did_poorly_on(hook, monkeypat
         if rid != "good":
             output = list(range(40, 40 + n))
             _assert_record(hook, rid, ([1, 2, 3] + output)[:2 + n], hook.table[i, :2 + n].tolist(), 3, output)
+    _assert_record(hook, "past-stop", [1, 2, 3, 40, 41, 42, 43], hook.table[4, :7].tolist(), 3, [40, 41, 42, 43, 44])
 
 
 @pytest.mark.parametrize("prompt,output", [

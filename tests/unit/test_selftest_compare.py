@@ -231,6 +231,7 @@ def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(
     (["--only", "sglang-json", "--tp", "2"], ["--tp", "2"], {"sglang-json"}),
     (["--only=copy-staging,chunked-16", "--hs-last"], ["--hs-last"], {"copy-staging", "chunked-16"}),
     (["--only", "plain-scheduler", "--only", "no-cuda-graph"], [], {"plain-scheduler", "no-cuda-graph"}),
+    (["--hs-copy", "staging", "--only", "copy-direct"], ["--hs-copy", "staging"], {"copy-direct"}),
 ])
 def test_only_picks_configurations_and_leaves_the_other_flags(argv, rest, only):
     from sglang_hs.tools.selftest import take_only

@@ -274,9 +274,11 @@ def _after_collect(self, req) -> None:
 
 def accept_length(req) -> Optional[float]:
     """SGLang's spec_accept_length of a request (completion tokens per verify step, the bonus token included:
-    tokenizer_manager's meta_info), or None before its first verify step."""
+    tokenizer_manager's meta_info), or None before its first verify step. Completion tokens are those through
+    the stop (`output_ids_through_stop`, SGLang's completion_tokens): a verify step appends its whole accepted
+    run, which can reach past an EOS, a stop string or max_new_tokens."""
     verifies = getattr(req, "spec_verify_ct", 0) or 0
-    return len(req.output_ids) / verifies if verifies > 0 else None
+    return len(req.output_ids_through_stop) / verifies if verifies > 0 else None
 
 
 def _draft_did_well(req) -> bool:
