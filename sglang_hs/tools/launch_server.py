@@ -155,7 +155,7 @@ def selection_env(ns: argparse.Namespace) -> dict:
         if not 1 <= len(key) <= 64:
             raise CaptureConfigError(f"--hs-capture-sample-key: 1 to 64 bytes in hex, got {ns.hs_capture_sample_key!r}")
         env["SGLANG_HS_CAPTURE_SAMPLE_KEY"] = key.hex()
-    if getattr(ns, "hs_capture_accept_below", None) is not None:
+    if ns.hs_capture_accept_below is not None:
         try:
             below = float(ns.hs_capture_accept_below)
         except ValueError:
@@ -384,7 +384,7 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in HC_ARCHITECTURES and cpu:
         raise CaptureConfigError(v4_on_cpu(arch) + v4_hint)
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
-    if getattr(ns, "hs_capture_accept_below", None) is not None and (
+    if ns.hs_capture_accept_below is not None and (
             not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
         raise CaptureConfigError("--hs-capture-accept-below selects on the draft's accept length: it needs a server "
                                  "that decodes speculatively (--speculative-algorithm with a draft)")

@@ -163,7 +163,7 @@ class _HiddenStateOverlay:
     """Mixed in before the upstream class: runs the patches, the upstream constructor, then ours."""
 
     hs_check_architecture = True
-    hs_eagle3 = None  # with an EAGLE-3 draft: (its layer ids, our layers' and its layers' places in the capture)
+    hs_eagle3 = None  # with an EAGLE-3 draft: (our layers' places in the capture, its layers' places)
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         from sglang_hs.server import patches
@@ -232,7 +232,7 @@ class _HiddenStateOverlay:
         captured = tuple(sorted(set(ours) | set(draft)))
         self.model.layers_to_capture = list(captured)
         self.model.hs_captured = captured
-        self.hs_eagle3 = (tuple(sorted(draft)), _layer_split(captured, ours), _layer_split(captured, sorted(draft)))
+        self.hs_eagle3 = (_layer_split(captured, ours), _layer_split(captured, sorted(draft)))
         print(f"[sglang-hs] EAGLE-3 draft reads the target's layers {sorted(draft)} (SGLang's ids); capturing "
               f"{list(captured)} once: ours {list(ours)}", file=sys.stderr, flush=True)
 
@@ -256,7 +256,7 @@ class _HiddenStateOverlay:
             aux, pre = aux[:, :k], aux[:, k:]  # views: the copies take rows of any stride
         draft_aux = None
         if self.hs_eagle3 is not None:
-            _, ours, theirs = self.hs_eagle3
+            ours, theirs = self.hs_eagle3
             aux, draft_aux = take_layers(aux, ours, H), take_layers(aux, theirs, H)
         self.hs_status.saw_aux(tuple(aux.shape))  # steps are counted by the ModelRunner.forward hook
         if self.hs_writer is not None:
