@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 import row_judge
 from conftest import HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_SAMPLE
-from helpers import settled
+from helpers import metrics_of, settled
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
 
@@ -266,8 +266,9 @@ def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
     assert kept and dropped, [o["meta_info"]["spec_accept_length"] for o in outs]
     after = settled(server)
     assert after["admission"]["skipped_draft_accepted"] - before == dropped, after["admission"]
-    metrics = requests.get(f"{server.url}/metrics", timeout=60).text
-    assert 'sglang_hs:requests_not_captured_total{reason="draft_accepted"' in metrics
+    exported = metrics_of(server, after, by=("reason",))  # /metrics once it shows this snapshot's figures
+    assert exported[("sglang_hs:requests_not_captured_total", "draft_accepted")] == \
+        after["admission"]["skipped_draft_accepted"]
     reader.poll()
     assert reader.ready_rids() == []
 
