@@ -68,18 +68,21 @@ def test_the_byte_budget_caps_what_is_captured_and_counts_the_rest():
 
 class NS:
     hs_capture = hs_when_behind = hs_capture_sample = None
-    hs_capture_sample_key = hs_capture_max_bytes = None
+    hs_capture_sample_key = hs_capture_max_bytes = hs_capture_accept_below = None
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
 
 def test_the_launcher_flags():
-    env = selection_env(NS(hs_capture_sample="0.1", hs_capture_sample_key="ab" * 16, hs_capture_max_bytes="2MiB"))
+    env = selection_env(NS(hs_capture_sample="0.1", hs_capture_sample_key="ab" * 16, hs_capture_max_bytes="2MiB",
+                           hs_capture_accept_below="1.5"))
     assert env["SGLANG_HS_CAPTURE_SAMPLE_KEY"] == "ab" * 16 and env["SGLANG_HS_CAPTURE_MAX_BYTES"] == str(2 << 20)
+    assert env["SGLANG_HS_CAPTURE_ACCEPT_BELOW"] == "1.5"
     for kw, msg in ((dict(hs_capture_sample_key="xyz"), "--hs-capture-sample-key: 1 to 64 bytes in hex"),
                     (dict(hs_capture_sample_key="ab" * 65), "--hs-capture-sample-key: 1 to 64 bytes in hex"),
                     (dict(hs_capture_max_bytes="lots"), "--hs-capture-max-bytes: 'lots' is not a size"),
-                    (dict(hs_capture_max_bytes="0"), "--hs-capture-max-bytes: must be more than 0 bytes")):
+                    (dict(hs_capture_max_bytes="0"), "--hs-capture-max-bytes: must be more than 0 bytes"),
+                    (dict(hs_capture_accept_below="inf"), "--hs-capture-accept-below: an accept length L > 1")):
         with pytest.raises(CaptureConfigError, match=msg):
             selection_env(NS(**kw))
