@@ -12,9 +12,11 @@ setup:
 demo: setup
 	$(PY) -m sglang_hs.demo
 
-# SGLANG_HS_STRICT_SKIPS=1: a skip that hides a broken set-up (the extension, the trainers' readers) fails
+# SGLANG_HS_STRICT_SKIPS=1: a skip that hides a broken set-up (the extension, the trainers' readers) fails.
+# PARTS pytest processes at once, whole modules each (tests/parts.py, scripts/run_tests.py); PARTS=1: one.
+PARTS ?= 2
 test: setup
-	SGLANG_HS_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=30 tests
+	SGLANG_HS_STRICT_SKIPS=1 $(PY) scripts/run_tests.py --parts $(PARTS) -- -q -ra --durations=30 tests
 
 test-unit: setup
 	SGLANG_HS_STRICT_SKIPS=1 $(PY) -m pytest -q -ra tests/unit

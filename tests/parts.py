@@ -1,0 +1,111 @@
+"""`--part K/N`: run the K-th of N disjoint parts of the selection, so that N pytest processes share the
+machine's cores (scripts/run_tests.py; `make test` runs two). A part is whole modules, and modules that use
+a session-scoped fixture of this suite (a shared server: tests/e2e/conftest.py) stay in one part, so no
+server starts twice. Parts are balanced on each module's measured seconds (tests/module_seconds.json,
+refreshed by `scripts/run_tests.py --update-seconds`), the heaviest group first, each to the lightest part;
+the split depends only on the selection, so every process computes the same one. Loaded by
+tests/conftest.py as a plugin."""
+import inspect
+import json
+import os
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SECONDS_FILE = os.path.join(TESTS, "module_seconds.json")
+UNMEASURED_SECONDS = 60.0  # a module with no measurement yet (a new one) weighs this much
+
+
+def pytest_addoption(parser):
+    parser.addoption("--part", default=None, metavar="K/N",
+                     help="run the K-th (1-based) of N parts of the selection: whole modules, balanced on "
+                          "tests/module_seconds.json (scripts/run_tests.py runs the N parts at once)")
+
+
+def parse_part(text: str):
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--part: K/N with 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def module_of(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def _session_fixtures(item):
+    """Names of the session-scoped fixtures defined in this suite's files (a conftest.py or a test module:
+    not pytest's nor a plugin's) that `item` uses, directly or through other fixtures."""
+    info = getattr(item, "_fixtureinfo", None)
+    names = set()
+    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+        for d in defs:
+            try:
+                where = os.path.abspath(inspect.getfile(d.func))
+            except TypeError:  # a built-in fixture
+                continue
+            if d.scope == "session" and (os.path.basename(where) == "conftest.py" or where == str(item.path)):
+                names.add(name)
+    return names
+
+
+def module_groups(items):
+    """[[module, ...], ...]: modules joined when they share a session-scoped fixture of this suite, in order
+    of first appearance."""
+    parent = {}
+
+    def find(m):
+        while parent[m] != m:
+            parent[m] = parent[parent[m]]
+            m = parent[m]
+        return m
+
+    owner = {}  # fixture name -> a module that uses it
+    for item in items:
+        m = module_of(item)
+        parent.setdefault(m, m)
+        for name in _session_fixtures(item):
+            other = owner.setdefault(name, m)
+            parent[find(m)] = find(other)
+    groups = {}
+    for m in parent:  # dicts keep insertion order: modules in collection order
+        groups.setdefault(find(m), []).append(m)
+    return list(groups.values())
+
+
+def load_seconds(path: str = SECONDS_FILE) -> dict:
+    try:
+        with open(path) as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except FileNotFoundError:
+        return {}
+
+
+def split(groups, n: int, seconds: dict):
+    """N lists of modules: groups heaviest first (ties: first collected), each to the lightest part so far
+    (ties: the lowest index)."""
+    weight = [sum(seconds.get(m, UNMEASURED_SECONDS) for m in g) for g in groups]
+    order = sorted(range(len(groups)), key=lambda i: (-weight[i], i))
+    parts, load = [[] for _ in range(n)], [0.0] * n
+    for i in order:
+        j = min(range(n), key=lambda p: (load[p], p))
+        parts[j].extend(groups[i])
+        load[j] += weight[i]
+    return parts
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected modules are split
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--part")
+    if not spec:
+        return
+    k, n = parse_part(spec)
+    mine = set(split(module_groups(items), n, load_seconds())[k - 1])
+    keep = [it for it in items if module_of(it) in mine]
+    drop = [it for it in items if module_of(it) not in mine]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
