@@ -54,7 +54,9 @@ def _progress(log: str) -> str:
     except OSError:
         return "starting"
     pct = re.findall(r"\[\s*(\d+)%\]", tail)
-    return f"{pct[-1]}%" if pct else "collecting"
+    if pct:
+        return f"{pct[-1]}%"
+    return "running" if re.search(r"^part \d+/\d+: ", tail, re.M) else "collecting"
 
 
 def _summary(log: str) -> str:

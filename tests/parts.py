@@ -103,9 +103,24 @@ def pytest_collection_modifyitems(config, items):
     if not spec:
         return
     k, n = parse_part(spec)
-    mine = set(split(module_groups(items), n, load_seconds())[k - 1])
+    seconds = load_seconds()
+    parts = split(module_groups(items), n, seconds)
+    mine = set(parts[k - 1])
     keep = [it for it in items if module_of(it) in mine]
     drop = [it for it in items if module_of(it) not in mine]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    weight = lambda p: sum(seconds.get(m, UNMEASURED_SECONDS) for m in p)  # noqa: E731
+    config.stash[_SAID] = (f"part {k}/{n}: {len(parts[k - 1])} module(s), ~{weight(parts[k - 1]) / 60:.0f} of "
+                           f"~{sum(map(weight, parts)) / 60:.0f} measured minutes")
+
+
+_SAID = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session):
+    said = session.config.stash.get(_SAID, None)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if said and reporter is not None:
+        reporter.write_line(said)
