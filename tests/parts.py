@@ -1,7 +1,10 @@
 """`--part K/N`: run the K-th of N disjoint parts of the selection, so that N pytest processes share the
-machine's cores (scripts/run_tests.py; `make test` runs two). A part is whole modules, and modules that use
-a session-scoped fixture of this suite (a shared server: tests/e2e/conftest.py) stay in one part, so no
-server starts twice. Parts are balanced on each module's measured seconds (tests/module_seconds.json,
+machine's cores (scripts/run_tests.py; `make test` runs two). A part is whole modules. Modules that use
+the same session-scoped `*_server` fixture of this suite (a shared server: tests/e2e/conftest.py) stay in
+one part, so no server starts twice; the modules marked `many_servers` (several servers at once: two nodes,
+TP/DP ranks, a draft beside a plain twin, four failing starts) stay in one part too, so the two parts never
+hold two such sets at once (memory: a server on the CPU engine is ~3.5 GB over its processes, the machine
+24 GB; cheap session fixtures such as the HF reference are simply made in each part). Parts are balanced on each module's measured seconds (tests/module_seconds.json,
 refreshed by `scripts/run_tests.py --update-seconds`), the heaviest group first, each to the lightest part;
 the split depends only on the selection, so every process computes the same one. Loaded by
 tests/conftest.py as a plugin."""
@@ -36,9 +39,11 @@ def module_of(item) -> str:
     return item.nodeid.split("::")[0]
 
 
-def _session_fixtures(item):
-    """Names of the session-scoped fixtures defined in this suite's files (a conftest.py or a test module:
-    not pytest's nor a plugin's) that `item` uses, directly or through other fixtures."""
+def _joining(item):
+    """What joins `item`'s module to others: the session-scoped `*_server` fixtures defined in this suite's
+    files (a conftest.py or a test module: not pytest's nor a plugin's) it uses, directly or through other
+    fixtures (or names with the `shares` marker, for one reached through `request.getfixturevalue`), and the
+    `many_servers` marker."""
     info = getattr(item, "_fixtureinfo", None)
     names = set()
     for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
@@ -47,14 +52,19 @@ def _session_fixtures(item):
                 where = os.path.abspath(inspect.getfile(d.func))
             except TypeError:  # a built-in fixture
                 continue
-            if d.scope == "session" and (os.path.basename(where) == "conftest.py" or where == str(item.path)):
+            if d.scope == "session" and name.endswith("_server") and \
+                    (os.path.basename(where) == "conftest.py" or where == str(item.path)):
                 names.add(name)
+    if item.get_closest_marker("many_servers") is not None:
+        names.add("@many_servers")
+    for mark in item.iter_markers("shares"):  # a server the module reaches by request.getfixturevalue
+        names.update(mark.args)
     return names
 
 
 def module_groups(items):
-    """[[module, ...], ...]: modules joined when they share a session-scoped fixture of this suite, in order
-    of first appearance."""
+    """[[module, ...], ...]: modules joined when they share a shared server or the `many_servers` marker
+    (_joining), in order of first appearance."""
     parent = {}
 
     def find(m):
@@ -67,7 +77,7 @@ def module_groups(items):
     for item in items:
         m = module_of(item)
         parent.setdefault(m, m)
-        for name in _session_fixtures(item):
+        for name in _joining(item):
             other = owner.setdefault(name, m)
             parent[find(m)] = find(other)
     groups = {}

@@ -30,7 +30,7 @@ from helpers import settled
 from conftest import CHUNK, HOLD_RID, POOL, RETRACT_RATIO
 from sglang_hs import HiddenStateReader
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.shares("float32_pool_server")]  # direct_pair, by name
 LAYERS, N_LAYERS = [2, 4, 5], 8
 GREEDY = {"temperature": 0}
 

@@ -31,7 +31,7 @@ from sglang_hs import HiddenStateReader
 from sglang_hs.reader import NoWriterHere, coverage
 from sglang_hs.tools.supervisor import EXIT_NODE0_LOST
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.many_servers]
 LAYERS, N_LAYERS = [2, 4, 5], 8
 GREEDY = {"temperature": 0}
 SAME_HOST = {"SGLANG_HS_TESTING": "1", "SGLANG_HS_TEST_SAME_HOST_NODES": "1"}

@@ -28,7 +28,7 @@ from helpers import (Launcher, assert_connection_lost, killed_mid_generation, le
                      processes_in_session, server_session, settled, until_decoding)
 from sglang_hs import HiddenStateReader
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.many_servers]
 LAYERS, N_LAYERS = [2, 4, 5], 8
 GREEDY = {"temperature": 0}
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "

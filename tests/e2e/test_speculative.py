@@ -42,7 +42,7 @@ from helpers import metrics_of, settled
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.many_servers]
 LAYERS, N_LAYERS, H = [2, 4, 5], 8, 256
 GREEDY = {"temperature": 0, "custom_params": {"hs_capture": True}}  # the servers capture opted-in requests only
 TEXTS = ("one two three four five six seven eight. " * 5,

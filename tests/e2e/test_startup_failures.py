@@ -13,7 +13,7 @@ import pytest
 from helpers import Launcher, leftover_server_processes
 from sglang_hs.tools.supervisor import EXIT_FATAL, EXIT_NO_OVERLAY, EXIT_STALL
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.many_servers]
 STALL_TIMEOUT = 30  # --hs-startup-timeout of the planted stalls (quiet start-up is reported every quarter of it)
 HANG_VERDICTS = {
     "load": "looks blocked (no process uses CPU: waiting on a lock, a collective or a dead peer)",

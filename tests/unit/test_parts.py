@@ -40,11 +40,24 @@ SUITE = {
         @pytest.fixture(scope="session")
         def via_shared(shared_server):
             return shared_server
+
+        @pytest.fixture(scope="session")
+        def reference():
+            return "cheap: made in each part"
+
+        def pytest_configure(config):
+            config.addinivalue_line("markers", "many_servers: several servers at once")
+            config.addinivalue_line("markers", "shares: shared servers reached by name")
     """,
     "test_a.py": "def test_a(shared_server):\n    pass\n",
     "test_b.py": "def test_b(via_shared):\n    pass\n",  # through another fixture: still joined to test_a
-    "test_c.py": "def test_c(tmp_path_factory):\n    pass\n",  # pytest's own session fixture joins nothing
-    "test_d.py": "def test_d():\n    pass\ndef test_d2():\n    pass\n",
+    "test_c.py": "def test_c(tmp_path_factory, reference):\n    pass\n",  # neither joins: not a *_server
+    "test_d.py": "def test_d(reference):\n    pass\ndef test_d2():\n    pass\n",
+    "test_f.py": "import pytest\npytestmark = pytest.mark.many_servers\ndef test_f():\n    pass\n",
+    "test_g.py": "import pytest\n@pytest.mark.many_servers\ndef test_g():\n    pass\n",
+    # reaches the shared server by name (request.getfixturevalue): says so with the marker
+    "test_h.py": "import pytest\npytestmark = pytest.mark.shares('shared_server')\n"
+                 "def test_h(request):\n    assert request.getfixturevalue('shared_server')\n",
     "test_e.py": "import pytest\n@pytest.mark.parametrize('x', [1, 2])\ndef test_e(x):\n    assert x < 2\n",
 }
 
@@ -67,16 +80,19 @@ def _ran(out):
 
 
 def test_the_parts_cover_the_selection_once_and_keep_shared_fixtures_together(suite):
-    seen = []
-    for k in (1, 2, 3):
-        r = _run(suite, "-rA", "--part", f"{k}/3", "-k", "not test_e")
+    seen, parts_of_cd = [], []
+    for k in (1, 2, 3, 4):
+        r = _run(suite, "-rA", "--part", f"{k}/4", "-k", "not test_e")
         assert r.returncode in (0, 5), r.stdout + r.stderr
         ran = [l.split(" ")[1] for l in r.stdout.splitlines() if l.startswith("PASSED ")]
         seen += ran
         mods = {n.split("::")[0] for n in ran}
-        assert ("test_a.py" in mods) == ("test_b.py" in mods), ran  # one shared server: one part
+        assert ("test_a.py" in mods) == ("test_b.py" in mods) == ("test_h.py" in mods), ran  # one server: one part
+        assert ("test_f.py" in mods) == ("test_g.py" in mods), ran  # several servers at once: one part
+        parts_of_cd.append(("test_c.py" in mods, "test_d.py" in mods))
     assert sorted(seen) == ["test_a.py::test_a", "test_b.py::test_b", "test_c.py::test_c", "test_d.py::test_d",
-                            "test_d.py::test_d2"]
+                            "test_d.py::test_d2", "test_f.py::test_f", "test_g.py::test_g", "test_h.py::test_h"]
+    assert (True, True) not in parts_of_cd  # a cheap session fixture does not join: 4 groups, 4 parts
     r = _run(suite, "--part", "3/2")
     assert r.returncode != 0 and "--part: K/N with 1 <= K <= N, got '3/2'" in r.stderr
 
