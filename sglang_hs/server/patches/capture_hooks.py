@@ -42,6 +42,7 @@ def _after_init_capturers(self) -> None:
     if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
         return  # one writer per data-parallel attention group: its attention-TP rank 0
     from sglang_hs import envs
+    from sglang_hs.server.identity import served_identity
     from sglang_hs.server.store.writer import CaptureWriter
 
     staging_rows = envs.SGLANG_HS_STAGING_ROWS or (_reserved[0] if _reserved else _default_staging_rows(self))
@@ -55,7 +56,7 @@ def _after_init_capturers(self) -> None:
         device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
         # one writer per DP attention group; the dump dir is this node's: it lists this node's writers
-        writer_id=writer_id, node=node_writers(par),
+        writer_id=writer_id, node=node_writers(par), served=served_identity(self.server_args),
     )
     model.hs_writer = _writer
     follow_kv_moves(self.token_to_kv_pool, _writer)

@@ -73,9 +73,10 @@ class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
                  context_len: int = 0, copy: str = "direct", staging_rows: int = 0, node: Optional[dict] = None,
-                 page_size: int = 1) -> None:
+                 page_size: int = 1, served: Optional[dict] = None) -> None:
         """`writer_id`: this writer's DP attention rank. `node`: this node's writers (capture_hooks.node_writers:
-        dp_ranks, dp_size, nnodes, node_rank); default a single node with one DP group."""
+        dp_ranks, dp_size, nnodes, node_rank); default a single node with one DP group. `served`: the target,
+        draft and chat template that serve (identity.served_identity), kept in the manifest."""
         from sglang_hs import envs
 
         if copy not in envs.COPY_STRATEGIES:
@@ -144,6 +145,7 @@ class CaptureWriter:
             "context_len": context_len,
             "page_size": page_size,  # the KV pool's: the store holds a page of slots more than SGLang's pool
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
+            "served": served,  # what served the records: target, draft, speculative settings, chat template
             # ring_id: tells this ring's records from those of another server's ring (e.g. a harvester's
             # file names: sequence numbers start at 1 in every ring)
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
