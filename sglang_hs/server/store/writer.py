@@ -291,9 +291,10 @@ class CaptureWriter:
             self._registered = None
 
     def finish(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
-               next_token: int = -1) -> None:
+               next_token: int = -1, meta: bytes = b"") -> None:
         """Publish the record of a finished request: `slots` are its KV slots in position order;
-        `prompt_len` and `next_token` (the token after the last row) go into the record (ring.py)."""
+        `prompt_len`, `next_token` (the token after the last row) and `meta` (ring.encode_meta) go into the
+        record (ring.py)."""
         t0 = time.perf_counter()
         T = len(token_ids)
         if slots.shape[0] != T:
@@ -312,17 +313,17 @@ class CaptureWriter:
         if self.staging is not None:
             self.stats["store_wait_s"] += self.staging.drain()  # every computed row is in the store
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
-        self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token)
+        self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token, meta=meta)
 
     def publish_gathered(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, t0: Optional[float] = None, *,
-                         prompt_len: Optional[int] = None, next_token: int = -1) -> None:
+                         prompt_len: Optional[int] = None, next_token: int = -1, meta: bytes = b"") -> None:
         """Gather store[slots] (host slot ids, every row already in the store) straight into the ring and
         publish the record. The synchronous finish runs it on the scheduler thread, the finish worker
         (sglang_hs/server/store/finisher.py) on its own; the gather (csrc/gather_rows_cpu.cpp) runs without the GIL."""
         t0 = time.perf_counter() if t0 is None else t0
         T = int(slots.shape[0])
         self.ring.publish(rid, ids, gather_from=self.store, slots=slots,  # gathered straight into the ring
-                          prompt_len=prompt_len, next_token=next_token)
+                          prompt_len=prompt_len, next_token=next_token, meta=meta)
         self.stats["records"] += 1
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
