@@ -131,7 +131,6 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
         # the record's steps are SGLang's: as many as its verify passes, their accepted drafts summing to its count
         steps = rec.meta["speculative"]["accepted_drafts"]
         assert (len(steps), sum(steps), rec.meta["speculative"]["verify_steps"]) == (verifies, accepted, verifies)
-        assert 0 in steps, (rid, steps)  # a step that accepted nothing: the draft's miss, where it happened
         _exact(rec, hf, (ids + out["output_ids"])[:-1])
     assert total > 0
     after = settled(server)["writer"]
