@@ -27,6 +27,7 @@ The servers harvest as a production one would (--hs-capture opt-in): the tests' 
 does not leaves a marker; and the extraction CLI's --regenerate runs against each server.
 """
 import concurrent.futures as cf
+import hashlib
 import json
 
 import pytest
@@ -55,8 +56,31 @@ TEXTS = ("one two three four five six seven eight. " * 5,
 def served(speculative_server):
     reader = HiddenStateReader(str(speculative_server.dump))
     assert reader.manifest["dtype"] == "float32" and reader.manifest["rows_per_token"] == 5
+    _check_served(reader.manifest["served"], speculative_server.algorithm)
     yield speculative_server, reader
     reader.close()
+
+
+def _check_served(served, algorithm):
+    """The manifest names the target, the draft (its config's hash) and how it drafted, and the chat template."""
+    from sglang_hs.tools import tiny_eagle3, tiny_model
+
+    def sha(path):
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    target = tiny_model.ensure("v3-mtp" if algorithm == "EAGLE" else "v3")
+    assert served["target"] == {"path": target, "revision": None, "config_sha256": sha(f"{target}/config.json")}
+    assert served["speculative"]["algorithm"] == algorithm, served
+    if algorithm == "NGRAM":
+        assert served["draft"] is None
+    else:  # EAGLE: the MTP layer of the target's own checkpoint; EAGLE3: the draft generated at test time
+        draft = target if algorithm == "EAGLE" else tiny_eagle3.ensure()
+        assert served["draft"]["path"] == draft and served["draft"]["config_sha256"] == sha(f"{draft}/config.json")
+        assert served["speculative"]["num_steps"] == 1 and served["speculative"]["eagle_topk"] == 1, served
+    with open(f"{target}/tokenizer_config.json") as f:
+        template = json.load(f).get("chat_template")
+    assert template and served["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
 
 
 def _exact(rec, hf, want):
@@ -104,6 +128,9 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
         total += accepted
         rec = reader.take(rid, timeout=60)
         assert rec.prompt_len == len(ids)
+        # the record's steps are SGLang's: as many as its verify passes, their accepted drafts summing to its count
+        steps = rec.meta["speculative"]["accepted_drafts"]
+        assert (len(steps), sum(steps), rec.meta["speculative"]["verify_steps"]) == (verifies, accepted, verifies)
         _exact(rec, hf, (ids + out["output_ids"])[:-1])
     assert total > 0
     after = settled(server)["writer"]

@@ -219,3 +219,33 @@ def test_token_record_is_the_prompt_then_the_output_as_int64(prompt, output):
     tokens = _token_record(prompt, output)
     assert tokens.typecode == "q" and tokens.tolist() == list(prompt) + list(output)
     assert list(prompt) == [5, 129279, 7]  # the request's own arrays are not changed
+
+
+def test_a_speculative_requests_record_carries_each_verify_steps_accepted_drafts(hook, monkeypatch):
+    """SGLang calls Req.update_spec_correct_drafts_histogram once per verify step with the drafts that step
+    accepted; through the wrap its histogram stays SGLang's and the record's metadata lists the steps in
+    order. A request that never verified (a plain server's) has no metadata."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_hs.server.patches import capture_hooks
+    from sglang_hs.server.store.admission import meta_bound
+
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "update_spec_correct_drafts_histogram",
+                        Req.update_spec_correct_drafts_histogram)
+    monkeypatch.setattr(Req, "update_spec_correct_drafts_histogram", capture_hooks._step_accepted)
+    steps = [1, 0, 3, 0, 0, 2]
+    req = _req("spec", [1, 2, 3], list(range(40, 52)), pool_idx=0)
+    for n in steps:
+        req.spec_verify_ct += 1
+        req.spec_num_correct_drafts += n
+        req.update_spec_correct_drafts_histogram(n)
+    assert req.spec_correct_drafts_histogram == [3, 1, 1, 1]  # SGLang's own, unchanged
+    hook.finish(req)
+    hook.finish(_req("plain", [1, 2, 3], [40, 41], pool_idx=1))
+    _assert_record(hook, "plain", [1, 2, 3, 40], hook.table[1, :4].tolist(), 3, [40, 41])
+    hook.settle()
+    rec = hook.reader.take("spec", timeout=5)
+    assert rec.meta == {"speculative": {"verify_steps": 6, "accepted_drafts": steps}}
+    assert len(rec.meta["speculative"]["accepted_drafts"]) == req.spec_verify_ct
+    assert sum(rec.meta["speculative"]["accepted_drafts"]) == req.spec_num_correct_drafts
+    assert len(capture_hooks.record_meta(req)) <= meta_bound(len(req.output_ids))  # admission reserved enough

@@ -182,8 +182,8 @@ def test_prompt_length_and_next_token_are_checked_and_default_to_all_prompt(tmp_
         w.publish("said", ids, rows, prompt_len=2, next_token=77)
         base = ring.HEADER_BYTES + ring.record_bytes(5, P, H, 2, len("plain")) + (rec if fix_crc else 0)
         hdr = bytearray(bytes(region.buf[base : base + ring._REC.size].tolist()))
-        assert ring._REC.unpack(bytes(hdr))[-2:] == (2, 77)
-        struct.pack_into("<I", hdr, ring._REC.size - 8, prompt_len)
+        assert ring._REC.unpack(bytes(hdr))[-3:] == (2, 77, 0)  # prompt_len, next_token, meta_len
+        struct.pack_into("<I", hdr, ring._REC.size - 12, prompt_len)
         region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
         if fix_crc:
             trail = base + rec - ring.ALIGN
@@ -193,7 +193,7 @@ def test_prompt_length_and_next_token_are_checked_and_default_to_all_prompt(tmp_
         with pytest.raises(ring.TornRecord, match=message):
             ring.RingReader.open(str(tmp_path), "r").drain()
         if not fix_crc:  # put it back and consume it, so the next record is the one altered
-            struct.pack_into("<I", hdr, ring._REC.size - 8, 2)
+            struct.pack_into("<I", hdr, ring._REC.size - 12, 2)
             region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
             (said,) = ring.RingReader.open(str(tmp_path), "r").drain()
             assert (said.prompt_len, said.next_token) == (2, 77)
@@ -225,3 +225,39 @@ def test_request_ids_up_to_the_header_limit_and_a_refused_one_leaves_the_ring_as
     recs = ring.RingReader.open(str(tmp_path), "r").drain()
     assert [(r.rid, r.seq) for r in recs] == [(longest, 1), ("next", 2)]
     assert torch.equal(recs[1].input_ids, ids + 1) and torch.equal(recs[1].rows, rows * 2)
+
+
+def test_a_records_metadata_crosses_whole_and_is_checksummed(tmp_path):
+    """A record's metadata (encode_meta: a JSON object after the request id) reaches the reader as it was
+    written, gathered or given rows alike, and lengthens the record by its aligned size only; a record
+    without it reads as {}. A byte of it altered is a checksum mismatch, never a record with other metadata."""
+    w = ring.RingWriter.create(str(tmp_path), "r", 1 << 16)
+    ids, rows = torch.arange(5, dtype=torch.int32), torch.randn(5, P, H).to(torch.bfloat16)
+    meta = {"speculative": {"verify_steps": 3, "accepted_drafts": [1, 0, 2]}, "é": "ü" * 40}
+    raw = ring.encode_meta(meta)
+    assert ring.encode_meta(None) == ring.encode_meta({}) == b"" and len(raw) > ring.ALIGN
+    w.publish("with", ids, rows, meta=raw)
+    w.publish("gathered", ids, gather_from=rows.repeat(2, 1, 1), slots=torch.tensor([9, 8, 7, 6, 5]), meta=raw)
+    w.publish("without", ids, rows)
+    a, b, c = ring.RingReader.open(str(tmp_path), "r").drain()
+    assert (a.meta, b.meta, c.meta) == (meta, meta, {}) and torch.equal(a.rows, rows) and torch.equal(a.input_ids, ids)
+    assert torch.equal(b.rows, rows.repeat(2, 1, 1)[[9, 8, 7, 6, 5]])
+    assert ring.record_bytes(5, P, H, 2, 4, len(raw)) - ring.record_bytes(5, P, H, 2, 4) == ring._align(len(raw))
+    # one byte of the metadata altered: the trailer's CRC no longer matches
+    w.publish("altered", ids, rows, meta=raw)
+    region = SharedRegion.open(str(tmp_path), "r")
+    base = ring.HEADER_BYTES + 3 * ring.record_bytes(5, P, H, 2, 0, 0) + ring._align(len("with")) \
+        + ring._align(len("gathered")) + ring._align(len("without")) + 2 * ring._align(len(raw))
+    hdr = bytes(region.buf[base : base + ring._REC.size].tolist())
+    assert ring._REC.unpack(hdr)[-1] == len(raw)
+    m0 = base + ring.ALIGN + ring._align(len("altered"))
+    assert bytes(region.buf[m0 : m0 + len(raw)].tolist()) == raw
+    region.buf[m0 + 5] = region.buf[m0 + 5] ^ 1
+    with pytest.raises(ring.TornRecord, match="metadata altered .checksum mismatch"):
+        ring.RingReader.open(str(tmp_path), "r").drain()
+    # a writer of another build that wrote something not an object is refused too (its CRC matches)
+    region.buf[m0 + 5] = region.buf[m0 + 5] ^ 1
+    w2 = ring.RingWriter.create(str(tmp_path), "r2", 1 << 14)
+    w2.publish("list", ids, rows, meta=b"[1,2]")
+    with pytest.raises(ring.TornRecord, match="metadata is not a JSON object"):
+        ring.RingReader.open(str(tmp_path), "r2").drain()

@@ -20,7 +20,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | the status; step hooks of --hs-copy staging) |                  |
 |                   | and ModelRunner.alloc_memory_pool (hold the  |                  |
 |                   | staging buffers' device memory before the KV |                  |
-|                   | pool is sized)                               |                  |
+|                   | pool is sized); Req.update_spec_correct_     |                  |
+|                   | drafts_histogram (each verify step's         |                  |
+|                   | accepted drafts, in order, for the record)   |                  |
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
@@ -78,6 +80,10 @@ capture_hooks
             point after `ModelRunner.forward` returns, where SGLang calls its capturers' `on_forward_end`.
             The same point counts every step in the overlay's status (a replay skips the model's
             Python, and capture passes call the model without ModelRunner.forward).
+            Under speculative decoding a record carries each verify step's accepted drafts in order
+            (its metadata): SGLang keeps only their count and histogram per request, and calls
+            `Req.update_spec_correct_drafts_histogram` once per step with that step's count, so the
+            wrap appends it to a per-request array (2 bytes a step).
             SGLang sizes the KV pool from the device memory free when `alloc_memory_pool` runs (for
             MLA models once, before graph capture: no post-capture resize), and the store is made only
             after it; so the staging buffers' device bytes are held just before, and handed to the

@@ -42,6 +42,7 @@ def _after_init_capturers(self) -> None:
     if par.attn_tp_rank != 0 or getattr(par, "attn_cp_rank", 0) != 0:
         return  # one writer per data-parallel attention group: its attention-TP rank 0
     from sglang_hs import envs
+    from sglang_hs.server.identity import served_identity
     from sglang_hs.server.store.writer import CaptureWriter
 
     staging_rows = envs.SGLANG_HS_STAGING_ROWS or (_reserved[0] if _reserved else _default_staging_rows(self))
@@ -55,7 +56,7 @@ def _after_init_capturers(self) -> None:
         device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
         # one writer per DP attention group; the dump dir is this node's: it lists this node's writers
-        writer_id=writer_id, node=node_writers(par),
+        writer_id=writer_id, node=node_writers(par), served=served_identity(getattr(self, "server_args", None)),
     )
     model.hs_writer = _writer
     follow_kv_moves(self.token_to_kv_pool, _writer)
@@ -71,7 +72,9 @@ def _after_init_capturers(self) -> None:
                                   mode=envs.SGLANG_HS_CAPTURE, sample=envs.SGLANG_HS_CAPTURE_SAMPLE,
                                   when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len,
                                   sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
-                                  max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES)
+                                  max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES,
+                                  speculative=bool(getattr(getattr(self, "server_args", None), "speculative_algorithm",
+                                                           None)))
     _accept_below = envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
@@ -258,7 +261,7 @@ def _after_collect(self, req) -> None:
     T = len(tokens) - 1  # every prompt token, every generated token but the last
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:T]
     # where the prompt ends, and the last token (no row): the record then holds the whole exchange
-    said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]))
+    said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]), meta=record_meta(req))
     worker = _finish_worker(self)
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
         worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket)
@@ -279,6 +282,27 @@ def accept_length(req) -> Optional[float]:
     run, which can reach past an EOS, a stop string or max_new_tokens."""
     verifies = getattr(req, "spec_verify_ct", 0) or 0
     return len(req.output_ids_through_stop) / verifies if verifies > 0 else None
+
+
+def _step_accepted(self, num_correct_drafts: int) -> None:
+    """Req.update_spec_correct_drafts_histogram, called once per verify step of a request with the drafts it
+    accepted (the bonus token not counted): SGLang keeps their histogram, the record keeps them in order."""
+    ORIGINALS["update_spec_correct_drafts_histogram"](self, num_correct_drafts)
+    steps = getattr(self, "hs_accepted_drafts", None)
+    if steps is None:
+        steps = self.hs_accepted_drafts = array("H")
+    steps.append(min(int(num_correct_drafts), 0xFFFF))
+
+
+def record_meta(req) -> bytes:
+    """A record's metadata (ring.encode_meta): under speculative decoding, the drafts each verify step of the
+    request accepted, in order (its accept length at step i is accepted_drafts[i] + 1, the bonus token)."""
+    from sglang_hs.server.store.ring import encode_meta
+
+    steps = getattr(req, "hs_accepted_drafts", None)
+    if not steps:
+        return b""
+    return encode_meta({"speculative": {"verify_steps": len(steps), "accepted_drafts": steps.tolist()}})
 
 
 def _draft_did_well(req) -> bool:
@@ -422,6 +446,7 @@ def apply():
     from sglang.srt.managers.scheduler_components.batch_result_processor import (
         SchedulerBatchResultProcessor as BatchResultProcessor,
     )
+    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -436,6 +461,7 @@ def apply():
     ORIGINALS["alloc_memory_pool"] = ModelRunner.alloc_memory_pool
     ORIGINALS["get_next_batch_to_run"] = Scheduler.get_next_batch_to_run
     ORIGINALS["on_idle"] = Scheduler.on_idle
+    ORIGINALS["update_spec_correct_drafts_histogram"] = Req.update_spec_correct_drafts_histogram
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
@@ -444,4 +470,5 @@ def apply():
     ModelRunner.alloc_memory_pool = _alloc_memory_pool
     Scheduler.get_next_batch_to_run = _get_next_batch_to_run
     Scheduler.on_idle = _on_idle
+    Req.update_spec_correct_drafts_histogram = _step_accepted
     return dict(ORIGINALS)

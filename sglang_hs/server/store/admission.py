@@ -121,6 +121,13 @@ def select(req, mode: str = "all", sample: Optional[float] = None, key: bytes = 
     return None if mode == "all" else "not_opted_in"
 
 
+def meta_bound(max_new: int) -> int:
+    """The most metadata bytes a speculative request's record holds (capture_hooks.record_meta): a verify step
+    emits at least one token, so at most max_new steps, each at most 6 bytes of JSON ("65535,"), plus the
+    object around them."""
+    return 64 + 6 * max(0, max_new)
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted request's share: the ring bytes reserved for its record or marker, and its decision."""
@@ -142,7 +149,7 @@ class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
                  timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
                  when_behind: str = "hold", recorded_prompt_len: Optional[Callable[[object], Optional[int]]] = None,
-                 sample_key: bytes = b"", max_bytes: Optional[int] = None) -> None:
+                 sample_key: bytes = b"", max_bytes: Optional[int] = None, speculative: bool = False) -> None:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
         # the prompt length a request's record will have when it is not len(input_ids) (a session turn's
         # record holds the session's context: sglang_hs/server/store/session_turns.py); None: len(input_ids)
@@ -150,6 +157,7 @@ class AdmissionControl:
         self.timeout = timeout
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
         self.sample_key, self.max_bytes = sample_key, max_bytes
+        self.speculative = speculative  # records carry each verify step's accepted drafts (meta_bound)
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
         # used again (a retry while the old request's record is still being published, a duplicate) has one
         # ticket per request: a finish finds its own (_find) and hands it to the finish worker with the
@@ -175,7 +183,8 @@ class AdmissionControl:
         if max_new is None:
             max_new = max(1, self.context_len - n_in)
         rows = max(0, n_in + max_new - 1)
-        return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()))
+        meta = meta_bound(max_new) if self.speculative else 0
+        return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta)
 
     def filter(self, pulled: Optional[List], known_rids: Optional[Callable[[], Optional[set]]] = None) -> Optional[List]:
         """Called with what the writer rank pulled this iteration; returns what may enter now.

@@ -120,6 +120,7 @@ class _Job:
     skipped: Optional[str] = None  # a marker record of a request served without capture: its reason
     prompt_len: Optional[int] = None  # where the prompt ends in ids (None: all prompt)
     next_token: int = -1  # the token after the last row (the last generated one)
+    meta: bytes = b""  # the record's metadata (ring.encode_meta)
     ticket: Any = None  # the request's admission ticket, handed back to on_done: its reservation, exactly
     shipped: int = 0  # staging: the last chunk shipped at hand-over (the gather needs none after it)
 
@@ -190,12 +191,12 @@ class FinishWorker:
 
     # --- the scheduler's side --------------------------------------------------------------------
     def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
-               next_token: int = -1, ticket=None) -> None:
+               next_token: int = -1, ticket=None, meta: bytes = b"") -> None:
         """Hand over a finished request: its token ids (a list or an int64 array.array the caller no
         longer changes, or a tensor) and its KV slots in position order (a view of req_to_token is fine:
         the slot ids are copied here, before SGLang reuses the row), its prompt length and the token after
-        its last row. A list or an array is converted on the worker thread. `ticket` (its admission
-        ticket) goes back to on_done.
+        its last row, and its record's metadata (`meta`). A list or an array is converted on the worker
+        thread. `ticket` (its admission ticket) goes back to on_done.
         On CUDA the slot ids and the rows (direct mode) must be final when submit is called: the forward
         that wrote the request's last rows has completed, as it has in SGLang's result processing (it
         synchronises the batch's copy_done before it finishes a request); the copy to the host does not
@@ -233,7 +234,7 @@ class FinishWorker:
         self._pending[seq] = rid
         self.untracked += ticket is None
         self._enqueue(_Job(seq, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
-                           ticket=ticket, shipped=shipped))
+                           ticket=ticket, shipped=shipped, meta=meta))
 
     def submit_marker(self, rid: str, reason: str, ticket=None) -> None:
         """Hand over the marker record of a request served without capture (no rows, nothing to gather):
@@ -520,7 +521,8 @@ class FinishWorker:
             ids = torch.frombuffer(ids, dtype=torch.int64).to(torch.int32)
         elif not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
             ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32)
-        w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token)
+        w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token,
+                           meta=job.meta)
 
 
 def _lower_priority(tid: int, nice: int) -> None:

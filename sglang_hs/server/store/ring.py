@@ -25,9 +25,9 @@ read further: the ring fills and admission control holds or skips requests as wi
 value a reader writes can stop the server or make it write outside the ring.
 
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
-rid length, prompt length, next token), the request id (utf-8), input_ids int32[T], rows [T, P, H],
-then a 64-byte trailer that repeats magic, sequence number and length and holds a CRC-32 of the header
-and request id. A record never wraps: when one does not fit before the end of the buffer the writer
+rid length, prompt length, next token, metadata length), the request id (utf-8), the metadata (a JSON
+object, utf-8; empty for none), input_ids int32[T], rows [T, P, H], then a 64-byte trailer that repeats
+magic, sequence number and length and holds a CRC-32 of the header, request id and metadata. A record never wraps: when one does not fit before the end of the buffer the writer
 publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and starts again at 0. The writer
 only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes
 below the HEAD it acquire-loaded, so a record is either wholly visible or not at all; header/trailer
@@ -58,13 +58,14 @@ then takes that offset and may write over the views while they are used, so a co
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from stat import S_ISREG
 from typing import List, Optional
 
@@ -74,10 +75,11 @@ from sglang_hs._ext import ext
 from sglang_hs.server.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 6  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
+VERSION = 7  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
 # 4: the record header holds the prompt length and the token after the last row (harvesting live traffic);
 # 5: the reader writes its offset into its own file (ring-*.offset), the ring is the writer's alone;
-# 6: marker reason 7, draft_accepted (--hs-capture-accept-below)
+# 6: marker reason 7, draft_accepted (--hs-capture-accept-below); 7: a record's metadata (meta_len, JSON after
+# the request id: under speculative decoding each verify step's accepted drafts)
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
@@ -85,9 +87,10 @@ OFF_TAIL_SEQ = 136  # sequence number of the record that ends at TAIL (the write
 OFFSET_BYTES = 64  # the reader's offset file: its read offset at 0, its pid at 8
 OFFSET_PID = 8
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
-# magic, flags, total, seq, T, P, H, dtype, pad, rid_len, prompt_len, next_token (46 of the header's 64 bytes)
-_REC = struct.Struct("<IIQQIHIBxHIi")
-_TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid), seq, total
+# magic, flags, total, seq, T, P, H, dtype, pad, rid_len, prompt_len, next_token, meta_len (50 of the header's 64
+# bytes)
+_REC = struct.Struct("<IIQQIHIBxHIiI")
+_TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid + meta), seq, total
 ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
@@ -150,8 +153,13 @@ def _create_offset_file(dir_path: str, name: str) -> int:
     return fd
 
 
-def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int) -> int:
-    return ALIGN + _align(rid_len) + _align(4 * T) + _align(T * P * H * elem) + ALIGN
+def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int, meta_len: int = 0) -> int:
+    return ALIGN + _align(rid_len) + _align(meta_len) + _align(4 * T) + _align(T * P * H * elem) + ALIGN
+
+
+def encode_meta(meta: Optional[dict]) -> bytes:
+    """A record's metadata as the ring holds it (compact JSON, utf-8; b"" for none)."""
+    return json.dumps(meta, separators=(",", ":")).encode() if meta else b""
 
 
 def _open_offset_file(dir_path: str, name: str, owner: int) -> int:
@@ -182,6 +190,7 @@ class Record:
     prompt_len: int = 0  # rows >= prompt_len are generated tokens (T + 1 when nothing was generated)
     next_token: int = -1  # the token after the last row (the last generated one); -1: not recorded
     offset: int = -1  # the logical offset it starts at (RingReader.holds)
+    meta: dict = field(default_factory=dict)  # what the writer said about the request (encode_meta)
 
     @property
     def num_tokens(self) -> int:
@@ -271,13 +280,14 @@ class RingWriter:
 
     def publish(self, rid: str, input_ids: torch.Tensor, rows: Optional[torch.Tensor] = None, timeout: float = 60.0,
                 *, gather_from: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None,
-                skipped: int = 0, prompt_len: Optional[int] = None, next_token: int = -1) -> int:
+                skipped: int = 0, prompt_len: Optional[int] = None, next_token: int = -1, meta: bytes = b"") -> int:
         """Append one record; returns its sequence number. Blocks while the ring is full (bounded).
 
         The rows are either `rows` [T, P, H], or gathered straight into the ring as
         `gather_from[slots]` (a store [S, P, H] and its KV slots [T]): one copy fewer. `skipped` (a
         SKIP_REASONS code) makes it a marker record: T must be 0. `prompt_len` (default T: no row is a
-        generated token) and `next_token` (the token after the last row) go into the header."""
+        generated token) and `next_token` (the token after the last row) go into the header, `meta`
+        (encode_meta) after the request id."""
         if rows is not None:
             T, P, H = rows.shape
             dtype = rows.dtype
@@ -291,7 +301,7 @@ class RingWriter:
         if len(rid_b) > MAX_RID_BYTES:
             raise ValueError(f"request id of {len(rid_b)} bytes (utf-8): the output ring's records hold at most "
                              f"{MAX_RID_BYTES}")
-        total = record_bytes(T, P, H, elem, len(rid_b))
+        total = record_bytes(T, P, H, elem, len(rid_b), len(meta))
         if total > self.capacity:
             raise ValueError(f"record of {total} bytes (rid {rid[:200]!r}, {T} tokens) exceeds the output ring's "
                              f"capacity of {self.capacity} bytes: raise --hs-ring-size")
@@ -300,10 +310,10 @@ class RingWriter:
         seq = self.seq + 1
         try:
             header = _REC.pack(REC_MAGIC, skipped, total, seq, T, P, H, DTYPES[dtype], len(rid_b), prompt_len,
-                               next_token)
+                               next_token, len(meta))
         except struct.error as e:
             raise ValueError(f"record of request {rid[:200]!r} cannot be encoded ({e}): T={T}, P={P}, H={H}") from None
-        trailer = _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b), seq, total)
+        trailer = _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b + meta), seq, total)
         # the writer's own, never read back from the ring file:
         # docs/security.md#what-a-member-of-the-share-group-can-and-cannot-do
         head = self.head
@@ -312,7 +322,7 @@ class RingWriter:
             skip = self.capacity - pos
             self._wait_for(skip + total, timeout)
             if skip >= ALIGN:
-                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0, 0, 0))
+                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0, 0, 0, 0))
             head += skip
             self.r.store_release(OFF_HEAD, head)
             self.head = head
@@ -324,6 +334,9 @@ class RingWriter:
         o = ALIGN
         buf[base + o : base + o + len(rid_b)] = torch.frombuffer(bytearray(rid_b), dtype=torch.uint8) if rid_b else buf[:0]
         o += _align(len(rid_b))
+        if meta:
+            buf[base + o : base + o + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+            o += _align(len(meta))
         buf[base + o : base + o + 4 * T] = input_ids.to(torch.int32).contiguous().view(torch.uint8)
         o += _align(4 * T)
         n = T * P * H * elem
@@ -524,7 +537,7 @@ class RingReader:
                 continue
             base = HEADER_BYTES + pos
             header = bytes(self.r.buf[base : base + _REC.size].tolist())
-            magic, flags, total, seq, T, P, H, dt, rid_len, prompt_len, next_token = _REC.unpack(header)
+            magic, flags, total, seq, T, P, H, dt, rid_len, prompt_len, next_token, meta_len = _REC.unpack(header)
             if magic == SKIP_MAGIC:
                 if not _valid_skip(pos, total, head - tail, self.capacity):
                     raise TornRecord(f"{self.r.path}: corrupt skip marker at offset {tail}")
@@ -536,12 +549,14 @@ class RingReader:
             tm, crc, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
             dtype = DTYPE_OF[dt]
             elem = torch.empty(0, dtype=dtype).element_size()
-            if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len):
+            if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len, meta_len):
                 raise TornRecord(f"{self.r.path}: torn record seq {seq} at offset {tail}")
             rid_b = bytes(self.r.buf[base + ALIGN : base + ALIGN + rid_len].tolist())
-            if crc != zlib.crc32(header + rid_b):
-                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: header or request id altered "
-                                 "(checksum mismatch)")
+            m0 = base + ALIGN + _align(rid_len)
+            meta_b = bytes(self.r.buf[m0 : m0 + meta_len].tolist()) if meta_len else b""
+            if crc != zlib.crc32(header + rid_b + meta_b):
+                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: header, request id or metadata "
+                                 "altered (checksum mismatch)")
             # The first record may be further on: a reader killed between storing TAIL and TAIL_SEQ.
             if seq <= last_seq or (not first and seq != last_seq + 1):
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} after seq {last_seq} "
@@ -551,7 +566,13 @@ class RingReader:
                 rid = rid_b.decode()
             except UnicodeDecodeError:
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: request id is not UTF-8") from None
-            o = base + ALIGN + _align(rid_len)
+            try:
+                meta = json.loads(meta_b) if meta_b else {}
+            except ValueError:
+                meta = None
+            if not isinstance(meta, dict):
+                raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: metadata is not a JSON object")
+            o = m0 + _align(meta_len)
             ids = take(o, 4 * T).view(torch.int32)
             o += _align(4 * T)
             rows = take(o, T * P * H * elem).view(dtype).view(T, P, H)
@@ -561,4 +582,4 @@ class RingReader:
                                  "the share group?)")
             start, tail = tail, tail + total
             yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
-                         next_token=next_token, offset=start), tail
+                         next_token=next_token, offset=start, meta=meta), tail

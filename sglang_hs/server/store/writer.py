@@ -73,9 +73,10 @@ class CaptureWriter:
     def __init__(self, dump_dir: str, spec: CaptureSpec, num_slots: int, dtype: torch.dtype, ring_bytes: int,
                  model_path: str = "", architecture: str = "", writer_id: int = 0, device: str = "cpu",
                  context_len: int = 0, copy: str = "direct", staging_rows: int = 0, node: Optional[dict] = None,
-                 page_size: int = 1) -> None:
+                 page_size: int = 1, served: Optional[dict] = None) -> None:
         """`writer_id`: this writer's DP attention rank. `node`: this node's writers (capture_hooks.node_writers:
-        dp_ranks, dp_size, nnodes, node_rank); default a single node with one DP group."""
+        dp_ranks, dp_size, nnodes, node_rank); default a single node with one DP group. `served`: the target,
+        draft and chat template that serve (identity.served_identity), kept in the manifest."""
         from sglang_hs import envs
 
         if copy not in envs.COPY_STRATEGIES:
@@ -144,6 +145,7 @@ class CaptureWriter:
             "context_len": context_len,
             "page_size": page_size,  # the KV pool's: the store holds a page of slots more than SGLang's pool
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
+            "served": served,  # what served the records: target, draft, speculative settings, chat template
             # ring_id: tells this ring's records from those of another server's ring (e.g. a harvester's
             # file names: sequence numbers start at 1 in every ring)
             "writers": [{"id": writer_id, "pid": os.getpid(), "ring": f"ring-w{writer_id}.bin",
@@ -289,9 +291,10 @@ class CaptureWriter:
             self._registered = None
 
     def finish(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
-               next_token: int = -1) -> None:
+               next_token: int = -1, meta: bytes = b"") -> None:
         """Publish the record of a finished request: `slots` are its KV slots in position order;
-        `prompt_len` and `next_token` (the token after the last row) go into the record (ring.py)."""
+        `prompt_len`, `next_token` (the token after the last row) and `meta` (ring.encode_meta) go into the
+        record (ring.py)."""
         t0 = time.perf_counter()
         T = len(token_ids)
         if slots.shape[0] != T:
@@ -310,17 +313,17 @@ class CaptureWriter:
         if self.staging is not None:
             self.stats["store_wait_s"] += self.staging.drain()  # every computed row is in the store
         ids = torch.as_tensor(list(token_ids), dtype=torch.int32)
-        self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token)
+        self.publish_gathered(rid, ids, slots.cpu(), t0, prompt_len=prompt_len, next_token=next_token, meta=meta)
 
     def publish_gathered(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, t0: Optional[float] = None, *,
-                         prompt_len: Optional[int] = None, next_token: int = -1) -> None:
+                         prompt_len: Optional[int] = None, next_token: int = -1, meta: bytes = b"") -> None:
         """Gather store[slots] (host slot ids, every row already in the store) straight into the ring and
         publish the record. The synchronous finish runs it on the scheduler thread, the finish worker
         (sglang_hs/server/store/finisher.py) on its own; the gather (csrc/gather_rows_cpu.cpp) runs without the GIL."""
         t0 = time.perf_counter() if t0 is None else t0
         T = int(slots.shape[0])
         self.ring.publish(rid, ids, gather_from=self.store, slots=slots,  # gathered straight into the ring
-                          prompt_len=prompt_len, next_token=next_token)
+                          prompt_len=prompt_len, next_token=next_token, meta=meta)
         self.stats["records"] += 1
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
