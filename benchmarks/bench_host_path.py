@@ -27,7 +27,7 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        `view` hands out views of the ring (ack=True, zero_copy=True: no copy; the
                        records are acked once consumed), as the extraction CLI reads now
   specforge_tmpfs|disk, safetensors_tmpfs|disk [sink way]
-                       the extraction CLI's sinks (sglang_hs/extract/sinks.py: one file per record, temp
+                       the extraction CLI's sinks (sglang_hs/extract/sinks/: one file per record, temp
                        name, fsync, rename; its 4 writer threads) writing the records of the last take
                        (views of the ring) to a folder in /dev/shm and one on disk (`--disk-dir`); ways
                        (SINK_OPTS): `shared` the record's rows written as they lie, no CRC (the sinks'
@@ -124,7 +124,7 @@ MEASURES = {
     "capture": ("scheduler", "scheduler-thread time in capture per step"),
     "capture_concurrent": ("scheduler", "the same, inside the e2e run"),
 }
-# the sinks' ways of writing a record (attributes of sglang_hs/extract/sinks.py's classes): "shared", today's
+# the sinks' ways of writing a record (attributes of the classes in sglang_hs/extract/sinks/): "shared", today's
 # default, writes the record's rows as they lie (SpecForge: two views of one storage, no CRC-32; safetensors:
 # the rows tensor itself); "copies" the SpecForge layout of contiguous copies without CRC (safetensors: the
 # torch.cat of before); "copies+crc" SpecForge's sink as it was before (contiguous copies, torch.save's CRC-32)
