@@ -23,6 +23,10 @@ class Stats:
         self.t1 = None  # when the run loop ended (the summary excludes server start and stop)
         self.cpu0, self.cpu1 = time.process_time(), None  # this process's CPU seconds over the same span
 
+    def end(self) -> None:
+        """The run loop ended: the summary's time and CPU stop here."""
+        self.t1, self.cpu1 = time.monotonic(), time.process_time()
+
     def skip(self, reason: str, detail: str, place: str, **where) -> Optional[str]:
         """Count a skipped record (`place`: where it is, in words; `where`: the same for the manifest, e.g. its
         sample index and line, or its rid); the line to report it with, for the first SKIPS_PRINTED."""
