@@ -277,7 +277,7 @@ def fs_type(path: str, with_options: bool = False):
 # -- the consumer process ----------------------------------------------------------------------------
 def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, after its Ctrl-C
-    from sglang_hs.extract.cli import WRITERS
+    from sglang_hs.extract.writer import WRITERS
     from sglang_hs.extract.sinks import SINKS
     from sglang_hs.reader import HiddenStateReader
 
@@ -747,7 +747,7 @@ def main(argv=None) -> int:
                          "-o huge=within_size,size=8G tmpfs DIR)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from sglang_hs.extract.cli import WRITERS
+    from sglang_hs.extract.writer import WRITERS
 
     variants_wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants_wanted if v not in VARIANTS]

@@ -58,12 +58,12 @@ class Sink:
 
     save_dtypes: Tuple[Optional[str], ...] = (None, "bf16")
 
-    def __init__(self, out_dir: str, save_dtype: Optional[str] = None) -> None:
+    def __init__(self, out_dir: str, save_dtype: Optional[str] = None, share_gid: Optional[int] = None) -> None:
         if save_dtype not in self.save_dtypes:
             raise SinkError(f"--format {self.name} cannot store --save-dtype {save_dtype}")
         self.out_dir = out_dir
         self.save_dtype = save_dtype
-        self.share_gid: Optional[int] = None  # --output-group: files 0640 and folders 0750 of it (else 0600/0700)
+        self.share_gid = share_gid  # --output-group: files 0640 and folders 0750 of it (else 0600/0700)
         self.layer_ids: Optional[List[int]] = None  # recorded in the files where the format has room
         # aux rows per layer id: DeepSeek-V4 with --hs-hc-streams full captures hc_mult (the manifest's
         # rows_per_layer); aux [T, K * rows_per_layer, H] then holds stream s of the k-th id at row k*hc_mult+s

@@ -32,7 +32,7 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
-from sglang_hs.extract.sinks.base import TMP_SUFFIX, Sink, SinkError, record_rows
+from sglang_hs.extract.sinks.base import Sink, SinkError, record_rows
 
 
 class SafetensorsSink(Sink):
