@@ -9,6 +9,15 @@ from sglang_hs.server.capture_spec import final_states, last_choice
 from sglang_hs.extract.errors import ExtractError
 
 
+def check_capture(fmt: str, sink, manifest: dict, server: str, verify: bool = False) -> None:
+    """Every check of what `server` captures (its `manifest`) against --format `fmt` (its `sink`) and --verify:
+    ExtractError, one line, for a capture the run cannot use."""
+    check_final_state(fmt, sink, manifest, server)
+    check_streams(fmt, manifest, server)
+    if verify:
+        check_verifiable(manifest)
+
+
 def check_final_state(fmt: str, sink, manifest: dict, server: str) -> None:
     """Refuse a format that trains on the final hidden state when `server` runs without --hs-last, or
     captures the other final state (post-norm for SpecForge, pre-norm for speculators); warn where the files

@@ -16,7 +16,7 @@ import signal
 import sys
 
 from sglang_hs.extract import finish
-from sglang_hs.extract.capture_checks import check_final_state, check_streams, check_verifiable
+from sglang_hs.extract.capture_checks import check_capture
 from sglang_hs.extract.errors import PROG, ExtractError
 from sglang_hs.extract.harvest import Harvester, traffic
 from sglang_hs.extract.journal import setup_of
@@ -63,11 +63,8 @@ def run_data(output, sink: Sink, source: DatasetSource, server, requests, facts,
         reader = TRANSPORTS[server.transport].for_requests(dump_dir, server.owner)
         source.selection.split_by_node(reader.manifest)
         manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))
-        check_final_state(output.format, sink, manifest, f"the server at {url}")
-        check_streams(output.format, manifest, f"the server at {url}")
+        check_capture(output.format, sink, manifest, f"the server at {url}", verify=bool(requests.verify))
         sink.describe_capture(manifest)
-        if requests.verify:
-            check_verifiable(manifest)
         preparer, lm_head = model_side(requests, manifest, url)
         extraction = Extraction(requests, url, reader, sink, preparer, lm_head, process, progress)
         extraction.run(source, resumed)
@@ -123,8 +120,7 @@ def run_harvest(output, sink: Sink, harvest, facts, torch_threads: int) -> int:
         journal = continue_harvest(output, sink)  # locked: the partial files it removed are no other harvester's
         reader = TRANSPORTS[harvest.transport].for_harvest(harvest.dump_dir, harvest.owner)
         manifest = reader.manifest
-        check_final_state(output.format, sink, manifest, f"the server of {harvest.dump_dir}")
-        check_streams(output.format, manifest, f"the server of {harvest.dump_dir}")
+        check_capture(output.format, sink, manifest, f"the server of {harvest.dump_dir}")
         journal.check_setup(setup_of(output, manifest), output.dir)
         sink.describe_capture(manifest)
         harvester = Harvester(reader, sink, journal, Stats())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from sglang_hs.extract.errors import ExtractError
 from sglang_hs.extract.sinks.base import Sink, TrainingSample
@@ -111,6 +111,19 @@ class SampleWriter:
         if failed is not None:
             raise failed
         return collected
+
+    def drain(self, bar) -> Tuple[bool, Optional[str]]:
+        """The end of a run: every started file finished (or removed) and every record acked before the
+        transport may go (the writer threads read the records' views of it). A second Ctrl-C / SIGTERM
+        meanwhile is taken after, not in the middle (it would leave threads reading bytes another reader
+        frees). Returns (whether one came, why the run must fail: a file that could not be written)."""
+        failed = None
+        interrupted = _uninterrupted(lambda: self.write_pool.shutdown(wait=True, cancel_futures=True))
+        try:
+            interrupted |= _uninterrupted(lambda: self._collect_writes(bar))
+        except OSError as e:
+            failed = str(e)
+        return interrupted, failed
 
     def _fail(self, index: int, err, bar) -> None:
         self.stats.failed.append((index, str(err)))

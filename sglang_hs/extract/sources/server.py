@@ -18,7 +18,7 @@ from sglang_hs.extract.errors import ExtractError
 from sglang_hs.extract.samples import STATUS_CHECK_S, record_loss_mask, record_overdue, request_body
 from sglang_hs.extract.sinks.base import ResumeState, Sink
 from sglang_hs.extract.transport.base import Transport
-from sglang_hs.extract.writer import RecordGivenBack, SampleWriter, _uninterrupted
+from sglang_hs.extract.writer import RecordGivenBack, SampleWriter
 
 
 def _selected_for_verify(index: int, fraction: float) -> bool:
@@ -201,15 +201,8 @@ class Extraction(SampleWriter):
             cf.wait([w[2] for w in self.writes])  # the last files
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-            # a started file is finished (or removed) and every record acked before the reader may go: the
-            # writer threads read the records' views of the ring. A second Ctrl-C / SIGTERM meanwhile is
-            # taken after, not in the middle (it would leave threads reading bytes another reader frees).
-            interrupted = _uninterrupted(lambda: self.write_pool.shutdown(wait=True, cancel_futures=True))
-            try:
-                interrupted |= _uninterrupted(lambda: self._collect_writes(bar))
-            except OSError as e:
-                fatal = fatal or str(e)
-            fatal = fatal or self.verify_failure
+            interrupted, failed = self.drain(bar)  # before the transport may go (writer.py)
+            fatal = fatal or failed or self.verify_failure
             self.stats.end()
             bar.close()
             if interrupted:

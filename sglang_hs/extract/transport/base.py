@@ -8,9 +8,10 @@ sglang_hs.HiddenStateReader implements it over the node-local ring (transport/ri
 """
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+from typing import List, Optional, Protocol, runtime_checkable
 
 
+@runtime_checkable
 class Transport(Protocol):
     manifest: dict  # the capture's: model, layer ids, final states, the writers and their DP ranks
     dump_dir: str  # where the capture's status is read (sglang_hs.status), and what errors name
