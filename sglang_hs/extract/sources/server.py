@@ -17,6 +17,7 @@ from typing import Dict, Optional
 from sglang_hs.extract.errors import ExtractError
 from sglang_hs.extract.samples import STATUS_CHECK_S, record_loss_mask, record_overdue, request_body
 from sglang_hs.extract.sinks.base import ResumeState, Sink
+from sglang_hs.extract.sources.dataset_file import DatasetSource
 from sglang_hs.extract.transport.base import Transport
 from sglang_hs.extract.writer import RecordGivenBack, SampleWriter
 
@@ -102,9 +103,8 @@ class Extraction(SampleWriter):
             self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
         self.submit(sample.index, mask, rec, verify)
 
-    def run(self, source, resumed: ResumeState) -> None:
-        """Every sample of `source` (sources/dataset_file.py's DatasetSource) whose file `resumed` does not
-        have yet; ExtractError when the run had to stop (the server died, a disk full, a failed --verify)."""
+    def run(self, source: DatasetSource, resumed: ResumeState) -> None:
+        """Every sample of `source` whose file `resumed` does not have yet; ExtractError when the run had to stop (the server died, a disk full, a failed --verify)."""
         from tqdm import tqdm
 
         from sglang_hs.extract.dataset import SkipSample
