@@ -27,7 +27,7 @@ head, a finished one goes back at its tail, so slots are scattered and reused). 
                        `view` hands out views of the ring (ack=True, zero_copy=True: no copy; the
                        records are acked once consumed), as the extraction CLI reads now
   specforge_tmpfs|disk, safetensors_tmpfs|disk [sink way]
-                       the extraction CLI's sinks (sglang_hs/extract/sinks.py: one file per record, temp
+                       the extraction CLI's sinks (sglang_hs/extract/sinks/: one file per record, temp
                        name, fsync, rename; its 4 writer threads) writing the records of the last take
                        (views of the ring) to a folder in /dev/shm and one on disk (`--disk-dir`); ways
                        (SINK_OPTS): `shared` the record's rows written as they lie, no CRC (the sinks'
@@ -124,7 +124,7 @@ MEASURES = {
     "capture": ("scheduler", "scheduler-thread time in capture per step"),
     "capture_concurrent": ("scheduler", "the same, inside the e2e run"),
 }
-# the sinks' ways of writing a record (attributes of sglang_hs/extract/sinks.py's classes): "shared", today's
+# the sinks' ways of writing a record (attributes of the classes in sglang_hs/extract/sinks/): "shared", today's
 # default, writes the record's rows as they lie (SpecForge: two views of one storage, no CRC-32; safetensors:
 # the rows tensor itself); "copies" the SpecForge layout of contiguous copies without CRC (safetensors: the
 # torch.cat of before); "copies+crc" SpecForge's sink as it was before (contiguous copies, torch.save's CRC-32)
@@ -277,7 +277,7 @@ def fs_type(path: str, with_options: bool = False):
 # -- the consumer process ----------------------------------------------------------------------------
 def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, after its Ctrl-C
-    from sglang_hs.extract.cli import WRITERS
+    from sglang_hs.extract.writer import WRITERS
     from sglang_hs.extract.sinks import SINKS
     from sglang_hs.reader import HiddenStateReader
 
@@ -747,7 +747,7 @@ def main(argv=None) -> int:
                          "-o huge=within_size,size=8G tmpfs DIR)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from sglang_hs.extract.cli import WRITERS
+    from sglang_hs.extract.writer import WRITERS
 
     variants_wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants_wanted if v not in VARIANTS]

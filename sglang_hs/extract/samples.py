@@ -1,4 +1,4 @@
-"""One sample's trip to the server and back, the same for the extraction (cli.py) and the live dataset
+"""One sample's trip to the server and back, the same for the extraction (sources/server.py) and the live dataset
 (sglang_hs/live.py): the preparer of samples for a server, the /generate body of a sample, how long its
 record may lag the reply, and the loss mask of the record that comes back."""
 from __future__ import annotations
@@ -28,12 +28,13 @@ def record_overdue(dump_dir: str, t_reply: float) -> "str | None":
     return None
 
 
-def request_body(sample, rid: str, ns=None) -> dict:
-    """The /generate request of one sample: its tokens and one greedy token (with `ns.regenerate`, the
-    prompt and a reply sampled with ns's settings)."""
+def request_body(sample, rid: str, requests=None) -> dict:
+    """The /generate request of one sample: its tokens and one greedy token (with `requests.regenerate`
+    (config.RequestSettings), the prompt and a reply sampled with its max_new_tokens, temperature, top_p)."""
     params = {"max_new_tokens": 1, "temperature": 0.0}
-    if ns is not None and ns.regenerate:
-        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    if requests is not None and requests.regenerate:
+        params = {"max_new_tokens": requests.max_new_tokens, "temperature": requests.temperature,
+                  "top_p": requests.top_p}
     params["custom_params"] = {"hs_capture": True}  # captured by a server that harvests (--hs-capture opt-in)
     return {"input_ids": sample.input_ids, "rid": rid, "sampling_params": params}
 

@@ -4,7 +4,7 @@ What a capture and an extraction will need, before anything runs: bytes per toke
 ring the server will make in its dump dir (sglang_hs/server/store/writer.py: a store of KV-slots x rows x hidden x
 dtype bytes and a ring per writer, one writer per attention DP group; the ring as the launcher sizes it,
 at least twice one record at the context length), and the disk the output takes per format in bf16 and
-FP8 (sglang_hs/extract/sinks.py), against what this machine has free: the dump dir's filesystem
+FP8 (sglang_hs/extract/sinks/), against what this machine has free: the dump dir's filesystem
 (/dev/shm), the output's, and the GPUs torch sees. What does not fit is named with the flags that would
 make it fit. --data counts the tokens exactly (tokenized as the extraction CLI does); --samples with
 --mean-tokens estimates. --json prints the figures as one JSON object.

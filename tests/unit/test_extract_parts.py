@@ -405,7 +405,7 @@ def test_an_interrupt_while_collecting_writes_leaves_no_file_unacked_or_counted_
     left files in place whose records were never acked nor counted)."""
     import concurrent.futures as cf
 
-    from sglang_hs.extract import cli
+    from sglang_hs.extract import cli, writer
 
     class Reader:
         def __init__(self):
@@ -429,7 +429,7 @@ def test_an_interrupt_while_collecting_writes_leaves_no_file_unacked_or_counted_
         ext.writes.append((i, 10, fut, f"rec{i}"))
     pending = cf.Future()
     ext.writes.append((5, 10, pending, "rec5"))
-    assert cli._uninterrupted(lambda: ext._collect_writes(Bar())) is True
+    assert writer._uninterrupted(lambda: ext._collect_writes(Bar())) is True
     assert ext.reader.acked == [f"rec{i}" for i in range(5)]
     assert (ext.stats.done, ext.stats.bytes, ext.stats.tokens) == (5, sum(range(100, 105)), 50)
     assert [w[3] for w in ext.writes] == ["rec5"]  # still being written: neither acked nor counted

@@ -1,0 +1,142 @@
+"""The sink stage of a --data run: each captured sample written by the sink on WRITERS threads (fsync waits on
+the disk, not the CPU, so it overlaps serving), at most 2 x WRITERS records held while the disk catches up,
+and each record given back to the transport (ack) once its file is in place, or failed. A verified sample's
+file is read back and must hold the captured rows. A zero-copy record's file takes its name only if the
+record's bytes were still its own once written (the transport's intact()).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import sys
+from typing import List, Optional, Tuple
+
+from sglang_hs.extract.errors import ExtractError
+from sglang_hs.extract.sinks.base import Sink, TrainingSample
+from sglang_hs.extract.stats import Stats
+from sglang_hs.extract.transport.base import Transport
+
+WRITERS = 4  # threads writing and fsyncing files
+
+
+class RecordGivenBack(ExtractError):
+    """A zero-copy record's ring bytes went back to the server before its file was written: someone else
+    wrote the reader's read offset (HiddenStateReader.intact); what was read of them may be torn."""
+
+    def __init__(self, dump_dir: str) -> None:
+        super().__init__(f"its record's bytes in the output ring were given back to the server while they were "
+                         f"being read (someone else wrote the read offset of {dump_dir}: a member of the share "
+                         "group?), so they may be torn: not written, --resume redoes it")
+
+
+class SampleWriter:
+    """`reader`: the transport the records came through (acked here); `sink`: where the files go."""
+
+    def __init__(self, reader: Transport, sink: Sink) -> None:
+        self.reader, self.sink = reader, sink
+        self.stats = Stats()
+        self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write, record), oldest first
+        self.write_pool = cf.ThreadPoolExecutor(WRITERS, thread_name_prefix="sglang-hs-write")
+        self.verify_failure: Optional[str] = None  # a stored file that does not hold the captured rows
+
+    def submit(self, index: int, mask, rec, verify: bool) -> None:
+        """Write the sample of record `rec` (its views, zero-copy) with loss mask `mask`, in the background."""
+        unwritten = [w[2] for w in self.writes if not w[2].done()]
+        if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
+            cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
+        self.writes.append((index, rec.num_tokens, self.write_pool.submit(
+            self._write, index, rec.input_ids, mask, rec.aux_hidden_states, self.sink.final_of(rec), verify,
+            rec), rec))
+
+    def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None) -> int:
+        """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
+        or within FP8's rounding bound), else it is removed and VerificationError raised. `rec`: the reader's
+        record the tensors are views of; its file takes its name only if the ring bytes were still the
+        record's once written (HiddenStateReader.intact), else RecordGivenBack and no file."""
+        def still_the_records() -> None:
+            if rec is not None and not self.reader.intact(rec):
+                raise RecordGivenBack(self.reader.dump_dir)
+
+        try:
+            size = self.sink.write(TrainingSample(index, input_ids, mask, aux, last), before_commit=still_the_records)
+        except RecordGivenBack:
+            raise
+        except Exception:  # e.g. FP8's non-finite rows: of torn bytes, say that instead (the sample is redone)
+            still_the_records()
+            raise
+        if verify and self.sink.name == "safetensors":
+            from sglang_hs.extract.verify import VerificationError, check_stored
+
+            try:
+                check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype)
+            except VerificationError:
+                os.unlink(self.sink.path(index))
+                still_the_records()  # the rows changed under the read-back: torn, not the server's error
+                raise
+        return size
+
+    def _collect_writes(self, bar) -> int:
+        """Count the files written so far; a write that failed (disk full) raises OSError naming the
+        file. Returns how many completed."""
+        from sglang_hs.extract.fp8 import NonFiniteRows
+
+        failed, collected = None, 0
+        for w in [w for w in self.writes if w[2].done()]:
+            index, T, fut, rec = w
+            self.reader.ack(rec)  # the file is in place (or failed): the record's ring bytes go back
+            self.writes.remove(w)  # only once acked: an interrupt before leaves it to the next call
+            collected += 1
+            if fut.cancelled():  # an interrupted or failed run: not written, --resume does it
+                continue
+            err = fut.exception()
+            if err is None:
+                self.stats.bytes += fut.result()
+                self.stats.done += 1
+                self.stats.tokens += T
+                bar.update(1)
+            elif isinstance(err, NonFiniteRows):  # no FP8 scale stores them: skipped, as the harvester does
+                line = self.stats.skip("non_finite_rows", f"its hidden states hold inf or NaN, which --save-dtype "
+                                       f"{self.sink.save_dtype} cannot store", f"sample {index}", sample=index)
+                if line:
+                    bar.write(line, file=sys.stderr)
+                bar.update(1)
+            elif isinstance(err, OSError):
+                failed = failed or OSError(f"cannot write {self.sink.path(index)}: {err.strerror or err}")
+                self.stats.failed.append((index, f"cannot write: {err.strerror or err}"))
+                bar.update(1)
+            else:
+                if type(err).__name__ == "VerificationError":
+                    self.verify_failure = self.verify_failure or str(err)
+                self._fail(index, err, bar)
+        if failed is not None:
+            raise failed
+        return collected
+
+    def drain(self, bar) -> Tuple[bool, Optional[str]]:
+        """The end of a run: every started file finished (or removed) and every record acked before the
+        transport may go (the writer threads read the records' views of it). A second Ctrl-C / SIGTERM
+        meanwhile is taken after, not in the middle (it would leave threads reading bytes another reader
+        frees). Returns (whether one came, why the run must fail: a file that could not be written)."""
+        failed = None
+        interrupted = _uninterrupted(lambda: self.write_pool.shutdown(wait=True, cancel_futures=True))
+        try:
+            interrupted |= _uninterrupted(lambda: self._collect_writes(bar))
+        except OSError as e:
+            failed = str(e)
+        return interrupted, failed
+
+    def _fail(self, index: int, err, bar) -> None:
+        self.stats.failed.append((index, str(err)))
+        bar.write(f"[extract] sample {index} failed: {err}")
+        bar.update(1)
+
+
+def _uninterrupted(step) -> bool:
+    """Run `step` to its end, again after each KeyboardInterrupt (SIGTERM is one here); True if one came."""
+    interrupted = False
+    while True:
+        try:
+            step()
+            return interrupted
+        except KeyboardInterrupt:
+            interrupted = True
