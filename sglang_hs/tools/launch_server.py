@@ -355,11 +355,16 @@ def text_only(argv: List[str]) -> List[str]:
     return out + [flag, json.dumps(dict(overrides, language_model_only=True))]
 
 
-def v4_on_cpu(arch: str) -> str:
-    """Why a hyper-connection model (DeepSeek-V4) does not serve on the CPU engine, in one line."""
-    return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (on the CPU engine its load_weights stops at "
-            "the mHC kernels' prewarm, a CUDA query in mhc.prewarm_mhc_pre, and its attention is the FlashMLA dsv4 "
-            "backend over DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
+def v4_on_cpu(arch: str, config: Optional[dict] = None) -> Optional[str]:
+    """Why this hyper-connection model (DeepSeek-V4) does not serve on the CPU engine, in one line; None when it
+    does: a config whose layers are all sliding-window (compress_ratios all 0), which the CPU-engine patches serve
+    (sglang_hs/server/patches/dsv4_cpu_*.py) and tests/e2e/test_v4_cpu.py judges row by row against HF float32."""
+    ratios = (config or {}).get("compress_ratios")
+    if ratios and not any(ratios):
+        return None
+    return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only, and sglang-hs's CPU-engine patches serve only "
+            "sliding-window layers (compress_ratios all 0); this config has compressed layers (ratio 4 / 128: "
+            "compressor and indexer not yet on the CPU engine): capture it on a GPU")
 
 
 def runs_on_cpu(sg_argv: List[str]) -> bool:
@@ -381,8 +386,8 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
     spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
                                hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
-    if arch in HC_ARCHITECTURES and cpu:
-        raise CaptureConfigError(v4_on_cpu(arch) + v4_hint)
+    if arch in HC_ARCHITECTURES and cpu and v4_on_cpu(arch, config):
+        raise CaptureConfigError(v4_on_cpu(arch, config) + v4_hint)
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
     if ns.hs_capture_accept_below is not None and (
             not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
@@ -481,6 +486,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     dump_dir = None
     if ns.hs_dump_dir:
         arch, config, spec = resolve_capture(ns, sg_argv, model_path, bool(env.get("SGLANG_HS_CPU_MODE")))
+        if arch in HC_ARCHITECTURES and env.get("SGLANG_HS_CPU_MODE"):
+            from sglang_hs.server.patches.dsv4_cpu_server_args import CPU_ENV
+
+            for key, value in CPU_ENV.items():  # CUDA-only mHC kernels off in every server process
+                env.setdefault(key, value)
         if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: capture its language model, text requests only
             sg_argv = text_only(sg_argv)
             print(f"[sglang-hs] {arch}: served text only (language_model_only): no image processor, chat "

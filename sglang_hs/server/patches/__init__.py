@@ -252,7 +252,7 @@ _applied: dict = {}
 # The CPU engine's patches, in the order they are applied: spec_verify_torch_native wraps
 # TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "torch_native_cpu_pad", "moe_native_ep", "dsa_torch_native",
-               "spec_verify_torch_native", "eagle_cpu_draft")
+               "spec_verify_torch_native", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
 
 
 def apply() -> dict:
