@@ -374,10 +374,11 @@ def runs_on_cpu(sg_argv: List[str]) -> bool:
 
 
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
-                    v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
+                    v4_hint: str = "", v4_sliding_on_cpu: bool = True) -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
     checked in one line (CaptureConfigError): the architecture, the layer ids and --hs-last/--hs-hc-streams
-    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line). The
+    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line) unless every
+    layer is sliding-window (and `v4_sliding_on_cpu`: the self-test compares V2/V3-family paths only). The
     launcher and the self-test."""
     config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
     arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
@@ -386,8 +387,8 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
     spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
                                hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
-    if arch in HC_ARCHITECTURES and cpu and v4_on_cpu(arch, config):
-        raise CaptureConfigError(v4_on_cpu(arch, config) + v4_hint)
+    if arch in HC_ARCHITECTURES and cpu and (v4_on_cpu(arch, config) or not v4_sliding_on_cpu):
+        raise CaptureConfigError((v4_on_cpu(arch, config) or v4_on_cpu(arch)) + v4_hint)
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
     if ns.hs_capture_accept_below is not None and (
             not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):

@@ -372,12 +372,32 @@ def test_a_bad_number_in_the_environment_names_the_variable(clean_env):
         envs.SGLANG_HS_RING_SIZE
 
 
-def test_prepare_refuses_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env):
-    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8)
+@pytest.mark.parametrize("ratios", [None, [0, 4, 128, 0], [128, 0]])
+def test_prepare_refuses_compressed_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env, ratios):
+    """The CPU-engine patches serve sliding-window layers only: a config with a compressed layer (or without
+    compress_ratios: HF's default layout has them) is refused before any server starts."""
+    extra = {} if ratios is None else {"compress_ratios": ratios}
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8, **extra)
     with pytest.raises(CaptureConfigError, match=r"^DeepseekV4ForCausalLM: SGLang 0.5.23 serves DeepSeek-V4 on CUDA "
-                                                 r"only .*FlashMLA") as e:
+                                                 r"only, and sglang-hs's CPU-engine patches serve only sliding-window "
+                                                 r"layers \(compress_ratios all 0\)") as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs")])
     assert "\n" not in str(e.value)
+
+
+def test_prepare_serves_sliding_window_deepseek_v4_on_the_cpu_engine(tmp_path, clean_env):
+    """Every layer sliding-window: served on the CPU engine, with SGLang's CUDA-only mHC kernels switched off in
+    the server's environment (patches/dsv4_cpu_server_args.py CPU_ENV); a value the user set is kept."""
+    from sglang_hs.server.patches.dsv4_cpu_server_args import CPU_ENV
+
+    for key in CPU_ENV:
+        os.environ.pop(key, None)
+    os.environ["SGLANG_OPT_USE_FUSED_HASH_TOPK"] = "1"
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0])
+    launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                           "--hs-layers", "1,3", "--hs-ring-size", "64MiB"])
+    assert os.environ["SGLANG_HS_CPU_MODE"] == "1"
+    assert {k: os.environ[k] for k in CPU_ENV} == dict(CPU_ENV, SGLANG_OPT_USE_FUSED_HASH_TOPK="1")
 
 
 @pytest.mark.parametrize("arch, extra", [("DeepseekV4ForCausalLM", {"hc_mult": 4, "index_topk": 8}),
