@@ -171,7 +171,8 @@ def _v3_mtp(cfg: dict) -> dict:
 # DeepSeek-V4 with sliding-window attention on every layer (compress ratio 0: no compressor, no indexer): HF's
 # DeepseekV4Config keys plus the ones SGLang's DeepSeekV4Config reads (compress_ratios, num_hash_layers, window_size,
 # qk_rope_head_dim, yarn rope_scaling with its original length, topk_method). A window of 8 keys, so every test
-# prompt crosses it several times; 4 hyper-connection streams; the first layer hash-routed.
+# prompt crosses it several times; 4 hyper-connection streams; the first layer hash-routed; a swiglu_limit of 0.15,
+# which clamps about a third of the experts' gate/up entries (at 10, the released value, no clamp would ever act).
 V4_SWA = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 64,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
           "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32,
@@ -179,7 +180,7 @@ V4_SWA = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4
           "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
           "routed_scaling_factor": 1.5, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
           "sliding_window": 8, "window_size": 8, "compress_ratios": [0, 0, 0, 0], "num_hash_layers": 1,
-          "n_hash_layers": 1, "swiglu_limit": 10.0, "rope_theta": 10000, "compress_rope_theta": 160000,
+          "n_hash_layers": 1, "swiglu_limit": 0.15, "rope_theta": 10000, "compress_rope_theta": 160000,
           "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                            "beta_slow": 1},
           "max_position_embeddings": 4096, "num_nextn_predict_layers": 0, "index_n_heads": 4, "index_head_dim": 32,
@@ -513,10 +514,15 @@ def _v4_released_name(name: str) -> str:
 
 
 def _rename_weights(out: str, rename) -> None:
-    """Rename every tensor of the saved shards (and the index) by `rename(name)`."""
+    """Rename every tensor of the saved shards (and the index) by `rename(name)`; a folder without an index holds
+    one model.safetensors."""
     from safetensors.torch import load_file, save_file
 
     index = os.path.join(out, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        single = os.path.join(out, "model.safetensors")
+        save_file({rename(k): v for k, v in load_file(single).items()}, single, metadata={"format": "pt"})
+        return
     with open(index) as f:
         idx = json.load(f)
     for shard in sorted(set(idx["weight_map"].values())):

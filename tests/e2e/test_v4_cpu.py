@@ -110,9 +110,10 @@ class _Stream:
         self.last_hidden_state, self.last_pre_norm = rec.last_hidden_state, rec.last_pre_norm
 
 
-def test_the_window_and_the_sinks_matter(hf):
-    """The checkpoint is one a wrong window or a dropped sink shows in: every layer sliding-window, the window below
-    the judged prompts' lengths, and HF's own rows move when its window is widened past them or its sinks zeroed."""
+def test_the_window_the_sinks_and_the_clamp_matter(hf):
+    """The checkpoint is one a wrong window, a dropped sink or a missing SwiGLU clamp shows in: every layer
+    sliding-window, the window below the judged prompts' lengths, and HF's own rows move when its window is widened
+    past them, its sinks zeroed or its experts' swiglu_limit lifted."""
     cfg = hf.config
     assert set(cfg.layer_types) == {"sliding_attention"} and cfg.sliding_window == 8 and cfg.hc_mult == 4
     ids = _prompt(40, 1)
@@ -130,7 +131,17 @@ def test_the_window_and_the_sinks_matter(hf):
         cfg.sliding_window = wide
         for layer, s in zip(hf.model.model.layers, sinks):
             layer.self_attn.sinks.data.copy_(s)
+    clamps = [m for m in hf.model.modules() if hasattr(m, "limit")]
+    assert len(clamps) == 2 * cfg.num_hidden_layers and cfg.swiglu_limit == 0.15  # shared and routed experts
+    try:
+        for m in clamps:
+            m.limit = 1e9
+        unclamped = hf(ids)
+    finally:
+        for m in clamps:
+            m.limit = cfg.swiglu_limit
     n = cfg.num_hidden_layers
+    assert row_judge.rel(unclamped[n], base[n]).min() > 1e-3
     assert row_judge.rel(widened[n][wide:], base[n][wide:]).min() > 1e-3  # every row past the window
     assert torch.equal(widened[n][:wide], base[n][:wide]) or row_judge.rel(widened[n][:wide], base[n][:wide]).max() < 1e-6
     assert row_judge.rel(sinkless[n], base[n]).min() > 1e-3
@@ -144,11 +155,11 @@ def test_prompt_and_decode_rows_across_the_window(v4, hf):
     out = server.generate(input_ids=ids, rid=f"v4-{streams}-long", sampling_params={"max_new_tokens": 7, **GREEDY})
     assert out["meta_info"]["cached_tokens"] == 0 and len(out["output_ids"]) == 7
     full = ids + out["output_ids"]
+    worst = judge(reader.take(f"v4-{streams}-long", timeout=60), hf, full[:-1], streams)
+    print(f"v4 {streams}: {len(full) - 1} rows, worst {worst:.2e}")
     with torch.no_grad():
         logits = hf.model(torch.tensor([full[:-1]])).logits[0]
     assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"]
-    worst = judge(reader.take(f"v4-{streams}-long", timeout=60), hf, full[:-1], streams)
-    print(f"v4 {streams}: {len(full) - 1} rows, worst {worst:.2e}")
 
 
 def test_radix_hits_and_concurrent_requests(v4, hf):
