@@ -487,11 +487,6 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     dump_dir = None
     if ns.hs_dump_dir:
         arch, config, spec = resolve_capture(ns, sg_argv, model_path, bool(env.get("SGLANG_HS_CPU_MODE")))
-        if arch in HC_ARCHITECTURES and env.get("SGLANG_HS_CPU_MODE"):
-            from sglang_hs.server.patches.dsv4_cpu_server_args import CPU_ENV
-
-            for key, value in CPU_ENV.items():  # CUDA-only mHC kernels off in every server process
-                env.setdefault(key, value)
         if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: capture its language model, text requests only
             sg_argv = text_only(sg_argv)
             print(f"[sglang-hs] {arch}: served text only (language_model_only): no image processor, chat "

@@ -44,6 +44,10 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   index_topk 11, below every test prompt's length, so the sparse selection really drops keys from the
   second chunk of a prompt on (with index_topk >= the length every key is kept and a wrong indexer is
   invisible). HF transformers' DeepseekV32ForCausalLM is the reference.
+- "v4-swa": DeepseekV4ForCausalLM (model_type "deepseek_v4") with every layer sliding-window (compress ratio 0), a
+  window of 8, 4 hyper-connection streams, random sinks and hyper-connection biases, a hash-routed first layer and a
+  swiglu_limit that acts (V4_SWA); saved with the released weight names SGLang loads (_v4_released_name). HF
+  transformers' DeepseekV4ForCausalLM is the reference; served on the CPU engine (tests/e2e/test_v4_cpu.py).
 - "v3-mtp": the V3 checkpoint plus DeepSeek-V3's MTP layer (num_nextn_predict_layers 1, weights under
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
   propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
@@ -196,8 +200,8 @@ VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mist
             "v32": _v32, "v3-mtp": _v3_mtp, "v4-swa": _v4_swa}
 MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
-MISTRAL_NATIVE = ("mistral-large-3",)
-V4 = ("v4-swa",)  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)  # variants written as params.json + consolidated.safetensors
+MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
+V4 = ("v4-swa",)  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
 

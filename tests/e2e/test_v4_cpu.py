@@ -11,9 +11,10 @@ into earlier chunks' keys) and the radix cache on. --skip-tokenizer-init: SGLang
 special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
-to the neighbouring tokens' and layers' rows. Measured: worst row 6.7e-07 (mean and full). Planted bugs (scratch
-copies of dsv4_torch_native.py): the window shifted by one key -> rows from position 8 on off (first row past the
-window); the attention sink dropped -> every row off; both fail the judge.
+to the neighbouring tokens' and layers' rows. Measured: worst row 6.9e-07 (mean and full). Planted bugs (scratch copies
+of the patches, the long-prompt test of the mean server): the window one key wider -> rows 8 on (the first past the
+window) off by up to 0.7; the attention sink dropped -> every row off, up to 0.92; the routed experts' SwiGLU clamp
+dropped (dsv4_cpu_moe) -> every row off, up to 0.14. Each fails the judge.
 """
 import concurrent.futures as cf
 

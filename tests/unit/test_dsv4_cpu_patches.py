@@ -173,5 +173,9 @@ def test_server_args_overrides_on_cpu(mods):
     upstream = mods.args._kv_cache_dtype_on_cpu(lambda view: {"kv_cache_dtype": "fp8_e4m3"})
     assert upstream(types.SimpleNamespace(device="cpu")) == {}
     assert upstream(types.SimpleNamespace(device="cuda")) == {"kv_cache_dtype": "fp8_e4m3"}
+    env = {"SGLANG_OPT_USE_FUSED_HASH_TOPK": "1"}  # a value the user set is kept
+    added = mods.args.set_cpu_env(env)
+    assert env == dict(mods.args.CPU_ENV, SGLANG_OPT_USE_FUSED_HASH_TOPK="1") and "SGLANG_OPT_USE_FUSED_HASH_TOPK" not in added
+    assert env["SGLANG_OPT_USE_TILELANG_MHC_PRE"] == "0" and env["SGLANG_OPT_FUSE_MHC_POST_PRE"] == "0"
     assert mods.tn.sliding_window(types.SimpleNamespace(sliding_window=8, window_size=128)) == 8
     assert mods.tn.sliding_window(types.SimpleNamespace(sliding_window=None, window_size=128)) == 128

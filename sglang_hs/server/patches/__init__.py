@@ -64,8 +64,8 @@ Ledger (what / why / upstream status / removal plan):
 |                   | native's activation (routed experts)         |                  |
 | dsv4_cpu_server_  | V4 configs' server arguments on CPU:         | CPU mode, HTTP   |
 | args              | torch_native, page 1, no hybrid SWA pools,   | server process   |
-|                   | KV dtype auto; CPU_ENV (mHC kernels off) set | (serve.py); env  |
-|                   | by the launcher                              | by the launcher  |
+|                   | KV dtype auto; CPU_ENV (mHC kernels off) in  | (serve.py)       |
+|                   | the environment its schedulers inherit       |                  |
 | hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
 |                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
 |                   | mean to write the streams into such a slot   | --hs-hc-streams  |
@@ -264,8 +264,8 @@ dsv4_cpu_server_args
             bf16 KV only). On the CPU engine a provider declared after upstream's sets torch_native, page size 1
             and disable_hybrid_swa_memory, and the KV dtype pass leaves "auto" (the model's dtype). CPU_ENV (the
             TileLang/DeepGEMM/fused mHC kernels and the fused hash top-k off, so load_weights skips the CUDA mHC
-            prewarm) is put in the server's environment by the launcher for V4 on the CPU engine, since SGLang reads
-            some of it when its deepseek_v4 module is imported.
+            prewarm) is put into the environment of serve.py's process when the patch applies, so the scheduler
+            processes it spawns read it (SGLang reads some of it when its deepseek_v4 module is imported).
   upstream: present in sglang 0.5.23; not reported upstream.
   removal:  when SGLang resolves V4 for its CPU engine; tests/e2e/test_v4_cpu.py's server does not start without it.
 

@@ -9,9 +9,10 @@ head_dim, in the model's dtype) through req_to_token: so torch_native (its metad
 (prefix-cache hits token-exact, as for V3), no hybrid SWA pools (every key is kept; the window is applied by the
 attention) and the KV cache in the model's dtype ("auto").
 
-`CPU_ENV` are SGLang settings the launcher puts in every server process's environment for V4 on the CPU engine
-(some are read when SGLang's deepseek_v4 module is imported): the TileLang / DeepGEMM / fused mHC kernels and the
-fused hash top-k are off, so load_weights skips the mHC prewarm (a CUDA query) and no CUDA-only kernel is chosen.
+`CPU_ENV` are SGLang settings put into this process's environment when the patch applies (unless set already), so
+that the scheduler processes it spawns read them (some when SGLang's deepseek_v4 module is imported): the TileLang /
+DeepGEMM / fused mHC kernels, the fused hash top-k and the FP8 wo_a GEMM are off, so load_weights skips the mHC
+prewarm (a CUDA query) and no CUDA-only kernel is chosen. They concern DeepSeek-V4's code paths only.
 """
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def _kv_cache_dtype_on_cpu(original):
     return pass_
 
 
+def set_cpu_env(environ) -> dict:
+    """CPU_ENV into `environ` where unset; returns what was set."""
+    added = {k: v for k, v in CPU_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
 def apply() -> dict:
     import sglang
     from sglang.srt.arg_groups import deepseek_v4_hook, model_override_base
@@ -50,4 +58,7 @@ def apply() -> dict:
     originals = {"deepseek_v4_hook._deepseek_v4_kv_cache_dtype": deepseek_v4_hook._deepseek_v4_kv_cache_dtype}
     model_override_base.register_model_override(ARCH)(_cpu_dsv4_overrides)
     deepseek_v4_hook._deepseek_v4_kv_cache_dtype = _kv_cache_dtype_on_cpu(deepseek_v4_hook._deepseek_v4_kv_cache_dtype)
+    import os
+
+    originals["environ"] = set_cpu_env(os.environ)
     return originals
