@@ -48,6 +48,8 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   window of 8, 4 hyper-connection streams, random sinks and hyper-connection biases, a hash-routed first layer and a
   swiglu_limit that acts (V4_SWA); saved with the released weight names SGLang loads (_v4_released_name). HF
   transformers' DeepseekV4ForCausalLM is the reference; served on the CPU engine (tests/e2e/test_v4_cpu.py).
+- "v4-hca": v4-swa with layers 1 and 3 heavily compressed (ratio 128, HF's heavily_compressed_attention: one
+  compressed key per closed 128-token block on top of the window), their compressors' position biases random.
 - "v3-mtp": the V3 checkpoint plus DeepSeek-V3's MTP layer (num_nextn_predict_layers 1, weights under
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
   propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
@@ -196,12 +198,17 @@ def _v4_swa(cfg: dict) -> dict:
                 **V4_SWA)
 
 
+def _v4_hca(cfg: dict) -> dict:
+    """v4-swa with layers 1 and 3 heavily compressed (ratio 128: one compressed key per closed 128-token block)."""
+    return dict(_v4_swa(cfg), compress_ratios=[0, 128, 0, 128])
+
+
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32, "v3-mtp": _v3_mtp, "v4-swa": _v4_swa}
+            "v32": _v32, "v3-mtp": _v3_mtp, "v4-swa": _v4_swa, "v4-hca": _v4_hca}
 MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
-V4 = ("v4-swa",)  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
+V4 = ("v4-swa", "v4-hca")  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
 
@@ -540,7 +547,7 @@ def _rename_weights(out: str, rename) -> None:
 def _v4_weights(model, seed: int) -> None:
     """DeepSeek-V4 parameters HF initialises to constants, drawn so that each one matters: attention sinks N(0, 1)
     (zeros would still weigh, but the same on every head), the hyper-connections' biases N(0, 0.5) and scales
-    U(0.5, 1.5), and the hash-routed layers' token-to-expert table (zeros: every token to expert 0 twice) a seeded
+    U(0.5, 1.5), compressors' position biases N(0, 0.5), and the hash-routed layers' token-to-expert table (zeros: every token to expert 0 twice) a seeded
     choice of distinct experts per token."""
     import torch
 
@@ -554,6 +561,8 @@ def _v4_weights(model, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
             elif leaf in ("scale", "hc_scale"):
                 param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            elif leaf == "position_bias":  # a compressor's per-position gate bias (released name `ape`)
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
         for name, buf in model.named_buffers():
             if name.endswith("tid2eid"):
                 experts = model.config.n_routed_experts

@@ -1,13 +1,14 @@
-"""DeepSeek-V4 on the CPU engine (issue 45, slice 1): a tiny V4 whose layers are all sliding-window (compress ratio
-0: no compressor, no indexer), served float32 by SGLang's own DeepseekV4ForCausalLM through the CPU-engine patches
+"""DeepSeek-V4 on the CPU engine (issue 45): tiny V4s whose layers are sliding-window (compress ratio 0) or heavily
+compressed (ratio 128, HCA), served float32 by SGLang's own DeepseekV4ForCausalLM through the CPU-engine patches
 (sglang_hs/server/patches/dsv4_cpu_server_args.py, dsv4_torch_native.py, dsv4_cpu_moe.py), every captured row judged
 against HF transformers' DeepseekV4ForCausalLM float32 (eager attention: the sinks) on the same weights.
 
-The checkpoint is tiny_model's "v4-swa": 4 layers, hc_mult 4, a window of 8 keys, random attention sinks and
-hyper-connection biases, the first layer hash-routed, sqrtsoftplus routing over one expert group. One server per
-capture convention (module scope): --hs-hc-streams mean (a row per layer id: the streams' mean) and full (hc_mult
-rows per id), both with layers 1,2,3 and both final states, chunked prefill of 5 tokens (each chunk's window reaches
-into earlier chunks' keys) and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
+The checkpoints are tiny_model's "v4-swa": 4 layers, hc_mult 4, a window of 8 keys, random attention sinks and
+hyper-connection biases, the first layer hash-routed, sqrtsoftplus routing over one expert group, a SwiGLU limit that
+clamps; and "v4-hca": the same with layers 1 and 3 heavily compressed (a key per closed 128-token block). One server
+per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
+and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
+keys), v4-hca under mean with chunks of 50; all with layers 1,2,3, both final states and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
 special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
@@ -28,18 +29,21 @@ from sglang_hs.tools import tiny_model
 
 pytestmark = pytest.mark.e2e
 LAYERS = [1, 2, 3]
-CHUNK = 5  # below the window (8): a chunk's queries see keys of the chunks before it
 GREEDY = {"temperature": 0}
 VARIANT = "v4-swa"
 
 
-@pytest.fixture(scope="module")
-def hf():
-    """HF float32 on the checkpoint: hf(ids) -> States of output_hidden_states ([T, hc_mult, H] for i < n, the
-    post-norm [T, H] at n) with the final norm's input as .pre_norm."""
+_HF = {}
+
+
+def hf_reference(variant):
+    """HF float32 on the checkpoint (once per module run): hf(ids) -> States of output_hidden_states ([T, hc_mult, H]
+    for i < n, the post-norm [T, H] at n) with the final norm's input as .pre_norm."""
+    if variant in _HF:
+        return _HF[variant]
     import transformers
 
-    ckpt = tiny_model.ensure(VARIANT)
+    ckpt = tiny_model.ensure(variant)
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
         ckpt, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not any(info.values()), info  # every tensor under a name HF reads (as SGLang does)
@@ -56,21 +60,37 @@ def hf():
         out.pre_norm = taken[0]
         return out
 
-    states.model, states.config = model, model.config
+    states.model, states.config, states.variant = model, model.config, variant
+    _HF[variant] = states
     return states
 
 
-@pytest.fixture(scope="module", params=["mean", "full"])
-def v4(request, tmp_path_factory, hf):
-    """(server, reader, streams): the float32 V4 server of one convention."""
+# (checkpoint, --hs-hc-streams, --chunked-prefill-size): sliding-only under both conventions with chunks below the
+# window; the HCA checkpoint with chunks of 50 (blocks of 128 close inside chunks and in decode)
+CONFIGS = {"swa-mean": ("v4-swa", "mean", 5), "swa-full": ("v4-swa", "full", 5), "hca-mean": ("v4-hca", "mean", 50)}
+# per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
+# concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
+SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270))}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_reference(VARIANT)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def v4(request, tmp_path_factory):
+    """(server, reader, streams, hf): the float32 V4 server of one configuration and its HF reference."""
+    variant, streams, chunk = CONFIGS[request.param]
+    ref = hf_reference(variant)
     gen = _serve(tmp_path_factory.mktemp(f"hs-v4-{request.param}") / "dump",
-                 ["--model-path", tiny_model.ensure(VARIANT), "--device", "cpu", "--dtype", "float32",
+                 ["--model-path", tiny_model.ensure(variant), "--device", "cpu", "--dtype", "float32",
                   "--skip-tokenizer-init", "--hs-layers", ",".join(map(str, LAYERS)), "--hs-last", "both",
-                  "--hs-hc-streams", request.param, "--chunked-prefill-size", str(CHUNK)])
+                  "--hs-hc-streams", streams, "--chunked-prefill-size", str(chunk)])
     server = next(gen)
     reader = HiddenStateReader(str(server.dump))
     try:
-        yield server, reader, request.param
+        yield server, reader, streams, ref
     finally:
         reader.close()
         next(gen, None)
@@ -148,34 +168,61 @@ def test_the_window_the_sinks_and_the_clamp_matter(hf):
     assert row_judge.rel(sinkless[n], base[n]).min() > 1e-3
 
 
-def test_prompt_and_decode_rows_across_the_window(v4, hf):
-    """A 50-token prompt (ten 5-token chunks, six windows) and 7 greedy tokens: every prompt and decode row of every
-    layer id and both final states; the generated tokens are HF's greedy ones."""
-    server, reader, streams = v4
-    ids = _prompt(50, 3)
-    out = server.generate(input_ids=ids, rid=f"v4-{streams}-long", sampling_params={"max_new_tokens": 7, **GREEDY})
+def test_hca_blocks_matter():
+    """v4-hca's compressed keys change HF's rows from the first closed block on (position 127) and not before: with
+    the compressors' position biases (`ape`) zeroed, every row from 127 on moves by 3% or more (measured), the rows
+    before it not at all. (Scaling the compressor's kv would not do: its keys are RMS-normed.)"""
+    ref = hf_reference("v4-hca")
+    assert ref.config.layer_types == ["sliding_attention", "heavily_compressed_attention"] * 2
+    ids = _prompt(200, 2)
+    base = ref(ids)
+    comps = [layer.self_attn.compressor for layer in ref.model.model.layers if layer.self_attn.compressor is not None]
+    saved = [c.position_bias.detach().clone() for c in comps]
+    try:
+        for c in comps:
+            c.position_bias.data.zero_()
+        other = ref(ids)
+    finally:
+        for c, w in zip(comps, saved):
+            c.position_bias.data.copy_(w)
+    n = ref.config.num_hidden_layers
+    assert len(comps) == 2 and row_judge.rel(other[n][:127], base[n][:127]).max() < 1e-6
+    assert row_judge.rel(other[n][127:], base[n][127:]).min() > 1e-2
+
+
+def test_prompt_and_decode_rows_across_the_window(v4):
+    """A long prompt (v4-swa: 50 tokens, ten 5-token chunks over six windows; v4-hca: 251 tokens in chunks of 50) and
+    7 greedy tokens: every prompt and decode row of every layer id and both final states; the generated tokens are
+    HF's greedy ones."""
+    server, reader, streams, hf = v4
+    n_long = SIZES[hf.variant][0]
+    ids = _prompt(n_long, 3)
+    rid = f"{hf.variant}-{streams}-long"
+    out = server.generate(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 7, **GREEDY})
     assert out["meta_info"]["cached_tokens"] == 0 and len(out["output_ids"]) == 7
     full = ids + out["output_ids"]
-    worst = judge(reader.take(f"v4-{streams}-long", timeout=60), hf, full[:-1], streams)
-    print(f"v4 {streams}: {len(full) - 1} rows, worst {worst:.2e}")
+    worst = judge(reader.take(rid, timeout=60), hf, full[:-1], streams)
+    print(f"{hf.variant} {streams}: {len(full) - 1} rows, worst {worst:.2e}")
     with torch.no_grad():
         logits = hf.model(torch.tensor([full[:-1]])).logits[0]
     assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"]
 
 
-def test_radix_hits_and_concurrent_requests(v4, hf):
-    """Rows the server did not forward come from the store, and keys a hit's first new token attends over come from
-    the KV pool: the same prompt again (all but its last token cached) and a prompt sharing a 23-token prefix; then
-    three requests of different lengths at once (prefill and decode steps shared)."""
-    server, reader, streams = v4
-    a = _prompt(37, 5)
-    b = a[:23] + _prompt(14, 6)
+def test_radix_hits_and_concurrent_requests(v4):
+    """Rows the server did not forward come from the store, and keys (and HCA sources) a hit's first new token attends
+    over come from the KV pool: the same prompt again (all but its last token cached) and a prompt sharing a prefix;
+    then three requests of different lengths at once (prefill and decode steps shared)."""
+    server, reader, streams, hf = v4
+    _, n_a, n_shared, together_lens = SIZES[hf.variant]
+    tag = f"{hf.variant}-{streams}"
+    a = _prompt(n_a, 5)
+    b = a[:n_shared] + _prompt(14, 6)
     sp = {"max_new_tokens": 4, **GREEDY}
-    jobs = [(f"v4-{streams}-a", a), (f"v4-{streams}-b", b), (f"v4-{streams}-a-again", a)]
+    jobs = [(f"{tag}-a", a), (f"{tag}-b", b), (f"{tag}-a-again", a)]
     outs = {rid: (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp)) for rid, ids in jobs}
-    assert outs[f"v4-{streams}-b"][1]["meta_info"]["cached_tokens"] >= 20
-    assert outs[f"v4-{streams}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1
-    together = [(f"v4-{streams}-c{i}", _prompt(n, 10 + i)) for i, n in enumerate((31, 9, 44))]
+    assert outs[f"{tag}-b"][1]["meta_info"]["cached_tokens"] >= n_shared - 3
+    assert outs[f"{tag}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1
+    together = [(f"{tag}-c{i}", _prompt(n, 10 + i)) for i, n in enumerate(together_lens)]
     with cf.ThreadPoolExecutor(3) as pool:
         for (rid, ids), out in zip(together, pool.map(lambda j: server.generate(
                 input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": 5, **GREEDY}), together)):
@@ -183,4 +230,4 @@ def test_radix_hits_and_concurrent_requests(v4, hf):
     worst = 0.0
     for rid, (ids, out) in outs.items():
         worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1], streams))
-    print(f"v4 {streams}: {len(outs)} records, worst {worst:.2e}")
+    print(f"{tag}: {len(outs)} records, worst {worst:.2e}")

@@ -161,9 +161,39 @@ def test_routed_experts_take_the_limit(mods, cpu_engine_imports):
     assert (plain - got).abs().max() > 1e-3 and fused_moe_native.SiluAndMul is not None
 
 
-def test_compressed_layer_is_refused_at_its_forward(mods):
-    layer = types.SimpleNamespace(compressor=object(), indexer=None, compress_ratio=128, layer_id=3)
-    with pytest.raises(NotImplementedError, match="layer 3 has compress ratio 128; only sliding-window"):
+def test_hca_entries_are_hfs_compressor(mods, hf_cfg):
+    """The ratio-128 compressor from per-token (kv | gate) sources on SGLang's compress-rope table (YaRN factor 1,
+    compress_rope_theta) equals HF's DeepseekV4HCACompressor run stateless (complete blocks only)."""
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    cfg = DeepseekV4Config(**{**hf_cfg.to_dict(), "compress_ratios": [0, 128], "architectures": None,
+                              "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256,
+                                               "beta_fast": 32, "beta_slow": 1}})
+    g = torch.Generator().manual_seed(4)
+    comp = m.DeepseekV4HCACompressor(cfg)
+    with torch.no_grad():
+        for p in (comp.kv_proj.weight, comp.gate_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, generator=g))
+        comp.kv_norm.weight.copy_(0.5 + torch.rand(D, generator=g))
+    T = 2 * 128 + 37  # two closed blocks and an open one
+    x = torch.randn(1, T, H, generator=g)
+    ref = comp(x, None, torch.arange(T)[None], None, 1)[0][0, 0]  # [2, D]
+    freqs = precompute_freqs_cis(dim=ROPE, seqlen=256, original_seq_len=256, base=cfg.compress_rope_theta, factor=1.0,
+                                 beta_fast=32, beta_slow=1)
+    sources = torch.cat([comp.kv_proj(x[0]), comp.gate_proj(x[0])], dim=-1).detach()
+    norm = types.SimpleNamespace(weight=comp.kv_norm.weight, variance_epsilon=comp.kv_norm.variance_epsilon)
+    got = mods.tn.hca_entries(sources, 128, comp.position_bias, norm, freqs)
+    assert got.shape == ref.shape == (2, D)
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert mods.tn.hca_entries(sources[:127], 128, comp.position_bias, norm, freqs).shape == (0, D)
+
+
+def test_csa_layer_is_refused_at_its_forward(mods):
+    layer = types.SimpleNamespace(compressor=object(), indexer=object(), compress_ratio=4, layer_id=3)
+    with pytest.raises(NotImplementedError, match="layer 3 has compress ratio 4; only sliding-window"):
         mods.tn.mqa_forward(layer, torch.zeros(2, H), torch.zeros(2), None)
 
 

@@ -372,7 +372,7 @@ def test_a_bad_number_in_the_environment_names_the_variable(clean_env):
         envs.SGLANG_HS_RING_SIZE
 
 
-@pytest.mark.parametrize("ratios", [None, [0, 4, 128, 0], [128, 0]])
+@pytest.mark.parametrize("ratios", [None, [0, 4, 128, 0], [4, 0]])
 def test_prepare_refuses_compressed_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env, ratios):
     """The CPU-engine patches serve sliding-window layers only: a config with a compressed layer (or without
     compress_ratios: HF's default layout has them) is refused before any server starts."""
@@ -380,14 +380,16 @@ def test_prepare_refuses_compressed_deepseek_v4_on_the_cpu_engine_in_one_line(tm
     model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8, **extra)
     with pytest.raises(CaptureConfigError, match=r"^DeepseekV4ForCausalLM: SGLang 0.5.23 serves DeepSeek-V4 on CUDA "
                                                  r"only, and sglang-hs's CPU-engine patches serve only sliding-window "
-                                                 r"layers \(compress_ratios all 0\)") as e:
+                                                 r"and heavily compressed layers \(compress_ratios 0 and 128\)") as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs")])
     assert "\n" not in str(e.value)
 
 
-def test_prepare_serves_sliding_window_deepseek_v4_on_the_cpu_engine(tmp_path, clean_env):
-    """Every layer sliding-window: served on the CPU engine (the patches dsv4_* serve it; tests/e2e/test_v4_cpu.py)."""
-    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0])
+@pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 128, 0, 128]])
+def test_prepare_serves_sliding_and_hca_deepseek_v4_on_the_cpu_engine(tmp_path, clean_env, ratios):
+    """Sliding-window and heavily compressed layers: served on the CPU engine (the patches dsv4_* serve them;
+    tests/e2e/test_v4_cpu.py)."""
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=ratios)
     launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                            "--hs-layers", "1,3", "--hs-ring-size", "64MiB"])
     assert os.environ["SGLANG_HS_CPU_MODE"] == "1" and os.environ["SGLANG_HS_LAYERS"] == "1,3"

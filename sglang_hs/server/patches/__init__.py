@@ -53,10 +53,13 @@ Ledger (what / why / upstream status / removal plan):
 |                   | without CUDA calls on a CPU device; a        |                  |
 |                   | torch_native draft-extend backend in         |                  |
 |                   | DraftBackendFactory._create_backend          |                  |
-| dsv4_torch_native | DeepSeek-V4 sliding-window layers: plain MHA | CPU mode only    |
+| dsv4_torch_native | DeepSeek-V4 sliding-window and HCA (ratio    | CPU mode only    |
+|                   | 128) layers: plain MHA                       |                  |
 |                   | pool (kv_cache_configurator.is_deepseek_v4   |                  |
 |                   | says no), MQALayer.forward as HF's windowed  |                  |
-|                   | attention with sinks, hc_pre/hc_post/hc_head |                  |
+|                   | attention with sinks (+ HCA block keys from  |                  |
+|                   | per-token sources at the KV slots),          |                  |
+|                   | hc_pre/hc_post/hc_head                       |                  |
 |                   | in torch; MQALayer.__init__ without the CPU  |                  |
 |                   | rope factory's YaRN assertion                |                  |
 | dsv4_cpu_moe      | V4's clamped SwiGLU: deepseek_v2.silu_and_   | CPU mode only    |
@@ -240,13 +243,17 @@ dsv4_torch_native
             config already says MHA), MQALayer.forward computes HF's DeepseekV4Attention for a sliding layer (the
             config's sliding_window, sinks, value = key, conjugate RoPE on the output, grouped wo_a) over the
             request's keys read through req_to_token, and hc_pre/hc_post/hc_head compute HF's
-            DeepseekV4HyperConnection / stream mix / DeepseekV4HyperHead. A compressed layer (ratio 4 or 128)
-            raises NotImplementedError at its first forward; the launcher refuses such configs before that.
+            DeepseekV4HyperConnection / stream mix / DeepseekV4HyperHead. A ratio-128 layer (HCA) keeps its
+            compressor's per-token kv and gate at the KV slots (a per-layer store on the pool object) and recomputes
+            HF DeepseekV4HCACompressor's block keys per step, attended with the window keys under one sink softmax.
+            A ratio-4 layer (CSA) raises NotImplementedError at its first forward; the launcher refuses such configs
+            before that.
   upstream: present in sglang 0.5.23 (srt/models/deepseek_v4.py MQALayer.forward, DeepseekV4DecoderLayerBase.hc_pre,
             DeepseekV4Model.hc_head; mem_cache/kv_cache_configurator.py _build_dsv4_kv_pool); not reported upstream.
   removal:  when SGLang serves V4 on its CPU engine; tests/e2e/test_v4_cpu.py serves tiny_model's "v4-swa" and
-            judges every row against HF float32 (the server does not start without it; a window shifted by one
-            or a dropped sink fails the judge); tests/unit/test_dsv4_cpu_patches.py checks each piece against HF.
+            "v4-hca" and judges every row against HF float32 (the server does not start without it; a window one
+            key wider, a dropped sink, an HCA block visible one position early or its ape ignored fails the judge);
+            tests/unit/test_dsv4_cpu_patches.py checks each piece against HF.
 
 dsv4_cpu_moe
   why:      DeepSeek-V4's experts clamp their SwiGLU (swiglu_limit). The shared expert's clamp is a JIT CUDA kernel

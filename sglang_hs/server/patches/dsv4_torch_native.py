@@ -1,5 +1,6 @@
-"""CPU engine: DeepSeek-V4's sliding-window attention and hyper-connections in plain torch, as HF's `deepseek_v4`
-computes them. Sliding-window layers only (compress ratio 0); a compressed layer raises at its first forward.
+"""CPU engine: DeepSeek-V4's sliding-window and heavily compressed attention and its hyper-connections in plain
+torch, as HF's `deepseek_v4` computes them. Layers of compress ratio 0 and 128; a ratio-4 layer (CSA: overlapping
+blocks and an indexer) raises at its first forward.
 
 See the ledger in sglang_hs/server/patches/__init__.py. Applied in CPU mode only:
 
@@ -15,11 +16,18 @@ See the ledger in sglang_hs/server/patches/__init__.py. Applied in CPU mode only
   fixed 128) with one learned sink logit per head (softmax over keys + sink, the sink's share dropped), value =
   key, the conjugate rotation at the query position on the output's rope channels, then the grouped wo_a and wo_b.
   Weights are used in the activations' dtype (wo_a is created bf16 upstream; a float32 server computes in float32).
+- Ratio-128 layers (HF DeepseekV4HCACompressor): the compressor's per-token kv and gate (wkv_gate, = [wkv; wgate])
+  are kept per layer at each token's KV slot (a store on the pool object, like the V3.2 index keys), and every step
+  recomputes its requests' compressed keys from them (`hca_entries`: per closed 128-token block, kv_norm of the
+  softmax(gate + ape)-weighted sum, RoPE at the block's first position), so chunked prefill, decode and prefix-cache
+  hits need no compressor state; a query at position p also attends over the keys of blocks closed by p
+  ((p + 1) // 128 of them), the sink's softmax covering both.
 - `DeepseekV4DecoderLayerBase.hc_pre/hc_post` and `DeepseekV4Model.hc_head` (upstream: TileLang/Triton kernels,
   `hc_split_sinkhorn` has no CPU path): HF DeepseekV4HyperConnection / DeepseekV4HyperHead in torch.
 
-Not done here: compressed layers (ratio 4 CSA with its indexer, ratio 128 HCA), the hybrid SWA pools (every key is
-kept; the window is applied here), FP8 KV.
+Not done here: ratio-4 layers (CSA: overlapping blocks, the indexer's top-k over compressed keys), the hybrid SWA and
+compressed-state pools (every key and per-token compressor input is kept; the window and blocks are applied here,
+recomputed per step: O(request length) per HCA layer and step), FP8 KV.
 """
 from __future__ import annotations
 
@@ -85,12 +93,38 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink
     return torch.einsum("nhl,ld->nhd", probs, keys)
 
 
+_SOURCES = "_hs_dsv4_compressor_sources"  # per-layer store of the HCA compressor's per-token kv and gate
+
+
+def _source_store(pool, layer_id: int, dim: int, like: torch.Tensor) -> torch.Tensor:
+    """[KV slots, dim] float32 per layer (slots as in the KV buffer), kept on the KV pool object."""
+    stores = pool.__dict__.setdefault(_SOURCES, {})
+    store = stores.get(layer_id)
+    if store is None:
+        rows = pool.get_key_buffer(layer_id).shape[0]
+        store = stores[layer_id] = torch.zeros((rows, dim), dtype=torch.float32, device=like.device)
+    return store
+
+
+def hca_entries(sources: torch.Tensor, ratio: int, ape: torch.Tensor, norm, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """HF DeepseekV4HCACompressor: one key per closed `ratio`-token block of a request's tokens [L, 2D] (kv | gate):
+    kv_norm(sum over the block of softmax(gate + ape) * kv), RoPE at the block's first position. [L // ratio, D]."""
+    n = sources.shape[0] // ratio
+    D = sources.shape[1] // 2
+    if n == 0:
+        return sources.new_zeros((0, D))
+    kv, gate = sources[:n * ratio].view(n, ratio, 2 * D).float().split([D, D], dim=-1)
+    w = (gate + ape.float()).softmax(dim=1)
+    entries = _rms((kv * w).sum(dim=1), norm.variance_epsilon, norm.weight)
+    return _rope(entries, freqs_cis, torch.arange(n, device=sources.device) * ratio)
+
+
 def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduce=False):
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-    if self.compressor is not None or self.indexer is not None or self.compress_ratio:
+    if self.indexer is not None or self.compress_ratio not in (0, 128) or (self.compress_ratio and self.compressor is None):
         raise NotImplementedError(f"sglang-hs DeepSeek-V4 on the CPU engine: layer {self.layer_id} has compress ratio "
-                                  f"{self.compress_ratio}; only sliding-window layers (ratio 0) are served")
+                                  f"{self.compress_ratio}; only sliding-window (0) and HCA (128) layers are served")
     if self.attn_tp_size != 1:
         raise NotImplementedError("sglang-hs DeepSeek-V4 on the CPU engine: attention tensor parallel (--tp > 1)")
     T, H, D = x.shape[0], self.n_local_heads, self.head_dim
@@ -111,6 +145,11 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
     cache = pool.get_key_buffer(self.attn_mqa.layer_id)
     req_to_token = get_req_to_token_pool().req_to_token
     window = self.hs_window
+    sources = None
+    if self.compressor is not None:  # HCA: the compressor's per-token kv and gate, kept at the KV slots
+        comp = self.compressor
+        sources = _source_store(pool, self.attn_mqa.layer_id, 2 * D, x)
+        sources[forward_batch.out_cache_loc] = _linear(comp.wkv_gate, x).float()
     o = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     start = 0
     for req, prefix, n in _requests(forward_batch):
@@ -118,6 +157,12 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
         first = max(0, prefix - window + 1)  # no query of this step sees a key before it
         keys = cache[req_to_token[req, first:length].long()].view(length - first, D).to(x.dtype)
         mask = window_mask(prefix - first, n, length - first, window, x.device)
+        if sources is not None:
+            entries = hca_entries(sources[req_to_token[req, :length].long()], self.compress_ratio, comp.ape,
+                                  comp.norm, self.freqs_cis).to(x.dtype)
+            q_pos = torch.arange(prefix, length, device=x.device).unsqueeze(1)
+            closed = torch.arange(entries.shape[0], device=x.device).unsqueeze(0) < (q_pos + 1) // self.compress_ratio
+            keys, mask = torch.cat([keys, entries]), torch.cat([mask, closed], dim=1)
         o[start:start + n] = sink_attention(q[start:start + n], keys, mask, self.attn_sink, self.softmax_scale)
         start += n
     o = _rope(o, self.freqs_cis, positions, inverse=True)
