@@ -391,6 +391,15 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
                                hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
     if arch in HC_ARCHITECTURES and cpu and (v4_on_cpu(arch, config) or not v4_sliding_on_cpu):
         raise CaptureConfigError((v4_on_cpu(arch, config) or v4_on_cpu(arch)) + v4_hint)
+    if arch in HC_ARCHITECTURES and cpu:
+        for flag in ("--tp-size", "--tp", "--dp-size", "--dp", "--attn-cp-size", "--pp-size"):
+            value = _flag_value(sg_argv, flag)
+            if value is not None and str(value) != "1":
+                raise CaptureConfigError(f"{flag} {value} with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
+                                         "serve one rank only (attention tensor parallel is not written); drop it")
+        if _has_flag(sg_argv, "--enable-dp-attention"):
+            raise CaptureConfigError(f"--enable-dp-attention with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
+                                     "serve one rank only; drop it")
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
     if ns.hs_capture_accept_below is not None and (
             not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):

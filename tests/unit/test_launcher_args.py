@@ -385,6 +385,17 @@ def test_prepare_refuses_compressed_deepseek_v4_on_the_cpu_engine_in_one_line(tm
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp 2"), (["--tp-size=2"], "--tp-size 2"),
+                                          (["--dp", "2", "--enable-dp-attention"], "--dp 2")])
+def test_prepare_refuses_deepseek_v4_on_several_cpu_ranks_in_one_line(tmp_path, clean_env, flags, named):
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0])
+    with pytest.raises(CaptureConfigError, match=rf"^{named} with DeepseekV4ForCausalLM on the CPU engine: "
+                                                 r"sglang-hs's V4 CPU patches serve one rank only") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                               "--hs-layers", "1,3", *flags])
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 128, 0, 128]])
 def test_prepare_serves_sliding_and_hca_deepseek_v4_on_the_cpu_engine(tmp_path, clean_env, ratios):
     """Sliding-window and heavily compressed layers: served on the CPU engine (the patches dsv4_* serve them;
