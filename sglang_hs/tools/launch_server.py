@@ -357,16 +357,15 @@ def text_only(argv: List[str]) -> List[str]:
 
 def v4_on_cpu(arch: str, config: Optional[dict] = None) -> Optional[str]:
     """Why this hyper-connection model (DeepSeek-V4) does not serve on the CPU engine, in one line; None when it
-    does: a config whose layers are sliding-window or heavily compressed (compress_ratios 0 / 128), which the
-    CPU-engine patches serve (sglang_hs/server/patches/dsv4_*.py) and tests/e2e/test_v4_cpu.py judges row by row
+    does: a config whose layers are sliding-window, compressed sparse or heavily compressed (compress_ratios 0 / 4 /
+    128), which the CPU-engine patches serve (sglang_hs/server/patches/dsv4_*.py) and tests/e2e/test_v4_cpu.py judges row by row
     against HF float32."""
     ratios = (config or {}).get("compress_ratios")
-    if ratios and set(ratios) <= {0, 128}:
+    if ratios and set(ratios) <= {0, 4, 128}:
         return None
     return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only, and sglang-hs's CPU-engine patches serve only "
-            "sliding-window and heavily compressed layers (compress_ratios 0 and 128); this config has compressed "
-            "sparse layers (ratio 4: compressor, overlapping blocks and indexer, not yet on the CPU engine) or no "
-            "compress_ratios: capture it on a GPU")
+            "compress_ratios 0, 4 and 128 (sliding-window, CSA, HCA layers); this config has other ratios (V4.1's 1 "
+            "and 2) or no compress_ratios: capture it on a GPU")
 
 
 def runs_on_cpu(sg_argv: List[str]) -> bool:

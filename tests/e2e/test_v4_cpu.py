@@ -5,10 +5,12 @@ against HF transformers' DeepseekV4ForCausalLM float32 (eager attention: the sin
 
 The checkpoints are tiny_model's "v4-swa": 4 layers, hc_mult 4, a window of 8 keys, random attention sinks and
 hyper-connection biases, the first layer hash-routed, sqrtsoftplus routing over one expert group, a SwiGLU limit that
-clamps; and "v4-hca": the same with layers 1 and 3 heavily compressed (a key per closed 128-token block). One server
+clamps; and "v4-hca": the same with layers 1 and 3 heavily compressed (a key per closed 128-token block); "v4-csa": layers 1 and 3
+compressed sparse (ratio 4: overlapping 8-token blocks, an indexer of 16 heads keeping 8 blocks per query) and
+layer 2 heavily compressed. One server
 per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
 and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
-keys), v4-hca under mean with chunks of 50; all with layers 1,2,3, both final states and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
+keys), v4-hca under mean with chunks of 50, v4-csa under mean with chunks of 7; all with layers 1,2,3, both final states and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
 special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
@@ -68,10 +70,12 @@ def hf_reference(variant):
 
 # (checkpoint, --hs-hc-streams, --chunked-prefill-size): sliding-only under both conventions with chunks below the
 # window; the HCA checkpoint with chunks of 50 (blocks of 128 close inside chunks and in decode)
-CONFIGS = {"swa-mean": ("v4-swa", "mean", 5), "swa-full": ("v4-swa", "full", 5), "hca-mean": ("v4-hca", "mean", 50)}
+CONFIGS = {"swa-mean": ("v4-swa", "mean", 5), "swa-full": ("v4-swa", "full", 5), "hca-mean": ("v4-hca", "mean", 50),
+           "csa-mean": ("v4-csa", "mean", 7)}
 # per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
 # concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
-SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270))}
+SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270)),
+         "v4-csa": (150, 140, 100, (61, 9, 130))}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +193,27 @@ def test_hca_blocks_matter():
     n = ref.config.num_hidden_layers
     assert len(comps) == 2 and row_judge.rel(other[n][:127], base[n][:127]).max() < 1e-6
     assert row_judge.rel(other[n][127:], base[n][127:]).min() > 1e-2
+
+
+def test_the_csa_indexer_drops_blocks():
+    """v4-csa's indexer keeps 8 of the closed 4-token blocks: HF's rows change from the first query with more than 8
+    closed blocks (position 35) when every closed block is kept instead, and not before."""
+    ref = hf_reference("v4-csa")
+    assert ref.config.layer_types[1] == "compressed_sparse_attention" and ref.config.index_topk == 8
+    ids = _prompt(80, 2)
+    base = ref(ids)
+    indexers = [layer.self_attn.compressor.indexer for layer in ref.model.model.layers
+                if getattr(layer.self_attn.compressor, "indexer", None) is not None]
+    try:
+        for i in indexers:
+            i.index_topk = 4096
+        dense = ref(ids)
+    finally:
+        for i in indexers:
+            i.index_topk = ref.config.index_topk
+    n = ref.config.num_hidden_layers
+    assert len(indexers) == 2 and row_judge.rel(dense[n][:35], base[n][:35]).max() < 1e-6
+    assert row_judge.rel(dense[n][35:], base[n][35:]).max() > 1e-2
 
 
 def test_prompt_and_decode_rows_across_the_window(v4):

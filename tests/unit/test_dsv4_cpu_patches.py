@@ -191,9 +191,44 @@ def test_hca_entries_are_hfs_compressor(mods, hf_cfg):
     assert mods.tn.hca_entries(sources[:127], 128, comp.position_bias, norm, freqs).shape == (0, D)
 
 
-def test_csa_layer_is_refused_at_its_forward(mods):
-    layer = types.SimpleNamespace(compressor=object(), indexer=object(), compress_ratio=4, layer_id=3)
-    with pytest.raises(NotImplementedError, match="layer 3 has compress ratio 4; only sliding-window"):
+def test_csa_entries_are_hfs_compressor_and_the_ape_layout_is_undone(mods, hf_cfg):
+    """The ratio-4 compressor (overlapping blocks) from per-token sources equals HF's DeepseekV4CSACompressor's keys
+    (and so its indexer's, the same code on index_head_dim), and SGLang's load-time permutation of an overlapping
+    compressor's ape (Compressor._apply_ape_hotfix) is undone by _hf_ape."""
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    cfg = DeepseekV4Config(**{**hf_cfg.to_dict(), "compress_ratios": [0, 4], "architectures": None,
+                              "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256,
+                                               "beta_fast": 32, "beta_slow": 1}})
+    g = torch.Generator().manual_seed(5)
+    comp = m.DeepseekV4CSACompressor(cfg)
+    with torch.no_grad():
+        for p in (comp.kv_proj.weight, comp.gate_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, generator=g))
+    T = 4 * 9 + 3
+    x = torch.randn(1, T, H, generator=g)
+    hf_keys = []
+    comp.indexer.forward = lambda *a, **k: torch.zeros(1, T, 1, dtype=torch.long)  # keys only
+    ref = comp(x, None, torch.arange(T)[None], None, 1)[0][0, 0]
+    freqs = precompute_freqs_cis(dim=ROPE, seqlen=256, original_seq_len=256, base=cfg.compress_rope_theta, factor=1.0,
+                                 beta_fast=32, beta_slow=1)
+    sources = torch.cat([comp.kv_proj(x[0]), comp.gate_proj(x[0])], dim=-1).detach()
+    norm = types.SimpleNamespace(weight=comp.kv_norm.weight, variance_epsilon=comp.kv_norm.variance_epsilon)
+    got = mods.tn.csa_entries(sources, 4, comp.position_bias, norm, freqs)
+    assert got.shape == ref.shape == (9, D) and not hf_keys
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+    ape = comp.position_bias.detach()
+    permuted = torch.cat([ape[:, :D], ape[:, D:]], dim=0).view(4, -1)  # what SGLang's loader stores
+    sg = types.SimpleNamespace(ape=permuted, overlap=True, ape_converted=True, ratio=4)
+    assert torch.equal(mods.tn._hf_ape(sg), ape) and not torch.equal(permuted, ape)
+
+
+def test_other_ratios_are_refused_at_their_forward(mods):
+    layer = types.SimpleNamespace(compressor=object(), indexer=None, compress_ratio=2, layer_id=3)
+    with pytest.raises(NotImplementedError, match="layer 3 has compress ratio 2; only"):
         mods.tn.mqa_forward(layer, torch.zeros(2, H), torch.zeros(2), None)
 
 

@@ -372,15 +372,15 @@ def test_a_bad_number_in_the_environment_names_the_variable(clean_env):
         envs.SGLANG_HS_RING_SIZE
 
 
-@pytest.mark.parametrize("ratios", [None, [0, 4, 128, 0], [4, 0]])
-def test_prepare_refuses_compressed_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env, ratios):
-    """The CPU-engine patches serve sliding-window layers only: a config with a compressed layer (or without
-    compress_ratios: HF's default layout has them) is refused before any server starts."""
+@pytest.mark.parametrize("ratios", [None, [0, 2, 128, 0], [1, 0]])
+def test_prepare_refuses_other_deepseek_v4_layers_on_the_cpu_engine_in_one_line(tmp_path, clean_env, ratios):
+    """The CPU-engine patches serve compress ratios 0, 4 and 128: a config with V4.1's ratios 1 / 2 (or without
+    compress_ratios) is refused before any server starts."""
     extra = {} if ratios is None else {"compress_ratios": ratios}
     model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8, **extra)
     with pytest.raises(CaptureConfigError, match=r"^DeepseekV4ForCausalLM: SGLang 0.5.23 serves DeepSeek-V4 on CUDA "
-                                                 r"only, and sglang-hs's CPU-engine patches serve only sliding-window "
-                                                 r"and heavily compressed layers \(compress_ratios 0 and 128\)") as e:
+                                                 r"only, and sglang-hs's CPU-engine patches serve only compress_ratios "
+                                                 r"0, 4 and 128") as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs")])
     assert "\n" not in str(e.value)
 
@@ -396,7 +396,7 @@ def test_prepare_refuses_deepseek_v4_on_several_cpu_ranks_in_one_line(tmp_path, 
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 128, 0, 128]])
+@pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 128, 0, 128], [0, 4, 128, 4]])
 def test_prepare_serves_sliding_and_hca_deepseek_v4_on_the_cpu_engine(tmp_path, clean_env, ratios):
     """Sliding-window and heavily compressed layers: served on the CPU engine (the patches dsv4_* serve them;
     tests/e2e/test_v4_cpu.py)."""

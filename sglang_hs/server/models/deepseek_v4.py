@@ -16,8 +16,8 @@ the outer forward copies the rows and calls the logits processor as upstream doe
 
 On the CPU engine SGLang 0.5.23 has no V4 forward (its attention is the FlashMLA `dsv4` backend over
 DeepSeekV4TokenToKVPool); the runtime patches dsv4_torch_native / dsv4_cpu_moe / dsv4_cpu_server_args serve its
-sliding-window and heavily compressed (ratio 128) layers there (tests/e2e/test_v4_cpu.py), and the launcher refuses a
-config with ratio-4 (CSA) layers in one line.
+sliding-window, compressed sparse (ratio 4) and heavily compressed (ratio 128) layers there (tests/e2e/test_v4_cpu.py),
+and the launcher refuses V4.1's other ratios in one line.
 """
 from __future__ import annotations
 

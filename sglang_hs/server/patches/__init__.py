@@ -53,12 +53,13 @@ Ledger (what / why / upstream status / removal plan):
 |                   | without CUDA calls on a CPU device; a        |                  |
 |                   | torch_native draft-extend backend in         |                  |
 |                   | DraftBackendFactory._create_backend          |                  |
-| dsv4_torch_native | DeepSeek-V4 sliding-window and HCA (ratio    | CPU mode only    |
-|                   | 128) layers: plain MHA                       |                  |
+| dsv4_torch_native | DeepSeek-V4 sliding-window, CSA (ratio 4)    | CPU mode only    |
+|                   | and HCA (ratio 128) layers: plain MHA        |                  |
 |                   | pool (kv_cache_configurator.is_deepseek_v4   |                  |
 |                   | says no), MQALayer.forward as HF's windowed  |                  |
-|                   | attention with sinks (+ HCA block keys from  |                  |
-|                   | per-token sources at the KV slots),          |                  |
+|                   | attention with sinks (+ CSA/HCA block keys   |                  |
+|                   | and the CSA indexer's top-k, from per-token  |                  |
+|                   | sources at the KV slots),                    |                  |
 |                   | hc_pre/hc_post/hc_head                       |                  |
 |                   | in torch; MQALayer.__init__ without the CPU  |                  |
 |                   | rope factory's YaRN assertion                |                  |
@@ -246,13 +247,16 @@ dsv4_torch_native
             DeepseekV4HyperConnection / stream mix / DeepseekV4HyperHead. A ratio-128 layer (HCA) keeps its
             compressor's per-token kv and gate at the KV slots (a per-layer store on the pool object) and recomputes
             HF DeepseekV4HCACompressor's block keys per step, attended with the window keys under one sink softmax.
-            A ratio-4 layer (CSA) raises NotImplementedError at its first forward; the launcher refuses such configs
-            before that.
+            A ratio-4 layer (CSA) does the same with HF's overlapping DeepseekV4CSACompressor, and its indexer (its
+            own compressor's sources in a second store) keeps each query's index_topk best closed blocks (HF
+            DeepseekV4Indexer); SGLang's load-time permutation of an overlapping compressor's ape is undone. Other
+            ratios (V4.1's 1 and 2) raise NotImplementedError at their first forward; the launcher refuses them.
   upstream: present in sglang 0.5.23 (srt/models/deepseek_v4.py MQALayer.forward, DeepseekV4DecoderLayerBase.hc_pre,
             DeepseekV4Model.hc_head; mem_cache/kv_cache_configurator.py _build_dsv4_kv_pool); not reported upstream.
   removal:  when SGLang serves V4 on its CPU engine; tests/e2e/test_v4_cpu.py serves tiny_model's "v4-swa" and
-            "v4-hca" and judges every row against HF float32 (the server does not start without it; a window one
-            key wider, a dropped sink, an HCA block visible one position early or its ape ignored fails the judge);
+            "v4-hca" and "v4-csa" and judges every row against HF float32 (the server does not start without it; a
+            window one key wider, a dropped sink, an HCA block visible one position early, its ape ignored or the
+            CSA indexer keeping one block fewer fails the judge);
             tests/unit/test_dsv4_cpu_patches.py checks each piece against HF.
 
 dsv4_cpu_moe

@@ -1,6 +1,6 @@
-"""CPU engine: DeepSeek-V4's sliding-window and heavily compressed attention and its hyper-connections in plain
-torch, as HF's `deepseek_v4` computes them. Layers of compress ratio 0 and 128; a ratio-4 layer (CSA: overlapping
-blocks and an indexer) raises at its first forward.
+"""CPU engine: DeepSeek-V4's attention (sliding-window, compressed sparse and heavily compressed) and its
+hyper-connections in plain torch, as HF's `deepseek_v4` computes them. Layers of compress ratio 0, 4 and 128; other
+ratios (V4.1's 1 and 2) raise at their first forward.
 
 See the ledger in sglang_hs/server/patches/__init__.py. Applied in CPU mode only:
 
@@ -22,12 +22,20 @@ See the ledger in sglang_hs/server/patches/__init__.py. Applied in CPU mode only
   softmax(gate + ape)-weighted sum, RoPE at the block's first position), so chunked prefill, decode and prefix-cache
   hits need no compressor state; a query at position p also attends over the keys of blocks closed by p
   ((p + 1) // 128 of them), the sink's softmax covering both.
+- Ratio-4 layers (HF DeepseekV4CSACompressor + DeepseekV4Indexer): the same per-token store for the compressor
+  (kv and gate of 2 x head_dim: `csa_entries`, overlapping blocks: a block's key mixes its tokens' second halves with
+  the previous block's first halves over 2 x 4 slots) and one for the indexer's own compressor (index_head_dim);
+  each query scores the closed blocks' index keys (sum over index heads of weights_proj(x) * n^-0.5 * ReLU(q . k) *
+  d^-0.5, q = indexer.wq_b(q_norm(wq_a x)) with the compress RoPE) and attends over the window and its index_topk
+  best closed blocks. SGLang's loader permutes an overlapping compressor's ape (_apply_ape_hotfix): undone here
+  (`_hf_ape`). No Hadamard rotation (HF has none; it is orthogonal on both sides in the CUDA path).
 - `DeepseekV4DecoderLayerBase.hc_pre/hc_post` and `DeepseekV4Model.hc_head` (upstream: TileLang/Triton kernels,
   `hc_split_sinkhorn` has no CPU path): HF DeepseekV4HyperConnection / DeepseekV4HyperHead in torch.
 
-Not done here: ratio-4 layers (CSA: overlapping blocks, the indexer's top-k over compressed keys), the hybrid SWA and
-compressed-state pools (every key and per-token compressor input is kept; the window and blocks are applied here,
-recomputed per step: O(request length) per HCA layer and step), FP8 KV.
+Not done here: V4.1's ratios 1/2, attention tensor parallel, the hybrid SWA and compressed-state pools (every key and
+per-token compressor input is kept; the window and blocks are applied here, recomputed per step: O(request length)
+per compressed layer and step), FP8 KV. Exactly tied index scores (every head's ReLU 0) have no defined order, in HF's
+top-k as here.
 """
 from __future__ import annotations
 
@@ -96,13 +104,13 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink
 _SOURCES = "_hs_dsv4_compressor_sources"  # per-layer store of the HCA compressor's per-token kv and gate
 
 
-def _source_store(pool, layer_id: int, dim: int, like: torch.Tensor) -> torch.Tensor:
-    """[KV slots, dim] float32 per layer (slots as in the KV buffer), kept on the KV pool object."""
+def _source_store(pool, key, layer_id: int, dim: int, like: torch.Tensor) -> torch.Tensor:
+    """[KV slots, dim] float32 under `key` (slots as in layer `layer_id`'s KV buffer), kept on the KV pool object."""
     stores = pool.__dict__.setdefault(_SOURCES, {})
-    store = stores.get(layer_id)
+    store = stores.get(key)
     if store is None:
         rows = pool.get_key_buffer(layer_id).shape[0]
-        store = stores[layer_id] = torch.zeros((rows, dim), dtype=torch.float32, device=like.device)
+        store = stores[key] = torch.zeros((rows, dim), dtype=torch.float32, device=like.device)
     return store
 
 
@@ -119,22 +127,51 @@ def hca_entries(sources: torch.Tensor, ratio: int, ape: torch.Tensor, norm, freq
     return _rope(entries, freqs_cis, torch.arange(n, device=sources.device) * ratio)
 
 
+def _hf_ape(comp) -> torch.Tensor:
+    """The compressor's position bias in HF's layout [ratio, coff * D]: SGLang's loader permutes an overlapping
+    (ratio-4) compressor's at load (Compressor._apply_ape_hotfix: the two halves stacked by rows)."""
+    ape = comp.ape
+    if comp.overlap and comp.ape_converted:
+        ape = torch.cat(ape.reshape(2 * comp.ratio, -1).chunk(2, dim=0), dim=-1)
+    return ape
+
+
+def csa_entries(sources: torch.Tensor, ratio: int, ape: torch.Tensor, norm, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """HF DeepseekV4CSACompressor / the indexer's compressor: a key per closed `ratio`-token block from its tokens'
+    second halves (Cb) and the previous block's first halves (Ca), softmax(gate + ape) over the 2 * ratio slots,
+    kv_norm, RoPE at the block's first position. sources [L, 4D] (kv 2D | gate 2D) -> [L // ratio, D]."""
+    n = sources.shape[0] // ratio
+    D = sources.shape[1] // 4
+    if n == 0:
+        return sources.new_zeros((0, D))
+    kv, gate = sources[:n * ratio].view(n, ratio, 4 * D).float().split([2 * D, 2 * D], dim=-1)
+    gate = gate + ape.float()
+    new_kv = kv.new_zeros((n, 2 * ratio, D))
+    new_gate = gate.new_full((n, 2 * ratio, D), float("-inf"))
+    new_kv[:, ratio:], new_gate[:, ratio:] = kv[..., D:], gate[..., D:]
+    new_kv[1:, :ratio], new_gate[1:, :ratio] = kv[:-1, :, :D], gate[:-1, :, :D]
+    entries = _rms((new_kv * new_gate.softmax(dim=1)).sum(dim=1), norm.variance_epsilon, norm.weight)
+    return _rope(entries, freqs_cis, torch.arange(n, device=sources.device) * ratio)
+
+
 def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduce=False):
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-    if self.indexer is not None or self.compress_ratio not in (0, 128) or (self.compress_ratio and self.compressor is None):
+    if self.compress_ratio not in (0, 4, 128) or (self.compress_ratio and self.compressor is None) or (
+            self.compress_ratio == 4 and self.indexer is None):
         raise NotImplementedError(f"sglang-hs DeepSeek-V4 on the CPU engine: layer {self.layer_id} has compress ratio "
-                                  f"{self.compress_ratio}; only sliding-window (0) and HCA (128) layers are served")
+                                  f"{self.compress_ratio}; only sliding-window (0), CSA (4) and HCA (128) layers are "
+                                  "served")
     if self.attn_tp_size != 1:
         raise NotImplementedError("sglang-hs DeepSeek-V4 on the CPU engine: attention tensor parallel (--tp > 1)")
     T, H, D = x.shape[0], self.n_local_heads, self.head_dim
     if T == 0:
         return x
     if self.fuse_wqa_wkv:
-        q, kv = _linear(self.wqkv_a, x).split([self.q_lora_rank, self.head_dim], dim=-1)
+        q_a, kv = _linear(self.wqkv_a, x).split([self.q_lora_rank, self.head_dim], dim=-1)
     else:
-        q, kv = _linear(self.wq_a, x), _linear(self.wkv, x)
-    q = _linear(self.wq_b, _rms(q, self.q_norm.variance_epsilon, self.q_norm.weight)).view(T, H, D)
+        q_a, kv = _linear(self.wq_a, x), _linear(self.wkv, x)
+    q = _linear(self.wq_b, _rms(q_a, self.q_norm.variance_epsilon, self.q_norm.weight)).view(T, H, D)
     if self.q_head_norm:
         q = _rms(q, self.eps)
     q = _rope(q, self.freqs_cis, positions)
@@ -146,10 +183,20 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
     req_to_token = get_req_to_token_pool().req_to_token
     window = self.hs_window
     sources = None
-    if self.compressor is not None:  # HCA: the compressor's per-token kv and gate, kept at the KV slots
+    ratio = self.compress_ratio
+    if self.compressor is not None:  # the compressor's per-token kv and gate, kept at the KV slots
         comp = self.compressor
-        sources = _source_store(pool, self.attn_mqa.layer_id, 2 * D, x)
+        sources = _source_store(pool, ("compressor", self.attn_mqa.layer_id), self.attn_mqa.layer_id,
+                                comp.wkv_gate.weight.shape[0], x)
         sources[forward_batch.out_cache_loc] = _linear(comp.wkv_gate, x).float()
+    if self.indexer is not None:  # CSA: the indexer's own compressor sources, its queries and head weights
+        idx = self.indexer
+        isources = _source_store(pool, ("indexer", self.attn_mqa.layer_id), self.attn_mqa.layer_id,
+                                 idx.compressor.wkv_gate.weight.shape[0], x)
+        isources[forward_batch.out_cache_loc] = _linear(idx.compressor.wkv_gate, x).float()
+        q_lora = _rms(q_a, self.q_norm.variance_epsilon, self.q_norm.weight)
+        iq = _rope(_linear(idx.wq_b, q_lora).view(T, idx.n_heads, idx.head_dim), self.freqs_cis, positions).float()
+        iw = _linear(idx.weights_proj, x).float() * idx.n_heads ** -0.5
     o = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     start = 0
     for req, prefix, n in _requests(forward_batch):
@@ -158,10 +205,19 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
         keys = cache[req_to_token[req, first:length].long()].view(length - first, D).to(x.dtype)
         mask = window_mask(prefix - first, n, length - first, window, x.device)
         if sources is not None:
-            entries = hca_entries(sources[req_to_token[req, :length].long()], self.compress_ratio, comp.ape,
-                                  comp.norm, self.freqs_cis).to(x.dtype)
+            slots = req_to_token[req, :length].long()
+            make = hca_entries if ratio == 128 else csa_entries
+            entries = make(sources[slots], ratio, _hf_ape(comp), comp.norm, self.freqs_cis).to(x.dtype)
             q_pos = torch.arange(prefix, length, device=x.device).unsqueeze(1)
-            closed = torch.arange(entries.shape[0], device=x.device).unsqueeze(0) < (q_pos + 1) // self.compress_ratio
+            closed = torch.arange(entries.shape[0], device=x.device).unsqueeze(0) < (q_pos + 1) // ratio
+            if self.indexer is not None:  # HF DeepseekV4Indexer: each query keeps its index_topk best closed blocks
+                ikeys = csa_entries(isources[slots], ratio, _hf_ape(idx.compressor), idx.compressor.norm,
+                                    self.freqs_cis)
+                score = (F.relu(torch.einsum("nhd,ld->nhl", iq[start:start + n], ikeys)) * idx.softmax_scale
+                         * iw[start:start + n].unsqueeze(-1)).sum(dim=1).masked_fill(~closed, float("-inf"))
+                top = score.topk(min(idx.index_topk, entries.shape[0]), dim=-1).indices
+                chosen = torch.zeros_like(closed).scatter_(1, top, True)
+                closed = closed & chosen
             keys, mask = torch.cat([keys, entries]), torch.cat([mask, closed], dim=1)
         o[start:start + n] = sink_attention(q[start:start + n], keys, mask, self.attn_sink, self.softmax_scale)
         start += n
