@@ -150,6 +150,10 @@ def main(argv) -> int:
         from sglang_hs.server.patches import dsa_cpu_server_args
 
         dsa_cpu_server_args.apply()  # before resolution: DSA configs on the CPU engine
+    if envs.SGLANG_HS_CPU_MODE and "dsv4_cpu_server_args" not in envs.SGLANG_HS_DISABLE_PATCHES:
+        from sglang_hs.server.patches import dsv4_cpu_server_args
+
+        dsv4_cpu_server_args.apply()  # before resolution: DeepSeek-V4 configs on the CPU engine
     if envs.SGLANG_HS_DUMP_DIR:
         warmup_rid.apply()  # this process serves HTTP: SGLang's warm-up request gets a recognisable rid
         parallel_sampling.apply()  # and the prefix request of an n > 1 request is tagged: no record

@@ -355,11 +355,17 @@ def text_only(argv: List[str]) -> List[str]:
     return out + [flag, json.dumps(dict(overrides, language_model_only=True))]
 
 
-def v4_on_cpu(arch: str) -> str:
-    """Why a hyper-connection model (DeepSeek-V4) does not serve on the CPU engine, in one line."""
-    return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only (on the CPU engine its load_weights stops at "
-            "the mHC kernels' prewarm, a CUDA query in mhc.prewarm_mhc_pre, and its attention is the FlashMLA dsv4 "
-            "backend over DeepSeekV4TokenToKVPool, with no CPU path); capture it on a GPU")
+def v4_on_cpu(arch: str, config: Optional[dict] = None) -> Optional[str]:
+    """Why this hyper-connection model (DeepSeek-V4) does not serve on the CPU engine, in one line; None when it
+    does: a config whose layers are sliding-window, compressed sparse or heavily compressed (compress_ratios 0 / 4 /
+    128), which the CPU-engine patches serve (sglang_hs/server/patches/dsv4_*.py) and tests/e2e/test_v4_cpu.py judges row by row
+    against HF float32."""
+    ratios = (config or {}).get("compress_ratios")
+    if ratios and set(ratios) <= {0, 4, 128}:
+        return None
+    return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only, and sglang-hs's CPU-engine patches serve only "
+            "compress_ratios 0, 4 and 128 (sliding-window, CSA, HCA layers); this config has other ratios (V4.1's 1 "
+            "and 2) or no compress_ratios: capture it on a GPU")
 
 
 def runs_on_cpu(sg_argv: List[str]) -> bool:
@@ -369,10 +375,11 @@ def runs_on_cpu(sg_argv: List[str]) -> bool:
 
 
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
-                    v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
+                    v4_hint: str = "", v4_sliding_on_cpu: bool = True) -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
     checked in one line (CaptureConfigError): the architecture, the layer ids and --hs-last/--hs-hc-streams
-    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line). The
+    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line) unless every
+    layer is sliding-window (and `v4_sliding_on_cpu`: the self-test compares V2/V3-family paths only). The
     launcher and the self-test."""
     config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
     arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
@@ -381,8 +388,17 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
     spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
                                hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
+    if arch in HC_ARCHITECTURES and cpu and (v4_on_cpu(arch, config) or not v4_sliding_on_cpu):
+        raise CaptureConfigError((v4_on_cpu(arch, config) or v4_on_cpu(arch)) + v4_hint)
     if arch in HC_ARCHITECTURES and cpu:
-        raise CaptureConfigError(v4_on_cpu(arch) + v4_hint)
+        for flag in ("--tp-size", "--tp", "--dp-size", "--dp", "--attn-cp-size", "--pp-size"):
+            value = _flag_value(sg_argv, flag)
+            if value is not None and str(value) != "1":
+                raise CaptureConfigError(f"{flag} {value} with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
+                                         "serve one rank only (attention tensor parallel is not written); drop it")
+        if _has_flag(sg_argv, "--enable-dp-attention"):
+            raise CaptureConfigError(f"--enable-dp-attention with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
+                                     "serve one rank only; drop it")
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
     if ns.hs_capture_accept_below is not None and (
             not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):

@@ -341,7 +341,7 @@ def _check_model(ns, sglang_args: List[str]) -> bool:
 
     model = flag_value(sglang_args, "--model-path", "--model") or tiny_model.ensure()
     _, _, spec = resolve_capture(ns, sglang_args, model, runs_on_cpu(sglang_args),
-                                 v4_hint=": run the self-test on a GPU node")
+                                 v4_hint=": run the self-test on a GPU node", v4_sliding_on_cpu=False)
     return spec.hc_mult > 1
 
 

@@ -44,6 +44,14 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   index_topk 11, below every test prompt's length, so the sparse selection really drops keys from the
   second chunk of a prompt on (with index_topk >= the length every key is kept and a wrong indexer is
   invisible). HF transformers' DeepseekV32ForCausalLM is the reference.
+- "v4-swa": DeepseekV4ForCausalLM (model_type "deepseek_v4") with every layer sliding-window (compress ratio 0), a
+  window of 8, 4 hyper-connection streams, random sinks and hyper-connection biases, a hash-routed first layer and a
+  swiglu_limit that acts (V4_SWA); saved with the released weight names SGLang loads (_v4_released_name). HF
+  transformers' DeepseekV4ForCausalLM is the reference; served on the CPU engine (tests/e2e/test_v4_cpu.py).
+- "v4-csa": v4-swa with layers 1 and 3 compressed sparse (ratio 4, HF's compressed_sparse_attention: overlapping
+  blocks, an indexer of 16 heads keeping index_topk 8 blocks per query) and layer 2 heavily compressed.
+- "v4-hca": v4-swa with layers 1 and 3 heavily compressed (ratio 128, HF's heavily_compressed_attention: one
+  compressed key per closed 128-token block on top of the window), their compressors' position biases random.
 - "v3-mtp": the V3 checkpoint plus DeepSeek-V3's MTP layer (num_nextn_predict_layers 1, weights under
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
   propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
@@ -168,11 +176,49 @@ def _v3_mtp(cfg: dict) -> dict:
     return dict(cfg, num_nextn_predict_layers=1)
 
 
+# DeepSeek-V4 with sliding-window attention on every layer (compress ratio 0: no compressor, no indexer): HF's
+# DeepseekV4Config keys plus the ones SGLang's DeepSeekV4Config reads (compress_ratios, num_hash_layers, window_size,
+# qk_rope_head_dim, yarn rope_scaling with its original length, topk_method). A window of 8 keys, so every test
+# prompt crosses it several times; 4 hyper-connection streams; the first layer hash-routed; a swiglu_limit of 0.15,
+# which clamps about a third of the experts' gate/up entries (at 10, the released value, no clamp would ever act).
+V4_SWA = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 64,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+          "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32,
+          "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+          "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+          "routed_scaling_factor": 1.5, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+          "sliding_window": 8, "window_size": 8, "compress_ratios": [0, 0, 0, 0], "num_hash_layers": 1,
+          "n_hash_layers": 1, "swiglu_limit": 0.15, "rope_theta": 10000, "compress_rope_theta": 160000,
+          "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                           "beta_slow": 1},
+          "max_position_embeddings": 4096, "num_nextn_predict_layers": 0, "index_n_heads": 4, "index_head_dim": 32,
+          "index_topk": 8, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def _v4_swa(cfg: dict) -> dict:
+    return dict({k: cfg[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "max_position_embeddings")},
+                **V4_SWA)
+
+
+def _v4_csa(cfg: dict) -> dict:
+    """v4-swa with layers 1 and 3 compressed sparse (ratio 4: overlapping 8-token blocks, the indexer keeping each
+    query's 8 best closed blocks) and layer 2 heavily compressed; 16 index heads (with 4, every head's ReLU score is
+    0 for about one block in 16: exact ties for the last kept place, which HF's top-k and a per-chunk one may break
+    differently)."""
+    return dict(_v4_swa(cfg), compress_ratios=[0, 4, 128, 4], index_n_heads=16)
+
+
+def _v4_hca(cfg: dict) -> dict:
+    """v4-swa with layers 1 and 3 heavily compressed (ratio 128: one compressed key per closed 128-token block)."""
+    return dict(_v4_swa(cfg), compress_ratios=[0, 128, 0, 128])
+
+
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32, "v3-mtp": _v3_mtp}
+            "v32": _v32, "v3-mtp": _v3_mtp, "v4-swa": _v4_swa, "v4-hca": _v4_hca, "v4-csa": _v4_csa}
 MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
+V4 = ("v4-swa", "v4-hca", "v4-csa")  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
 
@@ -461,18 +507,77 @@ def _generate(out: str, variant: str = "v3") -> None:
         if name.endswith("e_score_correction_bias"):
             buf.copy_(torch.randn(buf.shape, generator=gen) * 0.01)
     randomise_norms(model, SEED + 2)
+    if variant in V4:
+        _v4_weights(model, SEED + 3)
     model = model.to(torch.bfloat16)
     # Small shards, so the folder carries the index.json weight map that training tools look for.
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="4MB")
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="256KB" if variant in V4 else "4MB")
     _write_config(out, variant)
     if variant in WRAPPED:
         _prefix_weights(out, "language_model.")
     if variant in MTP:
         _add_mtp_layer(out, cfg)
+    if variant in V4:
+        _rename_weights(out, _v4_released_name)
     for name, text in _EXTRA_FILES.get(variant, {}).items():
         with open(os.path.join(out, name), "w") as f:
             f.write(text)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json")), "no weight map written"
+
+
+def _v4_released_name(name: str) -> str:
+    """DeepSeek-V4's released weight names where HF's save_pretrained writes others, both of which SGLang's loader
+    would miss (it logs "not found" and keeps the parameter uninitialised): the attention's kv_norm (HF writes
+    `attn.norm`) and the final hyper-connection head (HF writes `model.hc_head.hc_fn`, released `hc_head_fn`). HF
+    reads the released names back (its conversion map)."""
+    name = re.sub(r"\.attn\.norm\.", ".attn.kv_norm.", name)
+    return re.sub(r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
+
+
+def _rename_weights(out: str, rename) -> None:
+    """Rename every tensor of the saved shards (and the index) by `rename(name)`; a folder without an index holds
+    one model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    index = os.path.join(out, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        single = os.path.join(out, "model.safetensors")
+        save_file({rename(k): v for k, v in load_file(single).items()}, single, metadata={"format": "pt"})
+        return
+    with open(index) as f:
+        idx = json.load(f)
+    for shard in sorted(set(idx["weight_map"].values())):
+        tensors = load_file(os.path.join(out, shard))
+        save_file({rename(k): v for k, v in tensors.items()}, os.path.join(out, shard), metadata={"format": "pt"})
+    idx["weight_map"] = {rename(k): v for k, v in idx["weight_map"].items()}
+    with open(index, "w") as f:
+        json.dump(idx, f, indent=2)
+
+
+def _v4_weights(model, seed: int) -> None:
+    """DeepSeek-V4 parameters HF initialises to constants, drawn so that each one matters: attention sinks N(0, 1)
+    (zeros would still weigh, but the same on every head), the hyper-connections' biases N(0, 0.5) and scales
+    U(0.5, 1.5), compressors' position biases N(0, 0.5), and the hash-routed layers' token-to-expert table (zeros: every token to expert 0 twice) a seeded
+    choice of distinct experts per token."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "sinks":
+                param.copy_(torch.randn(param.shape, generator=gen))
+            elif leaf in ("base", "hc_base"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif leaf in ("scale", "hc_scale"):
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            elif leaf == "position_bias":  # a compressor's per-position gate bias (released name `ape`)
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                buf.copy_(torch.stack([torch.randperm(experts, generator=gen)[:buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
 
 
 def _add_mtp_layer(out: str, cfg) -> None:
@@ -532,7 +637,7 @@ def _add_mtp_layer(out: str, cfg) -> None:
 
 def _GENERATOR_SOURCES():
     """The functions whose source keys the cache (`_key`): what makes a checkpoint's weights."""
-    return (_generate, _generate_mistral, randomise_norms, _is_norm_weight, _prefix_weights, to_mistral_names,
+    return (_generate, _generate_mistral, randomise_norms, _v4_weights, _v4_released_name, _rename_weights, _is_norm_weight, _prefix_weights, to_mistral_names,
             mistral4_config, hf_config, _write_config)
 
 

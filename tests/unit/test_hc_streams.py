@@ -6,8 +6,8 @@ entering each layer are handed to what SGLang 0.5.23's DeepseekV4Model.forward r
 `mhc_stream_mean(x, out=packer.slot(x[:, 0]))` with upstream's AuxHiddenStatePacker (as the module global
 the forward looks up), and the packed aux is judged row by row against tests/reference.hc_rows_ref:
 the default (mean, upstream unpatched) and --hs-hc-streams full (patches/hc_full_streams.py applied).
-SGLang's V4 forward itself cannot run on the CPU engine (no V4 attention backend there): the end-to-end
-test is tests/gpu/test_v4_capture_gpu.py.
+End to end: tests/e2e/test_v4_cpu.py on the CPU engine (sliding-window layers, through sglang-hs's patches) and
+tests/gpu/test_v4_capture_gpu.py on a GPU.
 """
 import pytest
 import torch

@@ -372,12 +372,38 @@ def test_a_bad_number_in_the_environment_names_the_variable(clean_env):
         envs.SGLANG_HS_RING_SIZE
 
 
-def test_prepare_refuses_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env):
-    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8)
+@pytest.mark.parametrize("ratios", [None, [0, 2, 128, 0], [1, 0]])
+def test_prepare_refuses_other_deepseek_v4_layers_on_the_cpu_engine_in_one_line(tmp_path, clean_env, ratios):
+    """The CPU-engine patches serve compress ratios 0, 4 and 128: a config with V4.1's ratios 1 / 2 (or without
+    compress_ratios) is refused before any server starts."""
+    extra = {} if ratios is None else {"compress_ratios": ratios}
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", hc_mult=4, index_topk=8, **extra)
     with pytest.raises(CaptureConfigError, match=r"^DeepseekV4ForCausalLM: SGLang 0.5.23 serves DeepSeek-V4 on CUDA "
-                                                 r"only .*FlashMLA") as e:
+                                                 r"only, and sglang-hs's CPU-engine patches serve only compress_ratios "
+                                                 r"0, 4 and 128") as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs")])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp 2"), (["--tp-size=2"], "--tp-size 2"),
+                                          (["--dp", "2", "--enable-dp-attention"], "--dp 2")])
+def test_prepare_refuses_deepseek_v4_on_several_cpu_ranks_in_one_line(tmp_path, clean_env, flags, named):
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0])
+    with pytest.raises(CaptureConfigError, match=rf"^{named} with DeepseekV4ForCausalLM on the CPU engine: "
+                                                 r"sglang-hs's V4 CPU patches serve one rank only") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                               "--hs-layers", "1,3", *flags])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 128, 0, 128], [0, 4, 128, 4]])
+def test_prepare_serves_sliding_and_hca_deepseek_v4_on_the_cpu_engine(tmp_path, clean_env, ratios):
+    """Sliding-window and heavily compressed layers: served on the CPU engine (the patches dsv4_* serve them;
+    tests/e2e/test_v4_cpu.py)."""
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=ratios)
+    launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                           "--hs-layers", "1,3", "--hs-ring-size", "64MiB"])
+    assert os.environ["SGLANG_HS_CPU_MODE"] == "1" and os.environ["SGLANG_HS_LAYERS"] == "1,3"
 
 
 @pytest.mark.parametrize("arch, extra", [("DeepseekV4ForCausalLM", {"hc_mult": 4, "index_topk": 8}),

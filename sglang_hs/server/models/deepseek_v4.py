@@ -1,4 +1,4 @@
-"""The sglang-hs overlay of SGLang's DeepseekV4ForCausalLM (DeepSeek-V4, V4-Flash): CUDA only.
+"""The sglang-hs overlay of SGLang's DeepseekV4ForCausalLM (DeepSeek-V4, V4-Flash).
 
 DeepSeek-V4's residual is `hc_mult` parallel streams per token (manifold hyper-connections). The capture
 uses SGLang 0.5.23's own answer for its DSpark drafters (`DeepseekV4Model.dspark_layers_to_capture`,
@@ -15,7 +15,9 @@ The inner model returns `((hidden, pre_hc_head), aux)` of one fixed structure on
 the outer forward copies the rows and calls the logits processor as upstream does.
 
 On the CPU engine SGLang 0.5.23 has no V4 forward (its attention is the FlashMLA `dsv4` backend over
-DeepSeekV4TokenToKVPool); the launcher refuses V4 there in one line.
+DeepSeekV4TokenToKVPool); the runtime patches dsv4_torch_native / dsv4_cpu_moe / dsv4_cpu_server_args serve its
+sliding-window, compressed sparse (ratio 4) and heavily compressed (ratio 128) layers there (tests/e2e/test_v4_cpu.py),
+and the launcher refuses V4.1's other ratios in one line.
 """
 from __future__ import annotations
 

@@ -55,6 +55,23 @@ Ledger (what / why / upstream status / removal plan):
 |                   | without CUDA calls on a CPU device; a        |                  |
 |                   | torch_native draft-extend backend in         |                  |
 |                   | DraftBackendFactory._create_backend          |                  |
+| dsv4_torch_native | DeepSeek-V4 sliding-window, CSA (ratio 4)    | CPU mode only    |
+|                   | and HCA (ratio 128) layers: plain MHA        |                  |
+|                   | pool (kv_cache_configurator.is_deepseek_v4   |                  |
+|                   | says no), MQALayer.forward as HF's windowed  |                  |
+|                   | attention with sinks (+ CSA/HCA block keys   |                  |
+|                   | and the CSA indexer's top-k, from per-token  |                  |
+|                   | sources at the KV slots),                    |                  |
+|                   | hc_pre/hc_post/hc_head                       |                  |
+|                   | in torch; MQALayer.__init__ without the CPU  |                  |
+|                   | rope factory's YaRN assertion                |                  |
+| dsv4_cpu_moe      | V4's clamped SwiGLU: deepseek_v2.silu_and_   | CPU mode only    |
+|                   | mul_clamp (shared expert) and moe_forward_   |                  |
+|                   | native's activation (routed experts)         |                  |
+| dsv4_cpu_server_  | V4 configs' server arguments on CPU:         | CPU mode, HTTP   |
+| args              | torch_native, page 1, no hybrid SWA pools,   | server process   |
+|                   | KV dtype auto; CPU_ENV (mHC kernels off) in  | (serve.py)       |
+|                   | the environment its schedulers inherit       |                  |
 | hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
 |                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
 |                   | mean to write the streams into such a slot   | --hs-hc-streams  |
@@ -224,6 +241,51 @@ eagle_cpu_draft
             reported upstream by us yet.
   removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server does not start without it.
 
+dsv4_torch_native
+  why:      SGLang 0.5.23 serves DeepSeek-V4 on CUDA only: its attention is the FlashMLA "dsv4" backend over
+            DeepSeekV4TokenToKVPool (FP8, 256-token pages, CUDA kernels), its hyper-connections TileLang/Triton
+            kernels (`hc_split_sinkhorn` has no CPU path), and MQALayer.__init__ asks the CPU rope factory for a
+            table that asserts a YaRN rope_scaling, which a sliding layer's plain RoPE has none of. On the CPU
+            engine V4 gets SGLang's plain MHA pool (one KV head of head_dim, model dtype, token pages: the model
+            config already says MHA), MQALayer.forward computes HF's DeepseekV4Attention for a sliding layer (the
+            config's sliding_window, sinks, value = key, conjugate RoPE on the output, grouped wo_a) over the
+            request's keys read through req_to_token, and hc_pre/hc_post/hc_head compute HF's
+            DeepseekV4HyperConnection / stream mix / DeepseekV4HyperHead. A ratio-128 layer (HCA) keeps its
+            compressor's per-token kv and gate at the KV slots (a per-layer store on the pool object) and recomputes
+            HF DeepseekV4HCACompressor's block keys per step, attended with the window keys under one sink softmax.
+            A ratio-4 layer (CSA) does the same with HF's overlapping DeepseekV4CSACompressor, and its indexer (its
+            own compressor's sources in a second store) keeps each query's index_topk best closed blocks (HF
+            DeepseekV4Indexer); SGLang's load-time permutation of an overlapping compressor's ape is undone. Other
+            ratios (V4.1's 1 and 2) raise NotImplementedError at their first forward; the launcher refuses them.
+  upstream: present in sglang 0.5.23 (srt/models/deepseek_v4.py MQALayer.forward, DeepseekV4DecoderLayerBase.hc_pre,
+            DeepseekV4Model.hc_head; mem_cache/kv_cache_configurator.py _build_dsv4_kv_pool); not reported upstream.
+  removal:  when SGLang serves V4 on its CPU engine; tests/e2e/test_v4_cpu.py serves tiny_model's "v4-swa" and
+            "v4-hca" and "v4-csa" and judges every row against HF float32 (the server does not start without it; a
+            window one key wider, a dropped sink, an HCA block visible one position early, its ape ignored or the
+            CSA indexer keeping one block fewer fails the judge);
+            tests/unit/test_dsv4_cpu_patches.py checks each piece against HF.
+
+dsv4_cpu_moe
+  why:      DeepSeek-V4's experts clamp their SwiGLU (swiglu_limit). The shared expert's clamp is a JIT CUDA kernel
+            (kernels/ops/activation/silu_and_mul_clamp.py: the build fails on the CPU engine at the first
+            forward); the CPU engine's routed experts (fused_moe_native.moe_forward_native) apply a plain SiluAndMul
+            and ignore moe_runner_config.swiglu_limit, silently unclamped. Both compute HF's
+            silu(gate.clamp(max=l)) * up.clamp(-l, l) on CPU tensors.
+  upstream: present in sglang 0.5.23; not reported upstream.
+  removal:  when both have CPU paths that honour the limit; tests/unit/test_dsv4_cpu_patches.py (a limit that bites)
+            and tests/e2e/test_v4_cpu.py (the server fails its warm-up without the shared-expert half).
+
+dsv4_cpu_server_args
+  why:      SGLang 0.5.23 resolves DeepseekV4ForCausalLM for its CUDA kernels (arg_groups/model_overrides/deepseek_v4.py:
+            the "dsv4" backend, 256-token pages, hybrid SWA pools; overrides.py _deepseek_v4_kv_cache_dtype: FP8 or
+            bf16 KV only). On the CPU engine a provider declared after upstream's sets torch_native, page size 1
+            and disable_hybrid_swa_memory, and the KV dtype pass leaves "auto" (the model's dtype). CPU_ENV (the
+            TileLang/DeepGEMM/fused mHC kernels and the fused hash top-k off, so load_weights skips the CUDA mHC
+            prewarm) is put into the environment of serve.py's process when the patch applies, so the scheduler
+            processes it spawns read it (SGLang reads some of it when its deepseek_v4 module is imported).
+  upstream: present in sglang 0.5.23; not reported upstream.
+  removal:  when SGLang resolves V4 for its CPU engine; tests/e2e/test_v4_cpu.py's server does not start without it.
+
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
             `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
@@ -238,8 +300,8 @@ kimi_k25_language_model
 
 Who applies them: the overlay model's constructor (sglang_hs/server/models/deepseek_v2.py), i.e. exactly the
 processes that build the model, before any forward; warmup_rid and parallel_sampling, which concern the
-HTTP server process, and dsa_cpu_server_args, needed before that process resolves the server arguments,
-are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
+HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_args, needed before that process resolves the
+server arguments, are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__`. Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
@@ -258,7 +320,7 @@ _applied: dict = {}
 # The CPU engine's patches, in the order they are applied: spec_verify_torch_native wraps
 # TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "torch_native_cpu_pad", "moe_native_ep", "dsa_torch_native",
-               "spec_verify_torch_native", "eagle_cpu_draft")
+               "spec_verify_torch_native", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
 
 
 def apply() -> dict:

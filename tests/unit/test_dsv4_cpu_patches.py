@@ -1,0 +1,246 @@
+"""The DeepSeek-V4 CPU-engine patches' pieces against HF transformers' DeepseekV4 float32 (issue 45, slice 1).
+
+- dsv4_torch_native: the interleaved RoPE on SGLang's own freqs_cis table of a sliding layer (and its conjugate)
+  equals HF's apply_rotary_pos_emb on HF's "main" rope; the windowed attention with sinks equals HF's eager
+  attention under HF's sliding-window mask; hc_pre / hc_post / hc_head equal HF's DeepseekV4HyperConnection, the
+  decoder layer's stream mix and DeepseekV4HyperHead; the plain MHA pool is chosen for V4 and a compressed layer is
+  refused at its forward.
+- dsv4_cpu_moe: the clamped SwiGLU equals HF's DeepseekV4MLP / DeepseekV4Experts activation with a limit that bites,
+  for the shared expert's silu_and_mul_clamp and, inside moe_forward_native, the routed experts'.
+- dsv4_cpu_server_args: V4's CPU overrides (torch_native, token pages, no hybrid SWA pools) and the KV dtype pass
+  left to "auto" on CPU.
+The end-to-end judge is tests/e2e/test_v4_cpu.py.
+"""
+import types
+
+import pytest
+import torch
+
+H, HC, HEADS, D, ROPE = 40, 4, 3, 32, 8
+
+
+@pytest.fixture(scope="module")
+def mods(cpu_engine_imports):
+    with cpu_engine_imports():
+        from sglang.srt.models import deepseek_v4
+
+        from sglang_hs.server.patches import dsv4_cpu_moe, dsv4_cpu_server_args, dsv4_torch_native
+    return types.SimpleNamespace(v4=deepseek_v4, tn=dsv4_torch_native, moe=dsv4_cpu_moe, args=dsv4_cpu_server_args)
+
+
+@pytest.fixture(scope="module")
+def hf_cfg():
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(vocab_size=64, hidden_size=H, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=HEADS, num_key_value_heads=1, head_dim=D, qk_rope_head_dim=ROPE,
+                            q_lora_rank=16, o_groups=1, o_lora_rank=8, hc_mult=HC, sliding_window=5,
+                            compress_ratios=[0, 0], num_nextn_predict_layers=0, max_position_embeddings=256,
+                            swiglu_limit=0.3)
+
+
+def test_rope_on_sglangs_table_is_hfs_main_rope(mods, hf_cfg):
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    # what MqaAttentionBase builds for a sliding layer (compress ratio 0: no YaRN)
+    freqs = precompute_freqs_cis(dim=ROPE, seqlen=256, original_seq_len=0, base=hf_cfg.rope_theta, factor=1.0,
+                                 beta_fast=32, beta_slow=1)
+    pos = torch.tensor([0, 1, 7, 8, 100, 255])
+    x = torch.randn(len(pos), HEADS, D, generator=torch.Generator().manual_seed(0))
+    cos, sin = m.DeepseekV4RotaryEmbedding(hf_cfg)(x, pos[None], layer_type="main")
+    ref = m.apply_rotary_pos_emb(x[None].transpose(1, 2), cos, sin).transpose(1, 2)[0]
+    got = mods.tn._rope(x, freqs, pos)
+    print("rope max", (got - ref).abs().max().item())
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    inv = m.apply_rotary_pos_emb(x[None].transpose(1, 2), cos, -sin).transpose(1, 2)[0]
+    torch.testing.assert_close(mods.tn._rope(x, freqs, pos, inverse=True), inv, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got[1:], x[1:])  # the rotation does something past position 0
+
+
+@pytest.mark.parametrize("prefix, n", [(0, 17), (9, 1), (3, 6)])
+def test_window_and_sink_attention_is_hfs_eager_attention(mods, hf_cfg, prefix, n):
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    g = torch.Generator().manual_seed(prefix * 31 + n)
+    L, W = prefix + n, hf_cfg.sliding_window
+    q = torch.randn(n, HEADS, D, generator=g)
+    keys = torch.randn(L, D, generator=g)
+    sinks = torch.randn(HEADS, generator=g)
+    mask = mods.tn.window_mask(prefix, n, L, W, "cpu")
+    got = mods.tn.sink_attention(q, keys, mask, sinks, D ** -0.5)
+    # HF: additive sliding-window causal mask, kv broadcast to every head, sinks as s_aux
+    qpos, kpos = torch.arange(prefix, L)[:, None], torch.arange(L)[None]
+    additive = torch.where((kpos <= qpos) & (kpos > qpos - W), 0.0, float("-inf"))[None, None]
+    module = types.SimpleNamespace(num_key_value_groups=HEADS, sinks=sinks, training=False)
+    ref, _ = m.eager_attention_forward(module, q.transpose(0, 1)[None], keys[None, None], keys[None, None], additive,
+                                       scaling=D ** -0.5)
+    torch.testing.assert_close(got, ref[0], rtol=1e-5, atol=1e-6)
+    assert mask.sum(-1).max() == min(W, L)  # never more than the window
+    dropped = mods.tn.sink_attention(q, keys, mask, torch.full_like(sinks, -1e9), D ** -0.5)
+    assert (got - dropped).abs().max() > 1e-3  # the sinks weigh
+
+
+def _hc_layer(mods, hf_cfg):
+    return types.SimpleNamespace(hc_mult=HC, rms_norm_eps=hf_cfg.rms_norm_eps, hc_eps=hf_cfg.hc_eps,
+                                 hc_sinkhorn_iters=hf_cfg.hc_sinkhorn_iters)
+
+
+def test_hyper_connections_are_hfs(mods, hf_cfg):
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    g = torch.Generator().manual_seed(1)
+    hc = m.DeepseekV4HyperConnection(hf_cfg)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.1)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g) * 0.5)
+        hc.scale.copy_(0.5 + torch.rand(3, generator=g))
+    streams = torch.randn(9, HC, H, generator=g)
+    post, comb, collapsed = hc(streams[None])
+    layer = _hc_layer(mods, hf_cfg)
+    y, p, c, normed = mods.tn.hc_pre(layer, streams, hc.fn, hc.scale, hc.base)
+    assert normed is False
+    torch.testing.assert_close(y, collapsed[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(p, post[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(c, comb[0], rtol=1e-6, atol=1e-6)
+    out = torch.randn(9, H, generator=g)
+    ref = post[0].unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), streams)
+    torch.testing.assert_close(mods.tn.hc_post(layer, out, streams, p, c), ref, rtol=1e-6, atol=1e-6)
+    head = m.DeepseekV4HyperHead(hf_cfg)
+    with torch.no_grad():
+        head.hc_fn.copy_(torch.randn(head.hc_fn.shape, generator=g) * 0.1)
+        head.hc_base.copy_(torch.randn(HC, generator=g))
+        head.hc_scale.fill_(0.7)
+    model = types.SimpleNamespace(norm_eps=hf_cfg.rms_norm_eps, hc_eps=hf_cfg.hc_eps)
+    torch.testing.assert_close(mods.tn.hc_head(model, streams, head.hc_fn, head.hc_scale, head.hc_base),
+                               head(streams[None])[0], rtol=1e-6, atol=1e-6)
+
+
+def test_clamped_swiglu_is_hfs_with_a_limit_that_bites(mods, hf_cfg):
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    g = torch.Generator().manual_seed(2)
+    mlp = m.DeepseekV4MLP(hf_cfg)
+    x = torch.randn(11, H, generator=g)
+    gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1).detach()
+    limit = hf_cfg.swiglu_limit
+    assert (gate_up.abs() > limit).float().mean() > 0.2  # the clamp changes the result
+    ref = (mlp.act_fn(mlp.gate_proj(x).clamp(max=limit)) * mlp.up_proj(x).clamp(-limit, limit)).detach()
+    out = torch.empty_like(ref)
+    patched = mods.moe._silu_and_mul_clamp(lambda *a: pytest.fail("CPU tensors never reach upstream's kernel"))
+    patched(gate_up, out, limit)
+    torch.testing.assert_close(out, ref)
+    experts = m.DeepseekV4Experts(hf_cfg)
+    torch.testing.assert_close(mods.moe.clamped_swiglu(gate_up, limit), experts._apply_gate(gate_up))
+
+
+def test_routed_experts_take_the_limit(mods, cpu_engine_imports):
+    with cpu_engine_imports():
+        from sglang.srt.layers.moe import fused_moe_native
+        from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+        from sglang.srt.layers.moe.topk import StandardTopKOutput
+    g = torch.Generator().manual_seed(3)
+    E, K, I, T, limit = 4, 2, 8, 7, 0.2
+    layer = types.SimpleNamespace(num_experts=E, w13_weight=torch.randn(E, 2 * I, H, generator=g),
+                                  w2_weight=torch.randn(E, H, I, generator=g) / I ** 0.5)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            ref[t] += w[t, k] * (mods.moe.clamped_swiglu(layer.w13_weight[e] @ x[t], limit) @ layer.w2_weight[e].T)
+    original = fused_moe_native.moe_forward_native
+    patched = mods.moe._with_limit(original)
+    topk = StandardTopKOutput(w, ids, None)
+    got = patched(layer, x, topk, MoeRunnerConfig(activation="silu", swiglu_limit=limit))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    plain = patched(layer, x, topk, MoeRunnerConfig(activation="silu"))
+    torch.testing.assert_close(plain, original(layer, x, topk, MoeRunnerConfig(activation="silu")))
+    assert (plain - got).abs().max() > 1e-3 and fused_moe_native.SiluAndMul is not None
+
+
+def test_hca_entries_are_hfs_compressor(mods, hf_cfg):
+    """The ratio-128 compressor from per-token (kv | gate) sources on SGLang's compress-rope table (YaRN factor 1,
+    compress_rope_theta) equals HF's DeepseekV4HCACompressor run stateless (complete blocks only)."""
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    cfg = DeepseekV4Config(**{**hf_cfg.to_dict(), "compress_ratios": [0, 128], "architectures": None,
+                              "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256,
+                                               "beta_fast": 32, "beta_slow": 1}})
+    g = torch.Generator().manual_seed(4)
+    comp = m.DeepseekV4HCACompressor(cfg)
+    with torch.no_grad():
+        for p in (comp.kv_proj.weight, comp.gate_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, generator=g))
+        comp.kv_norm.weight.copy_(0.5 + torch.rand(D, generator=g))
+    T = 2 * 128 + 37  # two closed blocks and an open one
+    x = torch.randn(1, T, H, generator=g)
+    ref = comp(x, None, torch.arange(T)[None], None, 1)[0][0, 0]  # [2, D]
+    freqs = precompute_freqs_cis(dim=ROPE, seqlen=256, original_seq_len=256, base=cfg.compress_rope_theta, factor=1.0,
+                                 beta_fast=32, beta_slow=1)
+    sources = torch.cat([comp.kv_proj(x[0]), comp.gate_proj(x[0])], dim=-1).detach()
+    norm = types.SimpleNamespace(weight=comp.kv_norm.weight, variance_epsilon=comp.kv_norm.variance_epsilon)
+    got = mods.tn.hca_entries(sources, 128, comp.position_bias, norm, freqs)
+    assert got.shape == ref.shape == (2, D)
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert mods.tn.hca_entries(sources[:127], 128, comp.position_bias, norm, freqs).shape == (0, D)
+
+
+def test_csa_entries_are_hfs_compressor_and_the_ape_layout_is_undone(mods, hf_cfg):
+    """The ratio-4 compressor (overlapping blocks) from per-token sources equals HF's DeepseekV4CSACompressor's keys
+    (and so its indexer's, the same code on index_head_dim), and SGLang's load-time permutation of an overlapping
+    compressor's ape (Compressor._apply_ape_hotfix) is undone by _hf_ape."""
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    cfg = DeepseekV4Config(**{**hf_cfg.to_dict(), "compress_ratios": [0, 4], "architectures": None,
+                              "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256,
+                                               "beta_fast": 32, "beta_slow": 1}})
+    g = torch.Generator().manual_seed(5)
+    comp = m.DeepseekV4CSACompressor(cfg)
+    with torch.no_grad():
+        for p in (comp.kv_proj.weight, comp.gate_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, generator=g))
+    T = 4 * 9 + 3
+    x = torch.randn(1, T, H, generator=g)
+    hf_keys = []
+    comp.indexer.forward = lambda *a, **k: torch.zeros(1, T, 1, dtype=torch.long)  # keys only
+    ref = comp(x, None, torch.arange(T)[None], None, 1)[0][0, 0]
+    freqs = precompute_freqs_cis(dim=ROPE, seqlen=256, original_seq_len=256, base=cfg.compress_rope_theta, factor=1.0,
+                                 beta_fast=32, beta_slow=1)
+    sources = torch.cat([comp.kv_proj(x[0]), comp.gate_proj(x[0])], dim=-1).detach()
+    norm = types.SimpleNamespace(weight=comp.kv_norm.weight, variance_epsilon=comp.kv_norm.variance_epsilon)
+    got = mods.tn.csa_entries(sources, 4, comp.position_bias, norm, freqs)
+    assert got.shape == ref.shape == (9, D) and not hf_keys
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+    ape = comp.position_bias.detach()
+    permuted = torch.cat([ape[:, :D], ape[:, D:]], dim=0).view(4, -1)  # what SGLang's loader stores
+    sg = types.SimpleNamespace(ape=permuted, overlap=True, ape_converted=True, ratio=4)
+    assert torch.equal(mods.tn._hf_ape(sg), ape) and not torch.equal(permuted, ape)
+
+
+def test_other_ratios_are_refused_at_their_forward(mods):
+    layer = types.SimpleNamespace(compressor=object(), indexer=None, compress_ratio=2, layer_id=3)
+    with pytest.raises(NotImplementedError, match="layer 3 has compress ratio 2; only"):
+        mods.tn.mqa_forward(layer, torch.zeros(2, H), torch.zeros(2), None)
+
+
+def test_server_args_overrides_on_cpu(mods):
+    assert mods.args._cpu_dsv4_overrides(None, None) == {"attention_backend": "torch_native", "page_size": 1,
+                                                          "disable_hybrid_swa_memory": True}
+    upstream = mods.args._kv_cache_dtype_on_cpu(lambda view: {"kv_cache_dtype": "fp8_e4m3"})
+    assert upstream(types.SimpleNamespace(device="cpu")) == {}
+    assert upstream(types.SimpleNamespace(device="cuda")) == {"kv_cache_dtype": "fp8_e4m3"}
+    env = {"SGLANG_OPT_USE_FUSED_HASH_TOPK": "1"}  # a value the user set is kept
+    added = mods.args.set_cpu_env(env)
+    assert env == dict(mods.args.CPU_ENV, SGLANG_OPT_USE_FUSED_HASH_TOPK="1") and "SGLANG_OPT_USE_FUSED_HASH_TOPK" not in added
+    assert env["SGLANG_OPT_USE_TILELANG_MHC_PRE"] == "0" and env["SGLANG_OPT_FUSE_MHC_POST_PRE"] == "0"
+    assert mods.tn.sliding_window(types.SimpleNamespace(sliding_window=8, window_size=128)) == 8
+    assert mods.tn.sliding_window(types.SimpleNamespace(sliding_window=None, window_size=128)) == 128
