@@ -54,7 +54,7 @@ def run_data(output, sink: Sink, source: DatasetSource, server, requests, facts,
     process = extraction = manifest = dataset = reader = None
     status, rc = "failed", 1
     try:
-        if server.url:
+        if server.url is not None:  # --server given (even one that is all slashes: refused where it is used)
             url, dump_dir = server.url, server.dump_dir
         else:
             process = launch.start(server, output.format, requests.verify)  # before the wait: Ctrl-C stops it too
@@ -127,13 +127,18 @@ def run_harvest(output, sink: Sink, harvest, facts, torch_threads: int) -> int:
         print(f"[extract] harvesting {harvest.dump_dir} into {output.dir} (--format {output.format}); stop with "
               "Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
         torn = None
-        try:
-            for rec in traffic(reader, harvest.dump_dir, stop, harvest.idle_timeout):
-                harvester.handle(rec)
-                if harvest.max_samples is not None and harvester.stats.done >= harvest.max_samples:
-                    break
-        except (TornRecord, ServerRestarted) as e:  # the ring's bytes are not what the server wrote, or a
-            torn = e  # restarted server this harvester cannot follow: nothing after it is read
+        records = traffic(reader, harvest.dump_dir, stop, harvest.idle_timeout)
+        while True:
+            try:  # only the reading: an error of handle() is not a torn ring
+                rec = next(records)
+            except StopIteration:
+                break
+            except (TornRecord, ServerRestarted) as e:  # the ring's bytes are not what the server wrote, or a
+                torn = e  # restarted server this harvester cannot follow: nothing after it is read
+                break
+            harvester.handle(rec)
+            if harvest.max_samples is not None and harvester.stats.done >= harvest.max_samples:
+                break
         status, rc = ("stopped by " + stop[0] if stop else "complete"), 0
         if torn is not None:  # the files written so far are whole: they are finalized as a stopped run's
             status = "stopped by a torn record" if isinstance(torn, TornRecord) else "stopped: the server was restarted"

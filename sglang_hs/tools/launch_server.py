@@ -360,7 +360,14 @@ def v4_on_cpu(arch: str, config: Optional[dict] = None) -> Optional[str]:
     does: a config whose layers are sliding-window, compressed sparse or heavily compressed (compress_ratios 0 / 4 /
     128), which the CPU-engine patches serve (sglang_hs/server/patches/dsv4_*.py) and tests/e2e/test_v4_cpu.py judges row by row
     against HF float32."""
-    ratios = (config or {}).get("compress_ratios")
+    config = config or {}
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        return (f"{arch} with quantization_config ({method}) on the CPU engine: sglang-hs's V4 CPU patches read "
+                "unquantized weights only (a quantized one would be read without its scales); serve a bf16/float32 "
+                "checkpoint, or capture it on a GPU")
+    ratios = config.get("compress_ratios")
     if ratios and set(ratios) <= {0, 4, 128}:
         return None
     return (f"{arch}: SGLang 0.5.23 serves DeepSeek-V4 on CUDA only, and sglang-hs's CPU-engine patches serve only "
@@ -388,10 +395,15 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
     spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
                                hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
-    if arch in HC_ARCHITECTURES and cpu and (v4_on_cpu(arch, config) or not v4_sliding_on_cpu):
-        raise CaptureConfigError((v4_on_cpu(arch, config) or v4_on_cpu(arch)) + v4_hint)
+    if arch in HC_ARCHITECTURES and cpu and not v4_sliding_on_cpu:
+        raise CaptureConfigError(f"{arch}: the self-test compares the V2/V3-family paths on the CPU engine; DeepSeek-V4 "
+                                 "there is judged by tests/e2e/test_v4_cpu.py" + v4_hint)
+    if arch in HC_ARCHITECTURES and cpu and v4_on_cpu(arch, config):
+        raise CaptureConfigError(v4_on_cpu(arch, config) + v4_hint)
     if arch in HC_ARCHITECTURES and cpu:
-        for flag in ("--tp-size", "--tp", "--dp-size", "--dp", "--attn-cp-size", "--pp-size"):
+        for flag in ("--tp-size", "--tp", "--tensor-parallel-size", "--dp-size", "--dp", "--data-parallel-size",
+                     "--attn-dp-size", "--attention-data-parallel-size", "--attn-cp-size",
+                     "--attention-context-parallel-size", "--pp-size", "--pipeline-parallel-size"):
             value = _flag_value(sg_argv, flag)
             if value is not None and str(value) != "1":
                 raise CaptureConfigError(f"{flag} {value} with {arch} on the CPU engine: sglang-hs's V4 CPU patches "

@@ -386,13 +386,27 @@ def test_prepare_refuses_other_deepseek_v4_layers_on_the_cpu_engine_in_one_line(
 
 
 @pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp 2"), (["--tp-size=2"], "--tp-size 2"),
-                                          (["--dp", "2", "--enable-dp-attention"], "--dp 2")])
+                                          (["--dp", "2", "--enable-dp-attention"], "--dp 2"),
+                                          (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+                                          (["--attention-data-parallel-size", "2"], "--attention-data-parallel-size 2"),
+                                          (["--pipeline-parallel-size=2"], "--pipeline-parallel-size 2")])
 def test_prepare_refuses_deepseek_v4_on_several_cpu_ranks_in_one_line(tmp_path, clean_env, flags, named):
     model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0])
     with pytest.raises(CaptureConfigError, match=rf"^{named} with DeepseekV4ForCausalLM on the CPU engine: "
                                                  r"sglang-hs's V4 CPU patches serve one rank only") as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                                "--hs-layers", "1,3", *flags])
+    assert "\n" not in str(e.value)
+
+
+def test_prepare_refuses_a_quantized_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env):
+    """The CPU patches read unquantized weights: a released (FP8) checkpoint would be read without its scales."""
+    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 4, 128, 4],
+                       quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(CaptureConfigError, match=r"^DeepseekV4ForCausalLM with quantization_config \(fp8\) on the CPU "
+                                                 r"engine: sglang-hs's V4 CPU patches read unquantized weights only") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                               "--hs-layers", "1,3"])
     assert "\n" not in str(e.value)
 
 
