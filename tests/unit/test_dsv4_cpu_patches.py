@@ -232,9 +232,12 @@ def test_other_ratios_are_refused_at_their_forward(mods):
         mods.tn.mqa_forward(layer, torch.zeros(2, H), torch.zeros(2), None)
 
 
-def test_server_args_overrides_on_cpu(mods):
+def test_server_args_overrides_on_cpu(mods, monkeypatch):
+    environ = {}
+    monkeypatch.setattr(mods.args.os, "environ", environ)
     assert mods.args._cpu_dsv4_overrides(None, None) == {"attention_backend": "torch_native", "page_size": 1,
                                                           "disable_hybrid_swa_memory": True}
+    assert environ == mods.args.CPU_ENV  # set where a V4 config resolves: no other model's server gets them
     upstream = mods.args._kv_cache_dtype_on_cpu(lambda view: {"kv_cache_dtype": "fp8_e4m3"})
     assert upstream(types.SimpleNamespace(device="cpu")) == {}
     assert upstream(types.SimpleNamespace(device="cuda")) == {"kv_cache_dtype": "fp8_e4m3"}

@@ -281,8 +281,9 @@ dsv4_cpu_server_args
             bf16 KV only). On the CPU engine a provider declared after upstream's sets torch_native, page size 1
             and disable_hybrid_swa_memory, and the KV dtype pass leaves "auto" (the model's dtype). CPU_ENV (the
             TileLang/DeepGEMM/fused mHC kernels and the fused hash top-k off, so load_weights skips the CUDA mHC
-            prewarm) is put into the environment of serve.py's process when the patch applies, so the scheduler
-            processes it spawns read it (SGLang reads some of it when its deepseek_v4 module is imported).
+            prewarm) is put into the environment of serve.py's process when a V4 config resolves (the override),
+            so the scheduler processes it spawns read it (SGLang reads some of it when its deepseek_v4 module is
+            imported); a V2/V3 server's environment stays as it was.
   upstream: present in sglang 0.5.23; not reported upstream.
   removal:  when SGLang resolves V4 for its CPU engine; tests/e2e/test_v4_cpu.py's server does not start without it.
 

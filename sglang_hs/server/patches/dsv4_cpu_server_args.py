@@ -1,4 +1,4 @@
-"""CPU engine: resolve DeepSeek-V4's server arguments without a GPU (sliding-window layers only).
+"""CPU engine: resolve DeepSeek-V4's server arguments without a GPU.
 
 See the ledger in sglang_hs/server/patches/__init__.py. SGLang 0.5.23 resolves a DeepseekV4ForCausalLM config for
 its CUDA kernels only (arg_groups/model_overrides/deepseek_v4.py, arg_groups/overrides.py
@@ -9,12 +9,14 @@ head_dim, in the model's dtype) through req_to_token: so torch_native (its metad
 (prefix-cache hits token-exact, as for V3), no hybrid SWA pools (every key is kept; the window is applied by the
 attention) and the KV cache in the model's dtype ("auto").
 
-`CPU_ENV` are SGLang settings put into this process's environment when the patch applies (unless set already), so
-that the scheduler processes it spawns read them (some when SGLang's deepseek_v4 module is imported): the TileLang /
+`CPU_ENV` are SGLang settings put into this process's environment when SGLang resolves a DeepseekV4ForCausalLM
+config (the model override below; unless set already), so that the scheduler processes it spawns read them (some when SGLang's deepseek_v4 module is imported): the TileLang /
 DeepGEMM / fused mHC kernels, the fused hash top-k and the FP8 wo_a GEMM are off, so load_weights skips the mHC
 prewarm (a CUDA query) and no CUDA-only kernel is chosen. They concern DeepSeek-V4's code paths only.
 """
 from __future__ import annotations
+
+import os
 
 from sglang_hs.version import SGLANG_VERSION
 
@@ -25,7 +27,9 @@ CPU_ENV = {"SGLANG_OPT_USE_TILELANG_MHC_PRE": "0", "SGLANG_OPT_USE_TILELANG_MHC_
 
 
 def _cpu_dsv4_overrides(server_args, hf_config) -> dict:
-    """Declared after upstream's for DeepseekV4ForCausalLM, so it wins over "dsv4" and 256-token pages."""
+    """Declared after upstream's for DeepseekV4ForCausalLM, so it wins over "dsv4" and 256-token pages. Puts
+    CPU_ENV into the environment the schedulers inherit: a V4 server's only (a V2/V3 server never gets them)."""
+    set_cpu_env(os.environ)
     return {"attention_backend": "torch_native", "page_size": 1, "disable_hybrid_swa_memory": True}
 
 
@@ -58,7 +62,4 @@ def apply() -> dict:
     originals = {"deepseek_v4_hook._deepseek_v4_kv_cache_dtype": deepseek_v4_hook._deepseek_v4_kv_cache_dtype}
     model_override_base.register_model_override(ARCH)(_cpu_dsv4_overrides)
     deepseek_v4_hook._deepseek_v4_kv_cache_dtype = _kv_cache_dtype_on_cpu(deepseek_v4_hook._deepseek_v4_kv_cache_dtype)
-    import os
-
-    originals["environ"] = set_cpu_env(os.environ)
     return originals
