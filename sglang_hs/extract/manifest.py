@@ -81,6 +81,8 @@ def write_manifest(out_dir: str, server_manifest: dict, facts, stats: Stats, sin
         "hidden_size": m["hidden_size"], "num_hidden_layers": m["num_hidden_layers"], "layer_ids": m["layer_ids"],
         "last_hidden_state": m["last"], "hf_output_hidden_states_index": m["hf_output_hidden_states_index"],
         "convention": m["convention"], "draft_model_config": draft_config(m),
+        # what served the records: target, draft and its settings, chat template (sglang_hs/server/identity.py)
+        "served": m.get("served"),
         # DeepSeek-V4: how its hc_mult streams became rows (capture_spec.HC_CONVENTION)
         **{k: m[k] for k in ("hc_mult", "hc_streams", "rows_per_layer", "hc_convention", "dspark_layer_ids") if k in m},
         "data": (os.path.abspath(facts.data) if os.path.exists(facts.data) else facts.data) if facts.data else None,

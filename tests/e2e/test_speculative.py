@@ -343,6 +343,7 @@ def test_regenerate_extraction_from_a_speculative_server(served, hf, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.load(open(out / "manifest.json"))
     assert m["samples_written"] == 3 and m["verified"] == 3 and not m["failed"], m
+    assert m["served"] == reader.manifest["served"]  # the training files say which draft served them
     for i in range(3):
         t = load_file(str(out / f"hs_{i}.safetensors"))
         ids = t["token_ids"].tolist()
