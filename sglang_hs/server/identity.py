@@ -79,6 +79,31 @@ def chat_template_sha256(chat_template: Optional[str], tokenizer_path: Optional[
     return None
 
 
+class resolved_args:
+    """`server_args`' fields as SGLang resolved them in this (scheduler) process: the runtime context's published
+    `spec` and `model` namespaces first (resolution puts an MTP draft's path there: the target's own), then the
+    flags themselves; None for what neither has."""
+
+    BAGS = ("spec", "model")
+
+    def __init__(self, server_args) -> None:
+        self._args = server_args
+
+    def __getattr__(self, name: str):
+        try:
+            from sglang.srt.runtime_context import get_context
+
+            context = get_context()
+        except Exception:  # no SGLang runtime context here (a unit test): the flags alone
+            context = None
+        for bag in self.BAGS if context is not None else ():
+            try:
+                return getattr(context.config_bag(bag), name)
+            except (ValueError, AttributeError):  # not published here, or not a field of it
+                continue
+        return getattr(self._args, name, None)
+
+
 def served_identity(server_args) -> dict:
     """The manifest's `served`: {"target", "draft", "speculative", "chat_template_sha256"} of a server."""
     get = lambda name: getattr(server_args, name, None)  # noqa: E731

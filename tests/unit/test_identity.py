@@ -68,3 +68,33 @@ def test_served_identity_of_a_speculative_and_a_plain_server(tmp_path):
     assert plain["draft"] is None and plain["speculative"] is None and plain["chat_template_sha256"] == _sha(b"t")
     ngram = served_identity(types.SimpleNamespace(model_path=target, speculative_algorithm="NGRAM"))
     assert ngram["draft"] is None and ngram["speculative"]["algorithm"] == "NGRAM"
+
+
+def test_resolved_args_prefer_what_sglang_resolved(monkeypatch):
+    """SGLang resolves an MTP draft's path to the target's in the runtime context's `spec` namespace; the flags
+    (server_args) keep None there. The manifest must name what was resolved."""
+    from sglang.srt import runtime_context
+
+    from sglang_hs.server.identity import resolved_args
+
+    class Bag:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    bags = {"spec": Bag(speculative_draft_model_path="/ckpt", speculative_algorithm="EAGLE"), "model": Bag(revision="r1")}
+
+    class Context:
+        def config_bag(self, name):
+            if name not in bags:
+                raise ValueError(name)
+            return bags[name]
+
+    flags = types.SimpleNamespace(speculative_draft_model_path=None, speculative_algorithm="NEXTN", chat_template="x",
+                                  revision=None)
+    monkeypatch.setattr(runtime_context, "get_context", lambda: Context())
+    args = resolved_args(flags)
+    assert (args.speculative_draft_model_path, args.speculative_algorithm, args.revision) == ("/ckpt", "EAGLE", "r1")
+    assert args.chat_template == "x" and args.tokenizer_path is None  # the flags, then None
+    bags.clear()  # nothing published (e.g. before the scheduler publishes): the flags
+    assert resolved_args(flags).speculative_draft_model_path is None
+    assert resolved_args(None).model_path is None

@@ -45,6 +45,9 @@ def _after_init_capturers(self) -> None:
     from sglang_hs.server.identity import served_identity
     from sglang_hs.server.store.writer import CaptureWriter
 
+    from sglang_hs.server.identity import resolved_args
+
+    args = resolved_args(getattr(self, "server_args", None))  # the unit tests' stand-in runners have none
     staging_rows = envs.SGLANG_HS_STAGING_ROWS or (_reserved[0] if _reserved else _default_staging_rows(self))
     _reserved = None  # handed back to the caching allocator, where the staging buffers are carved from it
     num_slots = self.kv_index_translator.capture_token_capacity(self.max_token_pool_size)
@@ -56,7 +59,7 @@ def _after_init_capturers(self) -> None:
         device=self.device, context_len=self.model_config.context_len, page_size=getattr(self, "page_size", 1),
         copy=envs.SGLANG_HS_COPY, staging_rows=staging_rows,
         # one writer per DP attention group; the dump dir is this node's: it lists this node's writers
-        writer_id=writer_id, node=node_writers(par), served=served_identity(getattr(self, "server_args", None)),
+        writer_id=writer_id, node=node_writers(par), served=served_identity(args),
     )
     model.hs_writer = _writer
     follow_kv_moves(self.token_to_kv_pool, _writer)
@@ -73,8 +76,7 @@ def _after_init_capturers(self) -> None:
                                   when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len,
                                   sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
                                   max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES,
-                                  speculative=bool(getattr(getattr(self, "server_args", None), "speculative_algorithm",
-                                                           None)))
+                                  speculative=bool(getattr(args, "speculative_algorithm", None)))
     _accept_below = envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
