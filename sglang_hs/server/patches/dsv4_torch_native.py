@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sglang_hs.server.patches.dsa_torch_native import _requests
 from sglang_hs.version import SGLANG_VERSION
 
 
@@ -72,15 +73,6 @@ def _rope(x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor, inv
 
 def _linear(module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight.to(x.dtype))
-
-
-def _requests(forward_batch):
-    """Per request of the batch: (request pool index, keys before this step, new tokens)."""
-    seq_lens = forward_batch.seq_lens_cpu.tolist()
-    reqs = forward_batch.req_pool_indices.tolist()
-    if forward_batch.forward_mode.is_decode():
-        return [(r, L - 1, 1) for r, L in zip(reqs, seq_lens)]
-    return list(zip(reqs, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu))
 
 
 def window_mask(prefix: int, n: int, length: int, window: int, device) -> torch.Tensor:
