@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import row_judge
-from conftest import States, _serve
+from conftest import States, _serve, hf_states
 from sglang_hs import HiddenStateReader
 from sglang_hs.tools import tiny_model
 
@@ -54,15 +54,7 @@ def hf_reference(variant):
     model.eval()
 
     def states(ids):
-        taken = []
-        handle = model.model.norm.register_forward_hook(lambda mod, args, out: taken.append(args[0][0].detach()))
-        try:
-            with torch.no_grad():
-                out = States(h[0] for h in model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states)
-        finally:
-            handle.remove()
-        out.pre_norm = taken[0]
-        return out
+        return hf_states(model, ids)
 
     states.model, states.config, states.variant = model, model.config, variant
     _HF[variant] = states
