@@ -7,6 +7,7 @@ os.environ, so a test or a child process that changes a variable sees the change
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Callable, Dict, List, Optional
@@ -99,6 +100,10 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # Layer ids, validated by the launcher: id i = residual stream entering decoder layer i
     # = HF output_hidden_states[i]. Unset: the EAGLE-3 default [2, n//2, n-3].
     "SGLANG_HS_LAYERS": _layers,
+    # Where SGLANG_HS_LAYERS came from (server/layer_source.py: --hs-layers, the default, or a checkpoint's
+    # drafter ids), a JSON object the launcher sets for the manifest's `layer_source`; unset: not said.
+    "SGLANG_HS_LAYER_SOURCE": lambda: json.loads(os.environ["SGLANG_HS_LAYER_SOURCE"])
+    if os.environ.get("SGLANG_HS_LAYER_SOURCE") else None,
     # Also capture the final state (--hs-last): "post-norm" (HF output_hidden_states[n]; "1" means the same),
     # "pre-norm" (the final residual stream before the final norm, the input of HF model.model.norm) or
     # "both"; unset: none (capture_spec.parse_last).

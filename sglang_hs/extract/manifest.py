@@ -83,6 +83,8 @@ def write_manifest(out_dir: str, server_manifest: dict, facts, stats: Stats, sin
         "convention": m["convention"], "draft_model_config": draft_config(m),
         # what served the records: target, draft and its settings, chat template (sglang_hs/server/identity.py)
         "served": m.get("served"),
+        # where the layer ids came from: --hs-layers, the default, or the checkpoint's drafter (server/layer_source.py)
+        "layer_source": m.get("layer_source"),
         # DeepSeek-V4: how its hc_mult streams became rows (capture_spec.HC_CONVENTION)
         **{k: m[k] for k in ("hc_mult", "hc_streams", "rows_per_layer", "hc_convention", "dspark_layer_ids") if k in m},
         "data": (os.path.abspath(facts.data) if os.path.exists(facts.data) else facts.data) if facts.data else None,

@@ -21,7 +21,7 @@ stream s of layer i = HF `output_hidden_states[i][..., s, :]`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 # Architectures whose SGLang class is DeepseekV2ForCausalLM or a subclass the overlay covers
@@ -57,11 +57,14 @@ HC_CONVENTION = {
     "mean": "hyper-connections (hc_mult streams): layer id i = mean over the hc_mult streams entering decoder layer "
             "i = HF output_hidden_states[i].mean(-2) (SGLang's DeepseekV4Model dspark capture, mhc_stream_mean); "
             "last = after the head's collapse (hc_head) and the final norm = HF output_hidden_states[num_hidden_layers]; "
-            "pre-norm last = the head's collapse = the input of HF model.model.norm",
+            "pre-norm last = the head's collapse = the input of HF model.model.norm; layer id num_hidden_layers = mean over "
+            "the streams leaving the last decoder layer = the input of HF model.model.hc_head .mean(-2) (no HF "
+            "output_hidden_states index: null in hf_output_hidden_states_index)",
     "full": "hyper-connections (hc_mult streams): layer id i = hc_mult rows, row s = stream s entering decoder layer "
             "i = HF output_hidden_states[i][..., s, :]; last = after the head's collapse (hc_head) and the final "
             "norm = HF output_hidden_states[num_hidden_layers]; pre-norm last = the head's collapse = the input of "
-            "HF model.model.norm",
+            "HF model.model.norm; layer id num_hidden_layers = the streams leaving the last decoder layer = the input "
+            "of HF model.model.hc_head (no HF output_hidden_states index: null in hf_output_hidden_states_index)",
 }
 
 
@@ -146,18 +149,23 @@ def default_layer_ids(num_layers: int) -> List[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def validate_layer_ids(ids: Sequence[int], num_layers: int) -> List[int]:
+def validate_layer_ids(ids: Sequence[int], num_layers: int, hc_mult: int = 1) -> List[int]:
+    """`ids` checked for a model of `num_layers` layers: 0 <= i < n, strictly increasing. With hyper-connections
+    (hc_mult > 1) id n is a layer id too: the streams leaving the last decoder layer, hc_head's input (what a
+    DSpark draft of the last layer reads, e.g. DeepSeek-V4-Flash's dspark_target_layer_ids [40, 41, 42])."""
     ids = list(ids)
+    top = num_layers + 1 if hc_mult > 1 else num_layers
     if not ids:
         raise CaptureConfigError("--hs-layers: empty; give at least one layer id")
     bad = [i for i in ids if i < 0]
     if bad:
-        raise CaptureConfigError(f"--hs-layers: negative id {bad[0]}; ids are 0 <= i < {num_layers}")
-    big = [i for i in ids if i >= num_layers]
+        raise CaptureConfigError(f"--hs-layers: negative id {bad[0]}; ids are 0 <= i < {top}")
+    big = [i for i in ids if i >= top]
     if big:
         raise CaptureConfigError(
-            f"--hs-layers: id {big[0]} is out of range for a model with {num_layers} layers (0 <= i < "
-            f"{num_layers}); the final post-norm state (HF output_hidden_states[{num_layers}]) is --hs-last"
+            f"--hs-layers: id {big[0]} is out of range for a model with {num_layers} layers (0 <= i < {top}"
+            + (f", id {num_layers} the streams leaving the last layer" if hc_mult > 1 else "")
+            + f"); the final post-norm state (HF output_hidden_states[{num_layers}]) is --hs-last"
         )
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -214,6 +222,7 @@ class CaptureSpec:
     num_layers: int
     hc_mult: int = 1  # residual streams per token (DeepSeek-V4's hyper-connections); 1 for every other model
     streams: str = "mean"  # with hc_mult > 1: "mean" (one row per layer id) or "full" (hc_mult rows)
+    source: Optional[dict] = field(default=None, compare=False)  # where the layer ids came from (server/layer_source.py), for the manifest
 
     @property
     def rows_per_layer(self) -> int:
@@ -248,12 +257,14 @@ class CaptureSpec:
 
     @classmethod
     def resolve(cls, layer_ids: Optional[Sequence[int]], last, num_layers: int, hidden_size: int,
-                hc_mult: int = 1, streams: Optional[str] = None):
+                hc_mult: int = 1, streams: Optional[str] = None, source: Optional[dict] = None):
         """`last`: --hs-last's value (parse_last: a bool, "post-norm", "pre-norm" or "both"); `hc_mult`: the
-        model's residual streams (hc_mult_of); `streams`: --hs-hc-streams (parse_streams)."""
-        ids = default_layer_ids(num_layers) if layer_ids is None else validate_layer_ids(layer_ids, num_layers)
+        model's residual streams (hc_mult_of); `streams`: --hs-hc-streams (parse_streams); `source`: where the
+        ids came from (layer_source.py; the launcher passes it to the server in SGLANG_HS_LAYER_SOURCE)."""
+        ids = default_layer_ids(num_layers) if layer_ids is None else validate_layer_ids(layer_ids, num_layers, hc_mult)
         return cls(layers=tuple(ids), finals=parse_last(last), hidden_size=int(hidden_size),
-                   num_layers=int(num_layers), hc_mult=int(hc_mult), streams=parse_streams(streams, int(hc_mult)))
+                   num_layers=int(num_layers), hc_mult=int(hc_mult), streams=parse_streams(streams, int(hc_mult)),
+                   source=source)
 
     def pack(self, aux, post_norm, pre_norm):
         """The copy's (aux [T, K'*H], last [T, H] or None) for the rows of this capture: the layers, then
@@ -276,9 +287,13 @@ class CaptureSpec:
             "last_states": list(self.finals),
             "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,
-            "hf_output_hidden_states_index": list(self.layers) + ([self.num_layers] if self.post_norm else []),
+            # null for id n of a hyper-connection model (hc_head's input is no HF output_hidden_states entry)
+            "hf_output_hidden_states_index": [i if i < self.num_layers else None for i in self.layers]
+            + ([self.num_layers] if self.post_norm else []),
             "convention": CONVENTION,
         }
+        if self.source is not None:
+            out["layer_source"] = self.source
         if self.hc_mult > 1:
             out.update(hc_mult=self.hc_mult, hc_streams=self.streams, rows_per_layer=self.rows_per_layer,
                        hc_convention=HC_CONVENTION[self.streams],
@@ -296,6 +311,38 @@ def dspark_layer_ids(layers: Sequence[int], hc_pre_from_prev_sublayer: bool = Fa
     layer j (j = i). None when a layer id has no SGLang id (id 0, the embedding, on the standard path)."""
     ids = [i if hc_pre_from_prev_sublayer else i - 1 for i in layers]
     return None if any(i < 0 for i in ids) else ids
+
+
+def v4_dspark_ids(spec: "CaptureSpec", hc_pre_from_prev_sublayer: bool = False) -> List[int]:
+    """SGLang's dspark ids that capture `spec`'s layer ids on DeepSeek-V4 (dspark_layer_ids), or CaptureConfigError:
+    id 0 on the standard path (the embedding is no layer's output there), id n on the hc_pre_from_prev_sublayer path
+    (no layer n to capture before). The launcher and the V4 overlay."""
+    ids = dspark_layer_ids(spec.layers, hc_pre_from_prev_sublayer)
+    if ids is None:
+        raise CaptureConfigError("--hs-layers: id 0 (the embedding) cannot be captured for DeepSeek-V4: SGLang's "
+                                 "capture reads layer outputs there (id i is layer i-1's output); give ids >= 1")
+    if hc_pre_from_prev_sublayer and spec.num_layers in spec.layers:
+        raise CaptureConfigError(f"--hs-layers: id {spec.num_layers} (the streams leaving the last layer) cannot be "
+                                 "captured with hc_pre_from_prev_sublayer: SGLang captures before each layer there, "
+                                 f"and no layer {spec.num_layers} follows; give ids < {spec.num_layers}")
+    return ids
+
+
+def from_dspark_ids(ids: Sequence[int], hc_pre_from_prev_sublayer: bool = False) -> List[int]:
+    """Our layer ids for SGLang 0.5.23's DSpark/DFlash target ids (`dspark_target_layer_ids`,
+    `dflash_config.target_layer_ids`: decoder layer j's output), the inverse of dspark_layer_ids: j + 1
+    (DeepseekV2's set_dflash_layers_to_capture adds 1; DeepseekV4's standard path captures after layer j), or j on
+    V4's hc_pre_from_prev_sublayer path (captured before layer j)."""
+    return [int(j) if hc_pre_from_prev_sublayer else int(j) + 1 for j in ids]
+
+
+def from_eagle3_ids(ids: Sequence[int]) -> List[int]:
+    """Our layer ids for an EAGLE-3 draft's `eagle_aux_hidden_state_layer_ids`, as SGLang 0.5.23's
+    DeepseekV2ForCausalLM.set_eagle3_layers_to_capture uses them: the state entering layer i, every id plus 1 when the
+    first is 1 (SpecForge's [1, n//2-1, n-4] are HF output_hidden_states [2, n//2, n-3]). The inverse of
+    extract.manifest.draft_config's EAGLE-3 ids."""
+    ids = [int(i) for i in ids]
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
 
 
 def node_dp_ranks(tp_size: int, dp_size: int, nnodes: int, node_rank: int) -> List[int]:

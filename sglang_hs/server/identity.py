@@ -18,7 +18,7 @@ from typing import Optional
 CONFIG_FILES = ("config.json", "params.json")
 
 
-def _local_file(repo: str, name: str, revision: Optional[str]) -> Optional[str]:
+def local_file(repo: str, name: str, revision: Optional[str]) -> Optional[str]:
     if os.path.isdir(repo):
         path = os.path.join(repo, name)
         return path if os.path.isfile(path) else None
@@ -49,7 +49,7 @@ def model_identity(path: Optional[str], revision: Optional[str] = None) -> Optio
         return None
     digest = None
     for name in CONFIG_FILES:
-        digest = _file_sha256(_local_file(path, name, revision))
+        digest = _file_sha256(local_file(path, name, revision))
         if digest is not None:
             break
     return {"path": path, "revision": revision, "config_sha256": digest}
@@ -64,11 +64,11 @@ def chat_template_sha256(chat_template: Optional[str], tokenizer_path: Optional[
         return _sha256(f"sglang-template:{chat_template}".encode())  # one of SGLang's built-in templates, by name
     if not tokenizer_path:
         return None
-    digest = _file_sha256(_local_file(tokenizer_path, "chat_template.jinja", revision))
+    digest = _file_sha256(local_file(tokenizer_path, "chat_template.jinja", revision))
     if digest is not None:
         return digest
     try:
-        with open(_local_file(tokenizer_path, "tokenizer_config.json", revision) or "", encoding="utf-8") as f:
+        with open(local_file(tokenizer_path, "tokenizer_config.json", revision) or "", encoding="utf-8") as f:
             template = json.load(f).get("chat_template")
     except (OSError, ValueError, AttributeError):
         return None

@@ -29,7 +29,9 @@ from sglang_hs.server.capture_spec import (
     hc_mult_of,
     last_choice,
     parse_layer_ids,
+    v4_dspark_ids,
 )
+from sglang_hs.server import layer_source
 
 PROG = "python -m sglang_hs.launch_server"
 _dump_dir_lock = None
@@ -62,7 +64,9 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-dump-dir", default=None, metavar="DIR",
                    help="capture hidden states into this folder (e.g. /dev/shm/hs); default: plain serving")
     g.add_argument("--hs-layers", default=None, metavar="IDS",
-                   help="comma-separated, strictly increasing layer ids 0 <= i < n (default: 2,n//2,n-3)")
+                   help="comma-separated, strictly increasing layer ids 0 <= i < n (DeepSeek-V4: 0 < i <= n; default: the "
+                        "layers the checkpoint's drafter reads, dspark_target_layer_ids / eagle_aux_hidden_state_"
+                        "layer_ids in the draft's config, else the target's, else 2,n//2,n-3)")
     g.add_argument("--hs-last", nargs="?", const="post-norm", default=None, metavar="|".join(LAST_CHOICES),
                    help="also capture the final hidden state: post-norm (a bare --hs-last; HF "
                         "output_hidden_states[n], what SpecForge trains on), pre-norm (the final residual stream "
@@ -381,6 +385,23 @@ def runs_on_cpu(sg_argv: List[str]) -> bool:
     return device == "cpu" or (device is None and not cuda_available())
 
 
+def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, raw_config: dict,
+                  config: dict) -> dict:
+    """Where the captured layers come from (the manifest's `layer_source`): --hs-layers, else the drafter ids the
+    draft's or the target's config names (sglang_hs/server/layer_source.py), else the EAGLE-3 default."""
+    if ns.hs_layers is not None:
+        return layer_source.describe_default(True)
+    draft_path = _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model")
+    draft = None
+    if draft_path and _flag_value(sg_argv, "--speculative-algorithm"):
+        draft = layer_source.read_draft_config(draft_path, _flag_value(sg_argv, "--speculative-draft-model-revision"),
+                                               _has_flag(sg_argv, "--trust-remote-code"))
+    target = dict(raw_config, **config) if config is not raw_config else raw_config  # a wrapper's text_config too
+    found = layer_source.checkpoint_layers(target, layer_source.config_where(model_path), draft,
+                                           layer_source.config_where(draft_path) if draft_path else None)
+    return found or layer_source.describe_default(False)
+
+
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
                     v4_hint: str = "", v4_sliding_on_cpu: bool = True) -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
@@ -388,13 +409,22 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line) unless every
     layer is sliding-window (and `v4_sliding_on_cpu`: the self-test compares V2/V3-family paths only). The
     launcher and the self-test."""
-    config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
+    config = raw_config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
     arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
         config = config["text_config"]
-    ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else None
-    spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
-                               hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams)
+    source = layers_source(ns, sg_argv, model_path, raw_config, config)
+    ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else source.get("layers")
+    try:
+        spec = CaptureSpec.resolve(ids, ns.hs_last, config["num_hidden_layers"], config["hidden_size"],
+                                   hc_mult=hc_mult_of(config), streams=ns.hs_hc_streams, source=source)
+        if arch in HC_ARCHITECTURES:
+            v4_dspark_ids(spec, bool(config.get("hc_pre_from_prev_sublayer", False)))
+    except CaptureConfigError as e:
+        if not source.get("key"):
+            raise
+        raise CaptureConfigError(f"{source['key']} {source['ids']} in {source['from']} (our ids {source['layers']}): "
+                                 f"{str(e).replace('--hs-layers: ', '')}; pass --hs-layers") from None
     if arch in HC_ARCHITECTURES and cpu and not v4_sliding_on_cpu:
         raise CaptureConfigError(f"{arch}: the self-test compares the V2/V3-family paths on the CPU engine; DeepSeek-V4 "
                                  "there is judged by tests/e2e/test_v4_cpu.py" + v4_hint)
@@ -501,7 +531,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
-    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAST", "SGLANG_HS_HC_STREAMS", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
+    for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAYER_SOURCE", "SGLANG_HS_LAST", "SGLANG_HS_HC_STREAMS", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
                 "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW"):
@@ -528,6 +558,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         if share_gid is not None:
             env["SGLANG_HS_SHARE_GID"] = str(share_gid)
         env["SGLANG_HS_LAYERS"] = ",".join(map(str, spec.layers))
+        env["SGLANG_HS_LAYER_SOURCE"] = json.dumps(spec.source)
         if spec.hc_mult > 1:
             env["SGLANG_HS_HC_STREAMS"] = spec.streams
         if spec.last:
@@ -550,7 +581,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
                                      "use --hs-copy direct or staging")
         env.update(selection_env(ns))
         print(f"[sglang-hs] capture: layers {list(spec.layers)}{' + last ' + last_choice(spec.finals) if spec.last else ''} of "
-              f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}", file=sys.stderr, flush=True)
+              f"{spec.num_layers} (hidden {spec.hidden_size}) into {dump_dir}; {layer_source.startup_line(spec.source)}",
+              file=sys.stderr, flush=True)
     elif ns.hs_layers is not None or ns.hs_last or ns.hs_share_group or ns.hs_copy or ns.hs_staging_rows is not None \
             or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \
             or ns.hs_capture_sample is not None or ns.hs_when_behind is not None \

@@ -192,7 +192,10 @@ V4_SWA = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4
           "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                            "beta_slow": 1},
           "max_position_embeddings": 4096, "num_nextn_predict_layers": 0, "index_n_heads": 4, "index_head_dim": 32,
-          "index_topk": 8, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+          "index_topk": 8, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+          # DSpark's target layers as DeepSeek-V4-Flash-DSpark names them ([40, 41, 42] of 43): the last three layers'
+          # outputs, the last one hc_head's input; a capture without --hs-layers takes them (server/layer_source.py)
+          "dspark_target_layer_ids": [1, 2, 3]}
 
 
 def _v4_swa(cfg: dict) -> dict:

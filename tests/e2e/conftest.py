@@ -164,7 +164,10 @@ def speculative_server(request, tmp_path_factory):
     plain = Launcher(flags) if request.param == "EAGLE3" else None
     try:
         dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
-        gen = _serve(dump, [*flags, "--hs-last", "both", "--hs-capture", "opt-in", "--hs-capture-sample",
+        # EAGLE3: without --hs-layers the capture would take the draft's own layers (server/layer_source.py); the
+        # default's 2,4,5 keep ours apart from the draft's (2, 5, 7)
+        ours = ["--hs-layers", "2,4,5"] if request.param == "EAGLE3" else []
+        gen = _serve(dump, [*flags, *ours, "--hs-last", "both", "--hs-capture", "opt-in", "--hs-capture-sample",
                             str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY,
                             "--hs-capture-accept-below", str(SPEC_ACCEPT_BELOW)])
         server = next(gen)

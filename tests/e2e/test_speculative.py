@@ -57,6 +57,9 @@ def served(speculative_server):
     reader = HiddenStateReader(str(speculative_server.dump))
     assert reader.manifest["dtype"] == "float32" and reader.manifest["rows_per_token"] == 5
     _check_served(reader.manifest["served"], speculative_server.algorithm)
+    source = reader.manifest["layer_source"]  # NGRAM, EAGLE (MTP): no drafter ids anywhere, the default
+    assert reader.manifest["layer_ids"] == LAYERS and source["from"] == (
+        "--hs-layers" if speculative_server.algorithm == "EAGLE3" else "default"), source
     yield speculative_server, reader
     reader.close()
 

@@ -10,7 +10,9 @@ compressed sparse (ratio 4: overlapping 8-token blocks, an indexer of 16 heads k
 layer 2 heavily compressed. One server
 per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
 and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
-keys), v4-hca under mean with chunks of 50, v4-csa under mean with chunks of 7; all with layers 1,2,3, both final states and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
+keys) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3] pick ids 2, 3 and 4: id 4 = n, the
+streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean with chunks of 50, v4-csa
+under mean with chunks of 7, both with --hs-layers 1,2,3; all with both final states and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
 special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
@@ -33,6 +35,10 @@ from sglang_hs.tools import tiny_model
 
 pytestmark = pytest.mark.e2e
 LAYERS = [1, 2, 3]
+# v4-swa carries DSpark's dspark_target_layer_ids [1, 2, 3] (the last three layers' outputs, as DeepSeek-V4-Flash-DSpark's
+# [40, 41, 42] of 43): served with no --hs-layers, its servers capture our ids [2, 3, 4], id 4 = n the streams leaving
+# the last layer (hc_head's input)
+CHECKPOINT_LAYERS = [2, 3, 4]
 GREEDY = {"temperature": 0}
 VARIANT = "v4-swa"
 
@@ -54,17 +60,27 @@ def hf_reference(variant):
     model.eval()
 
     def states(ids):
-        return hf_states(model, ids)
+        """output_hidden_states, .pre_norm, and .head_input: the streams leaving the last layer ([T, hc_mult, H])."""
+        taken = []
+        handle = model.model.hc_head.register_forward_hook(lambda mod, args, out: taken.append(args[0][0].detach()))
+        try:
+            out = hf_states(model, ids)
+        finally:
+            handle.remove()
+        assert len(taken) == 1
+        out.head_input = taken[0]
+        return out
 
     states.model, states.config, states.variant = model, model.config, variant
     _HF[variant] = states
     return states
 
 
-# (checkpoint, --hs-hc-streams, --chunked-prefill-size): sliding-only under both conventions with chunks below the
-# window; the HCA checkpoint with chunks of 50 (blocks of 128 close inside chunks and in decode)
-CONFIGS = {"swa-mean": ("v4-swa", "mean", 5), "swa-full": ("v4-swa", "full", 5), "hca-mean": ("v4-hca", "mean", 50),
-           "csa-mean": ("v4-csa", "mean", 7)}
+# (checkpoint, --hs-hc-streams, --chunked-prefill-size, --hs-layers): sliding-only under both conventions with chunks
+# below the window and the layers the checkpoint names (None: no --hs-layers); the HCA checkpoint with chunks of 50
+# (blocks of 128 close inside chunks and in decode)
+CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "swa-full": ("v4-swa", "full", 5, None),
+           "hca-mean": ("v4-hca", "mean", 50, LAYERS), "csa-mean": ("v4-csa", "mean", 7, LAYERS)}
 # per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
 # concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
 SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270)),
@@ -78,17 +94,29 @@ def hf():
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def v4(request, tmp_path_factory):
-    """(server, reader, streams, hf): the float32 V4 server of one configuration and its HF reference."""
-    variant, streams, chunk = CONFIGS[request.param]
+    """(server, reader, streams, hf): the float32 V4 server of one configuration and its HF reference (hf.layers: the
+    layer ids it captures)."""
+    variant, streams, chunk, layers = CONFIGS[request.param]
     ref = hf_reference(variant)
+    flag = ["--hs-layers", ",".join(map(str, layers))] if layers else []
     gen = _serve(tmp_path_factory.mktemp(f"hs-v4-{request.param}") / "dump",
                  ["--model-path", tiny_model.ensure(variant), "--device", "cpu", "--dtype", "float32",
-                  "--skip-tokenizer-init", "--hs-layers", ",".join(map(str, LAYERS)), "--hs-last", "both",
+                  "--skip-tokenizer-init", *flag, "--hs-last", "both",
                   "--hs-hc-streams", streams, "--chunked-prefill-size", str(chunk)])
     server = next(gen)
     reader = HiddenStateReader(str(server.dump))
     try:
-        yield server, reader, streams, ref
+        want = layers or CHECKPOINT_LAYERS
+        m = reader.manifest
+        assert m["layer_ids"] == want
+        if layers is None:  # the checkpoint's DSpark ids, translated, and where they came from (layer_source.py)
+            src = m["layer_source"]
+            assert (src["key"], src["ids"], src["layers"]) == ("dspark_target_layer_ids", [1, 2, 3], want), src
+            assert src["from"].endswith("config.json") and m["hf_output_hidden_states_index"][:3] == [2, 3, None]
+            assert m["dspark_layer_ids"] == [1, 2, 3]  # what SGLang's DSpark drafter is served with: the same ids
+        else:
+            assert m["layer_source"] == {"from": "--hs-layers"}
+        yield server, reader, streams, _Captured(ref, want)
     finally:
         reader.close()
         next(gen, None)
@@ -99,24 +127,40 @@ def _prompt(n, seed):
     return torch.randint(10, tiny_model.variant_config(VARIANT)["vocab_size"], (n,), generator=g).tolist()
 
 
+class _Captured:
+    """An HF reference (hf_reference) with the layer ids a server captures."""
+
+    def __init__(self, ref, layers):
+        self.ref, self.layers = ref, list(layers)
+
+    def __getattr__(self, name):
+        return getattr(self.ref, name)
+
+    def __call__(self, ids):
+        return self.ref(ids)
+
+
 def judge(rec, hf, want_ids, streams):
     """Every row against HF float32 (row_judge.assert_exact): the mean convention's rows as they are, full streams
-    one stream at a time (stream s of each id: rows k * hc_mult + s against HF's stream s). Returns the worst."""
+    one stream at a time (stream s of each id: rows k * hc_mult + s against HF's stream s). The judge's view is HF's
+    output_hidden_states[0..n-1], then hc_head's input at n (layer id n), then the post-norm state at n + 1, so each
+    row is also told from its neighbours there. Returns the worst."""
     hs = hf(want_ids)
-    n, hc = hf.config.num_hidden_layers, hf.config.hc_mult
+    n, hc, layers = hf.config.num_hidden_layers, hf.config.hc_mult, hf.layers
     assert rec.input_ids.tolist() == list(want_ids), rec.rid
     if streams == "mean":
-        view = States([h.mean(dim=-2) if h.dim() == 3 else h for h in hs])
+        view = States([h.mean(dim=-2) for h in hs[:n]] + [hs.head_input.mean(dim=-2), hs[n]])
         view.pre_norm = hs.pre_norm
-        return row_judge.assert_exact(rec, lambda ids: view, want_ids, LAYERS, n, hf.config.hidden_size)
-    T, K = len(want_ids), len(LAYERS)
+        return row_judge.assert_exact(rec, lambda ids: view, want_ids, layers, n + 1, hf.config.hidden_size)
+    T, K = len(want_ids), len(layers)
     assert tuple(rec.aux_hidden_states.shape) == (T, K * hc, hf.config.hidden_size)
     worst = 0.0
     for s in range(hc):
-        view = States([h[:, s] if h.dim() == 3 else h for h in hs])
+        view = States([h[:, s] for h in hs[:n]] + [hs.head_input[:, s], hs[n]])
         view.pre_norm = hs.pre_norm
         one = _Stream(rec, s, hc, K)
-        worst = max(worst, row_judge.assert_exact(one, lambda ids: view, want_ids, LAYERS, n, hf.config.hidden_size))
+        worst = max(worst, row_judge.assert_exact(one, lambda ids: view, want_ids, layers, n + 1,
+                                                  hf.config.hidden_size))
     return worst
 
 

@@ -55,3 +55,18 @@ def overlay_module():
     with _cpu_engine_imports():
         from sglang_hs.server.models import deepseek_v2
     return deepseek_v2
+
+
+@pytest.fixture
+def clean_env(sglang_mode_settled):
+    """prepare() writes the settings into os.environ (the server inherits them): restore it whole. SGLang's
+    CPU-mode decision is settled before (sglang_mode_settled): prepare() sets SGLANG_USE_CPU_ENGINE and, for a
+    Mistral native folder, imports SGLang, which would otherwise fix this process in CPU mode for good."""
+    saved = dict(os.environ)
+    for k in list(os.environ):
+        if k.startswith("SGLANG_HS_") or k in ("SGLANG_USE_CPU_ENGINE", "SGLANG_EXTERNAL_MODEL_PACKAGE"):
+            del os.environ[k]
+    os.environ["PYTHONPATH"] = "/orig"
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -199,8 +199,8 @@ class _HiddenStateOverlay:
         """Resolve `hs_spec` and make the inner model capture it (a subclass for another model family
         overrides this alone)."""
         self.hs_spec = CaptureSpec.resolve(
-            envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size
-        )
+            envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers, config.hidden_size,
+            source=envs.SGLANG_HS_LAYER_SOURCE)
         # Set on the model directly, before any CUDA-graph capture, never via
         # set_eagle3_layers_to_capture (which shifts ids by one when the first is 1).
         self.capture_aux_hidden_states = True

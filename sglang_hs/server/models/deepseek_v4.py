@@ -8,7 +8,9 @@ final norm (HF `output_hidden_states[n]`), the pre-norm state the head's collaps
 With `--hs-hc-streams full` every stream is kept: hc_mult rows per layer id (runtime patch
 sglang_hs/server/patches/hc_full_streams.py widens SGLang's aux packer and writes the streams instead of their
 mean). Layer ids are handed to SGLang as its dspark ids (capture_spec.dspark_layer_ids): its standard
-path captures after layer j, so id i is j = i - 1 (with `hc_pre_from_prev_sublayer` before layer j: j = i).
+path captures after layer j, so id i is j = i - 1 (with `hc_pre_from_prev_sublayer` before layer j: j = i). Id n
+(num_hidden_layers) is a layer id here too: the streams leaving the last layer (hc_head's input), SGLang's dspark id
+n - 1, which DeepSeek-V4-Flash-DSpark's own dspark_target_layer_ids [40, 41, 42] name (server/layer_source.py).
 
 The inner model returns `((hidden, pre_hc_head), aux)` of one fixed structure on every path, `aux`
 [T, num_aux*H] (+ the pre-norm state, [T, H], with --hs-last pre-norm/both), as the V2/V3 overlay does;
@@ -25,7 +27,7 @@ import torch
 from sglang.srt.models import deepseek_v4 as upstream
 
 from sglang_hs import envs
-from sglang_hs.server.capture_spec import CaptureConfigError, CaptureSpec, dspark_layer_ids, hc_mult_of
+from sglang_hs.server.capture_spec import CaptureSpec, hc_mult_of, v4_dspark_ids
 from sglang_hs.server.models.deepseek_v2 import _HiddenStateOverlay, _pre_norm_capturing, fixed_capture_output
 
 OriginalDeepseekV4ForCausalLM = upstream.DeepseekV4ForCausalLM
@@ -33,14 +35,8 @@ OriginalDeepseekV4Model = upstream.DeepseekV4Model
 
 
 def v4_capture_ids(spec: CaptureSpec, config) -> list:
-    """SGLang's dspark ids for `spec`'s layer ids under this config, or CaptureConfigError (id 0 on the
-    standard path: the embedding is no layer's output there)."""
-    lagged = bool(getattr(config, "hc_pre_from_prev_sublayer", False))
-    ids = dspark_layer_ids(spec.layers, lagged)
-    if ids is None:
-        raise CaptureConfigError("--hs-layers: id 0 (the embedding) cannot be captured for DeepSeek-V4: SGLang's "
-                                 "capture reads layer outputs there (id i is layer i-1's output); give ids >= 1")
-    return ids
+    """SGLang's dspark ids for `spec`'s layer ids under this config (capture_spec.v4_dspark_ids)."""
+    return v4_dspark_ids(spec, bool(getattr(config, "hc_pre_from_prev_sublayer", False)))
 
 
 class _CapturingDeepseekV4Model(OriginalDeepseekV4Model):
@@ -79,7 +75,7 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
 
         self.hs_spec = CaptureSpec.resolve(envs.SGLANG_HS_LAYERS, envs.SGLANG_HS_LAST, config.num_hidden_layers,
                                            config.hidden_size, hc_mult=hc_mult_of(config),
-                                           streams=envs.SGLANG_HS_HC_STREAMS)
+                                           streams=envs.SGLANG_HS_HC_STREAMS, source=envs.SGLANG_HS_LAYER_SOURCE)
         ids = v4_capture_ids(self.hs_spec, config)
         if self.hs_spec.streams == "full":
             hc_full_streams.apply(self.hs_spec.hc_mult)
