@@ -82,6 +82,7 @@ DEFAULT_RING_BYTES = 1 << 30
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 DEFAULT_GATHER_THREADS = 1
+DEFAULT_ACCEPT_WINDOW = 1000  # finished requests: --hs-capture-accept-lowest's recent traffic
 # Seconds the finish worker may go without finishing a job while the forward stream waits on the GPU for it
 # (CUDA, --hs-copy direct) before its watchdog stops the server with the stuck gather named: below SGLang's
 # own --watchdog-timeout (300 s), which would kill the scheduler without saying why.
@@ -132,6 +133,13 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # opted-in requests are always kept. Unset: no selection on the draft.
     "SGLANG_HS_CAPTURE_ACCEPT_BELOW": lambda: float(os.environ["SGLANG_HS_CAPTURE_ACCEPT_BELOW"])
     if os.environ.get("SGLANG_HS_CAPTURE_ACCEPT_BELOW") else None,
+    # --hs-capture-accept-lowest F (0 < F < 1, speculative servers): keep only the captured requests whose accept
+    # length is in the lowest F of the last SGLANG_HS_CAPTURE_ACCEPT_WINDOW finished requests' (ties kept
+    # together); the others are dropped at their finish (marker draft_accepted). Unset: no such selection.
+    "SGLANG_HS_CAPTURE_ACCEPT_LOWEST": lambda: float(os.environ["SGLANG_HS_CAPTURE_ACCEPT_LOWEST"])
+    if os.environ.get("SGLANG_HS_CAPTURE_ACCEPT_LOWEST") else None,
+    # --hs-capture-accept-window N: the recent traffic of --hs-capture-accept-lowest, in finished requests.
+    "SGLANG_HS_CAPTURE_ACCEPT_WINDOW": _int("SGLANG_HS_CAPTURE_ACCEPT_WINDOW", DEFAULT_ACCEPT_WINDOW),
     # --hs-capture-max-bytes N: at most N bytes of captured records (worst case, charged at admission);
     # unset: no limit. Past it, requests are served without capture (reason over_budget).
     "SGLANG_HS_CAPTURE_MAX_BYTES": lambda: int(os.environ["SGLANG_HS_CAPTURE_MAX_BYTES"])

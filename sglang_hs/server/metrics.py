@@ -40,7 +40,7 @@ later one (sglang_hs/status.py: metrics_after):
                                           not_sampled (--hs-capture, --hs-capture-sample), reader_behind
                                           (--hs-when-behind skip while the ring was full), over_budget
                                           (--hs-capture-max-bytes spent), draft_accepted (dropped at the finish:
-                                          the draft did well, --hs-capture-accept-below)
+                                          the draft did well, --hs-capture-accept-below/-lowest)
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published

@@ -98,6 +98,12 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="on a speculative server, keep only the captured requests its draft did poorly on: those "
                         "whose accept length (SGLang's spec_accept_length, tokens per verify step) is below L > 1; "
                         "the others leave a marker, reason draft_accepted (opted-in requests are always kept)")
+    g.add_argument("--hs-capture-accept-lowest", default=None, metavar="F",
+                   help="on a speculative server, keep only the captured requests whose accept length is in the "
+                        "lowest fraction 0 < F < 1 of recent traffic (the last --hs-capture-accept-window finished "
+                        "requests, ties kept together); the others leave a marker, reason draft_accepted")
+    g.add_argument("--hs-capture-accept-window", default=None, metavar="N", type=int,
+                   help="the recent traffic of --hs-capture-accept-lowest, in finished requests (default 1000)")
     g.add_argument("--hs-capture-max-bytes", default=None, metavar="SIZE",
                    help="capture at most SIZE bytes of records (e.g. 100GiB; each captured request is charged its "
                         "worst-case record as it is admitted); past it, requests are served without capture, "
@@ -168,6 +174,26 @@ def selection_env(ns: argparse.Namespace) -> dict:
             raise CaptureConfigError(f"--hs-capture-accept-below: an accept length L > 1 (tokens per verify step; "
                                      f"every step gives at least 1), got {ns.hs_capture_accept_below!r}")
         env["SGLANG_HS_CAPTURE_ACCEPT_BELOW"] = repr(below)
+    if ns.hs_capture_accept_lowest is not None:
+        if ns.hs_capture_accept_below is not None:
+            raise CaptureConfigError("--hs-capture-accept-lowest and --hs-capture-accept-below: one policy at a time "
+                                     "(a fraction of recent traffic, or a fixed accept length)")
+        try:
+            lowest = float(ns.hs_capture_accept_lowest)
+        except ValueError:
+            lowest = float("nan")
+        if not 0 < lowest < 1:
+            raise CaptureConfigError(f"--hs-capture-accept-lowest: a fraction 0 < F < 1 of recent traffic, got "
+                                     f"{ns.hs_capture_accept_lowest!r}")
+        env["SGLANG_HS_CAPTURE_ACCEPT_LOWEST"] = repr(lowest)
+    if ns.hs_capture_accept_window is not None:
+        if ns.hs_capture_accept_lowest is None:
+            raise CaptureConfigError("--hs-capture-accept-window sizes --hs-capture-accept-lowest's recent traffic: "
+                                     "give that too")
+        if ns.hs_capture_accept_window < 1:
+            raise CaptureConfigError(f"--hs-capture-accept-window: at least 1 finished request, got "
+                                     f"{ns.hs_capture_accept_window}")
+        env["SGLANG_HS_CAPTURE_ACCEPT_WINDOW"] = str(ns.hs_capture_accept_window)
     if ns.hs_capture_max_bytes is not None:
         env["SGLANG_HS_CAPTURE_MAX_BYTES"] = str(parse_size(ns.hs_capture_max_bytes, "--hs-capture-max-bytes"))
     if ns.hs_when_behind is not None:
@@ -442,10 +468,11 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
             raise CaptureConfigError(f"--enable-dp-attention with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
                                      "serve one rank only; drop it")
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
-    if ns.hs_capture_accept_below is not None and (
-            not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
-        raise CaptureConfigError("--hs-capture-accept-below selects on the draft's accept length: it needs a server "
-                                 "that decodes speculatively (--speculative-algorithm with a draft)")
+    for flag, value in (("--hs-capture-accept-below", ns.hs_capture_accept_below),
+                        ("--hs-capture-accept-lowest", ns.hs_capture_accept_lowest)):
+        if value is not None and (not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
+            raise CaptureConfigError(f"{flag} selects on the draft's accept length: it needs a server that decodes "
+                                     "speculatively (--speculative-algorithm with a draft)")
     if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:
         raise CaptureConfigError(
             f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
@@ -534,7 +561,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     for key in ("SGLANG_HS_DUMP_DIR", "SGLANG_HS_LAYERS", "SGLANG_HS_LAYER_SOURCE", "SGLANG_HS_LAST", "SGLANG_HS_HC_STREAMS", "SGLANG_HS_SHARE_GID", "SGLANG_HS_COPY",
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
-                "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW"):
+                "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW", "SGLANG_HS_CAPTURE_ACCEPT_LOWEST",
+                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -587,10 +615,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             or ns.hs_scatter_threads is not None or ns.hs_gather_threads is not None or ns.hs_capture is not None \
             or ns.hs_capture_sample is not None or ns.hs_when_behind is not None \
             or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None \
-            or ns.hs_hc_streams is not None or ns.hs_capture_accept_below is not None:
+            or ns.hs_hc_streams is not None or ns.hs_capture_accept_below is not None \
+            or ns.hs_capture_accept_lowest is not None or ns.hs_capture_accept_window is not None:
         raise CaptureConfigError("--hs-layers/--hs-last/--hs-hc-streams/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
                                  "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
-                                 "bytes/--hs-capture-accept-below/--hs-when-behind need "
+                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-when-behind need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 

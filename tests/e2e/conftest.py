@@ -143,9 +143,11 @@ def contract_server(tmp_path_factory):
 # EAGLE3: a tiny EAGLE-3 draft (tiny_eagle3) reading target layers of its own beside ours, same setting; its
 # server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
 # Each also samples half of the requests that do not opt in (HARVEST_SAMPLE_KEY) and keeps of those only the
-# ones its draft did poorly on (--hs-capture-accept-below SPEC_ACCEPT_BELOW).
+# ones its draft did poorly on (--hs-capture-accept-below SPEC_ACCEPT_BELOW; NGRAM: the lowest half of the last 8).
 SPEC_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
 SPEC_SAMPLE, SPEC_ACCEPT_BELOW = 0.5, 1.25
+# NGRAM selects on a fraction of recent traffic instead (--hs-capture-accept-lowest, over a window of 8 requests)
+SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW = 0.5, 8
 SPECULATIVE = {
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
     "EAGLE": ["--speculative-algorithm", "EAGLE", *SPEC_STEP],
@@ -167,9 +169,11 @@ def speculative_server(request, tmp_path_factory):
         # EAGLE3: without --hs-layers the capture would take the draft's own layers (server/layer_source.py); the
         # default's 2,4,5 keep ours apart from the draft's (2, 5, 7)
         ours = ["--hs-layers", "2,4,5"] if request.param == "EAGLE3" else []
+        select = ["--hs-capture-accept-lowest", str(SPEC_ACCEPT_LOWEST), "--hs-capture-accept-window",
+                  str(SPEC_ACCEPT_WINDOW)] if request.param == "NGRAM" else \
+            ["--hs-capture-accept-below", str(SPEC_ACCEPT_BELOW)]
         gen = _serve(dump, [*flags, *ours, "--hs-last", "both", "--hs-capture", "opt-in", "--hs-capture-sample",
-                            str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY,
-                            "--hs-capture-accept-below", str(SPEC_ACCEPT_BELOW)])
+                            str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY, *select])
         server = next(gen)
         server.algorithm = request.param
         try:

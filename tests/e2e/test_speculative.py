@@ -38,7 +38,7 @@ import types
 from safetensors.torch import load_file
 
 import row_judge
-from conftest import HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_SAMPLE
+from conftest import HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_SAMPLE
 from helpers import metrics_of, settled
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
@@ -272,11 +272,22 @@ def test_session_turns_and_an_aborted_request(served, hf):
 
 
 def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
-    """--hs-capture-accept-below: of the sampled requests (not opted in), exactly those whose accept length,
-    SGLang's own spec_accept_length in the reply, is below the threshold have records, each row exact; the
-    others leave a draft_accepted marker, and the status and /metrics count them. Both outcomes occur."""
+    """--hs-capture-accept-below (EAGLE, EAGLE3): of the sampled requests (not opted in), exactly those whose accept
+    length, SGLang's own spec_accept_length in the reply, is below the threshold have records, each row exact; the
+    others leave a draft_accepted marker, and the status and /metrics count them. Both outcomes occur.
+    --hs-capture-accept-lowest (NGRAM, the lowest half of the last 8 finished requests): 8 opted-in requests fill
+    the window first, so every later decision follows from the replies' accept lengths in finish order (the
+    requests are sent one at a time): kept when fewer than half of the window, itself included, are below it."""
     server, reader = served
     key = bytes.fromhex(HARVEST_SAMPLE_KEY)
+    window = []
+    if server.algorithm == "NGRAM":
+        for i, text in enumerate(ACCEPT_TEXTS[:SPEC_ACCEPT_WINDOW]):
+            ids = row_judge.prompt_ids(hf, text)
+            out = server.generate(input_ids=ids, rid=f"spec-fill-{i}", sampling_params={"max_new_tokens": 64, **GREEDY})
+            window.append(out["meta_info"]["spec_accept_length"])
+            _exact(reader.take(f"spec-fill-{i}", timeout=60), hf, (ids + out["output_ids"])[:-1])
+        assert len(window) == SPEC_ACCEPT_WINDOW, "ACCEPT_TEXTS: one per window place"
     rids = [rid for rid in (f"spec-pick-{i}" for i in range(40)) if sample_point(rid, key) < SPEC_SAMPLE]
     jobs = list(zip(rids, (row_judge.prompt_ids(hf, text) for text in ACCEPT_TEXTS)))
     before = settled(server)["admission"]["skipped_draft_accepted"]
@@ -286,7 +297,12 @@ def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
     for (rid, ids), out in zip(jobs, outs):
         length = out["meta_info"].get("spec_accept_length")
         assert length is not None and length >= 1, out["meta_info"]
-        if length < SPEC_ACCEPT_BELOW:
+        if server.algorithm == "NGRAM":
+            window = (window + [length])[-SPEC_ACCEPT_WINDOW:]
+            keep = sum(x < length for x in window) < SPEC_ACCEPT_LOWEST * len(window)
+        else:
+            keep = length < SPEC_ACCEPT_BELOW
+        if keep:
             kept += 1
             _exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1])
         else:

@@ -180,7 +180,9 @@ def test_accept_below_keeps_the_requests_the_draft_did_poorly_on(hook, monkeypat
 
     from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
 
-    monkeypatch.setattr(capture_hooks, "_accept_below", 1.5)
+    from sglang_hs.server.store.draft_selection import DraftSelection
+
+    monkeypatch.setattr(capture_hooks, "_selection", DraftSelection(below=1.5))
     cases = {"poor": (6, 5, False), "good": (6, 4, False), "good-opted": (6, 2, True), "no-verify": (1, 0, False)}
     # a verify step's accepted run that reached past the stop: 8 tokens appended, 5 through the stop (SGLang's
     # completion_tokens), 4 verifies: 1.25, kept (8 / 4 would drop it)
@@ -205,6 +207,43 @@ def test_accept_below_keeps_the_requests_the_draft_did_poorly_on(hook, monkeypat
             output = list(range(40, 40 + n))
             _assert_record(hook, rid, ([1, 2, 3] + output)[:2 + n], hook.table[i, :2 + n].tolist(), 3, output)
     _assert_record(hook, "past-stop", [1, 2, 3, 40, 41, 42, 43], hook.table[4, :7].tolist(), 3, [40, 41, 42, 43, 44])
+
+
+def test_accept_lowest_keeps_the_lowest_fraction_of_recent_traffic(hook, monkeypatch):
+    """--hs-capture-accept-lowest 0.5 over a window of 4: each finished request enters the window, a request not
+    captured (its admission decision: not sampled) too, and a captured one keeps its record when fewer than half
+    of the window, itself included, are below its accept length; opted-in ones always do."""
+    from sglang_hs import NotCaptured
+    from sglang_hs.server.patches import capture_hooks
+    from sglang_hs.server.store.admission import Ticket
+    from sglang_hs.server.store.draft_selection import DraftSelection
+
+    monkeypatch.setattr(capture_hooks, "_selection", DraftSelection(lowest=0.5, window=4))
+    not_sampled = {"w-not-sampled"}
+    plain_finish = hook.admission.finish
+    hook.admission.finish = lambda rid, req=None: Ticket(str(rid), 1, decision=("not_sampled", True)) \
+        if rid in not_sampled else plain_finish(rid, req)
+    # (rid, output tokens, verify steps, opted in): accept lengths 2, 1, 3, 1.5, 2, 1.5, 3 in finish order
+    cases = [("w-a", 4, 2, False), ("w-not-sampled", 2, 2, False), ("w-opted", 6, 2, True), ("w-b", 3, 2, False),
+             ("w-c", 4, 2, False), ("w-d", 3, 2, False), ("w-e", 6, 2, False)]
+    # window after each: [2] kept (0 below); [2, 1]; [2, 1, 3] opted in, kept; [2, 1, 3, 1.5]: 1 of 4 below 1.5,
+    # kept; [1, 3, 1.5, 2]: 2 of 4 below 2, dropped; [3, 1.5, 2, 1.5]: 0 below, kept; [1.5, 2, 1.5, 3]: 3 below, dropped
+    dropped = {"w-c", "w-e"}
+    for i, (rid, n, verifies, opted) in enumerate(cases):
+        req = _req(rid, [1, 2, 3], list(range(40, 40 + n)), pool_idx=i)
+        req.spec_verify_ct = verifies
+        if opted:
+            req.sampling_params.custom_params = {"hs_capture": True}
+        hook.finish(req)
+        hook.settle()
+    assert hook.admission.stats["skipped_draft_accepted"] == len(dropped)
+    for i, (rid, n, _, _) in enumerate(cases):
+        if rid in dropped or rid in not_sampled:
+            with pytest.raises(NotCaptured, match="draft_accepted" if rid in dropped else "not_sampled"):
+                hook.reader.take(rid, timeout=5)
+        else:
+            output = list(range(40, 40 + n))
+            _assert_record(hook, rid, ([1, 2, 3] + output)[:2 + n], hook.table[i, :2 + n].tolist(), 3, output)
 
 
 @pytest.mark.parametrize("prompt,output", [

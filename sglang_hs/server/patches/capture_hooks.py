@@ -27,12 +27,12 @@ _admission = None  # its AdmissionControl
 _scheduler = None  # the Scheduler of this process, for reconciling reservations
 _reserved = None  # (rows, device tensor): the staging buffers' memory, held while SGLang sizes the KV pool
 _finisher = None  # its FinishWorker once the first request finished; False: the synchronous path
-_accept_below = None  # --hs-capture-accept-below
+_selection = None  # DraftSelection (store/draft_selection.py): --hs-capture-accept-below / -lowest
 
 
 def _after_init_capturers(self) -> None:
     ORIGINALS["init_routed_experts_capturer"](self)
-    global _writer, _admission, _reserved, _accept_below
+    global _writer, _admission, _reserved, _selection
     from sglang.srt.runtime_context import get_parallel
 
     model, par = self.model, get_parallel()
@@ -77,7 +77,10 @@ def _after_init_capturers(self) -> None:
                                   sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
                                   max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES,
                                   speculative=bool(getattr(args, "speculative_algorithm", None)))
-    _accept_below = envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW
+    from sglang_hs.server.store.draft_selection import DraftSelection
+
+    _selection = DraftSelection(below=envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW, lowest=envs.SGLANG_HS_CAPTURE_ACCEPT_LOWEST,
+                                window=envs.SGLANG_HS_CAPTURE_ACCEPT_WINDOW)
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
@@ -249,10 +252,11 @@ def _after_collect(self, req) -> None:
         return  # aborted requests, health checks and SGLang's start-up warm-up are not emitted
     # this request's own ticket (a rid used again has one per request): its decision, its ring room
     ticket = _admission.finish(req.rid, req)
+    did_well = _draft_did_well(req)  # every finished request counts in the recent traffic (-lowest)
     if ticket is not None and ticket.decision is not None:  # served without capture: at most a marker record
         _publish_marker(self, str(req.rid), *ticket.decision, ticket=ticket)
         return
-    if _draft_did_well(req):  # --hs-capture-accept-below: its rows are not what the next draft needs
+    if did_well:  # --hs-capture-accept-below / -lowest: its rows are not what the next draft needs
         _admission.stats["skipped_draft_accepted"] += 1
         _publish_marker(self, str(req.rid), "draft_accepted", True, ticket=ticket)
         return
@@ -308,14 +312,15 @@ def record_meta(req) -> bytes:
 
 
 def _draft_did_well(req) -> bool:
-    """With --hs-capture-accept-below L: a request not opted in whose accept length is L or more (one that never
-    reached a verify step tells nothing about the draft: kept)."""
-    if _accept_below is None:
+    """Whether the draft did well enough on `req` for its record to be dropped (--hs-capture-accept-below L:
+    an accept length of L or more; --hs-capture-accept-lowest F: not in the lowest F of recent traffic;
+    store/draft_selection.py). Opted-in requests and those without a verify step are kept. Called once per
+    finished request, in finish order."""
+    if _selection is None or not _selection.active:
         return False
     from sglang_hs.server.store.admission import opted_in
 
-    length = accept_length(req)
-    return length is not None and length >= _accept_below and not opted_in(req)
+    return _selection.did_well(accept_length(req), opted_in(req))
 
 
 def _token_record(prompt, output) -> array:
