@@ -238,10 +238,20 @@ def test_the_live_dataset_takes_the_deepspec_layout_only_by_name():
         LiveHiddenStates([], server="http://127.0.0.1:1", dump_dir="/nonexistent", layout="deep")
 
 
+def _needs_extension():
+    from sglang_hs._ext import ExtensionNotBuilt, ext
+
+    try:
+        ext()
+    except ExtensionNotBuilt as e:  # pragma: no cover
+        pytest.skip(f"extension not built: {e}")
+
+
 def test_a_harvest_of_real_records_becomes_the_cache_and_out_of_range_samples_are_skipped(tmp_path, capsys):
     """Records published by the real writer and ring (no server), harvested with --format deepspec --save-dtype
     fp8: each cache row is its record's store rows (the aux layers, then the post-norm state) cast to e4m3, the
     loss mask on the generated tokens; a record with a value beyond e4m3's range is skipped and counted."""
+    _needs_extension()
     from sglang_hs.server.capture_spec import CaptureSpec
     from sglang_hs.server.store.writer import CaptureWriter
 
@@ -280,3 +290,41 @@ def test_a_harvest_of_real_records_becomes_the_cache_and_out_of_range_samples_ar
         want = store[:, :2].reshape(len(ids), -1).to(torch.float8_e4m3fn)
         assert torch.equal(_bits(got["target_hidden_states"]), _bits(want))
         assert torch.equal(_bits(got["target_last_hidden_states"]), _bits(store[:, 2].to(torch.float8_e4m3fn)))
+
+
+def test_the_extraction_and_the_live_dataset_give_the_same_rows(tmp_path, monkeypatch):
+    """Against a stand-in server publishing through the real writer: `--format deepspec` files, read back, and
+    LiveHiddenStates(layout="deepspec") yield the same rows, bit for bit (bf16 and e5m2)."""
+    from torch.utils.data import DataLoader
+
+    from sglang_hs.live import LiveHiddenStates
+
+    _needs_extension()
+    from test_server_restart import FakeServer, Preparer, expected_rows
+
+    monkeypatch.setattr(cli, "_model_side", lambda ns, manifest, url=None: (Preparer(), None))
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    server = FakeServer(dump)
+    (tmp_path / "d.jsonl").write_text("".join('{"input_ids": [1]}\n' for _ in range(4)))
+    for save_dtype, dtype in (("bf16", torch.bfloat16), ("fp8-e5m2", torch.float8_e5m2)):
+        out = tmp_path / save_dtype
+        assert cli.main(["--data", str(tmp_path / "d.jsonl"), "--output", str(out), "--server", server.url,
+                         "--hs-dump-dir", str(dump), "--concurrency", "2", "--no-progress", "--format", "deepspec",
+                         "--save-dtype", save_dtype]) == 0
+        files, m = read_cache(out / "target_cache")
+        assert m["target_layer_ids"] == [0, 1] and len(files) == 4
+        ds = LiveHiddenStates(list(range(4)), server=server.url, dump_dir=dump, concurrency=2, reader_wait=5,
+                              dtype=dtype, layout="deepspec")
+        ds._preparer = Preparer()
+        live = list(DataLoader(ds, batch_size=None, num_workers=0))
+        assert len(live) == 4
+        for i, ((_, f), s) in enumerate(zip(files, live)):
+            T = 3 + i % 3
+            rows = expected_rows(0, T)  # the stand-in server's float32 rows: [aux 1, aux 2, post-norm]
+            assert torch.equal(_bits(f["target_hidden_states"]), _bits(rows[:, :2].reshape(T, -1).to(dtype)))
+            assert torch.equal(_bits(f["target_last_hidden_states"]), _bits(rows[:, 2].to(dtype)))
+            assert sorted(s) == ["input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"]
+            for k, v in s.items():
+                want = f[k].to(torch.bfloat16) if f[k].dtype in FP8.values() else f[k]
+                assert v.dtype == want.dtype and torch.equal(_bits(v), _bits(want)), (i, k)
