@@ -8,7 +8,7 @@ finalize refuses).
 
 When the run completes, finalize() makes the folder what `speculators.train.data.ArrowDataset(max_len, DIR)`
 reads: a `datasets` dataset saved with save_to_disk in DIR (columns input_ids, loss_mask, seq_len as
-speculators' prepare_data writes them, plus sample_index; torch format), one row per sample file in sample
+speculators' prepare_data writes them, types included, plus sample_index; torch format), one row per sample file in sample
 order, and DIR/hidden_states/hs_{row}.safetensors (read by hs_connectors.FileTransfer) a hard link (a relative
 symlink where the filesystem has no hard links) to that row's hs_{i}.safetensors. Sample files carry global
 sample indices, so --shard outputs merge by copying their hs_*.safetensors into one folder and running
@@ -133,7 +133,9 @@ class SafetensorsSink(Sink):
             raise SinkError(f"{p} is not a whole sample file ({why})" + (nor if others else "")
                             + ": cut short (a copy that did not finish, a full disk?); copy it again, or delete it "
                             "and rerun the extraction with --resume to remake it; no speculators dataset written")
-        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+        # the types prepare_data's dataset has: `datasets` stores a column named input_ids as int32 (its optimized
+        # integer precision for tokenizer columns), the others as int64
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})
         work = os.path.join(self.out_dir, f".dataset.{os.getpid()}")
