@@ -39,12 +39,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import shutil
 import struct
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from sglang_hs.extract.sinks.base import Sink, SinkError
+from sglang_hs.extract.sinks.base import Sink, SinkError, cut_short, link_sample_file, numbered_files
 
 if TYPE_CHECKING:
     import torch
@@ -162,12 +161,7 @@ class DeepSpecSink(Sink):
 
     def samples(self) -> List[Tuple[int, str]]:
         """(sample index, path) of every complete sample file, in sample order."""
-        out = []
-        for p in glob.glob(os.path.join(self.out_dir, "sample_*.bin")):
-            m = re.fullmatch(r"sample_(\d+)\.bin", os.path.basename(p))
-            if m:
-                out.append((int(m.group(1)), p))
-        return sorted(out)
+        return numbered_files(self.out_dir, "sample_", ".bin")
 
     def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
         import torch
@@ -225,12 +219,8 @@ class DeepSpecSink(Sink):
                 raise SinkError(f"{p} holds {sig} but {ref[1]} holds {ref[0]}: files of different captures cannot "
                                 "form one DeepSpec target cache")
             rows.append((index, p, meta, start))
-        if unreadable:
-            (p, why), others = unreadable[0], [os.path.basename(q) for q, _ in unreadable[1:]]
-            nor = f", nor are {len(others)} more ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
-            raise SinkError(f"{p} is not a whole sample file ({why})" + (nor if others else "")
-                            + ": cut short (a copy that did not finish, a full disk?); copy it again, or delete it "
-                            "and rerun the extraction with --resume to remake it; no DeepSpec target cache written")
+        if unreadable:  # nothing is removed, the cache already there stays
+            raise cut_short(unreadable, "DeepSpec target cache")
         sig = ref[0]
         if sig["layer_ids"] is None:
             raise SinkError(f"{ref[1]} records no layer ids (written without the server's manifest), which DeepSpec's "
@@ -241,10 +231,7 @@ class DeepSpecSink(Sink):
             index, shards = bytearray(), []
             for row, (sample, p, meta, start) in enumerate(rows):
                 name = f"shard-{row:05d}.bin"
-                try:
-                    os.link(p, os.path.join(work, name))
-                except OSError:  # no hard links here: a relative link survives moving the folder
-                    os.symlink(os.path.join(os.pardir, os.path.basename(p)), os.path.join(work, name))
+                link_sample_file(p, os.path.join(work, name))
                 offsets, at = [], start
                 for n in sample_nbytes(meta):
                     offsets.append(at)
