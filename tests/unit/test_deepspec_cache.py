@@ -1,63 +1,22 @@
-"""--format deepspec: DeepSpec's target cache v2, read back by a reader written here from the format's published
-layout (not from sinks/deepspec.py): manifest.json, samples.idx of little-endian 56-byte records (sample_id u64,
-shard_id u32, seq_len u32, then five u64 byte offsets into that shard: input_ids, attention_mask, loss_mask,
-target_hidden_states, target_last_hidden_states) and the shards' raw bytes (input_ids int32, masks uint8, the
-states in the manifest's hidden_dtype). Every row must be bit for bit what the sink was handed (FP8: the cast's
-bytes, read back as bf16 as DeepSpec's FP8 reader does). DeepSpec itself is not on a package registry, so its own
+"""--format deepspec: DeepSpec's target cache v2, read back by tests/deepspec_reader.py (written from the format's
+published layout, not from sinks/deepspec.py). Every row must be bit for bit what the sink was handed (FP8: the
+cast's bytes, read back as bf16 as DeepSpec's FP8 reader does). DeepSpec itself is not on a package registry, so its own
 CacheDataset is not loaded here (docs/extract.md says how its code was compared)."""
 import json
 import os
 import shutil
-import struct
 
-import numpy as np
 import pytest
 import torch
 
+from deepspec_reader import read_cache
 from sglang_hs.extract import cli
 from sglang_hs.extract.fp8 import FP8OutOfRange, NonFiniteRows
 from sglang_hs.extract.sinks import SINKS, SinkError, deepspec_sample
 
-RECORD = "<QIIQQQQQ"
 OURS = [0, 2, 5]  # layer ids in sglang-hs's convention (0: the embeddings)
 THEIRS = [-1, 1, 4]  # the same states in DeepSpec's (-1: the embeddings; j: the output of decoder layer j)
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
-
-
-def read_cache(cache_dir):
-    """Every sample of a DeepSpec target cache as DeepSpec hands it to training, with its record and the
-    states' raw dtype: [(record, {input_ids, attention_mask, loss_mask, target_hidden_states,
-    target_last_hidden_states})], and the manifest."""
-    with open(os.path.join(cache_dir, "manifest.json")) as f:
-        m = json.load(f)
-    assert m["version"] == 2 and m["token_dtype"] == "int32" and m["mask_dtype"] == "uint8"
-    assert m["index_record_size"] == struct.calcsize(RECORD) == 56
-    assert m["num_shards"] == len(m["shards"]) and [s["shard_id"] for s in m["shards"]] == list(range(m["num_shards"]))
-    assert m["target_layer_ids"] == sorted(m["target_layer_ids"])
-    dtype = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
-             "float8_e5m2": torch.float8_e5m2}[m["hidden_dtype"]]
-    H, K = m["hidden_size"], len(m["target_layer_ids"])
-    idx = open(os.path.join(cache_dir, "samples.idx"), "rb").read()
-    assert len(idx) == 56 * m["num_samples"]
-    out = []
-    for n in range(m["num_samples"]):
-        rec = struct.unpack_from(RECORD, idx, 56 * n)
-        sample_id, shard_id, T, o_ids, o_att, o_mask, o_hid, o_last = rec
-        assert sample_id == n
-        data = open(os.path.join(cache_dir, m["shards"][shard_id]["file_name"]), "rb").read()
-
-        def take(offset, count, np_dtype):
-            nbytes = count * np.dtype(np_dtype).itemsize
-            assert offset + nbytes <= len(data), (n, offset, nbytes, len(data))
-            return torch.from_numpy(np.frombuffer(data, np_dtype, count, offset).copy())
-
-        e = dtype.itemsize
-        hid = take(o_hid, T * K * H * e, np.uint8).view(dtype).view(T, K * H)
-        last = take(o_last, T * H * e, np.uint8).view(dtype).view(T, H)
-        out.append((rec, {"input_ids": take(o_ids, T, np.int32), "attention_mask": take(o_att, T, np.uint8),
-                          "loss_mask": take(o_mask, T, np.uint8), "target_hidden_states": hid,
-                          "target_last_hidden_states": last}))
-    return out, m
 
 
 def _sample(index, K=3, H=20, dtype=torch.bfloat16, scale=4.0):
