@@ -14,10 +14,11 @@ loss masks: sglang_hs/extract/dataset.py), sends each as one request with at mos
 flight, and yields one dict per sample in SpecForge's offline sample layout, built by the very function
 the CLI's `--format specforge` sink writes its files with (sinks.specforge_sample): `input_ids` [T] and
 `loss_mask` [T] int64, `hidden_state` [1, T, H] (final state) and `aux_hidden_state` [1, T, K*H], in bf16
-(`dtype=`, as the files). Samples come in dataset order (a sample waits for the ones before it), so a run over
-the same data and server is reproducible. Records the extraction would skip (malformed, too long) are
-skipped and counted in `self.skipped` (of the process iterating); a request that fails raises
-LiveDatasetError.
+(`dtype=`, as the files). With layout="deepspec", DeepSpec's target-cache rows instead, as its CacheDataset
+reads them from --format deepspec's files (sinks.deepspec_sample). Samples come in dataset order (a sample
+waits for the ones before it), so a run over the same data and server is reproducible. Records the extraction
+would skip (malformed, too long) are skipped and counted in `self.skipped` (of the process iterating); a
+request that fails raises LiveDatasetError.
 
 The server must run with --hs-last (SpecForge trains on the final state) and nobody else may read its
 dump dir while this iterates: the dataset holds the one HiddenStateReader of the dump dir from the start
@@ -55,16 +56,25 @@ import torch
 
 from sglang_hs.live_workers import LiveDatasetError  # defined there, where the workers raise it too; public here
 
+LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equal, tensor for tensor
+
 
 class LiveHiddenStates(torch.utils.data.IterableDataset):
     def __init__(self, data: Union[str, os.PathLike, Iterable], server: str, dump_dir: str, concurrency: int = 8,
                  max_samples: Optional[int] = None, request_timeout: float = 3600.0, reader_wait: float = 30.0,
-                 owner=None, dtype: Optional[torch.dtype] = torch.bfloat16) -> None:
+                 owner=None, dtype: Optional[torch.dtype] = torch.bfloat16, layout: str = "specforge") -> None:
         """`data`: a path (JSON Lines, HF dataset) or an iterable of records, iterated anew each epoch.
         `server`: the URL of an sglang-hs server capturing into `dump_dir` with --hs-last. `owner`: the
         server's user when it is not you (see HiddenStateReader). `dtype`: the states' dtype, bf16 by
         default as `--format specforge` writes them (SpecForge's TargetHead reads bf16 only); None: the
-        server's dtype."""
+        server's dtype. `layout`: "specforge" (the default), or "deepspec": DeepSpec's CacheDataset rows
+        (input_ids int32, loss_mask uint8, target_hidden_states [T, K*H], target_last_hidden_states [T, H]),
+        built by the function --format deepspec writes its files with (sinks.deepspec_sample); `dtype` is then
+        the cache's hidden dtype (bf16; an FP8 dtype gives the cast read back as bf16, as DeepSpec's FP8 reader
+        does)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -154,7 +164,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.extract.errors import ExtractError
         from sglang_hs.extract.samples import STATUS_CHECK_S, make_preparer, record_loss_mask, record_overdue, request_body
         from sglang_hs.extract.dataset import SkipSample
-        from sglang_hs.extract.sinks import specforge_sample
+        from sglang_hs.extract.sinks import deepspec_sample, specforge_sample
         from sglang_hs.server.capture_spec import final_states
         from sglang_hs.reader import ServerRestarted, node_share
 
@@ -164,7 +174,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         try:
             if "post-norm" not in final_states(reader.manifest):
                 raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} runs without --hs-last (or "
-                                       "with --hs-last pre-norm); SpecForge's layout needs the post-norm final state")
+                                       f"with --hs-last pre-norm); the {self.layout} layout needs the post-norm final "
+                                       "state")
             if int(reader.manifest.get("rows_per_layer", 1)) != 1:  # as the extraction's check_streams
                 raise LiveDatasetError(f"LiveHiddenStates: the server at {self.url} captures DeepSeek-V4's full "
                                        "hyper-connection streams (--hs-hc-streams full); SpecForge's layout takes one "
@@ -254,8 +265,18 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
                 except ExtractError as e:
                     raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
-                out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
-                                      dtype=self.dtype)
+                if self.layout == "deepspec":
+                    from sglang_hs.extract.fp8 import UnstorableRows
+
+                    try:
+                        out = deepspec_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
+                                              dtype=self.dtype)
+                    except UnstorableRows as e:  # the file would not be written either
+                        self.skipped[e.reason] += 1
+                        continue
+                else:
+                    out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
+                                           dtype=self.dtype)
                 del rec
                 yield out
         finally:

@@ -136,9 +136,9 @@ def parse_args(argv: List[str]) -> Tuple[ExtractConfig, List[str]]:
         _at_least_one("--torch-threads", ns.torch_threads)
         owner = _owner(ns.hs_owner)
     elif mode == "finalize":
-        if ns.format != "safetensors":
-            raise ExtractError("--finalize is for --format safetensors (SpecForge reads rows_*/ as they are: merge "
-                               "--shard outputs by copying their rows_* folders into one)")
+        if ns.format not in ("safetensors", "deepspec"):
+            raise ExtractError("--finalize is for --format safetensors or deepspec (SpecForge reads rows_*/ as they "
+                               "are: merge --shard outputs by copying their rows_* folders into one)")
     else:
         owner = _check_data_run(ns, launcher_args)
     return ExtractConfig(
@@ -158,6 +158,15 @@ def _save_dtype(fmt: str, save_dtype: Optional[str]) -> Optional[str]:
 
     if save_dtype is not None and save_dtype not in SAVE_DTYPES:
         raise ExtractError(f"--save-dtype: {save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}")
+    if fmt == "deepspec":
+        if save_dtype == "fp8-per-layer":
+            raise ExtractError("--save-dtype fp8-per-layer: --format deepspec stores FP8 unscaled (hidden_dtype "
+                               "float8_e4m3fn or float8_e5m2: --save-dtype fp8 or fp8-e5m2), no per-layer scale")
+        # DeepSpec's CacheDataset reads bf16 (hidden_dtype "bfloat16"), whatever the server's dtype
+        return save_dtype or "bf16"
+    if save_dtype == "fp8-e5m2":
+        raise ExtractError(f"--save-dtype fp8-e5m2 needs --format deepspec (an unscaled e5m2 cast); --format {fmt} "
+                           "takes bf16" + (", fp8 or fp8-per-layer" if fmt == "safetensors" else ""))
     if save_dtype in ("fp8", "fp8-per-layer") and fmt != "safetensors":
         raise ExtractError(f"--save-dtype {save_dtype} needs --format safetensors: SpecForge 0.2.0 reads "
                            f"--format {fmt} files with no FP8 scales (it would train on the unscaled values)")

@@ -26,7 +26,8 @@ def record_run(output, manifest: dict, facts, stats: Stats, sink: Sink, status: 
 
 
 def finalize_only(output, sink: Sink) -> int:
-    """--finalize: (re)write speculators' dataset for the sample files in --output; returns the exit status."""
+    """--finalize: (re)write speculators' dataset (DeepSpec's target cache) for the sample files in --output;
+    returns the exit status."""
     try:
         prepare_output(output.dir, output.gid)
     except ExtractError as e:
@@ -38,5 +39,6 @@ def finalize_only(output, sink: Sink) -> int:
     except (SinkError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
-    print(f"[extract] speculators dataset of {rows} rows (of {n} sample files) in {sink.out_dir}", file=sys.stderr)
+    what = "DeepSpec target cache" if sink.name == "deepspec" else "speculators dataset"
+    print(f"[extract] {what} of {rows} rows (of {n} sample files) in {sink.out_dir}", file=sys.stderr)
     return 0

@@ -36,18 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "as another user); default: 0700/0600, this user only")
     p.add_argument("--format", choices=list(SINKS), default="specforge",
                    help="specforge: rows_*/data_{i}.ckpt; safetensors: speculators' dataset (hs_{i}.safetensors per "
-                        "sample, the datasets table and hidden_states/ written when the run completes); both need "
-                        "the final state")
+                        "sample, the datasets table and hidden_states/ written when the run completes); deepspec: "
+                        "DeepSpec's target cache v2 (sample_{i}.bin per sample, target_cache/ written when the run "
+                        "completes); all need the final state")
     p.add_argument("--save-dtype", default=None, metavar="DTYPE",
-                   help="bf16, fp8 or fp8-per-layer (default: bf16 for --format specforge, whose TargetHead "
-                        "reads bf16 only, whatever the server's dtype; else the dtype the server captured in, bf16 "
+                   help="bf16, fp8, fp8-per-layer or fp8-e5m2 (default: bf16 for --format specforge, whose "
+                        "TargetHead reads bf16 only, and deepspec, whatever the server's dtype; else the dtype the "
+                        "server captured in, bf16 "
                         "for these models). fp8: --format safetensors only, speculators' FP8 scheme (e4m3, one float32 "
                         "scale per token over all layers; train with --hidden-states-backend fp8), about half "
                         "the disk of bf16; fp8-per-layer: a scale per token and layer (read by hs-connectors "
-                        "0.9.0's FP8Transfer through broadcasting, not its documented scheme)")
+                        "0.9.0's FP8Transfer through broadcasting, not its documented scheme). --format deepspec: "
+                        "fp8 (float8_e4m3fn) or fp8-e5m2 (float8_e5m2), an unscaled cast (DeepSpec's FP8 cache "
+                        "proposal; its released reader takes bf16 only); a sample beyond the dtype's range is skipped")
     p.add_argument("--finalize", action="store_true",
                    help="--format safetensors: only (re)write speculators' dataset for the hs_*.safetensors files in "
-                        "--output, e.g. after copying the outputs of several --shard runs into one folder")
+                        "--output (--format deepspec: target_cache/ for the sample_*.bin files), e.g. after copying "
+                        "the outputs of several --shard runs into one folder")
     p.add_argument("--from-dump", default=None, metavar="DIR",
                    help="no --data: turn the records a running server captures from its live traffic (its "
                         "--hs-dump-dir, --hs-capture opt-in / --hs-capture-sample) into training files, loss mask "

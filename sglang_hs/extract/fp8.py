@@ -30,11 +30,29 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 REL_STEP = 2.0 ** -4  # half an e4m3 ulp, relative, in the normal range
 ABS_STEP = 2.0 ** -10  # half the subnormal spacing (2^-9), in units of the scale
-SAVE_DTYPES = ("bf16", "fp8", "fp8-per-layer")
+SAVE_DTYPES = ("bf16", "fp8", "fp8-per-layer", "fp8-e5m2")  # fp8-e5m2: --format deepspec only (an unscaled cast)
 
 
-class NonFiniteRows(ValueError):
+class UnstorableRows(ValueError):
+    """Hidden states the --save-dtype cannot store: the sample is skipped and counted under `reason`."""
+    reason = "unstorable_rows"
+
+
+class NonFiniteRows(UnstorableRows):
     """Hidden states holding inf or NaN: no FP8 scale stores them (e4m3fn has no infinity)."""
+    reason = "non_finite_rows"
+
+
+class FP8OutOfRange(UnstorableRows):
+    """Hidden states beyond an unscaled FP8 dtype's largest finite value (--format deepspec's plain cast)."""
+    reason = "fp8_out_of_range"
+
+
+def skip_detail(err: UnstorableRows, save_dtype) -> str:
+    """Why a sample was skipped, as the run reports it."""
+    if isinstance(err, NonFiniteRows):
+        return f"its hidden states hold inf or NaN, which --save-dtype {save_dtype} cannot store"
+    return str(err)
 
 
 def _ceil_to_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ numbered as another ring's, so no file is written over (HiddenStateReader(reatta
 Skipped and counted: marker records (requests served without capture) and records with no generated row
 (prompt_len >= T: a request that generated at most one token; its loss mask would be all zero, and a
 file that trains nothing only costs disk). A record whose rows hold inf or NaN under an FP8 --save-dtype
-(no FP8 scale stores them) is skipped, counted (non_finite_rows), reported with its rid and acknowledged,
+(no FP8 scale stores them), or, with --format deepspec's unscaled FP8, a value beyond the dtype's range
+(fp8_out_of_range), is skipped, counted, reported with its rid and acknowledged,
 so the queue moves on: acknowledged never, it would stop every restart at the same record. Not kept in
 bf16 instead: a NaN row makes NaN loss and gradients in training (neither trainer masks it out), and a
 bf16 file among FP8 ones is refused by the finalize step (files of one dtype) and by FP8 training. Runs until SIGINT or SIGTERM (the file in hand is finished),
@@ -67,7 +68,7 @@ class Harvester:
 
     def handle(self, rec) -> None:
         """One record: its file (unless there already), its journal line, then the acknowledgement."""
-        from sglang_hs.extract.fp8 import NonFiniteRows
+        from sglang_hs.extract.fp8 import UnstorableRows, skip_detail
 
         T = rec.num_tokens
         if rec.prompt_len >= T:
@@ -84,9 +85,8 @@ class Harvester:
             else:
                 try:
                     self.stats.bytes += self.sink.write(self.sink.sample_of(index, rec, loss_mask(rec)))
-                except NonFiniteRows:  # never stored: skipped, counted and acknowledged (module docstring)
-                    self._skip(rec, ring_id, "non_finite_rows", f"its hidden states hold inf or NaN, which "
-                               f"--save-dtype {self.sink.save_dtype} cannot store")
+                except UnstorableRows as e:  # never stored: skipped, counted and acknowledged (module docstring)
+                    self._skip(rec, ring_id, e.reason, skip_detail(e, self.sink.save_dtype))
                     return
                 self.stats.done += 1
                 self.stats.tokens += T

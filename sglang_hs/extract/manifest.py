@@ -61,9 +61,13 @@ def draft_config(manifest: dict) -> dict:
 
 
 
-def _stored_dtype(save_dtype: Optional[str], server_dtype: str) -> str:
+def _stored_dtype(save_dtype: Optional[str], server_dtype: str, fmt: str = "") -> str:
     if save_dtype is None:
         return server_dtype
+    if fmt == "deepspec":
+        from sglang_hs.extract.sinks.deepspec import HIDDEN_DTYPES
+
+        return HIDDEN_DTYPES[save_dtype] + (" (unscaled)" if save_dtype != "bf16" else "")
     return {"bf16": "bfloat16", "fp8": "float8_e4m3fn (a float32 scale per token)",
             "fp8-per-layer": "float8_e4m3fn (a float32 scale per token and layer)"}[save_dtype]
 
@@ -89,7 +93,7 @@ def write_manifest(out_dir: str, server_manifest: dict, facts, stats: Stats, sin
         **{k: m[k] for k in ("hc_mult", "hc_streams", "rows_per_layer", "hc_convention", "dspark_layer_ids") if k in m},
         "data": (os.path.abspath(facts.data) if os.path.exists(facts.data) else facts.data) if facts.data else None,
         "from_dump": os.path.abspath(facts.from_dump) if facts.from_dump else None,
-        "save_dtype": facts.save_dtype, "stored_dtype": _stored_dtype(facts.save_dtype, m["dtype"]),
+        "save_dtype": facts.save_dtype, "stored_dtype": _stored_dtype(facts.save_dtype, m["dtype"], sink.name),
         "shard": facts.shard or "0/1", "regenerate": facts.regenerate, "command": [PROG.split()[-1], *sys.argv[1:]],
         "samples_on_disk": sink.existing(), **stats.summary(),
     }
@@ -101,6 +105,12 @@ def write_manifest(out_dir: str, server_manifest: dict, facts, stats: Stats, sin
         doc["speculators_dataset_rows"] = (dataset or {}).get("rows")  # None: not written by this run
         # speculators' train --hidden-states-backend: the file backend reads FP8 files without their scales
         doc["speculators_hidden_states_backend"] = "fp8" if (facts.save_dtype or "").startswith("fp8") else "file"
+    if sink.name == "deepspec":
+        from sglang_hs.extract.sinks.deepspec import CACHE_DIR, LAYER_CONVENTION, deepspec_layer_ids
+
+        doc["deepspec_target_cache"] = {"path": os.path.join(out_dir, CACHE_DIR), "rows": (dataset or {}).get("rows"),
+                                        "target_layer_ids": deepspec_layer_ids(m["layer_ids"]),
+                                        "layer_id_convention": LAYER_CONVENTION}
     from sglang_hs.fsutil import write_private_file
 
     write_private_file(out_dir, MANIFEST, json.dumps(doc, indent=1).encode(), getattr(sink, "share_gid", None))

@@ -12,6 +12,7 @@ from sglang_hs.extract.checkpoint_names import (SPECULATORS_VERIFIER, checkpoint
                                                  write_speculators_verifier)
 
 SPECFORGE_CONFIG = "specforge_train.json"
+DEEPSPEC_CONFIG = "config/dspark/YOUR_DRAFT.py"  # DeepSpec's config of the draft: the user's choice
 DRAFT_VOCAB_SIZE = 32000  # the EAGLE-3 drafts' usual draft vocabulary (speculators' converter default)
 
 
@@ -33,6 +34,14 @@ def training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: Optiona
     """The trainer's command line for the files of this run (argv; SpecForge's reads SPECFORGE_CONFIG)."""
     if fmt == "specforge":
         return ["specforge", "train", "--config", os.path.join(out_dir, SPECFORGE_CONFIG)]
+    if fmt == "deepspec":  # in a DeepSpec checkout, with its config of the drafter to train (DSpark or EAGLE-3)
+        from sglang_hs.extract.sinks.deepspec import CACHE_DIR, deepspec_layer_ids
+
+        ids = ",".join(map(str, deepspec_layer_ids(manifest["layer_ids"])))
+        return ["python", "train.py", "--config", DEEPSPEC_CONFIG, "--opts",
+                f"data.target_cache_path={os.path.join(out_dir, CACHE_DIR)}", "--opts",
+                f"model.target_model_name_or_path={manifest['model_path']}", "--opts",
+                f"model.target_layer_ids=[{ids}]"]
     verifier = manifest["model_path"]
     if speculators_renames(verifier):  # written beside the files by print_training_command
         verifier = os.path.join(out_dir, SPECULATORS_VERIFIER)
@@ -56,7 +65,7 @@ def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: O
     if fmt == "specforge":
         with open(os.path.join(out_dir, SPECFORGE_CONFIG), "w") as f:
             json.dump(specforge_config(out_dir, manifest), f, indent=1)
-    else:
+    elif fmt == "safetensors":
         shim = os.path.join(out_dir, SPECULATORS_VERIFIER)
         try:
             if write_speculators_verifier(out_dir, manifest["model_path"], gid):
@@ -67,7 +76,8 @@ def print_training_command(out_dir: str, manifest: dict, fmt: str, save_dtype: O
             print(f"[extract] warning: cannot write {shim} ({e}), which the command below names as speculators' "
                   "verifier: free space and rerun the extraction with --resume", file=sys.stderr, flush=True)
     cmd = " ".join(shlex.quote(a) for a in training_command(out_dir, manifest, fmt, save_dtype))
-    trainer = "SpecForge 0.2.0" if fmt == "specforge" else "speculators 0.9.0"
+    trainer = {"specforge": "SpecForge 0.2.0", "deepspec": f"DeepSpec (in its checkout; {DEEPSPEC_CONFIG}: your "
+               "draft's config)"}.get(fmt, "speculators 0.9.0")
     print(f"[extract] train with {trainer}:\n  {cmd}", file=sys.stderr, flush=True)
 
 

@@ -78,7 +78,7 @@ class SampleWriter:
     def _collect_writes(self, bar) -> int:
         """Count the files written so far; a write that failed (disk full) raises OSError naming the
         file. Returns how many completed."""
-        from sglang_hs.extract.fp8 import NonFiniteRows
+        from sglang_hs.extract.fp8 import UnstorableRows, skip_detail
 
         failed, collected = None, 0
         for w in [w for w in self.writes if w[2].done()]:
@@ -94,9 +94,9 @@ class SampleWriter:
                 self.stats.done += 1
                 self.stats.tokens += T
                 bar.update(1)
-            elif isinstance(err, NonFiniteRows):  # no FP8 scale stores them: skipped, as the harvester does
-                line = self.stats.skip("non_finite_rows", f"its hidden states hold inf or NaN, which --save-dtype "
-                                       f"{self.sink.save_dtype} cannot store", f"sample {index}", sample=index)
+            elif isinstance(err, UnstorableRows):  # e.g. no FP8 scale stores them: skipped, as the harvester does
+                line = self.stats.skip(err.reason, skip_detail(err, self.sink.save_dtype), f"sample {index}",
+                                       sample=index)
                 if line:
                     bar.write(line, file=sys.stderr)
                 bar.update(1)

@@ -224,6 +224,30 @@ def test_fp8_files_hold_the_stores_rows_within_e4m3s_bound(capture_server, dump_
             assert (diff <= fp8.error_bound(want, scale)).all(), (i, (diff / fp8.error_bound(want, scale)).max())
 
 
+def test_deepspec_cache_holds_the_stores_rows(capture_server, dump_dir, tmp_path):
+    """--format deepspec against the session's capture server: DeepSpec's target cache, read by the reader written
+    from its layout, holds every sample's tokens, mask and rows exactly (bf16), the aux layers under DeepSpec's
+    ids (ours - 1) and the post-norm final state."""
+    from deepspec_reader import read_cache
+
+    data = write_jsonl(tmp_path / "data.jsonl", conversations(3, seed=7))
+    out = tmp_path / "out"
+    proc = extract(["--data", data, "--output", str(out), "--format", "deepspec", "--verify", "1.0",
+                    *_server_args(capture_server, dump_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.load(open(out / "manifest.json"))
+    assert m["verified"] == 3 and m["deepspec_target_cache"]["rows"] == 3 and m["stored_dtype"] == "bfloat16"
+    rows, cache = read_cache(out / "target_cache")
+    assert cache["target_layer_ids"] == [1, 3, 4] and cache["sglang_hs"]["layer_ids"] == [2, 4, 5] == m["layer_ids"]
+    assert cache["target_model_name_or_path"] == m["model_path"] and cache["hidden_dtype"] == "bfloat16"
+    with HiddenStateReader(str(dump_dir)) as reader:  # one per dump dir: closed before the next test's
+        for i, (_, r) in enumerate(rows):
+            ids = r["input_ids"].tolist()
+            assert r["attention_mask"].all() and r["loss_mask"].any()
+            assert_rows_are_the_stores(capture_server, reader, f"again-deepspec-{i}", ids,
+                                       r["target_hidden_states"].view(len(ids), 3, -1), r["target_last_hidden_states"])
+
+
 def test_killed_run_resumes_to_the_same_output(capture_server, dump_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", conversations(40, seed=2))
     full, resumed = tmp_path / "full", tmp_path / "resumed"

@@ -49,14 +49,27 @@ def test_a_harvest_and_a_finalize_have_their_modes():
     assert config.output.save_dtype == "fp8" and config.facts.from_dump == "/dump" and config.facts.data is None
     config, _ = parse_args(["--finalize", "--format", "safetensors", "--output", "out"])
     assert config.mode == "finalize" and config.harvest is None and config.output.save_dtype is None
+    config, _ = parse_args(["--finalize", "--format", "deepspec", "--output", "out"])
+    assert config.mode == "finalize" and config.output.save_dtype == "bf16"  # DeepSpec's reader: bf16
+
+
+@pytest.mark.parametrize("given, stored", [(None, "bf16"), ("bf16", "bf16"), ("fp8", "fp8"), ("fp8-e5m2", "fp8-e5m2")])
+def test_deepspec_takes_bf16_and_both_fp8_dtypes(given, stored):
+    argv = ["--data", "d", "--output", "out", "--format", "deepspec"] + (["--save-dtype", given] if given else [])
+    assert parse_args(argv)[0].output.save_dtype == stored
 
 
 @pytest.mark.parametrize("argv, message", [
     ([], "--data is required"),
     (["--finalize"], "--finalize is for --format safetensors"),
     (["--data", "d", "--idle-timeout", "3"], "--idle-timeout is for --from-dump"),
-    (["--data", "d", "--save-dtype", "fp16"], "--save-dtype: 'fp16' is not one of bf16, fp8, fp8-per-layer"),
+    (["--data", "d", "--save-dtype", "fp16"], "--save-dtype: 'fp16' is not one of bf16, fp8, fp8-per-layer, fp8-e5m2"),
     (["--data", "d", "--save-dtype", "fp8"], "--save-dtype fp8 needs --format safetensors"),
+    (["--data", "d", "--format", "safetensors", "--save-dtype", "fp8-e5m2"],
+     "--save-dtype fp8-e5m2 needs --format deepspec (an unscaled e5m2 cast); --format safetensors takes bf16, fp8"),
+    (["--data", "d", "--save-dtype", "fp8-e5m2"], "--save-dtype fp8-e5m2 needs --format deepspec"),
+    (["--data", "d", "--format", "deepspec", "--save-dtype", "fp8-per-layer"],
+     "--save-dtype fp8-per-layer: --format deepspec stores FP8 unscaled"),
     (["--data", "d", "--server", "http://x", "--hs-dump-dir", "/d", "--tp", "2"],
      "--tp: launcher flags need no --server"),
     (["--from-dump", "/d", "--shard", "1/2"], "--shard does not go with --from-dump"),
@@ -70,7 +83,7 @@ def test_a_command_line_that_cannot_run_is_one_line_naming_the_flag(argv, messag
 
 def test_the_format_choices_are_the_sinks_registry():
     fmt = next(a for a in build_parser()._actions if "--format" in a.option_strings)
-    assert fmt.choices == list(SINKS) == ["specforge", "safetensors"]
+    assert fmt.choices == list(SINKS) == ["specforge", "safetensors", "deepspec"]
 
 
 def test_the_node_split_is_what_the_manifest_records_as_the_shard():

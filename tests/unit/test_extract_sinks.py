@@ -28,6 +28,8 @@ def test_a_sample_or_its_fields_make_the_same_file(tmp_path, fmt):
 def _load(sink, index):
     if sink.name == "specforge":
         return torch.load(sink.path(index))["aux_hidden_state"]
+    if sink.name == "deepspec":  # the whole file: header and the sample's bytes
+        return torch.frombuffer(bytearray(open(sink.path(index), "rb").read()), dtype=torch.uint8)
     from safetensors.torch import load_file
 
     return load_file(sink.path(index))["hidden_states"]
@@ -49,18 +51,21 @@ def test_resume_state_is_the_complete_files_only(tmp_path, fmt):
 
 def test_finalize_adds_what_the_trainer_reads(tmp_path):
     sf, st = SINKS["specforge"](str(tmp_path / "sf")), SINKS["safetensors"](str(tmp_path / "st"))
-    for sink in (sf, st):
-        sink.describe_capture({"layer_ids": [1, 2], "rows_per_layer": 1})
+    ds = SINKS["deepspec"](str(tmp_path / "ds"))
+    for sink in (sf, st, ds):
+        sink.describe_capture({"layer_ids": [1, 2], "rows_per_layer": 1, "model_path": "/m"})
         for i in range(2):
             sink.write(_sample(i))
     assert sf.finalize() is None  # SpecForge reads rows_*/ as they are
     assert st.finalize() == {"rows": 2} and os.path.exists(tmp_path / "st" / "state.json")
+    assert ds.finalize() == {"rows": 2} and os.path.exists(tmp_path / "ds" / "target_cache" / "samples.idx")
 
 
 def test_a_record_becomes_the_sample_of_the_final_state_its_trainer_reads():
     rec = SimpleNamespace(input_ids="ids", aux_hidden_states="aux", last_hidden_state="post", last_pre_norm="pre")
     assert SINKS["specforge"]("/x").sample_of(1, rec, "mask") == TrainingSample(1, "ids", "mask", "aux", "post")
     assert SINKS["safetensors"]("/x").sample_of(1, rec, "mask") == TrainingSample(1, "ids", "mask", "aux", "pre")
+    assert SINKS["deepspec"]("/x").sample_of(1, rec, "mask") == TrainingSample(1, "ids", "mask", "aux", "post")
 
 
 def test_the_capture_sets_the_rows_a_file_must_hold(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_hs.extract import cli, harvest, output
-from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
+from sglang_hs.extract.sinks import DeepSpecSink, SafetensorsSink, SpecForgeSink
 
 MANIFEST = {"model_path": "m", "architecture": "DeepseekV3ForCausalLM", "dtype": "bfloat16", "hidden_size": 8,
             "num_hidden_layers": 4, "layer_ids": [1, 2], "last": True, "hf_output_hidden_states_index": [1, 2, 4],
@@ -29,21 +29,23 @@ def _modes(top):
 
 
 def _write_everything(out, gid):
-    """What a run leaves in --output: sample files of both formats, speculators' dataset, the journal and
+    """What a run leaves in --output: sample files of every format, DeepSpec's target cache, speculators' dataset, the journal and
     the manifest, made by the CLI's own code."""
     ns = cli.build_parser().parse_args(["--output", out, "--data", "x", "--format", "safetensors"])
     ns.output_gid = gid
     output.prepare_output(out, gid)
     rows = torch.randn(5, 3, 8, dtype=torch.bfloat16)
     output.prepare_output(os.path.join(out, "sf"), gid)
-    for sink in (SafetensorsSink(out), SpecForgeSink(os.path.join(out, "sf"))):
+    output.prepare_output(os.path.join(out, "ds"), gid)
+    ds = DeepSpecSink(os.path.join(out, "ds"))
+    for sink in (SafetensorsSink(out), SpecForgeSink(os.path.join(out, "sf")), ds):
         sink.share_gid = gid
         sink.layer_ids = [1, 2]
         for i in range(2):
             sink.write(i, torch.arange(5), torch.ones(5), rows[:, :2], rows[:, 2])
     st = SafetensorsSink(out)
     st.share_gid = gid
-    assert st.finalize() == {"rows": 2}
+    assert st.finalize() == {"rows": 2} and ds.finalize() == {"rows": 2}  # DeepSpec's target cache
     journal = harvest.Journal(out, gid)
     journal.add_file({"index": 0, "rid": "r"})
     journal.close()
@@ -59,7 +61,8 @@ def test_every_output_file_is_private_or_of_the_group(tmp_path, shared):
     _write_everything(out, gid)
     modes = _modes(out)
     for must in ("hs_0.safetensors", "sf/rows_0-2000/data_1.ckpt", "hidden_states/hs_1.safetensors", "state.json",
-                 "dataset_info.json", "harvest.jsonl", "manifest.json"):
+                 "dataset_info.json", "harvest.jsonl", "manifest.json", "ds/sample_1.bin", "ds/target_cache",
+                 "ds/target_cache/samples.idx", "ds/target_cache/manifest.json", "ds/target_cache/shard-00001.bin"):
         assert must in modes, sorted(modes)
     wrong = {p: (f"{m:04o}", g) for p, (m, g) in modes.items()
              if m != ((0o750 if os.path.isdir(os.path.join(out, p)) else 0o640) if shared

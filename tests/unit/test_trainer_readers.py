@@ -356,3 +356,84 @@ def test_token_freq_is_what_each_trainer_counts(tmp_path):
     assert dict(count_specforge(str(tmp_path / "sf"))) == ours
     d2t, t2d = build_maps(ours, draft_vocab_size=16, target_vocab_size=32000)  # what --draft-vocab-size 16 builds
     assert int(t2d.sum()) == 16 and set((d2t + torch.arange(16)).tolist()) <= set(ours) | set(range(16))
+
+
+# --- speculators end to end: its prepare_data's dataset and its own training data pipeline over our output ---
+
+def _speculators_pipeline(out, K, H, total_seq_len, train_ratio=0.75):
+    """speculators 0.9.0's own training data pipeline (create_train_val_loaders: ArrowDataset, its packing
+    sampler and CollateFn, train and val splits) over folder `out`, as `speculators train --data-path out` builds
+    it (no vLLM: a missing file raises). Returns (samples kept, samples dropped, {token ids: (loss mask,
+    aux rows, last state)} of the kept ones), both splits together."""
+    (create_train_val_loaders,) = _import_or_skip("speculators.train.dataloader", ["create_train_val_loaders"])
+    loaders = create_train_val_loaders(
+        data_path=str(out), total_seq_len=total_seq_len, hidden_states_dtype=torch.bfloat16,
+        vllm_endpoint="http://127.0.0.1:9/v1", on_missing="raise", verifier_name_or_path="unused",
+        request_timeout=1.0, max_retries=0, generation_validation_retries=0, max_consecutive_generation_failures=1,
+        hidden_size=H, num_target_layers=K, num_workers=0, prefetch_factor=None, preprocess=None,
+        train_data_ratio=train_ratio)
+    kept, dropped, docs = 0, 0, {}
+    for loader in loaders:
+        for batch in loader:
+            dropped += int(batch["error_records"])
+            doc = batch["document_ids"][0]
+            for d in range(int(doc.max()) + 1):
+                at = doc == d
+                ids = tuple(batch["input_ids"][0, at].tolist())
+                docs[ids] = (batch["loss_mask"][0, at], batch["hidden_states"][0, at],
+                             batch["verifier_last_hidden_states"][0, at])
+                kept += 1
+    return kept, dropped, docs
+
+
+def test_speculators_pipeline_keeps_every_sample_and_drops_a_planted_mismatch(tmp_path):
+    """The dataset finalize writes is the one speculators' prepare_data builds from the same (input_ids,
+    loss_mask) rows (its build_speculator_training_dataset, pre-tokenized rows), row for row and file_idx for
+    file_idx; speculators' own training data pipeline over the folder keeps every sample (zero dropped), each
+    with its rows. A row whose input_ids are off by one (the dataset no longer the files') is dropped by
+    speculators' token check, and the count here says so."""
+    (build_dataset,) = _import_or_skip("speculators.data_generation.preprocessing",
+                                       ["build_speculator_training_dataset"])
+    import datasets
+
+    K, H = 3, 24
+    sink = SafetensorsSink(str(tmp_path / "out"))
+    sink.layer_ids = [2, 4, 5]
+    indices = [0, 2, 3, 7, 12, 13, 20, 31]  # gaps, as skipped or failed samples leave
+    written = _write(sink, indices)
+    assert sink.finalize() == {"rows": len(indices)}
+    ours = datasets.load_from_disk(str(tmp_path / "out")).with_format(None)
+    # (datasets types a column named input_ids int32, as in prepare_data's dataset of rendered conversations)
+    rows = {"input_ids": [written[i][0].tolist() for i in indices],
+            "loss_mask": [written[i][1].tolist() for i in indices]}
+    theirs = build_dataset(datasets.Dataset.from_dict(rows), processor=None, max_length=4096, num_proc=1)
+    theirs = theirs.with_format(None)
+    assert len(theirs) == len(ours) == len(indices)  # prepare_data dropped none (each row has a masked token)
+    for col in ("input_ids", "loss_mask", "seq_len"):
+        assert ours[col] == theirs[col], col
+        assert ours.features[col] == theirs.features[col], (col, ours.features[col], theirs.features[col])
+    total = sum(len(written[i][0]) for i in indices) + 1
+    kept, dropped, docs = _speculators_pipeline(tmp_path / "out", K, H, total)
+    print("speculators pipeline: kept", kept, "dropped", dropped)
+    assert (kept, dropped) == (len(indices), 0)
+    for i in indices:
+        ids, mask, aux, last = written[i]
+        got_mask, got_aux, got_last = docs[tuple(ids.tolist())]
+        assert torch.equal(got_mask, mask) and torch.equal(got_aux, aux.reshape(len(ids), K * H))
+        assert torch.equal(got_last, last)
+    # planted: row 5's input_ids off by one in the dataset (its file unchanged)
+    planted = tmp_path / "planted"
+    shutil.copytree(tmp_path / "out", planted)
+    bad = ours.map(lambda r, n: {"input_ids": [t + 1 for t in r["input_ids"]] if n == 5 else r["input_ids"]},
+                   with_indices=True)
+    for p in planted.glob("data-*.arrow"):
+        p.unlink()
+    (planted / "state.json").unlink()
+    bad.set_format(type="torch")
+    bad.save_to_disk(str(planted / ".ds"))
+    for p in (planted / ".ds").iterdir():
+        os.replace(p, planted / p.name)
+    with pytest.warns(UserWarning, match="don'tmatch input ids"):
+        kept, dropped, docs = _speculators_pipeline(planted, K, H, total)
+    print("planted: kept", kept, "dropped", dropped)
+    assert (kept, dropped) == (len(indices) - 1, 1) and tuple(written[indices[5]][0].tolist()) not in docs

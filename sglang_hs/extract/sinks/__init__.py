@@ -5,6 +5,8 @@ so a crash never leaves a file that looks done and `--resume` can trust what exi
   specforge     SpecForge's offline layout (sinks/specforge.py)
   safetensors   speculators' layout: hs_{i}.safetensors per sample, and the Arrow dataset over them when the
                 run completes (sinks/speculators.py)
+  deepspec      DeepSpec's target cache v2: sample_{i}.bin per sample, and target_cache/ (manifest.json,
+                samples.idx, shard-*.bin) over them when the run completes (sinks/deepspec.py)
 
 A new format is a file here with a Sink subclass, and its line in SINKS (the --format choices, in this order).
 """
@@ -12,8 +14,10 @@ from sglang_hs.extract.sinks.base import (TMP_SUFFIX, ResumeState, Sink, SinkErr
                                           TrainingSample, record_rows)
 from sglang_hs.extract.sinks.specforge import GROUP, SpecForgeSink, specforge_sample  # noqa: F401
 from sglang_hs.extract.sinks.speculators import SafetensorsSink, TOKEN_FREQ, token_frequencies  # noqa: F401
+from sglang_hs.extract.sinks.deepspec import DeepSpecSink, deepspec_sample  # noqa: F401
 
 SINKS = {s.name: s for s in (
     SpecForgeSink,
     SafetensorsSink,
+    DeepSpecSink,
 )}

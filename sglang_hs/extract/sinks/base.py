@@ -149,6 +149,38 @@ class Sink:
         raise NotImplementedError
 
 
+def numbered_files(out_dir: str, prefix: str, suffix: str) -> List[Tuple[int, str]]:
+    """(sample index, path) of every `prefix`{index}`suffix` file in `out_dir`, in sample order (a temporary
+    file of an interrupted write is none)."""
+    import re
+
+    out = []
+    for p in glob.glob(os.path.join(out_dir, f"{prefix}*{suffix}")):
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)" + re.escape(suffix), os.path.basename(p))
+        if m:
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def link_sample_file(path: str, dst: str) -> None:
+    """`dst` made the sample file `path` (which lies in dst's parent's parent folder): a hard link, no extra disk,
+    or where the filesystem has none, a relative symlink (it survives moving the output folder)."""
+    try:
+        os.link(path, dst)
+    except OSError:
+        os.symlink(os.path.join(os.pardir, os.path.basename(path)), dst)
+
+
+def cut_short(unreadable: List[Tuple[str, str]], made: str) -> SinkError:
+    """The one-line error of finalize over sample files that are not whole ((path, why) each): nothing is
+    removed, and `made` (what finalize makes) is not written."""
+    (p, why), others = unreadable[0], [os.path.basename(q) for q, _ in unreadable[1:]]
+    nor = f", nor are {len(others)} more ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+    return SinkError(f"{p} is not a whole sample file ({why})" + (nor if others else "")
+                     + ": cut short (a copy that did not finish, a full disk?); copy it again, or delete it and rerun "
+                     f"the extraction with --resume to remake it; no {made} written")
+
+
 def record_rows(aux: "torch.Tensor", last: Optional["torch.Tensor"]) -> Optional["torch.Tensor"]:
     """The record's rows [T, K+1, H] when `aux` [T, K, H] and `last` [T, H] are its two views rows[:, :K] and
     rows[:, K] (what HiddenStateReader hands out) and their storage is exactly those rows; else None."""

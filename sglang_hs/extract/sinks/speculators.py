@@ -8,7 +8,7 @@ finalize refuses).
 
 When the run completes, finalize() makes the folder what `speculators.train.data.ArrowDataset(max_len, DIR)`
 reads: a `datasets` dataset saved with save_to_disk in DIR (columns input_ids, loss_mask, seq_len as
-speculators' prepare_data writes them, plus sample_index; torch format), one row per sample file in sample
+speculators' prepare_data writes them, types included, plus sample_index; torch format), one row per sample file in sample
 order, and DIR/hidden_states/hs_{row}.safetensors (read by hs_connectors.FileTransfer) a hard link (a relative
 symlink where the filesystem has no hard links) to that row's hs_{i}.safetensors. Sample files carry global
 sample indices, so --shard outputs merge by copying their hs_*.safetensors into one folder and running
@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import shutil
 from typing import List, Optional, Tuple
 
-from sglang_hs.extract.sinks.base import Sink, SinkError, record_rows
+from sglang_hs.extract.sinks.base import Sink, SinkError, cut_short, link_sample_file, numbered_files, record_rows
 
 
 class SafetensorsSink(Sink):
@@ -80,12 +79,7 @@ class SafetensorsSink(Sink):
 
     def samples(self) -> List[Tuple[int, str]]:
         """(sample index, path) of every complete sample file, in sample order."""
-        out = []
-        for p in glob.glob(os.path.join(self.out_dir, "hs_*.safetensors")):
-            m = re.fullmatch(r"hs_(\d+)\.safetensors", os.path.basename(p))
-            if m:
-                out.append((int(m.group(1)), p))
-        return sorted(out)
+        return numbered_files(self.out_dir, "hs_", ".safetensors")
 
     def finalize(self) -> Optional[dict]:
         """Write speculators' dataset for the sample files in the folder (all of them: a resumed run's and
@@ -128,12 +122,10 @@ class SafetensorsSink(Sink):
                                 "layer ids, FP8 scale, rows per layer id): files of different captures cannot form one dataset")
 
         if unreadable:  # a copy cut short (a --shard output copied in): nothing is removed, the old dataset stays
-            (p, why), others = unreadable[0], [os.path.basename(q) for q, _ in unreadable[1:]]
-            nor = f", nor are {len(others)} more ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
-            raise SinkError(f"{p} is not a whole sample file ({why})" + (nor if others else "")
-                            + ": cut short (a copy that did not finish, a full disk?); copy it again, or delete it "
-                            "and rerun the extraction with --resume to remake it; no speculators dataset written")
-        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+            raise cut_short(unreadable, "speculators dataset")
+        # the types prepare_data's dataset has: `datasets` stores a column named input_ids as int32 (its optimized
+        # integer precision for tokenizer columns), the others as int64
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64"), "sample_index": datasets.Value("int64")})
         work = os.path.join(self.out_dir, f".dataset.{os.getpid()}")
@@ -155,11 +147,7 @@ class SafetensorsSink(Sink):
             del ds
             set_private_modes(os.path.join(work, "ds"), self.share_gid)  # datasets writes 0644
             for row, (index, p) in enumerate(files):
-                dst = os.path.join(new_hs, f"hs_{row}.safetensors")
-                try:
-                    os.link(p, dst)
-                except OSError:  # no hard links here: a relative link survives moving the folder
-                    os.symlink(os.path.join(os.pardir, os.path.basename(p)), dst)
+                link_sample_file(p, os.path.join(new_hs, f"hs_{row}.safetensors"))
             # Swap in: the old dataset stops being one first (no state.json), so a crash midway leaves a
             # folder the trainer refuses, never rows paired with the wrong files; the next finalize fixes it.
             state = os.path.join(self.out_dir, "state.json")
