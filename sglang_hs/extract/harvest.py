@@ -90,8 +90,10 @@ class Harvester:
                     return
                 self.stats.done += 1
                 self.stats.tokens += T
+            # a speculative server's per-step acceptance (the record's meta): a trainer weights or filters by it
             self.journal.add_file({"index": index, "rid": rec.rid, "ring": ring_id, "seq": rec.seq, "tokens": T,
-                                   "prompt_len": rec.prompt_len, "next_token": rec.next_token})
+                                   "prompt_len": rec.prompt_len, "next_token": rec.next_token,
+                                   **({"speculative": rec.meta["speculative"]} if "speculative" in rec.meta else {})})
         self.reader.ack(rec)
 
     def _skip(self, rec, ring_id: str, reason: str, detail: str) -> None:

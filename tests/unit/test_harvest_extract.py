@@ -36,8 +36,17 @@ def _dump(path, last="both"):
 REQUESTS = [("a", 5, 3), ("b", 4, 1), ("c", 3, 6), ("d", 6, 2), ("e", 2, 4)]
 
 
+def _speculative(i):
+    """The metadata a speculative server's finish hook gives request i's record (capture_hooks.record_meta)."""
+    steps = [i % 3, 2, 0][: 1 + i % 3]
+    return {"speculative": {"verify_steps": len(steps), "accepted_drafts": steps}}
+
+
 def _publish(w, requests=REQUESTS, first_slot=0):
-    """Each request's record from its own KV slots; a marker between each. Returns rid -> (ids, slots, p, next)."""
+    """Each request's record from its own KV slots, odd ones with speculative metadata; a marker between each.
+    Returns rid -> (ids, slots, p, next)."""
+    from sglang_hs.server.store.ring import encode_meta
+
     out, slot = {}, first_slot
     for i, (rid, p, g) in enumerate(requests):
         tokens = [100 * i + t for t in range(p + g)]
@@ -45,7 +54,7 @@ def _publish(w, requests=REQUESTS, first_slot=0):
         slots = torch.arange(slot, slot + T) % SLOTS
         slot += T
         w.publish_gathered(rid, torch.tensor(tokens[:T], dtype=torch.int32), slots, prompt_len=p,
-                           next_token=tokens[T])
+                           next_token=tokens[T], meta=encode_meta(_speculative(i)) if i % 2 else b"")
         w.publish_marker(f"unsampled-{i}", "not_sampled")
         out[rid] = tokens[:T], slots, p, tokens[T]
     return out
@@ -78,6 +87,8 @@ def _check_files(w, out, sent, fmt="specforge"):
         ids, slots, p, nxt = sent[rid]
         e = files[rid]
         assert (e["prompt_len"], e["next_token"], e["tokens"]) == (p, nxt, len(ids))
+        i = next((k for k, r in enumerate(REQUESTS) if r[0] == rid), None)  # the speculative meta, where it was
+        assert e.get("speculative") == (_speculative(i)["speculative"] if i is not None and i % 2 else None), e
         rows, K = w.store[slots], w.spec.num_aux  # [layers, post-norm, pre-norm] per token (_dump: --hs-last both)
         if fmt == "specforge":  # the post-norm state, in bf16 (SpecForge's TargetHead reads bf16 only)
             d = torch.load(sink.path(e["index"]))
