@@ -159,6 +159,9 @@ def test_routed_experts_take_the_limit(mods, cpu_engine_imports):
     plain = patched(layer, x, topk, MoeRunnerConfig(activation="silu"))
     torch.testing.assert_close(plain, original(layer, x, topk, MoeRunnerConfig(activation="silu")))
     assert (plain - got).abs().max() > 1e-3 and fused_moe_native.SiluAndMul is not None
+    for other in ({"activation": "gelu"}, {"activation": "silu", "gemm1_alpha": 1.702}):  # never silently unclamped
+        with pytest.raises(NotImplementedError, match=r"swiglu_limit 0.2 with activation .*would drop the limit"):
+            patched(layer, x, topk, MoeRunnerConfig(swiglu_limit=limit, **other))
 
 
 def test_hca_entries_are_hfs_compressor(mods, hf_cfg):

@@ -270,7 +270,9 @@ dsv4_cpu_moe
             (kernels/ops/activation/silu_and_mul_clamp.py: the build fails on the CPU engine at the first
             forward); the CPU engine's routed experts (fused_moe_native.moe_forward_native) apply a plain SiluAndMul
             and ignore moe_runner_config.swiglu_limit, silently unclamped. Both compute HF's
-            silu(gate.clamp(max=l)) * up.clamp(-l, l) on CPU tensors.
+            silu(gate.clamp(max=l)) * up.clamp(-l, l) on CPU tensors; a limit beside another activation or a
+            gemm1_alpha is refused at the forward (NotImplementedError), never dropped. Not covered: SGLang's AMX
+            path (fused_experts_cpu, CPUs with AMX tiles; none here) passes no swiglu_limit.
   upstream: present in sglang 0.5.23; not reported upstream.
   removal:  when both have CPU paths that honour the limit; tests/unit/test_dsv4_cpu_patches.py (a limit that bites)
             and tests/e2e/test_v4_cpu.py (the server fails its warm-up without the shared-expert half).

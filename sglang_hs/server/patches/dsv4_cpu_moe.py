@@ -7,7 +7,8 @@ See the ledger in sglang_hs/server/patches/__init__.py. Applied in CPU mode only
   silu(gate.clamp(max=limit)) * up.clamp(-limit, limit), as HF DeepseekV4MLP; any other device goes to upstream's.
 - `fused_moe_native.moe_forward_native` (the CPU engine's routed experts): upstream applies plain SiluAndMul and
   ignores `moe_runner_config.swiglu_limit`; with a limit set, each expert's activation is the same clamped SwiGLU
-  (HF DeepseekV4Experts._apply_gate). Without a limit it runs unchanged.
+  (HF DeepseekV4Experts._apply_gate). Without a limit it runs unchanged; a limit beside another activation or a
+  gemm1_alpha is refused (NotImplementedError) rather than dropped.
 """
 from __future__ import annotations
 
@@ -62,8 +63,14 @@ def _with_limit(original):
 
     def moe_forward_native(layer, x, topk_output, moe_runner_config):
         limit = getattr(moe_runner_config, "swiglu_limit", None)
-        if limit is None or moe_runner_config.activation != "silu" or moe_runner_config.gemm1_alpha is not None:
+        if limit is None:
             return original(layer, x, topk_output, moe_runner_config)
+        if moe_runner_config.activation != "silu" or moe_runner_config.gemm1_alpha is not None:
+            # upstream's native MoE would run without the limit: rows unlike HF's, silently. Refused instead.
+            raise NotImplementedError(
+                f"sglang-hs dsv4_cpu_moe: swiglu_limit {limit} with activation {moe_runner_config.activation!r} and "
+                f"gemm1_alpha {moe_runner_config.gemm1_alpha!r}: the clamped SwiGLU is written for silu without "
+                "gemm1_alpha only (HF DeepseekV4); the CPU engine would drop the limit")
         with _lock, _act(fused_moe_native, float(limit)):
             return original(layer, x, topk_output, moe_runner_config)
 
