@@ -12,7 +12,8 @@ per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a 
 and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
 keys) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3] pick ids 2, 3 and 4: id 4 = n, the
 streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean with chunks of 50, v4-csa
-under mean with chunks of 7, both with --hs-layers 1,2,3; all with both final states and the radix cache on. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
+under mean with chunks of 7, both with --hs-layers 1,2,3; all with both final states and the radix cache on. Downstream,
+the extraction CLI writes DeepSpec's target cache from each mean server, judged row by row against HF the same way. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
 special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
@@ -24,6 +25,10 @@ by up to 0.24; the compressor's ape ignored -> rows 127 on (the first closed blo
 indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34. Each fails.
 """
 import concurrent.futures as cf
+import contextlib
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,7 +109,8 @@ def v4(request, tmp_path_factory):
                   "--skip-tokenizer-init", *flag, "--hs-last", "both",
                   "--hs-hc-streams", streams, "--chunked-prefill-size", str(chunk)])
     server = next(gen)
-    reader = HiddenStateReader(str(server.dump))
+    served = _Served(server, HiddenStateReader(str(server.dump)), streams, None)
+    reader = served.reader
     try:
         want = layers or CHECKPOINT_LAYERS
         m = reader.manifest
@@ -116,10 +122,30 @@ def v4(request, tmp_path_factory):
             assert m["dspark_layer_ids"] == [1, 2, 3]  # what SGLang's DSpark drafter is served with: the same ids
         else:
             assert m["layer_source"] == {"from": "--hs-layers"}
-        yield server, reader, streams, _Captured(ref, want)
+        served.hf = _Captured(ref, want)
+        yield served
     finally:
-        reader.close()
+        served.reader.close()
         next(gen, None)
+
+
+class _Served:
+    """A V4 server of one configuration: `server, reader, streams, hf = v4`; reader_released() lends the dump dir's
+    one reader to another process (the extraction CLI) and opens a new one after."""
+
+    def __init__(self, server, reader, streams, hf):
+        self.server, self.reader, self.streams, self.hf = server, reader, streams, hf
+
+    def __iter__(self):
+        return iter((self.server, self.reader, self.streams, self.hf))
+
+    @contextlib.contextmanager
+    def reader_released(self):
+        self.reader.close()
+        try:
+            yield
+        finally:
+            self.reader = HiddenStateReader(str(self.server.dump))
 
 
 def _prompt(n, seed):
@@ -294,3 +320,42 @@ def test_radix_hits_and_concurrent_requests(v4):
     for rid, (ids, out) in outs.items():
         worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1], streams))
     print(f"{tag}: {len(outs)} records, worst {worst:.2e}")
+
+
+def test_deepspec_cache_from_a_v4_server(v4, tmp_path):
+    """V4 downstream: the extraction CLI (--format deepspec, bf16) on the V4 server, token-id records with loss masks;
+    every row of DeepSpec's target cache (read by tests/deepspec_reader.py) judged against HF float32 within bf16's
+    rounding, and its target_layer_ids are the checkpoint's own DSpark ids (v4-swa: [1, 2, 3], the last one
+    hc_head's input) where the capture took them from the checkpoint. One row per layer id (--hs-hc-streams mean)."""
+    from deepspec_reader import read_cache
+
+    server, _, streams, hf = v4
+    if streams != "mean":
+        pytest.skip("DeepSpec's cache holds one row per layer id: the extraction refuses full streams "
+                    "(test_v4_trainers)")
+    data = tmp_path / "data.jsonl"
+    samples = [_prompt(n, 40 + i) for i, n in enumerate((23, 9, 41))]
+    with open(data, "w") as f:
+        for ids in samples:
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4)}) + "\n")
+    out = tmp_path / "out"
+    with v4.reader_released():
+        proc = subprocess.run([sys.executable, "-m", "sglang_hs.extract", "--no-progress", "--data", str(data),
+                               "--output", str(out), "--format", "deepspec", "--server", server.url,
+                               "--hs-dump-dir", str(server.dump)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, cache = read_cache(out / "target_cache")
+    assert cache["target_layer_ids"] == [i - 1 for i in hf.layers] and cache["hidden_dtype"] == "bfloat16"
+    n, H = hf.config.num_hidden_layers, hf.config.hidden_size
+    assert sorted(r["input_ids"].tolist() for _, r in rows) == sorted(samples)
+    for _, r in rows:
+        ids = r["input_ids"].tolist()
+        assert r["loss_mask"].tolist() == [0] * 4 + [1] * (len(ids) - 4)
+        hs = hf(ids)
+        ref = [h.mean(dim=-2) for h in hs[:n]] + [hs.head_input.mean(dim=-2)]  # our id i, id n hc_head's input
+        got = r["target_hidden_states"].view(len(ids), len(hf.layers), H).float()
+        for k, i in enumerate(hf.layers):
+            err = row_judge.rel(got[:, k], ref[i])
+            assert err.max() < row_judge.BF16_TOL, (ids[:3], i, err.max())
+        err = row_judge.rel(r["target_last_hidden_states"].float(), hs[n])  # post-norm, as DeepSpec reads it
+        assert err.max() < row_judge.BF16_TOL, err.max()
