@@ -212,8 +212,10 @@ def _v4_csa(cfg: dict) -> dict:
 
 
 def _v4_hca(cfg: dict) -> dict:
-    """v4-swa with layers 1 and 3 heavily compressed (ratio 128: one compressed key per closed 128-token block)."""
-    return dict(_v4_swa(cfg), compress_ratios=[0, 128, 0, 128])
+    """v4-swa with layers 1 and 3 heavily compressed (ratio 128: one compressed key per closed 128-token block), and
+    its experts in two groups of two (n_group 2, topk_group 2): SGLang's grouped top-k runs; every group is kept, so
+    the choice is HF's (its V4 router has no groups)."""
+    return dict(_v4_swa(cfg), compress_ratios=[0, 128, 0, 128], n_group=2, topk_group=2)
 
 
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,

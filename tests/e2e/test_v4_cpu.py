@@ -5,7 +5,8 @@ against HF transformers' DeepseekV4ForCausalLM float32 (eager attention: the sin
 
 The checkpoints are tiny_model's "v4-swa": 4 layers, hc_mult 4, a window of 8 keys, random attention sinks and
 hyper-connection biases, the first layer hash-routed, sqrtsoftplus routing over one expert group, a SwiGLU limit that
-clamps; and "v4-hca": the same with layers 1 and 3 heavily compressed (a key per closed 128-token block); "v4-csa": layers 1 and 3
+clamps; and "v4-hca": the same with layers 1 and 3 heavily compressed (a key per closed 128-token block) and its
+experts in two groups (SGLang's grouped top-k over 2 groups, both kept: HF's V4 router has none); "v4-csa": layers 1 and 3
 compressed sparse (ratio 4: overlapping 8-token blocks, an indexer of 16 heads keeping 8 blocks per query) and
 layer 2 heavily compressed. One server
 per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
