@@ -229,6 +229,45 @@ def test_csa_entries_are_hfs_compressor_and_the_ape_layout_is_undone(mods, hf_cf
     assert torch.equal(mods.tn._hf_ape(sg), ape) and not torch.equal(permuted, ape)
 
 
+def test_the_indexer_keeps_hfs_blocks(mods, hf_cfg):
+    """CSA's block choice: the indexer's compressed keys (csa_entries on its own sources), its queries roped on
+    SGLang's compress table and indexer_keep give, per query, exactly the blocks HF's DeepseekV4Indexer returns (its
+    -1 sentinels: none), with index_topk 3 below the closed blocks of the later queries (so some are dropped)."""
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    cfg = DeepseekV4Config(**{**hf_cfg.to_dict(), "compress_ratios": [0, 4], "architectures": None,
+                              "index_n_heads": 16, "index_head_dim": 32, "index_topk": 3,
+                              "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256,
+                                               "beta_fast": 32, "beta_slow": 1}})
+    g = torch.Generator().manual_seed(11)
+    idx = m.DeepseekV4Indexer(cfg)
+    with torch.no_grad():
+        for p in idx.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0))
+    T, ratio, heads, d = 4 * 9 + 3, 4, 16, 32
+    x, q_residual = torch.randn(1, T, H, generator=g), torch.randn(1, T, cfg.q_lora_rank, generator=g)
+    with torch.no_grad():
+        hf_top = idx(x, q_residual, torch.arange(T)[None], None, 0)[0]
+        freqs = precompute_freqs_cis(dim=ROPE, seqlen=256, original_seq_len=256, base=cfg.compress_rope_theta,
+                                     factor=1.0, beta_fast=32, beta_slow=1)
+        sources = torch.cat([idx.kv_proj(x[0]), idx.gate_proj(x[0])], dim=-1)
+        norm = types.SimpleNamespace(weight=idx.kv_norm.weight, variance_epsilon=idx.kv_norm.variance_epsilon)
+        keys = mods.tn.csa_entries(sources, ratio, idx.position_bias, norm, freqs)
+        q = mods.tn._rope(idx.q_b_proj(q_residual[0]).view(T, heads, d), freqs, torch.arange(T))
+        w = idx.scorer.weights_proj(x[0]) * heads ** -0.5
+        closed = torch.arange(keys.shape[0]).unsqueeze(0) < (torch.arange(T).unsqueeze(1) + 1) // ratio
+        got = mods.tn.indexer_keep(q, keys, w, d ** -0.5, closed, cfg.index_topk)
+    want = torch.zeros_like(got)
+    for t in range(T):
+        for j in hf_top[t].tolist():
+            if j >= 0:
+                want[t, j] = True
+    assert torch.equal(got, want), (got.int() - want.int()).nonzero()[:5]
+    assert (closed.sum(1) > cfg.index_topk).any() and (got.sum(1) <= cfg.index_topk).all()
+
+
 def test_other_ratios_are_refused_at_their_forward(mods):
     layer = types.SimpleNamespace(compressor=object(), indexer=None, compress_ratio=2, layer_id=3)
     with pytest.raises(NotImplementedError, match="layer 3 has compress ratio 2; only"):

@@ -146,6 +146,18 @@ def csa_entries(sources: torch.Tensor, ratio: int, ape: torch.Tensor, norm, freq
     return _rope(entries, freqs_cis, torch.arange(n, device=sources.device) * ratio)
 
 
+def indexer_keep(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, softmax_scale: float,
+                 closed: torch.Tensor, topk: int) -> torch.Tensor:
+    """HF DeepseekV4Indexer's choice as a mask: `closed` [n, L] (the blocks each query may see) and-ed with its
+    `topk` best blocks by sum_h weights[t, h] * relu(q[t, h] . keys[l]) * softmax_scale (DeepseekV4IndexerScorer),
+    blocks not closed never chosen. q [n, heads, d] (roped), keys [L, d] (the indexer's compressed keys), weights
+    [n, heads] (weights_proj(x) / sqrt(heads))."""
+    score = (F.relu(torch.einsum("nhd,ld->nhl", q, keys)) * softmax_scale
+             * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~closed, float("-inf"))
+    top = score.topk(min(topk, keys.shape[0]), dim=-1).indices
+    return closed & torch.zeros_like(closed).scatter_(1, top, True)
+
+
 def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduce=False):
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
@@ -205,11 +217,8 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
             if self.indexer is not None:  # HF DeepseekV4Indexer: each query keeps its index_topk best closed blocks
                 ikeys = csa_entries(isources[slots], ratio, _hf_ape(idx.compressor), idx.compressor.norm,
                                     self.freqs_cis)
-                score = (F.relu(torch.einsum("nhd,ld->nhl", iq[start:start + n], ikeys)) * idx.softmax_scale
-                         * iw[start:start + n].unsqueeze(-1)).sum(dim=1).masked_fill(~closed, float("-inf"))
-                top = score.topk(min(idx.index_topk, entries.shape[0]), dim=-1).indices
-                chosen = torch.zeros_like(closed).scatter_(1, top, True)
-                closed = closed & chosen
+                closed = indexer_keep(iq[start:start + n], ikeys, iw[start:start + n], idx.softmax_scale, closed,
+                                      idx.index_topk)
             keys, mask = torch.cat([keys, entries]), torch.cat([mask, closed], dim=1)
         o[start:start + n] = sink_attention(q[start:start + n], keys, mask, self.attn_sink, self.softmax_scale)
         start += n
