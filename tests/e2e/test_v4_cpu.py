@@ -87,6 +87,10 @@ def hf_reference(variant):
 # (blocks of 128 close inside chunks and in decode)
 CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "swa-full": ("v4-swa", "full", 5, None),
            "hca-mean": ("v4-hca", "mean", 50, LAYERS), "csa-mean": ("v4-csa", "mean", 7, LAYERS)}
+# the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
+# kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
+POOL = 320
+EXTRA = {"csa-mean": ["--max-total-tokens", str(POOL), "--enable-metrics"]}
 # per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
 # concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
 SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270)),
@@ -108,9 +112,10 @@ def v4(request, tmp_path_factory):
     gen = _serve(tmp_path_factory.mktemp(f"hs-v4-{request.param}") / "dump",
                  ["--model-path", tiny_model.ensure(variant), "--device", "cpu", "--dtype", "float32",
                   "--skip-tokenizer-init", *flag, "--hs-last", "both",
-                  "--hs-hc-streams", streams, "--chunked-prefill-size", str(chunk)])
+                  "--hs-hc-streams", streams, "--chunked-prefill-size", str(chunk), *EXTRA.get(request.param, [])])
     server = next(gen)
     served = _Served(server, HiddenStateReader(str(server.dump)), streams, None)
+    served.config = request.param
     reader = served.reader
     try:
         want = layers or CHECKPOINT_LAYERS
@@ -360,3 +365,33 @@ def test_deepspec_cache_from_a_v4_server(v4, tmp_path):
             assert err.max() < row_judge.BF16_TOL, (ids[:3], i, err.max())
         err = row_judge.rel(r["target_last_hidden_states"].float(), hs[n])  # post-norm, as DeepSpec reads it
         assert err.max() < row_judge.BF16_TOL, err.max()
+
+
+def test_a_full_pool_evicts_and_reuses_slots(v4):
+    """v4-csa with a KV pool of POOL tokens: waves of 3 concurrent requests, fresh prompts and repeats of earlier ones
+    (radix hits, or misses once evicted), several pools' worth of tokens, so the radix cache evicts (SGLang's own
+    sglang:evicted_tokens_total) and freed slots, with the compressor's and the indexer's per-token sources kept
+    at them, are handed out again; every row of every record judged against HF float32."""
+    from sglang_hs.status import metrics
+
+    server, reader, streams, hf = v4
+    if getattr(v4, "config", None) != "csa-mean":
+        pytest.skip("the full pool runs on the CSA server (POOL tokens)")
+    evicted0 = metrics(server.url, prefix="sglang:").get("sglang:evicted_tokens_total", 0.0)
+    prompts = [_prompt(60 + 17 * i, 70 + i) for i in range(6)]
+    waves = [[0, 1, 2], [3, 0, 4], [5, 1, 3], [2, 4, 5]]  # repeats of earlier prompts from the second wave on
+    sent, worst, cached = 0, 0.0, []
+    for w, wave in enumerate(waves):
+        jobs = [(f"v4-pool-{w}-{k}", prompts[k]) for k in wave]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+                "max_new_tokens": 6, **GREEDY}), jobs))
+        for (rid, ids), out in zip(jobs, outs):
+            sent += len(ids) + len(out["output_ids"])
+            cached.append(out["meta_info"]["cached_tokens"])
+            worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1], streams))
+    evicted = metrics(server.url, prefix="sglang:").get("sglang:evicted_tokens_total", 0.0) - evicted0
+    print(f"v4-csa full pool: {len(cached)} records, {sent} tokens through {POOL}, {evicted:.0f} evicted, cached "
+          f"{cached}, worst {worst:.2e}")
+    assert sent > 4 * POOL and evicted >= 2 * POOL, (sent, evicted)
+    assert any(c > 0 for c in cached) and any(c == 0 for c in cached[3:]), cached  # hits, and misses of repeats
