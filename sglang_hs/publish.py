@@ -96,6 +96,7 @@ class Publisher:
         self.n, self.restarts = 0, reader.restarts
         self.conn, self.peer = None, None
         self.confirmed = 0
+        self.syncs: list = []  # the consumer's sync requests of this step (MooncakeTransport.sync)
         self._incoming: "queue.Queue" = queue.Queue()
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="sglang-hs-publish-accept").start()
@@ -141,7 +142,7 @@ class Publisher:
                 finally:
                     conn.close()
                 continue
-            self.conn, self.peer = conn, f"{peer[0]}:{peer[1]}"
+            self.conn, self.peer, self.syncs = conn, f"{peer[0]}:{peer[1]}", []
             again = sum(1 for _, header in self.outstanding.values() if header.get("redelivered"))
             self.log(f"[publish] consumer {self.peer} connected" + (f"; {again} records re-delivered (announced "
                      "to a consumer that left without confirming them)" if again else ""))
@@ -162,7 +163,10 @@ class Publisher:
         try:
             while self.conn.poll(timeout):
                 timeout = 0
-                for delivery in receive(self.conn).get("ack", ()):
+                message = receive(self.conn)
+                if "sync" in message:  # answered once this step has read the ring and put what the window takes
+                    self.syncs.append(message["sync"])
+                for delivery in message.get("ack", ()):
                     entry = self.outstanding.pop(int(delivery), None)
                     if entry is None:
                         continue  # confirmed already (a duplicate)
@@ -240,6 +244,8 @@ class Publisher:
         n = self._receive(0)
         n += self._read()
         n += self._put()
+        while self.syncs and self.conn is not None:
+            self._send({"sync": self.syncs.pop(0)})
         if not n:
             if self.conn is not None:
                 self._receive(wait)  # wakes at the consumer's next confirmation
@@ -313,7 +319,7 @@ def main(argv: Optional[list] = None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     bound = listener.address
     print(f"[publish] {reader.dump_dir} -> Mooncake (master {args.mooncake_master}, {args.mooncake_protocol}, this "
-          f"host {local}); listening on {bound[0]}:{bound[1]}; window {args.window_mb:g} MB", flush=True)
+          f"host {local}); consumers connect to {bound[0]}:{bound[1]}; window {args.window_mb:g} MB", flush=True)
     try:
         pub.run()
     except KeyboardInterrupt:

@@ -219,6 +219,7 @@ class MooncakeTransport:
         self._unconfirmed: "dict[int, RemoteRecord]" = {}
         self._confirm: List[int] = []
         self._ring_unread = 0
+        self._syncs = self._synced = 0
 
     def _set_manifest(self, manifest: dict) -> None:
         from sglang_hs.server.capture_spec import final_states
@@ -281,11 +282,30 @@ class MooncakeTransport:
                 elif "manifest" in m:
                     self._set_manifest(m["manifest"])
                     self.restarts = int(m.get("restarts", self.restarts + 1))
+                elif "sync" in m:
+                    self._synced = max(self._synced, int(m["sync"]))
                 elif "error" in m:
                     raise RuntimeError(f"{self.dump_dir}: the publisher stopped: {m['error']}")
             self._flush()
         except (EOFError, ConnectionError, OSError) as e:
             raise ConnectionError(f"{self.dump_dir}: the publisher went away ({type(e).__name__}: {e})") from None
+        return n
+
+    def sync(self, timeout: float = 30.0) -> int:
+        """Wait until the publisher has handled everything sent so far (confirmations included), read its ring
+        and announced what its window takes, and this transport has taken those announcements in: then
+        ready_rids() holds every record the publisher would hand on now. Returns the records that arrived."""
+        self._syncs += 1
+        send(self._conn, {"sync": self._syncs, "ack": self._confirm})
+        self._confirm = []
+        deadline, n = time.monotonic() + timeout, 0
+        while self._synced < self._syncs:
+            got = self.poll()
+            n += got
+            if not got and self._synced < self._syncs:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.dump_dir}: the publisher did not answer a sync in {timeout}s")
+                self._wait()
         return n
 
     def _flush(self) -> None:
