@@ -84,12 +84,20 @@ class Publisher:
     def __init__(self, reader, store, listener, master: str, metadata: str, protocol: str, window_bytes: int,
                  log=print) -> None:
         from sglang_hs.extract.transport.mooncake import Staging
+        from sglang_hs.reader import MAX_MARKERS
 
         self.reader, self.store, self.listener = reader, store, listener
         self.mooncake = {"master": master, "metadata": metadata, "protocol": protocol}
         self.window, self.log = window_bytes, log
         self.ns = f"sglang-hs/{uuid.uuid4().hex[:16]}"  # this publisher's keys: another's never collide
         self.staging = Staging(store)
+        from mooncake.store import ReplicateConfig  # loaded with the store (load_mooncake)
+
+        # every record into this process's own segment (a local copy: the network is the consumer's to cross, and
+        # never a dead publisher's segment the master still lists), hard-pinned: never evicted while unconfirmed
+        self.put_config = ReplicateConfig()
+        self.put_config.preferred_segment = store.get_hostname()
+        self.put_config.with_hard_pin = True
         self.pending: "collections.deque" = collections.deque()  # read from the ring, not put yet (ring views)
         self.outstanding: "collections.OrderedDict[int, list]" = collections.OrderedDict()  # n -> [rec, header]
         self.outstanding_bytes = 0
@@ -97,6 +105,9 @@ class Publisher:
         self.conn, self.peer = None, None
         self.confirmed = 0
         self.syncs: list = []  # the consumer's sync requests of this step (MooncakeTransport.sync)
+        # markers (requests served without capture) not handed on yet: kept for the next consumer, the oldest
+        # dropped past MAX_MARKERS as the reader does
+        self.markers: "collections.deque" = collections.deque(maxlen=MAX_MARKERS)
         self._incoming: "queue.Queue" = queue.Queue()
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="sglang-hs-publish-accept").start()
@@ -149,6 +160,7 @@ class Publisher:
             if not self._send({"version": WIRE_VERSION, "manifest": self.reader.manifest, "restarts": self.restarts,
                                "mooncake": self.mooncake}):
                 continue
+            self._send_markers()
             for rec, header in list(self.outstanding.values()):
                 if not self._send({"record": header, "ring_unread": self.reader.unread_bytes()}):
                     break
@@ -183,14 +195,20 @@ class Publisher:
     # -- the ring -------------------------------------------------------------------------------------------
     def _read(self) -> int:
         n = self.reader.poll()
-        for rid, reason in self.reader.take_markers():
-            self._send({"marker": rid, "reason": reason})
+        self.markers.extend(self.reader.take_markers())
+        self._send_markers()
         while self.reader.ready_rids():
             self.pending.append(self.reader.next())
         if self.reader.restarts != self.restarts:
             self.restarts = self.reader.restarts
             self._send({"manifest": self.reader.manifest, "restarts": self.restarts})
         return n
+
+    def _send_markers(self) -> None:
+        while self.markers and self.conn is not None:
+            rid, reason = self.markers[0]
+            if self._send({"marker": rid, "reason": reason}):
+                self.markers.popleft()
 
     def _put(self) -> int:
         """Put pending records while the window has room; returns how many."""
@@ -219,7 +237,7 @@ class Publisher:
                                    "while being read (someone else wrote the ring's read offset: a member of the "
                                    "share group?)")
             key = f"{self.ns}/{self.n + 1}"
-            rc = self.store.put_from(key, buf.data_ptr(), total)
+            rc = self.store.put_from(key, buf.data_ptr(), total, self.put_config)
             if rc != 0:
                 if self.outstanding:
                     break  # the store is full for now: try again once records are confirmed
@@ -329,8 +347,8 @@ def main(argv: Optional[list] = None) -> int:
         return 1
     finally:
         pub.close()
-        print(f"[publish] stopped: {pub.confirmed} records confirmed, {len(pub.outstanding)} left in the ring",
-              flush=True)
+        print(f"[publish] stopped: {pub.confirmed} records confirmed; {len(pub.outstanding)} put and not confirmed "
+              "stay in the ring", flush=True)
     return 0
 
 

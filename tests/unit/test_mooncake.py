@@ -115,9 +115,19 @@ class Publisher:
                 raise AssertionError(f"the publisher exited ({self.proc.wait()}) without {containing!r}: {self.seen}")
 
     def stop(self) -> None:
+        """Stop it; its output goes to this test's captured stdout (shown when the test fails)."""
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.wait(timeout=30)
+        while True:
+            try:
+                line = self.lines.get(timeout=10)
+            except queue.Empty:
+                break
+            if line == "":
+                break
+            self.seen.append(line)
+        print("publisher:", "".join(line for line in self.seen if not line.startswith(("I1", "W1"))))
 
 
 def _writer(dump, records: int, T: int = T_MAX) -> CaptureWriter:
@@ -261,6 +271,39 @@ def test_a_consumer_that_does_not_confirm_fills_the_ring_not_the_publisher(maste
             assert seen == [f"r{i}" for i in range(written)]
             t.sync()
             assert w.ring.free_bytes() == w.ring.capacity  # every byte back once all are confirmed
+    finally:
+        pub.stop()
+
+
+def test_a_killed_publisher_loses_nothing_either(master, tmp_path):
+    """The publisher acks a ring record only once confirmed: killed, the ring still holds every record it had
+    put and not seen confirmed, and the next publisher hands them all on."""
+    T, count = 3, 10
+    w = _writer(tmp_path, count + 1, T)
+    for i in range(count):
+        w.ring.publish(f"r{i}", torch.arange(T, dtype=torch.int32) + i, _rows(i, T), timeout=5)
+    whole = payload_layout(T, P, H, 2)[1] * count / (1 << 20)
+    pub = Publisher(master, str(tmp_path), window_mb=whole)
+    try:
+        t = MooncakeTransport(pub.address, ack=True, wait=DEADLINE)
+        for i in range(2):
+            t.ack(t.take(f"r{i}", timeout=DEADLINE))
+        t.sync()  # the publisher has both confirmations, and has put and announced the other eight
+        assert t.ready_rids() == [f"r{i}" for i in range(2, count)]
+        pub.proc.send_signal(signal.SIGKILL)
+        pub.stop()
+        assert pub.proc.returncode == -signal.SIGKILL
+        t.close()
+        pub = Publisher(master, str(tmp_path), window_mb=whole)
+        with MooncakeTransport(pub.address, ack=True, wait=DEADLINE) as t2:
+            t2.sync()
+            assert t2.ready_rids() == [f"r{i}" for i in range(2, count)], "records lost with the publisher"
+            for i in range(2, count):
+                rec = t2.take(f"r{i}")
+                assert _bytes(rec.aux_hidden_states) == _bytes(_rows(i, T)[:, :len(LAYERS)]), rec.rid
+                t2.ack(rec)
+            t2.sync()
+            assert w.ring.free_bytes() == w.ring.capacity
     finally:
         pub.stop()
 
