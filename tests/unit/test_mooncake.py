@@ -219,6 +219,8 @@ def test_records_bit_for_bit_and_a_killed_consumer_loses_none(master, tmp_path):
 
         # the next consumer (this process: another host) gets every record not confirmed, first, flagged
         with MooncakeTransport(pub.address, ack=True, wait=DEADLINE) as t:
+            t.sync()  # the publisher has answered: what it holds unconfirmed is announced, first the one in hand
+            assert t.ready_rids()[:1] == [stuck], t.ready_rids()
             second = []
             while {r["rid"] for r in second} | confirmed != set(rids):
                 rec = t.next(timeout=DEADLINE)
