@@ -7,8 +7,9 @@ server's finish does. One run alternates, `--reps` times:
   mooncake  python -m sglang_hs.publish reads the ring and puts each record into Mooncake's store (its own
             segment), a consumer process (MooncakeTransport, confirming each on arrival, as LiveHiddenStates
             does) fetches it over Mooncake's TCP protocol through 127.0.0.1; mooncake_master (with its HTTP
-            metadata server) started here. MC_STORE_MEMCPY=0 unless --allow-memcpy: Mooncake would otherwise
-            take its same-host memcpy shortcut, which is not what a second host gets.
+            metadata server) started here. The consumer runs with MC_STORE_MEMCPY=0 unless --allow-memcpy:
+            Mooncake could otherwise take a same-host copy, which a second host never gets (the publisher
+            keeps Mooncake's default: its puts into its own segment are local copies on any deployment).
 The figure is record bytes (rows) delivered per second, timed at the consumer after `--warmup` records, as
 medians over the repetitions.
 
@@ -31,15 +32,17 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from benchmarks.common import machine, plot_bars, write_csv  # noqa: E402
+from benchmarks.common import machine, plot_bars, write_csv, write_summary  # noqa: E402
 
 K, H = 3, 7168
 P = K + 1
 METHODS = ("ring", "mooncake")
 
 
-def _consume(kind: str, where: str, warmup: int, n: int, q) -> None:
+def _consume(kind: str, where: str, warmup: int, n: int, q, memcpy: bool = False) -> None:
     torch.set_num_threads(1)
+    if not memcpy:
+        os.environ["MC_STORE_MEMCPY"] = "0"  # a second host's way: over TCP, never a same-host copy
     if kind == "ring":
         from sglang_hs.reader import HiddenStateReader
 
@@ -79,7 +82,8 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60
             time.sleep(0.05)
 
 
-def run(kind: str, tokens: int, records: int, warmup: int, ring_bytes: int, master: dict, window_mb: int) -> float:
+def run(kind: str, tokens: int, records: int, warmup: int, ring_bytes: int, master: dict, window_mb: int,
+        memcpy: bool = False) -> float:
     from sglang_hs.server.capture_spec import CaptureSpec
     from sglang_hs.server.store.writer import CaptureWriter
 
@@ -102,7 +106,7 @@ def run(kind: str, tokens: int, records: int, warmup: int, ring_bytes: int, mast
             where = line.split("consumers connect to ")[1].split(";")[0].strip()
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        proc = ctx.Process(target=_consume, args=(kind, where, warmup, records, q))
+        proc = ctx.Process(target=_consume, args=(kind, where, warmup, records, q, memcpy))
         proc.start()
         assert q.get(timeout=120)[0] == "ready"
         torch.set_num_threads(1)
@@ -129,11 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ring-mib", type=int, default=256)
     ap.add_argument("--window-mb", type=int, default=128, help="the publisher's --window-mb")
-    ap.add_argument("--allow-memcpy", action="store_true", help="let Mooncake use its same-host memcpy shortcut")
+    ap.add_argument("--allow-memcpy", action="store_true",
+                    help="let the consumer's Mooncake take its same-host copy shortcut")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    if not args.allow_memcpy:
-        os.environ["MC_STORE_MEMCPY"] = "0"
     os.environ.setdefault("GLOG_minloglevel", "2")
     from sglang_hs.extract.transport.mooncake import mooncake_binary, mooncake_env
 
@@ -149,7 +152,8 @@ def main(argv=None) -> int:
         master = {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata"}
         for rep in range(args.reps):
             for method in METHODS:
-                bps = run(method, args.tokens, args.records, args.warmup, args.ring_mib << 20, master, args.window_mb)
+                bps = run(method, args.tokens, args.records, args.warmup, args.ring_mib << 20, master, args.window_mb,
+                          args.allow_memcpy)
                 rows.append({"machine": machine(), "method": method, "rep": rep, "tokens_per_record": args.tokens,
                              "records": args.records, "bytes": args.tokens * P * H * 2 * args.records,
                              "memcpy_shortcut": args.allow_memcpy, "GBps": round(bps / 1e9, 3)})
@@ -159,8 +163,10 @@ def main(argv=None) -> int:
         master_proc.terminate()
         master_proc.wait(timeout=30)
     med = {m: statistics.median(r["GBps"] for r in rows if r["method"] == m) for m in METHODS}
-    print(f"median GB/s ({machine()}): " + ", ".join(f"{m} {v:.2f}" for m, v in med.items())
-          + f"; mooncake / ring {med['mooncake'] / med['ring']:.2f}")
+    summary = [{"machine": machine(), "method": m, "reps": args.reps, "tokens_per_record": args.tokens,
+                "median_GBps": v, "of_ring": round(v / med["ring"], 3)} for m, v in med.items()]
+    write_summary(args.out, "bench_mooncake", summary, f"median GB/s ({machine()}):",
+                  lambda r: f"  {r['method']:>9} {r['median_GBps']:6.2f} GB/s ({r['of_ring']:.2f} of the ring)")
     plot_bars(os.path.join(args.out, "bench_mooncake.png"), med, "GB/s (median)",
               f"records over Mooncake (TCP, loopback) vs the local ring, {args.tokens}-token records of 57 KB/token"
               f"\n{machine()}")

@@ -37,6 +37,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's info and warning li
 
 from sglang_hs.extract.transport.mooncake import (MooncakeTransport, mooncake_binary,  # noqa: E402
                                                   mooncake_env, payload_layout)
+from sglang_hs.extract.transport import Transport  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
 from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.server.store import ring  # noqa: E402
@@ -317,6 +318,7 @@ def test_one_consumer_at_a_time_markers_and_bad_flags(master, tmp_path, capsys):
     pub = Publisher(master, str(tmp_path), window_mb=1)
     try:
         with MooncakeTransport(pub.address, ack=True, wait=DEADLINE) as t:
+            assert isinstance(t, Transport)  # the interface the extraction and the live dataset read
             with pytest.raises(RuntimeError, match="already consumed by 127.0.0.1:"):
                 MooncakeTransport(pub.address, ack=True, wait=DEADLINE)
             rec = t.take("r0", timeout=DEADLINE)
