@@ -9,18 +9,15 @@ processes as hosts over loopback, Mooncake's TCP protocol, its master and HTTP m
   (the server's admission would hold new requests); each confirmation lets exactly one more through.
 The barrier is the publisher's answer to a sync (MooncakeTransport.sync), never a sleep."""
 import os
-import queue
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 
-from helpers import REPO, mooncake_path
+from helpers import mooncake_path
 from sglang_hs._ext import ExtensionNotBuilt, ext
 
 try:
@@ -35,100 +32,25 @@ if _MOONCAKE is None:
 os.environ["SGLANG_HS_MOONCAKE"] = _MOONCAKE
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's info and warning lines
 
-from sglang_hs.extract.transport.mooncake import (MooncakeTransport, mooncake_binary,  # noqa: E402
-                                                  mooncake_env, payload_layout)
+from mooncake_run import DEADLINE, REPO, Publisher, mooncake_master  # noqa: E402
+from sglang_hs.extract.transport.mooncake import MooncakeTransport, payload_layout  # noqa: E402
 from sglang_hs.extract.transport import Transport  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
 from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.server.store import ring  # noqa: E402
 from sglang_hs.server.store.ring import encode_meta  # noqa: E402
 from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
-from sglang_hs.tools.server_process import free_port  # noqa: E402
 
 LAYERS, H = [1, 3], 16
 P = len(LAYERS) + 2  # --hs-last both: post-norm, then pre-norm
 N = 24  # records of the killed-consumer run
 T_MAX = 9
-DEADLINE = 60
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not open port {port} (exit {proc.poll()})")
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")
-    proc = subprocess.Popen([mooncake_binary("mooncake_master"), f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
-                             "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={http}",
-                             f"-metrics_port={metrics}"], env=mooncake_env(), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_port(rpc, proc, "mooncake_master")
-        _wait_port(http, proc, "mooncake_master's metadata server")
-        yield {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata"}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-class Publisher:
-    """python -m sglang_hs.publish in a process of its own: the serving node."""
-
-    def __init__(self, master, dump: str, window_mb: float) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_hs.publish", "--hs-dump-dir", dump, "--listen", "127.0.0.1:0",
-             "--mooncake-master", master["master"], "--mooncake-metadata", master["metadata"],
-             "--window-mb", repr(window_mb), "--wait", "10"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-        self.lines: "queue.Queue[str]" = queue.Queue()
-        self.seen: list = []
-        threading.Thread(target=self._read, daemon=True).start()
-        first = self.line("[publish] ")
-        self.address = first.split("consumers connect to ")[1].split(";")[0].strip()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")
-
-    def line(self, containing: str) -> str:
-        """The first line of the publisher's output that holds `containing` (its published state)."""
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"the publisher printed no {containing!r} in {DEADLINE}s: {self.seen}") from None
-            self.seen.append(line)
-            if containing in line:
-                return line
-            if line == "":
-                raise AssertionError(f"the publisher exited ({self.proc.wait()}) without {containing!r}: {self.seen}")
-
-    def stop(self) -> None:
-        """Stop it; its output goes to this test's captured stdout (shown when the test fails)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(timeout=30)
-        while True:
-            try:
-                line = self.lines.get(timeout=10)
-            except queue.Empty:
-                break
-            if line == "":
-                break
-            self.seen.append(line)
-        print("publisher:", "".join(line for line in self.seen if not line.startswith(("I1", "W1"))))
+    with mooncake_master(str(tmp_path_factory.mktemp("mooncake") / "master.log")) as m:
+        yield m
 
 
 def _writer(dump, records: int, T: int = T_MAX) -> CaptureWriter:
