@@ -174,12 +174,18 @@ class MooncakeTransport:
     """The consumer: records of a server on another host, from its `python -m sglang_hs.publish` at `address`
     (HOST:PORT). `ack`: confirm each record on ack() (a consumer killed before gets it again); False: confirm
     each as it arrives (the eager reader's way). `local_host`: this host's address for Mooncake (default the
-    address the control connection leaves from); `device`: the RDMA devices when the publisher uses rdma."""
+    address the control connection leaves from, or SGLANG_HS_MOONCAKE_HOST); `device`: the RDMA devices when the
+    publisher uses rdma (default SGLANG_HS_MOONCAKE_DEVICE)."""
     name = "mooncake"
 
     def __init__(self, address: str, ack: bool = True, wait: float = 30.0, local_host: Optional[str] = None,
-                 device: str = "", poll_interval: float = 0.002) -> None:
+                 device: Optional[str] = None, poll_interval: float = 0.002) -> None:
         from multiprocessing.connection import Client
+
+        from sglang_hs import envs
+
+        local_host = local_host or envs.SGLANG_HS_MOONCAKE_HOST
+        device = envs.SGLANG_HS_MOONCAKE_DEVICE if device is None else device
 
         host, port = parse_address(address, "mooncake publisher address")
         load_mooncake()  # fails before connecting, with how to install it
@@ -209,6 +215,10 @@ class MooncakeTransport:
         self._set_manifest(hello["manifest"])
         self.restarts, self.markers, self.redelivered = int(hello.get("restarts", 0)), 0, 0
         mc = hello["mooncake"]
+        if mc["protocol"] == "rdma" and not device:
+            self._conn.close()
+            raise RuntimeError(f"{self.dump_dir}: the publisher uses RDMA: set SGLANG_HS_MOONCAKE_DEVICE to this "
+                               "host's RDMA devices (e.g. mlx5_0)")
         if local_host is None:
             with socket.socket(fileno=os.dup(self._conn.fileno())) as s:
                 local_host = s.getsockname()[0]
