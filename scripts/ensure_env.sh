@@ -66,6 +66,38 @@ if [ ! -f "$readers/.complete" ]; then
 fi
 if [ -f "$readers/.complete" ]; then echo "$readers" > .venv/.readers; else rm -f .venv/.readers; fi
 
+# Mooncake (the cross-machine transport, docs/remote.md): its wheel --no-deps into its own cache keyed by
+# requirements/mooncake.txt, and the shared libraries its .so files link (libibverbs, libnl: the RDMA verbs
+# library, needed to load even for TCP) unpacked from their Debian packages into $mooncake/lib, which
+# sglang_hs/extract/transport/mooncake.py loads by absolute path (no LD_LIBRARY_PATH, nothing installed
+# system-wide). Without a registry or apt the mooncake tests skip and set-up goes on.
+MOONCAKE_DEBS="libibverbs1 libnl-3-200 libnl-route-3-200"
+mkey=$( (cat requirements/mooncake.txt; echo "py$pyver") | sha256sum | cut -c1-16)
+mooncake="$cache/mooncake/$mkey"
+install_mooncake() {
+    .venv/bin/pip install -q --no-deps --target "$mooncake/site" -r requirements/mooncake.txt || return 1
+    mkdir -p "$mooncake/debs" "$mooncake/root" "$mooncake/lib"
+    (cd "$mooncake/debs" && apt-get download $MOONCAKE_DEBS) || return 1
+    for deb in "$mooncake"/debs/*.deb; do dpkg-deb -x "$deb" "$mooncake/root" || return 1; done
+    for so in libnl-3.so.200 libnl-route-3.so.200 libibverbs.so.1; do
+        found=$(find "$mooncake/root" -name "$so" | head -1)
+        [ -n "$found" ] || { echo "no $so in $MOONCAKE_DEBS" >&2; return 1; }
+        cp -L "$found" "$mooncake/lib/$so"
+    done
+    rm -rf "$mooncake/debs" "$mooncake/root"
+}
+if [ ! -f "$mooncake/.complete" ]; then
+    rm -rf "$mooncake"
+    mkdir -p "$mooncake"
+    if install_mooncake >"$mooncake.log" 2>&1; then
+        touch "$mooncake/.complete"
+    else
+        echo "[setup] warning: could not install requirements/mooncake.txt and its libraries (log $mooncake.log); the mooncake tests will skip" >&2
+        rm -rf "$mooncake"
+    fi
+fi
+if [ -f "$mooncake/.complete" ]; then echo "$mooncake" > .venv/.mooncake; else rm -f .venv/.mooncake; fi
+
 # Benchmark plots (make bench only): matplotlib and its small dependencies, cached like the tools.
 if [ "${SGLANG_HS_BENCH:-0}" = "1" ]; then
     bkey=$(cat requirements/bench.txt | sha256sum | cut -c1-16)

@@ -208,6 +208,17 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # (tests/e2e/test_multi_node.py).
     "SGLANG_HS_TEST_SAME_HOST_NODES": _test_only("SGLANG_HS_TEST_SAME_HOST_NODES",
                                                  _bool("SGLANG_HS_TEST_SAME_HOST_NODES"), False),
+    # The folder of a Mooncake install for the cross-machine transport (scripts/ensure_env.sh puts
+    # requirements/mooncake.txt there and names it in .venv/.mooncake): site/ the wheel, lib/ the libibverbs and
+    # libnl it links, loaded by absolute path (sglang_hs/extract/transport/mooncake.py); unset: an installed
+    # `mooncake` package, its libraries the system's.
+    "SGLANG_HS_MOONCAKE": _str("SGLANG_HS_MOONCAKE"),
+    # The consumer's side of the Mooncake transport (LiveHiddenStates(transport="mooncake"), the extraction's
+    # --transport mooncake): its RDMA devices when the publisher runs --mooncake-protocol rdma (e.g. "mlx5_0"),
+    # and this host's address as the publisher's host reaches it (default: the address the control connection
+    # to the publisher leaves from).
+    "SGLANG_HS_MOONCAKE_DEVICE": _str("SGLANG_HS_MOONCAKE_DEVICE", ""),
+    "SGLANG_HS_MOONCAKE_HOST": _str("SGLANG_HS_MOONCAKE_HOST"),
     # Cache of generated checkpoints (and, for the Makefile, the dependency venvs).
     "SGLANG_HS_CACHE": _str("SGLANG_HS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang-hs")),
 }

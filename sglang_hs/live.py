@@ -60,9 +60,10 @@ LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equa
 
 
 class LiveHiddenStates(torch.utils.data.IterableDataset):
-    def __init__(self, data: Union[str, os.PathLike, Iterable], server: str, dump_dir: str, concurrency: int = 8,
-                 max_samples: Optional[int] = None, request_timeout: float = 3600.0, reader_wait: float = 30.0,
-                 owner=None, dtype: Optional[torch.dtype] = torch.bfloat16, layout: str = "specforge") -> None:
+    def __init__(self, data: Union[str, os.PathLike, Iterable], server: str, dump_dir: Optional[str] = None,
+                 concurrency: int = 8, max_samples: Optional[int] = None, request_timeout: float = 3600.0,
+                 reader_wait: float = 30.0, owner=None, dtype: Optional[torch.dtype] = torch.bfloat16,
+                 layout: str = "specforge", transport: str = "ring", publisher: Optional[str] = None) -> None:
         """`data`: a path (JSON Lines, HF dataset) or an iterable of records, iterated anew each epoch.
         `server`: the URL of an sglang-hs server capturing into `dump_dir` with --hs-last. `owner`: the
         server's user when it is not you (see HiddenStateReader). `dtype`: the states' dtype, bf16 by
@@ -71,10 +72,29 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         (input_ids int32, loss_mask uint8, target_hidden_states [T, K*H], target_last_hidden_states [T, H]),
         built by the function --format deepspec writes its files with (sinks.deepspec_sample); `dtype` is then
         the cache's hidden dtype (bf16; an FP8 dtype gives the cast read back as bf16, as DeepSpec's FP8 reader
-        does)."""
+        does). `transport`: "ring" (the dump dir on this node) or
+        "mooncake": a server on another host, its records through its `python -m sglang_hs.publish` at `publisher`
+        (HOST:PORT; no dump_dir)."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout: one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.layout = layout
+        if transport not in ("ring", "mooncake"):
+            raise ValueError(f"transport: expected 'ring' or 'mooncake', got {transport!r}")
+        if transport == "mooncake":
+            from sglang_hs.extract.transport.mooncake import parse_address
+
+            if publisher is None:
+                raise ValueError("publisher: expected the HOST:PORT of the serving node's python -m sglang_hs.publish "
+                                 "--listen with transport='mooncake'")
+            parse_address(publisher, "publisher")
+            if dump_dir is not None:
+                raise ValueError("dump_dir: the serving node's, not this one's, with transport='mooncake' (its "
+                                 "publisher reads it); leave it out")
+        elif dump_dir is None:
+            raise ValueError("dump_dir: expected the server's --hs-dump-dir (or transport='mooncake' and publisher=)")
+        elif publisher is not None:
+            raise ValueError("publisher: only with transport='mooncake'")
+        self.transport, self.publisher = transport, publisher
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -82,7 +102,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         self.dtype = dtype
         self.data = os.fspath(data) if isinstance(data, (str, os.PathLike)) else data
         self.url = server.rstrip("/")
-        self.dump_dir = str(dump_dir)
+        self.dump_dir = str(dump_dir) if dump_dir is not None else None
         self.concurrency, self.max_samples = concurrency, max_samples
         self.request_timeout, self.reader_wait, self.owner = request_timeout, reader_wait, owner
         self.skipped: "collections.Counter[str]" = collections.Counter()
@@ -114,11 +134,11 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
 
     def _iterate(self) -> Iterator[dict]:
         """One process (no DataLoader workers, or one): it holds the dump dir's reader itself."""
-        from sglang_hs.reader import HiddenStateReader
+        from sglang_hs.live_workers import open_live_reader
 
         try:
-            reader = HiddenStateReader(self.dump_dir, wait=self.reader_wait, owner=self.owner, reattach=True)
-        except (RuntimeError, FileNotFoundError) as e:
+            reader = open_live_reader(self.dump_dir, self.reader_wait, self.owner, self.publisher)
+        except (RuntimeError, FileNotFoundError, ConnectionError, ImportError) as e:
             raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         yield from self._samples(reader, f"hsl-{uuid.uuid4().hex[:12]}-", 0, 1, self.concurrency)
 
@@ -139,8 +159,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 self._router.join()
             try:
                 router = self._router = RecordRouter(address, self._authkey, n, self.dump_dir, self.reader_wait,
-                                                     self.owner)
-            except (RuntimeError, FileNotFoundError, OSError) as e:
+                                                     self.owner, self.publisher)
+            except (RuntimeError, FileNotFoundError, OSError, ImportError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         finished = False
         try:
@@ -197,6 +217,9 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     raise LiveDatasetError(f"the server aborted the request: {reason.get('message', '')}")
                 return reply
 
+            # the server's status (sglang_hs.status) is read where its dump dir is; across hosts there is none
+            # here (a mooncake:// path holds no status file): a record then has its grace, RECORD_GRACE_S
+            status_dir = self.dump_dir if self.dump_dir is not None else f"mooncake://{self.publisher}"
             records, exhausted, next_check = self._records(), False, 0.0
             while not exhausted or pending:
                 while not exhausted and len(pending) < concurrency:
@@ -237,7 +260,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 if rec is None:
                     try:
                         reader.poll()  # follows a restarted server to its new ring (reattach)
-                    except ServerRestarted as e:  # one it cannot follow (another setup, another reader)
+                    except (ServerRestarted, ConnectionError) as e:  # one it cannot follow; a publisher gone
                         raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
                     for other in reader.ready_rids():  # records of others' requests: not ours to keep
                         if not other.startswith(ours):
@@ -252,7 +275,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                         pending[rid][2] = time.monotonic()
                     elif time.monotonic() >= next_check:  # the server's status says whether it is still to come
                         next_check = time.monotonic() + STATUS_CHECK_S
-                        why = record_overdue(self.dump_dir, t_reply)
+                        why = record_overdue(status_dir, t_reply)
                         if why is not None:  # one more read after that status: it is there, or never comes
                             reader.poll()
                             if rid not in reader.ready_rids() and not reader.not_captured(rid):

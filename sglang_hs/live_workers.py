@@ -170,18 +170,29 @@ def _recv(conn: Connection):
     return ForkingPickler.loads(conn.recv_bytes())
 
 
+def open_live_reader(dump_dir: Optional[str], reader_wait: float, owner, publisher: Optional[str] = None):
+    """The live dataset's one reader: the dump dir's ring (following a restarted server), or with `publisher`
+    (HOST:PORT) the records of a server on another host through its Mooncake publisher, each confirmed as it
+    arrives as the local reader drains them (sglang_hs/extract/transport/mooncake.py)."""
+    if publisher is not None:
+        from sglang_hs.extract.transport.mooncake import MooncakeTransport
+
+        return MooncakeTransport(publisher, ack=False, wait=reader_wait)
+    from sglang_hs.reader import HiddenStateReader
+
+    return HiddenStateReader(dump_dir, wait=reader_wait, owner=owner, reattach=True)
+
+
 class RecordRouter:
     """Worker 0's: opens the dump dir's reader (errors raise here, in worker 0's __iter__), listens for the
     workers, and routes records in a thread until all `num_workers` are done, then closes the reader.
     Worker 0's iteration does not wait for it (module docstring)."""
 
     def __init__(self, address: str, authkey: bytes, num_workers: int, dump_dir: str, reader_wait: float,
-                 owner) -> None:
-        from sglang_hs.reader import HiddenStateReader
-
+                 owner, publisher: Optional[str] = None) -> None:
         self.address, self.num_workers = address, num_workers
         self.nonce = os.urandom(6).hex()
-        self.reader = HiddenStateReader(dump_dir, wait=reader_wait, owner=owner, reattach=True)
+        self.reader = open_live_reader(dump_dir, reader_wait, owner, publisher)
         self._authkey = authkey
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._bound_ino = None

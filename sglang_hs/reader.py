@@ -566,6 +566,14 @@ class HiddenStateReader:
             self._skipped.pop(arrival, None)
         return n
 
+    def take_markers(self) -> list:
+        """[(rid, reason)] of every marker brought in and not answered yet, oldest first, consumed: for a
+        reader that hands them on (the Mooncake publisher, sglang_hs/publish.py) instead of answering take()."""
+        out = list(self._skipped.values())
+        self._skipped.clear()
+        self._marks.clear()
+        return out
+
     def not_captured(self, rid: str) -> Optional[str]:
         """Why request `rid` has no record, when the oldest outcome waiting for that rid is a marker, else
         None (never waits; the marker stays for take())."""

@@ -238,6 +238,15 @@ def readers_path() -> Optional[str]:
     return path if path and os.path.isdir(path) else None
 
 
+def mooncake_path() -> Optional[str]:
+    """Where requirements/mooncake.txt (Mooncake's wheel and the libraries it links) is installed, or None: the
+    SGLANG_HS_MOONCAKE folder, else the one scripts/ensure_env.sh recorded in .venv/.mooncake."""
+    path = os.environ.get("SGLANG_HS_MOONCAKE")
+    if not path and os.path.exists(os.path.join(REPO, ".venv", ".mooncake")):
+        path = open(os.path.join(REPO, ".venv", ".mooncake")).read().strip()
+    return path if path and os.path.isdir(path) else None
+
+
 def trainer_env(**extra) -> dict:
     """The environment of a subprocess that runs a trainer's own code on the CPU: the readers' folder (the
     trainers) and tests/ (specforge_train) on its path, Triton interpreted (SpecForge's Triton loss; read

@@ -1,5 +1,6 @@
 """A skip that hides a broken set-up fails under SGLANG_HS_STRICT_SKIPS=1 (`make test`, hence CI): the
-compiled extension not built, or the trainers' readers (requirements/readers.txt) not installed, would
+compiled extension not built, or the trainers' readers (requirements/readers.txt) or Mooncake
+(requirements/mooncake.txt) not installed, would
 otherwise turn a hundred tests into quiet skips. Skips for what a machine legitimately lacks (a GPU, root,
 an optional library) stay skips. Loaded by tests/conftest.py as a plugin."""
 import os
@@ -7,8 +8,8 @@ import re
 
 import pytest
 
-MUST_NOT_SKIP = re.compile(r"extension not built|requirements/readers\.txt|cannot import (specforge|speculators|"
-                           r"hs_connectors)|trainer does not import|is not in the readers' folder")
+MUST_NOT_SKIP = re.compile(r"extension not built|requirements/(readers|mooncake)\.txt|cannot import (specforge|"
+                           r"speculators|hs_connectors)|trainer does not import|is not in the readers' folder")
 
 
 def _strict() -> bool:

@@ -18,7 +18,7 @@ from sglang_hs.extract.errors import ExtractError
 from sglang_hs.extract.flags import build_parser
 from sglang_hs.extract.selection import Selection
 
-TRANSPORT = "ring"  # transport/__init__.py's TRANSPORTS: the node-local ring (no flag chooses another yet)
+TRANSPORT = "ring"  # transport/__init__.py's TRANSPORTS: the node-local ring by default (--transport)
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ def parse_args(argv: List[str]) -> Tuple[ExtractConfig, List[str]]:
         mode=mode,
         output=OutputSettings(os.path.abspath(ns.output), ns.format, save_dtype, gid, ns.resume),
         data=ns.data, max_samples=ns.max_samples, selection=selection,
-        server=ServerSettings(ns.server.rstrip("/") if ns.server else None, ns.hs_dump_dir, owner,
-                              tuple(launcher_args)),
+        server=ServerSettings(ns.server.rstrip("/") if ns.server else None,
+                              ns.mooncake if ns.transport == "mooncake" else ns.hs_dump_dir, owner,
+                              tuple(launcher_args), ns.transport),
         requests=RequestSettings(ns.concurrency, ns.verify, ns.request_timeout, ns.regenerate, ns.max_new_tokens,
                                  ns.temperature, ns.top_p),
         harvest=HarvestSettings(ns.from_dump, ns.idle_timeout, ns.max_samples, owner) if ns.from_dump else None,
@@ -180,6 +181,8 @@ def _not_for_harvest(ns, launcher_args: List[str], selection: Selection) -> Opti
     """Why these flags cannot go with --from-dump (one line), else None."""
     if launcher_args:
         return f"{launcher_args[0]}: --from-dump reads a running server's dump; it starts no server"
+    if ns.transport != "ring" or ns.mooncake:
+        return "--transport mooncake is for --data runs (a harvest across hosts: not yet)"
     for flag, given in (("--data", ns.data), ("--server", ns.server), ("--hs-dump-dir", ns.hs_dump_dir),
                         ("--regenerate", ns.regenerate), ("--verify", ns.verify),
                         ("--shard", selection.label != "0/1")):
@@ -204,7 +207,27 @@ def _check_data_run(ns, launcher_args: List[str]) -> Optional[int]:
         raise ExtractError(f"--max-samples: must be >= 0, got {ns.max_samples}")
     if ns.server and launcher_args:
         raise ExtractError(f"{launcher_args[0]}: launcher flags need no --server (the server is already running)")
-    if ns.server and not ns.hs_dump_dir:
+    if ns.transport not in ("ring", "mooncake"):
+        raise ExtractError(f"--transport: expected ring or mooncake, got {ns.transport!r}")
+    if ns.transport == "mooncake":
+        from sglang_hs.extract.transport.mooncake import parse_address
+
+        if not ns.mooncake:
+            raise ExtractError("--transport mooncake needs --mooncake HOST:PORT: the serving node's python -m "
+                               "sglang_hs.publish --listen address")
+        try:
+            parse_address(ns.mooncake, "--mooncake")
+        except ValueError as e:
+            raise ExtractError(str(e)) from None
+        for flag, given in (("--hs-dump-dir", ns.hs_dump_dir), ("--hs-owner", ns.hs_owner)):
+            if given:
+                raise ExtractError(f"{flag} does not go with --transport mooncake: the dump dir is the serving node's, "
+                                   "read there by its publisher")
+        if not ns.server:
+            raise ExtractError("--transport mooncake needs --server: the URL of the server on the other host")
+    elif ns.mooncake:
+        raise ExtractError("--mooncake needs --transport mooncake")
+    if ns.server and not ns.hs_dump_dir and ns.transport != "mooncake":
         raise ExtractError("--server needs --hs-dump-dir: the dump dir that server captures into")
     if ns.hs_owner is not None and not ns.server:
         raise ExtractError("--hs-owner needs --server or --from-dump: a server this command starts runs as you")

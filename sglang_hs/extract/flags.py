@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=None, metavar="URL", help="a running sglang-hs server (with --hs-dump-dir)")
     p.add_argument("--hs-dump-dir", default=None, metavar="DIR",
                    help="the server's dump dir (required with --server; default without: a fresh one in /dev/shm)")
+    p.add_argument("--transport", default="ring", metavar="KIND",
+                   help="how the records come: ring (default: the server's --hs-dump-dir on this node) or mooncake "
+                        "(a server on another host, through its python -m sglang_hs.publish: --mooncake)")
+    p.add_argument("--mooncake", default=None, metavar="HOST:PORT",
+                   help="with --transport mooncake: the serving node's publisher (its --listen address)")
     p.add_argument("--hs-owner", default=None, metavar="USER",
                    help="with --server: the user the server runs as, when it is not you (it shares the dump with "
                         "--hs-share-group, of which you are a member); default: you")

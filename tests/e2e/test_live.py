@@ -75,6 +75,39 @@ def test_samples_are_the_cli_files(capture_server, dump_dir, cli_files):
     HiddenStateReader(str(dump_dir), wait=0).close()
 
 
+def test_samples_through_mooncake_are_the_cli_files(capture_server, dump_dir, cli_files, tmp_path, monkeypatch):
+    """The trainer on "another host": the server's records through its publisher (python -m sglang_hs.publish on
+    the dump dir) and Mooncake's TCP protocol over loopback, LiveHiddenStates(transport="mooncake"): the same
+    samples, tensor by tensor, as the CLI's files (and so as the local path above); and the extraction CLI with
+    --transport mooncake through the same publisher writes those files again."""
+    from helpers import mooncake_path
+
+    if mooncake_path() is None:
+        pytest.skip("requirements/mooncake.txt is not installed (run scripts/ensure_env.sh, or set SGLANG_HS_MOONCAKE)")
+    monkeypatch.setenv("SGLANG_HS_MOONCAKE", mooncake_path())
+    from mooncake_run import Publisher, mooncake_master
+
+    data, files = cli_files
+    out = tmp_path / "out"
+    with mooncake_master(str(tmp_path / "master.log")) as master:
+        pub = Publisher(master, dump_dir, window_mb=64)
+        try:
+            ds = LiveHiddenStates(data, capture_server.url, transport="mooncake", publisher=pub.address, concurrency=3)
+            samples = list(DataLoader(ds, batch_size=None, num_workers=0))
+            pub.line("left: ")  # the publisher saw that consumer go: the next one is let in
+            # the extraction CLI through the same publisher: --transport mooncake, no --hs-dump-dir
+            proc = extract(["--data", data, "--output", str(out), "--format", "specforge", "--concurrency", "4",
+                            "--server", capture_server.url, "--transport", "mooncake", "--mooncake", pub.address])
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        finally:
+            pub.stop()
+    assert dict(ds.skipped) == {"empty-conversation": 1, "token-out-of-vocab": 1}
+    assert_same_samples(samples, files)
+    remote_files = [torch.load(out / "rows_0-2000" / f"data_{i}.ckpt") for i in range(7)]
+    assert_same_samples(remote_files, files)
+    HiddenStateReader(str(dump_dir), wait=0).close()  # the stopped publisher let go of the dump dir
+
+
 @pytest.mark.parametrize("workers,context,epochs", [(2, "fork", 2), (3, "spawn", 1)])
 def test_several_workers_yield_the_cli_files(capture_server, dump_dir, cli_files, workers, context, epochs):
     """Each worker sends its share (record index % workers) and gets its records from worker 0's router;

@@ -31,8 +31,10 @@ def dump(tmp_path):
     return w
 
 
-def test_the_registry_holds_the_node_local_ring():
-    assert TRANSPORTS == {"ring": RingTransport}
+def test_the_registry_holds_the_node_local_ring_and_mooncake():
+    from sglang_hs.extract.transport.mooncake import MooncakeTransport  # importing it needs no Mooncake
+
+    assert TRANSPORTS == {"ring": RingTransport, "mooncake": MooncakeTransport}
     for t in TRANSPORTS.values():  # what a transport offers the runs
         assert callable(t.for_requests) and callable(t.for_harvest)
 
