@@ -77,7 +77,10 @@ mooncake="$cache/mooncake/$mkey"
 install_mooncake() {
     .venv/bin/pip install -q --no-deps --target "$mooncake/site" -r requirements/mooncake.txt || return 1
     mkdir -p "$mooncake/debs" "$mooncake/root" "$mooncake/lib"
-    (cd "$mooncake/debs" && apt-get download $MOONCAKE_DEBS) || return 1
+    # a machine whose package lists are missing or stale: refresh them once (as root) and try again
+    (cd "$mooncake/debs" && apt-get download $MOONCAKE_DEBS) \
+        || { [ "$(id -u)" = 0 ] && apt-get update -qq && (cd "$mooncake/debs" && apt-get download $MOONCAKE_DEBS); } \
+        || return 1
     for deb in "$mooncake"/debs/*.deb; do dpkg-deb -x "$deb" "$mooncake/root" || return 1; done
     for so in libnl-3.so.200 libnl-route-3.so.200 libibverbs.so.1; do
         found=$(find "$mooncake/root" -name "$so" | head -1)
