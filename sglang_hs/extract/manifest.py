@@ -43,21 +43,26 @@ def draft_config(manifest: dict) -> dict:
     out = {}
     if manifest.get("hc_mult", 1) > 1:  # DeepSeek-V4: SGLang 0.5.23 serves DSpark drafters for it, not EAGLE-3
         ids = None
+        n = manifest["num_hidden_layers"]
         note = ("SGLang 0.5.23 serves DeepSeek-V4 drafters through DSpark (DeepseekV4ForCausalLM has no "
-                "set_eagle3_layers_to_capture): dspark_config.target_layer_ids are its dspark_layers_to_capture, "
-                "captured after layer j (the state entering layer j+1, the stream mean), so they make SGLang "
-                f"capture exactly HF output_hidden_states {layers} (.mean(-2))")
+                "set_eagle3_layers_to_capture): a DSpark draft config's dspark_target_layer_ids (what "
+                "parse_dspark_draft_config reads) are its dspark_layers_to_capture, captured after layer j (the state "
+                "entering layer j+1, the stream mean), so they make SGLang capture exactly HF output_hidden_states "
+                f"{[i for i in layers if i < n]} (.mean(-2))"
+                + (f" and, for our id {n}, the streams leaving the last layer (the input of HF model.model.hc_head, "
+                   "no output_hidden_states entry)" if n in layers else ""))
         if manifest.get("hc_streams") == "full":
             note += ("; these files hold every stream (hc_mult rows per id), SGLang's DSpark capture serves their "
                      "mean only")
-        out["dspark_config"] = {"target_layer_ids": manifest.get("dspark_layer_ids")}
+        out["dspark_target_layer_ids"] = manifest.get("dspark_layer_ids")
         out.update(hc_mult=manifest["hc_mult"], hc_streams=manifest.get("hc_streams", "mean"),
                    rows_per_layer=manifest.get("rows_per_layer", 1))
     return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             **out, "target_hidden_size": manifest["hidden_size"], "sglang_id_convention": note,
             # `speculators train --target-layer-ids` takes the aux ids only (HF output_hidden_states
-            # indices, space-separated): the final state is the file's last row, never one of these ids
-            "speculators_layer_ids": list(layers)}
+            # indices, space-separated): the final state is the file's last row, never one of these ids. None
+            # when an id has no output_hidden_states index (DeepSeek-V4's id n, hc_head's input)
+            "speculators_layer_ids": None if manifest.get("num_hidden_layers") in layers else list(layers)}
 
 
 

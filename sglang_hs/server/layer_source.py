@@ -4,14 +4,18 @@ A checkpoint that ships a drafter, or a draft served beside it, names its target
 convention of the code that serves it; a capture for the next version of that drafter should default to them.
 Looked for, first found wins:
 
-1. the draft's config (`--speculative-draft-model-path`), the drafter being served;
+1. the draft's config (`--speculative-draft-model-path` with `--speculative-algorithm EAGLE3`, the one algorithm
+   served with capture whose draft reads target layers of its choice), the drafter being served;
 2. the target's config: a bundled DSpark head (DeepSeek-V4-Flash-DSpark's `dspark_target_layer_ids` [40, 41, 42])
    or EAGLE-3 ids kept with the target.
 
-In each config: `dspark_target_layer_ids`, `dspark_config.target_layer_ids`, `dflash_config.target_layer_ids`
-(decoder layer j's output: our id j + 1, capture_spec.from_dspark_ids), then
-`eagle_config.eagle_aux_hidden_state_layer_ids` or a top-level `eagle_aux_hidden_state_layer_ids` (as SGLang's
-set_eagle3_layers_to_capture takes them: capture_spec.from_eagle3_ids). Nothing found: the EAGLE-3 default
+In each config, the keys SGLang 0.5.23 reads a drafter's target layers from (speculative/dspark_components/
+dspark_config.py parse_dspark_draft_config, speculative/dflash_utils.py parse_dflash_draft_config,
+model_runner_components/spec_aux_hidden_state.py): `dspark_target_layer_ids`, `dflash_config.target_layer_ids`, a
+top-level `target_layer_ids` (decoder layer j's output: our id j + 1, capture_spec.from_dspark_ids), then
+`eagle_config.eagle_aux_hidden_state_layer_ids` unless `eagle_config.use_aux_hidden_state` is false (as SGLang's
+set_eagle3_layers_to_capture takes them: capture_spec.from_eagle3_ids). Ids are captured in ascending order, as
+SGLang captures them. Nothing found: the EAGLE-3 default
 [2, n//2, n-3]. The result is printed at start-up and kept in the manifest (`layer_source`)."""
 from __future__ import annotations
 
@@ -34,37 +38,40 @@ def _nested(config: dict, *keys):
     return config
 
 
-def ids_in_config(config: dict, hc_pre_from_prev_sublayer: bool = False) -> Optional[Tuple[str, List[int], List[int], str]]:
-    """(key, the config's ids, ours, the rule) for the first drafter layer list in `config`, or None."""
+def ids_in_config(config: dict, hc_pre_from_prev_sublayer: bool = False,
+                  where: str = "the config") -> Optional[Tuple[str, List[int], List[int], str]]:
+    """(key, the config's ids, ours (ascending), the rule) for the first drafter layer list in `config`, or None;
+    CaptureConfigError naming the key and `where` for a list that is not one of integers."""
     dspark_rule = DSPARK_LAGGED_RULE if hc_pre_from_prev_sublayer else DSPARK_RULE
-    for path, rule in ((("dspark_target_layer_ids",), dspark_rule), (("dspark_config", "target_layer_ids"), dspark_rule),
-                       (("dflash_config", "target_layer_ids"), dspark_rule),
-                       (("eagle_config", "eagle_aux_hidden_state_layer_ids"), EAGLE3_RULE),
-                       (("eagle_aux_hidden_state_layer_ids",), EAGLE3_RULE)):
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    for path, rule in ((("dspark_target_layer_ids",), dspark_rule), (("dflash_config", "target_layer_ids"), dspark_rule),
+                       (("target_layer_ids",), dspark_rule),
+                       (("eagle_config", "eagle_aux_hidden_state_layer_ids"), EAGLE3_RULE)):
         raw = _nested(config, *path)
-        if raw is None:
+        if raw is None or (rule is EAGLE3_RULE and eagle.get("use_aux_hidden_state", True) is False):
             continue
         key = ".".join(path)
         if not (isinstance(raw, (list, tuple)) and raw and all(isinstance(i, int) and not isinstance(i, bool)
                                                                for i in raw)):
-            raise CaptureConfigError(f"{key}: a non-empty list of integer layer ids was expected, got {raw!r}")
+            raise CaptureConfigError(f"{key} in {where}: a non-empty list of integer layer ids was expected, got {raw!r}")
         ours = from_eagle3_ids(raw) if rule is EAGLE3_RULE else from_dspark_ids(raw, hc_pre_from_prev_sublayer)
-        return key, list(raw), ours, rule
+        return key, list(raw), sorted(set(ours)), rule
     return None
 
 
-def read_draft_config(path: str, revision: Optional[str], trust_remote_code: bool) -> dict:
-    """The draft's config.json: a local folder, the hub's cache, else through transformers (as SGLang will)."""
+def read_draft_config(path: str, revision: Optional[str]) -> dict:
+    """The draft's config.json: a local folder, the hub's cache, else downloaded from the hub as SGLang will (the
+    file alone, read as JSON: no transformers class needed for its model_type)."""
     from sglang_hs.server.identity import local_file
 
-    found = local_file(path, "config.json", revision)
     try:
-        if found is not None:
-            with open(found) as f:
-                return json.load(f)
-        from transformers import AutoConfig
+        found = local_file(path, "config.json", revision)
+        if found is None:
+            from huggingface_hub import hf_hub_download
 
-        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code).to_dict()
+            found = hf_hub_download(path, "config.json", revision=revision)
+        with open(found) as f:
+            return json.load(f)
     except Exception as e:  # noqa: BLE001 (any failure to read it is the same one-line error)
         raise CaptureConfigError(f"--speculative-draft-model-path: cannot read {path}'s config.json to pick the captured "
                                  f"layers ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass "
@@ -79,7 +86,7 @@ def checkpoint_layers(target_config: dict, target_where: str, draft_config: Opti
     for config, where in ((draft_config, draft_where), (target_config, target_where)):
         if not config:
             continue
-        found = ids_in_config(config, lagged)
+        found = ids_in_config(config, lagged, where)
         if found is not None:
             key, raw, ours, rule = found
             return {"from": where, "key": key, "ids": raw, "layers": ours, "rule": rule}

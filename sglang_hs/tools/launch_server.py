@@ -419,9 +419,12 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
         return layer_source.describe_default(True)
     draft_path = _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model")
     draft = None
-    if draft_path and _flag_value(sg_argv, "--speculative-algorithm"):
-        draft = layer_source.read_draft_config(draft_path, _flag_value(sg_argv, "--speculative-draft-model-revision"),
-                                               _has_flag(sg_argv, "--trust-remote-code"))
+    # EAGLE3 is the one algorithm served with capture whose draft reads target layers of its choice (DFLASH and
+    # DSPARK are refused with capture; an MTP draft is the target itself; NGRAM has none)
+    if draft_path and str(_flag_value(sg_argv, "--speculative-algorithm") or "").upper() == "EAGLE3":
+        draft = layer_source.read_draft_config(draft_path, _flag_value(sg_argv, "--speculative-draft-model-revision"))
+    else:
+        draft_path = None
     target = dict(raw_config, **config) if config is not raw_config else raw_config  # a wrapper's text_config too
     found = layer_source.checkpoint_layers(target, layer_source.config_where(model_path), draft,
                                            layer_source.config_where(draft_path) if draft_path else None)
@@ -439,6 +442,12 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
         config = config["text_config"]
+    algorithm = _flag_value(sg_argv, "--speculative-algorithm")
+    if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:  # before a draft's config is read for its layers
+        raise CaptureConfigError(
+            f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
+            "DeepSeek-V2/V3-family MLA models only (docs/serving.md#speculative-decoding); serve this model without "
+            "a draft, or without --hs-dump-dir")
     source = layers_source(ns, sg_argv, model_path, raw_config, config)
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else source.get("layers")
     try:
@@ -447,7 +456,7 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
         if arch in HC_ARCHITECTURES:
             v4_dspark_ids(spec, bool(config.get("hc_pre_from_prev_sublayer", False)))
     except CaptureConfigError as e:
-        if not source.get("key"):
+        if not source.get("key") or not str(e).startswith("--hs-layers: "):  # not the ids' fault: as it is
             raise
         raise CaptureConfigError(f"{source['key']} {source['ids']} in {source['from']} (our ids {source['layers']}): "
                                  f"{str(e).replace('--hs-layers: ', '')}; pass --hs-layers") from None
@@ -467,17 +476,11 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
         if _has_flag(sg_argv, "--enable-dp-attention"):
             raise CaptureConfigError(f"--enable-dp-attention with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
                                      "serve one rank only; drop it")
-    algorithm = _flag_value(sg_argv, "--speculative-algorithm")
     for flag, value in (("--hs-capture-accept-below", ns.hs_capture_accept_below),
                         ("--hs-capture-accept-lowest", ns.hs_capture_accept_lowest)):
         if value is not None and (not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
             raise CaptureConfigError(f"{flag} selects on the draft's accept length: it needs a server that decodes "
                                      "speculatively (--speculative-algorithm with a draft)")
-    if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:
-        raise CaptureConfigError(
-            f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
-            "DeepSeek-V2/V3-family MLA models only (docs/serving.md#speculative-decoding); serve this model without "
-            "a draft, or without --hs-dump-dir")
     return arch, config, spec
 
 

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
     p.add_argument("--model-path", default=None, help="a checkpoint folder or its config.json (default: the "
                                                        "embedded tiny model)")
-    p.add_argument("--hs-layers", default=None, metavar="IDS", help="as the launcher's (default [2, n//2, n-3])")
+    p.add_argument("--hs-layers", default=None, metavar="IDS", help="as the launcher's (default: the checkpoint's drafter layers, else [2, n//2, n-3])")
     p.add_argument("--no-hs-last", action="store_true", help="without the final state (the extraction CLI "
                                                              "always captures it)")
     p.add_argument("--hs-last", default="post-norm", choices=("post-norm", "pre-norm", "both"),
@@ -204,14 +204,17 @@ def node_writers(ns) -> List[int]:
 
 
 def plan(ns) -> dict:
+    from sglang_hs.server import layer_source
     from sglang_hs.server.capture_spec import CaptureSpec, hc_mult_of, parse_layer_ids
     from sglang_hs.tools.launch_server import parse_size
     from sglang_hs.server.store.ring import HEADER_BYTES, _align, record_bytes
 
     check_numbers(ns)
     cfg = _config(ns.model_path)
-    ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers else None
     try:
+        # as the launcher: the layers the checkpoint's drafter reads (server/layer_source.py), else the default
+        found = None if ns.hs_layers else layer_source.checkpoint_layers(cfg, ns.model_path or "the tiny model")
+        ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers else found and found["layers"]
         spec = CaptureSpec.resolve(ids, None if ns.no_hs_last else ns.hs_last, cfg["num_hidden_layers"],
                                    cfg["hidden_size"], hc_mult=hc_mult_of(cfg), streams=ns.hs_hc_streams)
     except ValueError as e:

@@ -10,7 +10,7 @@ hidden size (256) and 4 layers of each attention kind HF's defaults lay out; the
 SGLang's V4 config reads (compress_ratios, yarn rope_scaling, topk_method).
 
 One server per convention (module scope): --hs-hc-streams mean (default) and full, both --hs-last both,
-layers 1 and 3. Prompts longer than the sliding window (128) and a chunked-prefill size of 64, a radix hit
+layers 1, 3 and 4 (= n, the streams leaving the last layer: hc_head's input). Prompts longer than the sliding window (128) and a chunked-prefill size of 64, a radix hit
 (the same prompt again), decode (8 tokens) and 4 concurrent requests. The server is bf16 (FlashMLA): rows
 are judged per row within TOL of HF float32 and closer to their own row than to the neighbouring token's or
 layer's. Not yet run: no GPU was drawn for the session that wrote it.
@@ -33,7 +33,7 @@ from helpers import serving  # noqa: E402
 from reference import hc_rows_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-LAYERS = [1, 3]
+LAYERS = [1, 3, 4]  # 4 = n: the streams leaving the last layer (hc_head's input), SGLang's dspark id 3 on CUDA's path
 N_LAYERS, H, HC = 4, 256, 4
 TOL = 3e-2  # bf16 weights and activations against float32; a neighbouring row is ~1 off
 _RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -74,15 +74,18 @@ def checkpoint(tmp_path_factory):
 
 
 def _hf(model, ids):
-    """HF float32: output_hidden_states (streams [T, HC, H] for i < n) and the final norm's input."""
-    taken = []
-    handle = model.model.norm.register_forward_hook(lambda m, a, o: taken.append(a[0][0]))
+    """HF float32: output_hidden_states (streams [T, HC, H] for i < n), the final norm's input and hc_head's input
+    (the streams leaving the last layer, [T, HC, H])."""
+    taken, head = [], []
+    handles = [model.model.norm.register_forward_hook(lambda m, a, o: taken.append(a[0][0])),
+               model.model.hc_head.register_forward_hook(lambda m, a, o: head.append(a[0][0]))]
     try:
         with torch.no_grad():
             hs = [h[0] for h in model(torch.tensor([ids]), output_hidden_states=True).hidden_states]
     finally:
-        handle.remove()
-    return hs, taken[0]
+        for h in handles:
+            h.remove()
+    return hs, taken[0], head[0]
 
 
 def _rel(got, ref):
@@ -90,9 +93,9 @@ def _rel(got, ref):
 
 
 def _judge(rec, model, ids, streams):
-    hs, pre = _hf(model, ids)
+    hs, pre, head = _hf(model, ids)
     T = len(ids)
-    ref = hc_rows_ref(hs, LAYERS, streams)  # [T, rows, H]
+    ref = hc_rows_ref(hs[:N_LAYERS] + [head], LAYERS, streams)  # [T, rows, H]; id n: hc_head's input
     assert rec.input_ids.tolist() == ids and tuple(rec.aux_hidden_states.shape) == tuple(ref.shape)
     for got, want, name in [(rec.aux_hidden_states[:, r].float().cpu(), ref[:, r], f"aux row {r}")
                             for r in range(ref.shape[1])] + \

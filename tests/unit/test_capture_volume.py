@@ -66,12 +66,13 @@ def test_the_byte_budget_caps_what_is_captured_and_counts_the_rest():
     assert adm.stats["capture_bytes"] == 3 * one + small <= 3.5 * one
 
 
-class NS:
-    hs_capture = hs_when_behind = hs_capture_sample = None
-    hs_capture_sample_key = hs_capture_max_bytes = hs_capture_accept_below = None
+def NS(**kw):
+    """The launcher's own parsed flags (every --hs-* default, so a flag added there is here too) with `kw` set."""
+    from sglang_hs.tools.launch_server import split_argv
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    ns, _ = split_argv([])
+    ns.__dict__.update(kw)
+    return ns
 
 
 def test_the_launcher_flags():

@@ -443,8 +443,8 @@ def test_draft_config_of_deepseek_v4_names_sglangs_dspark_ids(streams):
     cfg = draft_config(m)
     # SGLang 0.5.23 has no EAGLE-3 capture for V4; its DSpark capture of id j is layer j's output
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] is None
-    assert cfg["dspark_config"]["target_layer_ids"] == [1, 20, 39]
-    assert [j + 1 for j in cfg["dspark_config"]["target_layer_ids"]] == m["layer_ids"]
+    assert cfg["dspark_target_layer_ids"] == [1, 20, 39]
+    assert [j + 1 for j in cfg["dspark_target_layer_ids"]] == m["layer_ids"]
     assert cfg["hc_mult"] == 4 and cfg["hc_streams"] == streams and cfg["rows_per_layer"] == (4 if streams == "full"
                                                                                                else 1)
     assert ("mean only" in cfg["sglang_id_convention"]) == (streams == "full")

@@ -76,18 +76,41 @@ def test_the_draft_wins_and_every_key_is_read():
     draft = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}}
     assert layer_source.checkpoint_layers(target, "t", draft, "d")["layers"] == [2, 6, 10]
     assert layer_source.checkpoint_layers(target, "t", {"unrelated": 1}, "d")["from"] == "t"
-    for config, ours in (({"dspark_config": {"target_layer_ids": [3, 4]}}, [4, 5]),
-                         ({"dflash_config": {"target_layer_ids": [3, 4]}}, [4, 5]),
-                         ({"eagle_aux_hidden_state_layer_ids": [2, 4]}, [2, 4])):
+    for config, ours in (({"dflash_config": {"target_layer_ids": [3, 4]}}, [4, 5]),
+                         ({"target_layer_ids": [3, 4]}, [4, 5]),
+                         ({"dspark_target_layer_ids": [9, 3], "dflash_config": {"target_layer_ids": [1]}}, [4, 10]),
+                         ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4]}}, [2, 4])):
         assert layer_source.checkpoint_layers({}, "t", config, "d")["layers"] == ours
+    # keys SGLang does not read a drafter's target layers from: not taken
+    for config in ({"dspark_config": {"target_layer_ids": [3, 4]}}, {"eagle_aux_hidden_state_layer_ids": [2, 4]},
+                   {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4], "use_aux_hidden_state": False}}):
+        assert layer_source.checkpoint_layers(config, "t") is None, config
     lagged = layer_source.checkpoint_layers({"hc_pre_from_prev_sublayer": True, "dspark_target_layer_ids": [3, 4]}, "t")
     assert lagged["layers"] == [3, 4] and lagged["rule"] == layer_source.DSPARK_LAGGED_RULE
     assert layer_source.checkpoint_layers({"num_hidden_layers": 8}, "t") is None
 
 
+@pytest.mark.parametrize("config", [{"dspark_target_layer_ids": [40, 41, 42]},
+                                    {"dflash_config": {"target_layer_ids": [1, 20]}},
+                                    {"target_layer_ids": [5, 6]},
+                                    {"dspark_target_layer_ids": [7], "dflash_config": {"target_layer_ids": [1, 2]}},
+                                    {"dspark_config": {"target_layer_ids": [3, 4]}}])
+def test_the_dspark_and_dflash_keys_are_the_ones_sglang_parses(config, sglang_v2):
+    """The ids layer_source takes from a DSpark/DFlash config are the ones SGLang's own parsers give
+    (parse_dspark_draft_config, parse_dflash_draft_config; None where they find none, as for dspark_config's)."""
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.speculative.dspark_components.dspark_config import parse_dspark_draft_config
+
+    found = layer_source.ids_in_config(config)
+    taken = found[1] if found else None
+    assert parse_dspark_draft_config(draft_hf_config=config).target_layer_ids == taken
+    if "dspark_target_layer_ids" not in config:
+        assert parse_dflash_draft_config(draft_hf_config=config).target_layer_ids == taken
+
+
 @pytest.mark.parametrize("bad", [[], "1,2", [1, "2"], [True, 2], 3])
 def test_a_malformed_list_is_refused_naming_the_key(bad):
-    with pytest.raises(CaptureConfigError, match=r"^dspark_target_layer_ids: a non-empty list of integer layer ids"):
+    with pytest.raises(CaptureConfigError, match=r"^dspark_target_layer_ids in t: a non-empty list of integer layer ids"):
         layer_source.checkpoint_layers({"dspark_target_layer_ids": bad}, "t")
 
 
@@ -124,8 +147,18 @@ def test_the_launcher_reads_the_served_drafts_ids(tmp_path, clean_env):
     source, layers = _prepare(tmp_path, model, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                               draft)
     assert layers == "2,6,9" and source["from"] == os.path.join(draft, "config.json")
-    # a draft path without speculative decoding is not a served draft: the target's own ids
+    # a draft path without speculative decoding, or of an algorithm whose draft picks no target layers: the target's
     assert _prepare(tmp_path, model, "--speculative-draft-model-path", draft)[1] == "4,8,11"
+    assert _prepare(tmp_path, model, "--speculative-algorithm", "NGRAM", "--speculative-draft-model-path",
+                    str(tmp_path / "nowhere"))[1] == "4,8,11"
+
+
+def test_errors_of_other_flags_are_not_blamed_on_the_checkpoints_ids(tmp_path, clean_env):
+    model = _model(tmp_path, dspark_target_layer_ids=[3, 7])
+    with pytest.raises(CaptureConfigError, match=r"^--hs-hc-streams: only for models with hyper-connections"):
+        _prepare(tmp_path, model, "--hs-hc-streams", "full")
+    with pytest.raises(CaptureConfigError, match=r"^--hs-last: 'bogus' is not one of"):
+        _prepare(tmp_path, model, "--hs-last", "bogus")
 
 
 def test_ids_the_model_cannot_capture_are_refused_naming_the_file(tmp_path, clean_env):

@@ -49,6 +49,19 @@ def test_deepseek_v3_figures_and_what_does_not_fit(tmp_path, capsys):
         assert msgs and "--max-samples" in msgs[0] and "--shard I/" in msgs[0], f["problems"]
 
 
+def test_the_checkpoints_drafter_layers_are_planned_as_the_launcher_captures_them(tmp_path, capsys):
+    """A V4-Flash-DSpark config (dspark_target_layer_ids [40, 41, 42] of 43): plan sizes our ids 41, 42, 43, as the
+    launcher captures them (server/layer_source.py); --hs-layers still wins."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 43,
+                               "hc_mult": 4, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+                               "dspark_target_layer_ids": [40, 41, 42]}))
+    for extra, layers in (([], [41, 42, 43]), (["--hs-layers", "2,21"], [2, 21])):
+        assert plan.main(["--model-path", str(cfg), "--device", "cpu", "--json", "--samples", "1", "--mean-tokens",
+                          "10", *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["layers"] == layers
+
+
 def test_a_store_that_does_not_fit_names_the_flags(tmp_path, capsys):
     rc, f = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "10", "--max-total-tokens", str(10**9),
                   "--context-length", "4096", "--hs-dump-dir", str(tmp_path))

@@ -109,7 +109,7 @@ def test_the_extraction_records_the_v4_convention(v4):
     _, m = _extract(v4, "specforge")
     print({k: m[k] for k in ("hc_mult", "hc_streams", "rows_per_layer", "dspark_layer_ids", "draft_model_config")})
     assert (m["hc_mult"], m["hc_streams"], m["rows_per_layer"]) == (4, "mean", 1) and m["samples_written"] == 3
-    assert m["dspark_layer_ids"] == [0, 2, 4] == m["draft_model_config"]["dspark_config"]["target_layer_ids"]
+    assert m["dspark_layer_ids"] == [0, 2, 4] == m["draft_model_config"]["dspark_target_layer_ids"]
     assert m["draft_model_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] is None  # no EAGLE-3 in SGLang for V4
     assert m["draft_model_config"]["target_hidden_size"] == 88
 
