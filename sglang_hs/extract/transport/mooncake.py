@@ -30,11 +30,12 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
-
-import torch
+from typing import TYPE_CHECKING, List, Optional
 
 from sglang_hs.reader import HiddenStateRecord
+
+if TYPE_CHECKING:  # torch is imported where a record is built: the transports' registry costs no torch
+    import torch
 
 PROTOCOLS = ("tcp", "rdma")
 # the libraries the wheel's store.so links and a bare image lacks, in dependency order
@@ -163,6 +164,8 @@ class Staging:
         if self.buf is None or self.buf.numel() < nbytes:
             if self.buf is not None:
                 self.store.unregister_buffer(self.buf.data_ptr())
+            import torch
+
             self.buf = torch.empty(max(nbytes, 1 << 20) * 5 // 4, dtype=torch.uint8)
             rc = self.store.register_buffer(self.buf.data_ptr(), self.buf.numel())
             if rc != 0:
@@ -242,6 +245,8 @@ class MooncakeTransport:
     # -- arrivals --------------------------------------------------------------------------------------------
     def _fetch(self, h: dict) -> RemoteRecord:
         T, P, H = int(h["tokens"]), int(h["rows"]), int(h["hidden"])
+        import torch
+
         dtype = getattr(torch, h["dtype"])
         rows_at, total = payload_layout(T, P, H, torch.empty((), dtype=dtype).element_size())
         if total != int(h["nbytes"]):
