@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
-from sglang_hs.reader import HiddenStateRecord
-
 if TYPE_CHECKING:  # torch is imported where a record is built: the transports' registry costs no torch
     import torch
+
+    from sglang_hs.reader import HiddenStateRecord  # RemoteRecord's base (_record_class)
 
 PROTOCOLS = ("tcp", "rdma")
 # the libraries the wheel's store.so links and a bare image lacks, in dependency order
@@ -147,11 +147,28 @@ def receive(conn) -> dict:
     return message
 
 
-@dataclass
-class RemoteRecord(HiddenStateRecord):
-    """A record fetched through Mooncake: the local reader's record, plus which delivery it was."""
-    delivery: int = 0  # the publisher's number of it (what the consumer confirms)
-    redelivered: bool = False  # announced before to a consumer that left without confirming it
+_RECORD_CLASS = []
+
+
+def _record_class():
+    """RemoteRecord, made at first use: sglang_hs.reader (and torch) are imported then, not with the registry."""
+    if not _RECORD_CLASS:
+        from sglang_hs.reader import HiddenStateRecord
+
+        @dataclass
+        class RemoteRecord(HiddenStateRecord):
+            """A record fetched through Mooncake: the local reader's record, plus which delivery it was."""
+            delivery: int = 0  # the publisher's number of it (what the consumer confirms)
+            redelivered: bool = False  # announced before to a consumer that left without confirming it
+
+        _RECORD_CLASS.append(RemoteRecord)
+    return _RECORD_CLASS[0]
+
+
+def __getattr__(name: str):  # `from sglang_hs.extract.transport.mooncake import RemoteRecord` still works
+    if name == "RemoteRecord":
+        return _record_class()
+    raise AttributeError(name)
 
 
 class Staging:
@@ -229,7 +246,7 @@ class MooncakeTransport:
         self._staging = Staging(self._store)
         self._ready: "collections.OrderedDict[str, collections.deque]" = collections.OrderedDict()
         self._skipped: "collections.OrderedDict[str, collections.deque]" = collections.OrderedDict()
-        self._unconfirmed: "dict[int, RemoteRecord]" = {}
+        self._unconfirmed: "dict[int, HiddenStateRecord]" = {}
         self._confirm: List[int] = []
         self._ring_unread = 0
         self._syncs = self._synced = 0
@@ -243,7 +260,7 @@ class MooncakeTransport:
         self.dp_ranks = sorted(int(w.get("dp_rank", w["id"])) for w in manifest["writers"])
 
     # -- arrivals --------------------------------------------------------------------------------------------
-    def _fetch(self, h: dict) -> RemoteRecord:
+    def _fetch(self, h: dict) -> HiddenStateRecord:
         T, P, H = int(h["tokens"]), int(h["rows"]), int(h["hidden"])
         import torch
 
@@ -265,7 +282,7 @@ class MooncakeTransport:
         def final(which):
             return rows[:, K + self.finals.index(which)] if which in self.finals else None
 
-        return RemoteRecord(rid=h["rid"], input_ids=ids, aux_hidden_states=rows[:, :K],
+        return _record_class()(rid=h["rid"], input_ids=ids, aux_hidden_states=rows[:, :K],
                             last_hidden_state=final("post-norm"), last_pre_norm=final("pre-norm"),
                             seq=int(h["seq"]), writer=int(h["writer"]), ring_id=str(h["ring_id"]),
                             generation=int(h["generation"]), dp_rank=int(h["dp_rank"]),
@@ -329,7 +346,7 @@ class MooncakeTransport:
             self._confirm = []
 
     # -- the Transport interface ----------------------------------------------------------------------------
-    def _pop(self, rid: str) -> RemoteRecord:
+    def _pop(self, rid: str) -> HiddenStateRecord:
         q = self._ready[rid]
         rec = q.popleft()
         if not q:
@@ -354,7 +371,7 @@ class MooncakeTransport:
         self._skipped.pop(rid, None)
         return n
 
-    def take(self, rid: str, timeout: Optional[float] = None) -> RemoteRecord:
+    def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
         deadline = None if timeout is None else time.monotonic() + timeout
         while rid not in self._ready:
             if self.not_captured(rid):
@@ -370,7 +387,7 @@ class MooncakeTransport:
                 self._wait()
         return self._pop(rid)
 
-    def next(self, timeout: Optional[float] = None) -> RemoteRecord:
+    def next(self, timeout: Optional[float] = None) -> HiddenStateRecord:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._ready:
             if not self.poll():
@@ -389,7 +406,7 @@ class MooncakeTransport:
         except (EOFError, OSError):
             pass  # the next poll says so
 
-    def ack(self, record: RemoteRecord) -> None:
+    def ack(self, record: HiddenStateRecord) -> None:
         """Confirm `record` (with ack=True): the publisher gives its ring bytes back to the server."""
         if self.ack_mode and self._unconfirmed.pop(record.delivery, None) is not None:
             if self._conn is None:
