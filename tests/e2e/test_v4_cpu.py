@@ -395,3 +395,52 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
           f"{cached}, worst {worst:.2e}")
     assert sent > 4 * POOL and evicted >= 2 * POOL, (sent, evicted)
     assert any(c > 0 for c in cached) and any(c == 0 for c in cached[3:]), cached  # hits, and misses of repeats
+
+
+# bf16, what users run: judged statistically as test_capture.py judges the bf16 V3 server (a row's error against HF
+# float32 is bf16's rounding through every layer, median ~0.006-0.009 here, not TOL): per record and layer id the
+# median error to its own HF row under OWN_MEDIAN and to the next id's row over NEIGHBOUR_MEDIAN (an off-by-one
+# fails), and at most 5% of all rows over OWN_P90.
+OWN_MEDIAN, OWN_P90, NEIGHBOUR_MEDIAN = 0.03, 0.05, 0.2
+
+
+def test_bf16_rows_of_the_checkpoints_layers(tmp_path):
+    """v4-swa served in bf16 (the KV cache bf16 too, in place of FlashMLA's fp8), no --hs-layers (ids 2, 3, 4 from
+    its DSpark ids): a long prompt in chunks of 5 and 7 decode steps, the same prompt again (a radix hit) and two
+    requests at once; every record's rows against HF float32, statistically (OWN_MEDIAN, NEIGHBOUR_MEDIAN, OWN_P90)."""
+    hf = _Captured(hf_reference("v4-swa"), CHECKPOINT_LAYERS)
+    gen = _serve(tmp_path / "dump", ["--model-path", tiny_model.ensure("v4-swa"), "--device", "cpu", "--dtype",
+                                     "bfloat16", "--skip-tokenizer-init", "--hs-last", "both",
+                                     "--chunked-prefill-size", "5"])
+    server = next(gen)
+    try:
+        with HiddenStateReader(str(server.dump)) as reader:
+            assert reader.manifest["dtype"] == "bfloat16" and reader.manifest["layer_ids"] == CHECKPOINT_LAYERS
+            jobs = [("bf16-long", _prompt(50, 3)), ("bf16-again", _prompt(50, 3))]
+            outs = [server.generate(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 7, **GREEDY})
+                    for rid, ids in jobs]
+            assert outs[1]["meta_info"]["cached_tokens"] >= 49
+            together = [("bf16-c0", _prompt(31, 11)), ("bf16-c1", _prompt(44, 12))]
+            with cf.ThreadPoolExecutor(2) as pool:
+                outs += list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+                    "max_new_tokens": 5, **GREEDY}), together))
+            n, errors = hf.config.num_hidden_layers, []
+            for (rid, ids), out in zip(jobs + together, outs):
+                rec, full = reader.take(rid, timeout=60), (ids + out["output_ids"])[:-1]
+                assert rec.input_ids.tolist() == full
+                hs = hf(full)
+                view = [h.mean(dim=-2) for h in hs[:n]] + [hs.head_input.mean(dim=-2), hs[n]]
+                rows = [(rec.aux_hidden_states[:, k].float(), i) for k, i in enumerate(hf.layers)] + \
+                    [(rec.last_hidden_state.float(), n + 1)]
+                for got, i in rows:
+                    own = row_judge.rel(got, view[i])
+                    errors.append(own)
+                    assert own.median() < OWN_MEDIAN, (rid, i, own)
+                    for j in (i - 1, i + 1):
+                        if 0 <= j < len(view) and j != i:
+                            assert row_judge.rel(got, view[j]).median() > NEIGHBOUR_MEDIAN, (rid, i, j)
+            e = torch.cat(errors)
+            print(f"v4-swa bf16: {e.numel()} rows, median {e.median():.4f}, max {e.max():.4f}")
+            assert (e > OWN_P90).float().mean() <= 0.05, e
+    finally:
+        next(gen, None)
