@@ -4,6 +4,8 @@
   b_plain_capture    --hs-dump-dir without a draft: the same extraction
   c_spec_plain       ALGO without capture, driven by /generate with the extraction's requests
   d_spec_capture_gen a_spec_capture's server driven like c_spec_plain (a reader drains the ring)
+  e_spec_select      ALGO + --hs-dump-dir + --hs-capture-accept-lowest 0.5 (keep the half of recent traffic the
+                     draft did worst on), driven like c_spec_plain: what selection on the draft costs users
 
 ALGO (--algorithm): NGRAM (no draft model), or EAGLE3 with the tiny EAGLE-3 draft (sglang_hs/tools/tiny_eagle3.py:
 its aux layers captured beside ours; one step, top-1, the CPU engine's setting).
@@ -13,7 +15,8 @@ accepted) with a 96-token reply each; every server sees each prompt set once per
 rep: no radix hits across methods). Reported per rep and as medians: generated tokens/s, the ratios
 a/b (what speculative decoding buys an extraction; the replies must be the same tokens) and d/c (what
 capture costs a speculative server; goal >= 0.97), and SGLang's accepted drafts per verify (c and d must
-agree: capture changes no draft). Writes bench_speculative.csv, bench_speculative_summary.csv and
+agree: capture changes no draft), e/c (selection on vs capture off: users' tokens/s and median request latency).
+Writes bench_speculative.csv, bench_speculative_summary.csv and
 bench_speculative.png (bench_speculative_eagle3.* for EAGLE3).
 
     python benchmarks/bench_speculative.py --out benchmarks/results [--algorithm NGRAM|EAGLE3] [--reps 3]
@@ -89,9 +92,17 @@ def generate(server, prompts, conc, dump=None) -> dict:
         r.raise_for_status()
         return r.json()
 
+    latencies = []
+
+    def timed(ids):
+        t = time.perf_counter()
+        out = one(ids)
+        latencies.append(time.perf_counter() - t)
+        return out
+
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(conc) as pool:
-        outs = list(pool.map(one, prompts))
+        outs = list(pool.map(timed, prompts))
     seconds = time.perf_counter() - t0
     stop.set()
     if reader_thread is not None:
@@ -99,6 +110,7 @@ def generate(server, prompts, conc, dump=None) -> dict:
     meta = [o["meta_info"] for o in outs]
     verifies = sum(m.get("spec_verify_ct", 0) for m in meta)
     return {"seconds": seconds, "samples": len(outs), "outputs": [o["output_ids"] for o in outs],
+            "median_latency_s": statistics.median(latencies),
             "accepted_per_verify": (sum(m.get("spec_num_correct_drafts", 0) for m in meta) / verifies
                                     if verifies else None)}
 
@@ -122,13 +134,15 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="bench-spec-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     files, logs = tempfile.mkdtemp(prefix="bench-spec-files-"), tempfile.mkdtemp(prefix="bench-spec-logs-")
     common = ["--max-total-tokens", "8192", "--chunked-prefill-size", "256"]
-    dumps = {"a": os.path.join(work, "a"), "b": os.path.join(work, "b")}
+    dumps = {"a": os.path.join(work, "a"), "b": os.path.join(work, "b"), "e": os.path.join(work, "e")}
     servers = {
         "a_spec_capture": ServerProcess(["--hs-dump-dir", dumps["a"], "--hs-last", "pre-norm", *spec, *common],
                                         os.path.join(logs, "a.log")),
         "b_plain_capture": ServerProcess(["--hs-dump-dir", dumps["b"], "--hs-last", "pre-norm", *common],
                                          os.path.join(logs, "b.log")),
         "c_spec_plain": ServerProcess([*spec, *common], os.path.join(logs, "c.log")),
+        "e_spec_select": ServerProcess(["--hs-dump-dir", dumps["e"], "--hs-last", "pre-norm", *spec, *common,
+                                        "--hs-capture-accept-lowest", "0.5"], os.path.join(logs, "e.log")),
     }
     rows, ok = [], False
     try:
@@ -158,6 +172,7 @@ def main() -> int:
                 shutil.rmtree(out, ignore_errors=True)
             res["c_spec_plain"] = generate(servers["c_spec_plain"], other, args.concurrency)
             res["d_spec_capture_gen"] = generate(servers["a_spec_capture"], other, args.concurrency, dumps["a"])
+            res["e_spec_select"] = generate(servers["e_spec_select"], other, args.concurrency, dumps["e"])
             same = res["c_spec_plain"]["outputs"] == res["d_spec_capture_gen"]["outputs"]
             if args.algorithm != "NGRAM":  # a model draft: capture must change no draft (NGRAM's corpora differ)
                 same = same and res["c_spec_plain"]["accepted_per_verify"] == res["d_spec_capture_gen"]["accepted_per_verify"]
@@ -165,6 +180,7 @@ def main() -> int:
                 tokens = r["samples"] * NEW_TOKENS  # --regenerate: every reply runs to NEW_TOKENS (no EOS here)
                 rows.append({"rep": rep, "method": method, "samples": r["samples"], "seconds": round(r["seconds"], 3),
                              "gen_tokens_per_s": round(tokens / r["seconds"], 2),
+                             "median_latency_s": round(r["median_latency_s"], 3) if "median_latency_s" in r else None,
                              "accepted_per_verify": r.get("accepted_per_verify"), "same_outputs_c_d": same,
                              "algorithm": args.algorithm})
                 print(rows[-1], flush=True)
@@ -182,7 +198,13 @@ def main() -> int:
         per_rep("a_spec_capture", "b_plain_capture")), 3), "per_rep": per_rep("a_spec_capture", "b_plain_capture")},
                 {"method": "ratio d/c (capture on vs off, speculative)", "median": round(statistics.median(
                     per_rep("d_spec_capture_gen", "c_spec_plain")), 3),
-                 "per_rep": per_rep("d_spec_capture_gen", "c_spec_plain")}]
+                 "per_rep": per_rep("d_spec_capture_gen", "c_spec_plain")},
+                {"method": "ratio e/c (selection on vs capture off, speculative)", "median": round(statistics.median(
+                    per_rep("e_spec_select", "c_spec_plain")), 3), "per_rep": per_rep("e_spec_select", "c_spec_plain"),
+                 "median_latency_ratio": round(statistics.median(
+                     x["median_latency_s"] / y["median_latency_s"] for x, y in zip(
+                         [r for r in rows if r["method"] == "e_spec_select"],
+                         [r for r in rows if r["method"] == "c_spec_plain"])), 3)}]
     write_summary(args.out, name, summary, f"\nmedians ({machine()}):", lambda s: str(s))
     plt = _pyplot()
     if plt is not None:
