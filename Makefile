@@ -29,6 +29,7 @@ bench: setup
 	$(PY) benchmarks/bench_ring.py --out benchmarks/results
 	$(PY) benchmarks/bench_host_path.py --out benchmarks/results
 	$(PY) benchmarks/bench_full_pool.py --out benchmarks/results
+	$(PY) benchmarks/bench_long_record.py --out benchmarks/results
 	$(PY) benchmarks/bench_extract.py --out benchmarks/results
 	$(PY) benchmarks/profile_capture.py --out benchmarks/results
 	$(PY) benchmarks/measure_fp8.py --out benchmarks/results

@@ -275,6 +275,16 @@ def fs_type(path: str, with_options: bool = False):
 
 
 # -- the consumer process ----------------------------------------------------------------------------
+def commands(cmd_q, parent: int):
+    """A consumer process's commands from its parent, one at a time, until the parent is gone."""
+    while True:
+        try:
+            yield cmd_q.get(timeout=1)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+
+
 def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, after its Ctrl-C
     from sglang_hs.extract.writer import WRITERS
@@ -353,13 +363,7 @@ def _consumer(dump_dir: str, cmd_q, res_q, threads: int, sink_threads: int, pare
             os.fsync(f.fileno())
         return os.path.getsize(path)
 
-    while True:
-        try:
-            cmd = cmd_q.get(timeout=1)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
+    for cmd in commands(cmd_q, parent):
         op = cmd[0]
         try:
             if op == "stop":

@@ -39,7 +39,7 @@ A request the server served without capture (--hs-capture opt-in, --hs-capture-s
 skip, --hs-capture-max-bytes, --hs-capture-accept-below, or a shape that cannot be recorded exactly: beam
 search, input_embeds) has no record; the server leaves a marker for it when the ring had room, and
 `take(rid)` then raises `NotCaptured` (its `.reason`: "not_opted_in", "not_sampled", "reader_behind",
-"over_budget", "draft_accepted", "beam_search" or "input_embeds") instead of waiting;
+"over_budget", "draft_accepted", "oversized", "beam_search" or "input_embeds") instead of waiting;
 `reader.not_captured(rid)` asks without waiting. Iteration yields records only.
 
 With `zero_copy=True` too (it needs ack=True), nothing is copied: a record's tensors are views of the

@@ -40,7 +40,8 @@ later one (sglang_hs/status.py: metrics_after):
                                           not_sampled (--hs-capture, --hs-capture-sample), reader_behind
                                           (--hs-when-behind skip while the ring was full), over_budget
                                           (--hs-capture-max-bytes spent), draft_accepted (dropped at the finish:
-                                          the draft did well, --hs-capture-accept-below/-lowest)
+                                          the draft did well, --hs-capture-accept-below/-lowest), oversized (a
+                                          record that could never fit the ring, --hs-when-behind skip)
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
@@ -74,7 +75,7 @@ COUNTERS = {  # metric name -> (source, key, help)
                              "Requests served without capture and without a marker record (no ring room)."),
 }
 NOT_CAPTURED_REASONS = ("not_opted_in", "not_sampled", "reader_behind", "beam_search", "input_embeds", "over_budget",
-                        "draft_accepted")
+                        "draft_accepted", "oversized")
 
 
 def enabled() -> bool:

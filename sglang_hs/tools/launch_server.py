@@ -297,14 +297,16 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
     """The output ring must hold one record at the server's maximal context length (twice: admission
     reserves room to wrap) and fit the dump dir's filesystem. A default ring grows to that; a size the
     user gave is refused, naming the flags."""
+    from sglang_hs.server.store.admission import meta_bound
     from sglang_hs.server.store.ring import record_bytes
 
     ctx = _flag_value(argv, "--context-length") or config.get("max_position_embeddings")
     dtype = str(_flag_value(argv, "--dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     elem = 4 if dtype in ("float32", "float") else 2
     P = spec.rows_per_token
-    if ctx:
-        need = 2 * record_bytes(int(ctx), P, spec.hidden_size, elem, 256)
+    if ctx:  # a speculative server's records also hold each verify step's accepted drafts (admission.meta_bound)
+        meta = meta_bound(int(ctx)) if _flag_value(argv, "--speculative-algorithm") else 0
+        need = 2 * record_bytes(int(ctx), P, spec.hidden_size, elem, 256, meta)
         if ring < need and explicit:
             raise CaptureConfigError(
                 f"--hs-ring-size: {ring} bytes cannot hold one record at the server's maximal context length "

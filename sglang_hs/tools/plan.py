@@ -1,4 +1,5 @@
-"""python -m sglang_hs.plan [--model-path M] [--hs-layers IDS] (--data FILE | --samples N --mean-tokens L)
+"""python -m sglang_hs.plan [--model-path M] [--hs-layers IDS] (--data FILE | --samples N --mean-tokens L |
+                          --concurrent N [--request-tokens L])
 
 What a capture and an extraction will need, before anything runs: bytes per token, the store and output
 ring the server will make in its dump dir (sglang_hs/server/store/writer.py: a store of KV-slots x rows x hidden x
@@ -7,7 +8,10 @@ at least twice one record at the context length), and the disk the output takes 
 FP8 (sglang_hs/extract/sinks/), against what this machine has free: the dump dir's filesystem
 (/dev/shm), the output's, and the GPUs torch sees. What does not fit is named with the flags that would
 make it fit. --data counts the tokens exactly (tokenized as the extraction CLI does); --samples with
---mean-tokens estimates. --json prints the figures as one JSON object.
+--mean-tokens estimates. --concurrent N (with --request-tokens L, each request's prompt + max_new_tokens;
+default the context length) sizes for N such requests in flight at once: the ring admission needs for them
+together (twice each one's worst-case record), and the store's KV slots (N x L; --max-total-tokens, which
+SGLang's KV pool must hold too). --json prints the figures as one JSON object.
 """
 from __future__ import annotations
 
@@ -68,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=None, metavar="N", help="with --data: the first N records")
     p.add_argument("--samples", type=int, default=None, metavar="N", help="without --data: this many samples")
     p.add_argument("--mean-tokens", type=float, default=None, metavar="L", help="without --data: of L tokens")
+    p.add_argument("--concurrent", type=int, default=None, metavar="N",
+                   help="requests in flight at once: the ring and store (KV slots) they need together")
+    p.add_argument("--request-tokens", type=int, default=None, metavar="L",
+                   help="with --concurrent: each request's prompt + max_new_tokens (default: the context length)")
     p.add_argument("--output", default=".", metavar="DIR", help="where the files will go (its free disk)")
     p.add_argument("--hs-dump-dir", default="/dev/shm", metavar="DIR", help="where the store and ring will go")
     p.add_argument("--dtype", default=None, help="the server's --dtype (default: the checkpoint's)")
@@ -176,6 +184,7 @@ def file_bytes(T: int, P: int, H: int, elem: int, kind: str) -> int:
 NUMBERS = (("--samples", "samples", 1, "samples"), ("--mean-tokens", "mean_tokens", 1, "tokens"),
            ("--max-samples", "max_samples", 0, "samples"), ("--context-length", "context_length", 1, "tokens"),
            ("--max-total-tokens", "max_total_tokens", 1, "KV slots"), ("--page-size", "page_size", 1, "tokens"),
+           ("--concurrent", "concurrent", 1, "requests"), ("--request-tokens", "request_tokens", 1, "tokens"),
            ("--dp-size", "dp_size", 1, "ranks"), ("--tp-size", "tp_size", 1, "ranks"), ("--nnodes", "nnodes", 1, "nodes"))
 
 
@@ -227,13 +236,17 @@ def plan(ns) -> dict:
     cpu = not gpus
     writers_by_node = node_writers(ns)
     writers = max(writers_by_node)  # /dev/shm is per node: the node with the most writers
-    pool = ns.max_total_tokens or (CPU_DEFAULT_SLOTS if cpu else None)
+    conc = concurrent_needs(ns, int(ctx), P, H, elem)
+    pool = ns.max_total_tokens or (conc["kv_slots"] if conc else CPU_DEFAULT_SLOTS if cpu else None)
     slots = pool + ns.page_size if pool else None  # kv_index_translator.capture_token_capacity
     store = slots * P * H * elem if slots else None
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (CPU_DEFAULT_RING if cpu else GPU_DEFAULT_RING)
     need = 2 * record_bytes(int(ctx), P, H, elem, RID_LEN)
     ring_grown = not ns.hs_ring_size and ring < need
-    ring = max(ring, need) if not ns.hs_ring_size else ring
+    ring = max(ring, need, conc["ring_bytes"] if conc else 0) if not ns.hs_ring_size else ring
+    if conc:  # how many of them the ring and the KV pool take at once
+        conc["at_once_ring"] = min(conc["requests"], ring // conc["ring_bytes_each"])
+        conc["at_once_kv"] = min(conc["requests"], pool // conc["tokens"])
     ring = HEADER_BYTES + _align(ring)  # the ring's file: its header, then the records
     if ns.data:
         from sglang_hs.extract.limits import RequestLimits
@@ -241,9 +254,12 @@ def plan(ns) -> dict:
         # what the extraction sends: SGLang's own limits for this context and KV pool (extract/limits.py)
         counts = token_counts(ns.data, ns.model_path, RequestLimits.of_context(int(ctx), pool), ns.max_samples)
         samples, tokens, exact = len(counts), sum(counts), True
+    elif conc and not ns.samples and not ns.mean_tokens:  # the files of those N requests
+        counts = None
+        samples, tokens, exact = conc["requests"], conc["requests"] * conc["tokens"], False
     else:
         if not ns.samples or not ns.mean_tokens:
-            raise PlanError("--data, or --samples and --mean-tokens, say how much will be captured")
+            raise PlanError("--data, or --samples and --mean-tokens, or --concurrent say how much will be captured")
         counts = None
         samples, tokens, exact = ns.samples, int(ns.samples * ns.mean_tokens), False
 
@@ -264,7 +280,7 @@ def plan(ns) -> dict:
            "context_length": int(ctx), "writers": writers, "nnodes": ns.nnodes, "writers_by_node": writers_by_node,
            "kv_slots_per_writer": slots,
            "store_bytes_per_writer": store, "ring_bytes_per_writer": ring, "ring_needed_for_one_record": need,
-           "ring_grown_to_context": ring_grown,
+           "ring_grown_to_context": ring_grown, "concurrent": conc,
            "dump_dir": ns.hs_dump_dir, "dump_dir_free": _free(ns.hs_dump_dir),
            "output": ns.output, "output_free": _free(ns.output), "gpus": gpus,
            "samples": samples, "tokens": tokens, "tokens_exact": exact,
@@ -276,6 +292,24 @@ def plan(ns) -> dict:
                         for k, v in out[key].items()}
     out["problems"] = problems(out)
     return out
+
+
+def concurrent_needs(ns, ctx: int, P: int, H: int, elem: int) -> Optional[dict]:
+    """--concurrent N requests of --request-tokens L at once: the ring admission reserves for them (twice each
+    one's worst-case record of L - 1 rows, admission.py) and the KV slots they hold (N x L); None without it."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    if ns.concurrent is None:
+        if ns.request_tokens is not None:
+            raise PlanError("--request-tokens needs --concurrent (how many such requests run at once)")
+        return None
+    L = ns.request_tokens or ctx
+    if L > ctx:
+        raise PlanError(f"--request-tokens: {L} tokens exceed the context length of {ctx}; raise --context-length")
+    each = 2 * record_bytes(L - 1, P, H, elem, RID_LEN)
+    return {"requests": ns.concurrent, "tokens": L, "record_bytes": each // 2, "ring_bytes_each": each,
+            "ring_bytes": ns.concurrent * each, "kv_slots": ns.concurrent * L,
+            "store_bytes": ns.concurrent * L * P * H * elem}
 
 
 def _human(n: Optional[float]) -> str:
@@ -297,6 +331,17 @@ def problems(f: dict) -> List[str]:
                     f"{math.ceil(shm_need / 2**30)}g)")
         out.append(f"store + ring: {_human(shm_need)} do not fit the {_human(f['dump_dir_free'])} free in "
                    f"{f['dump_dir']}: {fix}")
+    c = f.get("concurrent")
+    if c and c["at_once_ring"] < c["requests"]:
+        out.append(f"ring: {c['requests']} requests of {c['tokens']:,} tokens at once need "
+                   f"{_human(c['ring_bytes'])} of ring (twice each one's {_human(c['record_bytes'])} record), "
+                   f"--hs-ring-size holds {c['at_once_ring']} at once (admission holds the rest"
+                   + (", or refuses them: not one fits" if not c["at_once_ring"] else "")
+                   + f"): --hs-ring-size {math.ceil(c['ring_bytes'] / 2**30)}GiB")
+    if c and c["at_once_kv"] < c["requests"]:
+        out.append(f"KV slots: {c['requests']} requests of {c['tokens']:,} tokens at once hold {c['kv_slots']:,}, "
+                   f"--max-total-tokens {f['kv_slots_per_writer'] - 1:,} holds {c['at_once_kv']} at once: "
+                   f"--max-total-tokens {c['kv_slots']} (a store of {_human(c['store_bytes'])})")
     free = f["output_free"]
     if free is not None:
         for kind, need in f["disk"].items():
@@ -327,6 +372,12 @@ def render(f: dict) -> str:
         L.append(f"  store: {_human(f['store_bytes_per_writer'])} ({f['kv_slots_per_writer']:,} KV slots)")
     L.append(f"  ring:  {_human(f['ring_bytes_per_writer'])}" + (
         f" (grown to hold one {f['context_length']:,}-token record twice)" if f["ring_grown_to_context"] else ""))
+    c = f.get("concurrent")
+    if c:
+        L.append(f"  {c['requests']} requests of {c['tokens']:,} tokens at once: ring {_human(c['ring_bytes'])} "
+                 f"(twice each one's {_human(c['record_bytes'])} record; this ring holds {c['at_once_ring']} at once), "
+                 f"store {_human(c['store_bytes'])} ({c['kv_slots']:,} KV slots, --max-total-tokens; the pool holds "
+                 f"{c['at_once_kv']} at once)")
     for g in f["gpus"]:
         L.append(f"GPU {g['name']}: {_human(g['free'])} free of {_human(g['total'])}")
     L.append(f"output {f['output']} ({_human(f['output_free'])} free):")

@@ -56,6 +56,9 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
   propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
   output repeats a token. HF transformers ignores the layer: the target's reference is the V3 model's.
+- "v3-long": the V3 shape and weights' generator with YaRN factor 64 (max_position_embeddings 65536): SGLang's
+  rotary cache ends at original length x factor, 4096 positions for the shipped config; served with long
+  prompts (tests/e2e/test_long_context.py).
 """
 from __future__ import annotations
 
@@ -176,6 +179,16 @@ def _v3_mtp(cfg: dict) -> dict:
     return dict(cfg, num_nextn_predict_layers=1)
 
 
+LONG_CONTEXT = 65536  # "v3-long": positions SGLang's rotary cache holds (original length x YaRN factor)
+
+
+def _v3_long(cfg: dict) -> dict:
+    """The V3 shape with a YaRN factor of 64 over its original 1024 positions: SGLang builds its rotary cache
+    for original x factor positions, so the shipped factor 4 stops at 4096; this one serves 64K-token prompts."""
+    factor = LONG_CONTEXT // cfg["rope_scaling"]["original_max_position_embeddings"]
+    return dict(cfg, max_position_embeddings=LONG_CONTEXT, rope_scaling=dict(cfg["rope_scaling"], factor=float(factor)))
+
+
 # DeepSeek-V4 with sliding-window attention on every layer (compress ratio 0: no compressor, no indexer): HF's
 # DeepseekV4Config keys plus the ones SGLang's DeepSeekV4Config reads (compress_ratios, num_hash_layers, window_size,
 # qk_rope_head_dim, yarn rope_scaling with its original length, topk_method). A window of 8 keys, so every test
@@ -219,7 +232,7 @@ def _v4_hca(cfg: dict) -> dict:
 
 
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32, "v3-mtp": _v3_mtp, "v4-swa": _v4_swa, "v4-hca": _v4_hca, "v4-csa": _v4_csa}
+            "v32": _v32, "v3-mtp": _v3_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa, "v4-hca": _v4_hca, "v4-csa": _v4_csa}
 MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors

@@ -285,6 +285,18 @@ def test_ring_must_hold_one_record_at_the_maximal_context(tmp_path, clean_env, c
     assert "room for one record at the 400000-token context" in capsys.readouterr().err
 
 
+def test_a_speculative_servers_ring_holds_the_drafts_metadata_too(tmp_path, clean_env):
+    """A speculative server's records also hold each verify step's accepted drafts (admission.meta_bound): the
+    ring's floor counts them, so a request at the maximal context is never refused as oversized (issue 47)."""
+    from sglang_hs.server.store.admission import meta_bound
+    from sglang_hs.server.store.ring import record_bytes
+
+    model = _model_dir(tmp_path, max_position_embeddings=400000)
+    launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                           "--hs-last", "--speculative-algorithm", "NGRAM"])
+    assert envs.SGLANG_HS_RING_SIZE == 2 * record_bytes(400000, 4, 64, 2, 256, meta_bound(400000))
+
+
 def test_ring_larger_than_the_filesystem_is_refused(tmp_path, clean_env):
     model = _model_dir(tmp_path)
     with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: 102400.00GiB does not fit the .*iB free"):

@@ -72,8 +72,8 @@ def test_a_store_that_does_not_fit_names_the_flags(tmp_path, capsys):
 
 def test_bad_input_is_one_line(tmp_path, capsys):
     rc, err = _plan(tmp_path, capsys)
-    assert rc == 2 and err.strip() == ("python -m sglang_hs.plan: error: --data, or --samples and --mean-tokens, say "
-                                       "how much will be captured")
+    assert rc == 2 and err.strip() == ("python -m sglang_hs.plan: error: --data, or --samples and --mean-tokens, or "
+                                       "--concurrent say how much will be captured")
     rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "1", "--hs-layers", "2,99")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--hs-layers" in err
     rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "1", "--model-path", str(tmp_path / "none"))
@@ -90,6 +90,11 @@ def test_bad_input_is_one_line(tmp_path, capsys):
      "--max-total-tokens: a number of KV slots >= 1, got -1"),
     (["--samples", "10", "--mean-tokens", "100", "--context-length", "0"],
      "--context-length: a number of tokens >= 1, got 0"),
+    (["--concurrent", "0"], "--concurrent: a number of requests >= 1, got 0"),
+    (["--concurrent", "2", "--request-tokens", "-5"], "--request-tokens: a number of tokens >= 1, got -5"),
+    (["--request-tokens", "5000"], "--request-tokens needs --concurrent (how many such requests run at once)"),
+    (["--concurrent", "2", "--request-tokens", "200000"],
+     "--request-tokens: 200000 tokens exceed the context length of 163840; raise --context-length"),
     (["--samples", "10", "--mean-tokens", "100", "--page-size", "0"], "--page-size: a number of tokens >= 1, got 0"),
     (["--samples", "10", "--mean-tokens", "100", "--dp-size", "0", "--enable-dp-attention"],
      "--dp-size: a number of ranks >= 1, got 0"),
@@ -161,3 +166,36 @@ def test_dev_shm_is_sized_per_node(tmp_path, capsys, layout, by_node):
 def test_bad_multi_node_layout_is_one_line(tmp_path, capsys, args, message):
     rc, err = _plan(tmp_path, capsys, "--samples", "1", "--mean-tokens", "10", *args)
     assert rc == 2 and err.strip() == f"python -m sglang_hs.plan: error: {message}", err
+
+
+@pytest.mark.parametrize("model, row", [(None, 57344), ("deepseek-ai/DeepSeek-V4-Flash", 32768)])
+@pytest.mark.parametrize("L", [65536, 131072])
+def test_concurrent_long_requests_size_the_ring_and_store(tmp_path, capsys, model, row, L):
+    """--concurrent N --request-tokens L (issue 47): N long requests at once need N x twice their record in the
+    ring (what admission reserves) and N x L KV slots in the store, at DeepSeek-V3's (3 aux + final, 7168, bf16)
+    and V4-Flash's (4096) row sizes; the default ring and store grow to that."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    args = ["--concurrent", "4", "--request-tokens", str(L), "--output", str(tmp_path)]
+    if model:
+        rc = plan.main(["--model-path", model, "--device", "cpu", "--json", *args])
+        f = json.loads(capsys.readouterr().out)
+    else:
+        rc, f = _plan(tmp_path, capsys, *args)
+    assert rc == 0 and f["bytes_per_token"] == row
+    c = f["concurrent"]
+    each = 2 * record_bytes(L - 1, 4, row // 8, 2, plan.RID_LEN)
+    assert c["ring_bytes"] == 4 * each and c["kv_slots"] == 4 * L and c["store_bytes"] == 4 * L * row
+    assert f["ring_bytes_per_writer"] >= c["ring_bytes"] and f["kv_slots_per_writer"] == 4 * L + 1
+    assert c["at_once_ring"] == c["at_once_kv"] == 4 and f["samples"] == 4 and f["tokens"] == 4 * L
+    print(f"{f['model']} 4 x {L}: ring {c['ring_bytes'] / 1e9:.1f} GB, store {c['store_bytes'] / 1e9:.1f} GB")
+
+
+def test_a_ring_too_small_for_the_concurrent_requests_says_how_many_fit(tmp_path, capsys):
+    rc, f = _plan(tmp_path, capsys, "--concurrent", "8", "--request-tokens", "131072", "--hs-ring-size", "20GiB",
+                  "--max-total-tokens", "300000", "--output", str(tmp_path))
+    assert rc == 0 and f["concurrent"]["at_once_ring"] == 1 and f["concurrent"]["at_once_kv"] == 2
+    ring = next(p for p in f["problems"] if p.startswith("ring:"))
+    kv = next(p for p in f["problems"] if p.startswith("KV slots:"))
+    assert "holds 1 at once" in ring and ring.endswith("--hs-ring-size 113GiB"), ring
+    assert kv.endswith("--max-total-tokens 1048576 (a store of 60.13 GB)"), kv

@@ -39,6 +39,8 @@ Ledger (what / why / upstream status / removal plan):
 |                   |                                              | constructed      |
 | torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
 | pad               | len fill value only the AMX backend defines  |                  |
+| torch_native_     | wraps TorchNativeAttnBackend._run_sdpa_      | CPU mode only    |
+| extend            | forward_extend: a chunk's queries only       |                  |
 | moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
 |                   | other ranks' experts (id -1) are skipped     |                  |
 | dsa_torch_native  | replaces dsa_indexer.Indexer.forward_native  | CPU mode only    |
@@ -160,6 +162,19 @@ torch_native_cpu_pad
             has no such method); not reported upstream by us yet.
   removal:  when TorchNativeAttnBackend defines the method; tests/e2e/test_multi_rank.py's DP-attention
             + EP server fails at its warm-up without it.
+
+torch_native_extend
+  why:      a chunk of a chunked prefill (and any extend after a cached prefix) pads its queries to the
+            request's whole length and runs a causal seq_len x seq_len attention, keeping the chunk's rows:
+            each chunk costs a full attention over everything before it, so a prompt costs its length
+            cubed over the chunk size (8,192 tokens in 512-token chunks: 250 s on 2 cores, the last chunk
+            38 s). The chunk's queries attend alone under the causal mask aligned to their positions: the
+            same rows (bit-equal on test shapes), extend x seq_len work. Encoder lengths, non-causal and
+            sliding-window attention go to the original.
+  upstream: present in sglang 0.5.23 (torch_native_backend.py, _run_sdpa_forward_extend:
+            per_req_query_redudant); not reported upstream by us yet.
+  removal:  when the backend attends only the new queries; tests/e2e/test_long_context.py (32K-token
+            prompts in small chunks) does not finish in its time without it.
 
 moe_native_ep
   why:      with --ep-size > 1 the standard dispatcher marks the experts held by other ranks with the drop
@@ -322,8 +337,8 @@ _applied: dict = {}
 
 # The CPU engine's patches, in the order they are applied: spec_verify_torch_native wraps
 # TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
-CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "torch_native_cpu_pad", "moe_native_ep", "dsa_torch_native",
-               "spec_verify_torch_native", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
+CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "torch_native_cpu_pad", "torch_native_extend", "moe_native_ep",
+               "dsa_torch_native", "spec_verify_torch_native", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
 
 
 def apply() -> dict:

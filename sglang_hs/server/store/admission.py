@@ -23,6 +23,14 @@ against the scheduler's queues every half second, so a request that leaves any o
 aborted while waiting) frees its share too. Invariant: reserved bytes <= free ring bytes at admission,
 and free bytes only grow as the reader consumes, so `publish` never has to wait.
 
+Oversized: a request whose share (twice its worst-case record) exceeds the ring's capacity could never be
+admitted, however long it waited. With --hs-when-behind hold it is refused at once, the same way, status 400,
+in one line naming its tokens, the bytes it needs, the capacity and the most tokens that fit (unless its abort
+would take a bystander: then it is served and its record refused, logged); with skip it is served without
+capture, reason "oversized". The launcher sizes the ring for one record at the maximal context length, so
+this takes a long request with a large max_new_tokens on a ring given for shorter ones, or a ring smaller than
+the context the server resolves.
+
 Time limit: a request held longer than `timeout` seconds (--hs-admission-timeout; 0 = no limit) is
 failed: it goes in together with an AbortReq carrying a clear message (status 503), which SGLang
 answers from its waiting queue before the request ever runs. SGLang aborts by rid PREFIX, so a held
@@ -176,12 +184,7 @@ class AdmissionControl:
         self._last_reconcile = self._last_log = self._last_skip_log = 0.0
 
     def need(self, req) -> int:
-        n_in = self.recorded_prompt_len(req) if self.recorded_prompt_len is not None else None
-        if n_in is None:
-            n_in = len(req.input_ids) if req.input_ids is not None else 0
-        max_new = getattr(req.sampling_params, "max_new_tokens", None)
-        if max_new is None:
-            max_new = max(1, self.context_len - n_in)
+        n_in, max_new = self.worst_tokens(req)
         rows = max(0, n_in + max_new - 1)
         meta = meta_bound(max_new) if self.speculative else 0
         return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta)
@@ -262,16 +265,21 @@ class AdmissionControl:
                 free = self._skip(req, reason, free, now)
                 out.append(self._admit(req))
                 continue
+            need = self.marker_need(rid) if never else self.need(req)
+            if need > self.ring.capacity:  # could never fit, however long it waited
+                self.stats["oversized"] += 1
+                if self.when_behind == "skip":  # served now without capture, like a request the reader is behind on
+                    free = self._skip(req, never or "oversized", free, now)
+                    out.append(self._admit(req))
+                elif self._abort_takes_another(req, known_rids):  # SGLang's abort by prefix would take a bystander
+                    logger.error("%s; served, its record will be refused", self.oversized_message(req, need))
+                    self._add(req, 0, None)
+                    out.append(self._admit(req))
+                else:
+                    out += self._refuse(req, self.oversized_message(req, need), 400)
+                continue
             if blocked:
                 keep.append(req)
-                continue
-            need = self.marker_need(rid) if never else self.need(req)
-            if need > self.ring.capacity:  # could never fit: let SGLang run it; its record is refused
-                self.stats["oversized"] += 1
-                logger.error("sglang-hs: request %s may need %d bytes of output ring, more than its %d: "
-                             "raise --hs-ring-size", req.rid, need, self.ring.capacity)
-                self._add(req, 0, None)
-                out.append(self._admit(req))
                 continue
             if need > free:
                 if self.when_behind == "skip":  # serve it now, without capture
@@ -320,6 +328,33 @@ class AdmissionControl:
         live = list(known_rids() or ()) if known_rids is not None else []
         live += [h.rid for h in list(self.held) + list(also) if h is not req]
         return any(r is not None and str(r).startswith(rid) for r in live)
+
+    def worst_tokens(self, req):
+        """(prompt tokens its record holds, max_new_tokens as admission counts them) of `req`."""
+        n_in = self.recorded_prompt_len(req) if self.recorded_prompt_len is not None else None
+        if n_in is None:
+            n_in = len(req.input_ids) if req.input_ids is not None else 0
+        max_new = getattr(req.sampling_params, "max_new_tokens", None)
+        return n_in, max(1, self.context_len - n_in) if max_new is None else max_new
+
+    def max_tokens(self, rid_len: int, meta_len: int = 0) -> int:
+        """The most tokens (prompt + max_new_tokens) a request's record may hold for this ring to take it:
+        twice its worst-case record fits the capacity."""
+        per_row = self.P * self.H * self.elem + 4
+        rows = max(0, (self.ring.capacity // 2) // per_row)
+        while rows > 0 and 2 * record_bytes(rows, self.P, self.H, self.elem, rid_len, meta_len) > self.ring.capacity:
+            rows -= 1
+        return rows + 1 if rows else 0  # a record holds prompt + max_new_tokens - 1 rows
+
+    def oversized_message(self, req, need: int) -> str:
+        """One line: why `req` (whose ring share `need` exceeds the ring) is refused, and what would take it."""
+        n_in, max_new = self.worst_tokens(req)
+        meta = meta_bound(max_new) if self.speculative else 0
+        fit = self.max_tokens(len(str(req.rid).encode()), meta)
+        return (f"sglang-hs: request refused: {n_in} prompt + {max_new} max_new_tokens = {n_in + max_new} tokens "
+                f"need {need} bytes of hidden-state output ring (twice the record's worst case), more than its "
+                f"capacity of {self.ring.capacity} bytes; at most {fit} tokens fit: send fewer tokens or raise "
+                "--hs-ring-size on the server")
 
     def marker_need(self, rid: str) -> int:
         return 2 * record_bytes(0, self.P, self.H, self.elem, len(str(rid).encode()))

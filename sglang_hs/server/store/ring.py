@@ -75,11 +75,12 @@ from sglang_hs._ext import ext
 from sglang_hs.server.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 7  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
+VERSION = 8  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
 # 4: the record header holds the prompt length and the token after the last row (harvesting live traffic);
 # 5: the reader writes its offset into its own file (ring-*.offset), the ring is the writer's alone;
 # 6: marker reason 7, draft_accepted (--hs-capture-accept-below); 7: a record's metadata (meta_len, JSON after
-# the request id: under speculative decoding each verify step's accepted drafts)
+# the request id: under speculative decoding each verify step's accepted drafts); 8: marker reason 8, oversized (a
+# request whose record could never fit the ring, served without capture under --hs-when-behind skip)
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
@@ -96,7 +97,7 @@ DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
 # flags of a marker record (T = 0): why that request has no record
 SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind", 4: "beam_search", 5: "input_embeds",
-                6: "over_budget", 7: "draft_accepted"}
+                6: "over_budget", 7: "draft_accepted", 8: "oversized"}
 MAX_RID_BYTES = 0xFFFF  # the record header holds the request id's utf-8 length in 16 bits
 
 

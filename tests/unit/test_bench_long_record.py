@@ -1,0 +1,26 @@
+"""benchmarks/bench_long_record.py at a small size: it runs the whole-record path (finish worker -> ring ->
+reader process -> SpecForge file) for both reader ways, writes its CSVs, and its peak-memory figures show what
+it measures: the reader holds the record's ring pages (views) or a copy of it besides (copy)."""
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks import bench_long_record  # noqa: E402
+
+TOKENS = 2048  # 117 MB of DeepSeek-V3 rows
+
+
+def test_small_run_writes_its_figures(tmp_path):
+    assert bench_long_record.main(["--out", str(tmp_path), "--tokens", str(TOKENS), "--reps", "1", "--slots", "512",
+                                   "--disk-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "bench_long_record_summary.csv") as f:
+        rows = {r["reader"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"view", "copy"}
+    record = TOKENS * bench_long_record.ROW_BYTES / 1e9
+    for r in rows.values():
+        assert float(r["record_GB"]) == record and float(r["e2e_GBps_median"]) > 0
+        assert float(r["consumer_shmem_GB_median"]) >= record  # the ring pages of the whole record
+    assert float(rows["copy"]["consumer_anon_GB_median"]) - float(rows["view"]["consumer_anon_GB_median"]) > record / 2
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".bench-long-record-")]  # its files removed
