@@ -33,6 +33,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from benchmarks.common import machine, plot_bars, write_csv, write_summary  # noqa: E402
+from sglang_hs.tools.server_process import wait_port  # noqa: E402
 
 K, H = 3, 7168
 P = K + 1
@@ -68,18 +69,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not open port {port} (exit {proc.poll()})")
-            time.sleep(0.05)
 
 
 def run(kind: str, tokens: int, records: int, warmup: int, ring_bytes: int, master: dict, window_mb: int,
@@ -147,8 +136,8 @@ def main(argv=None) -> int:
                                    env=mooncake_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
     try:
-        _wait_port(rpc, master_proc, "mooncake_master")
-        _wait_port(http, master_proc, "mooncake_master's metadata server")
+        wait_port(rpc, master_proc, "mooncake_master")
+        wait_port(http, master_proc, "mooncake_master's metadata server")
         master = {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata"}
         for rep in range(args.reps):
             for method in METHODS:

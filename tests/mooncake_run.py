@@ -5,7 +5,6 @@ waited for on what it publishes (an open port, a line of output), never on a sle
 import contextlib
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -13,21 +12,9 @@ import time
 
 from helpers import REPO
 from sglang_hs.extract.transport.mooncake import mooncake_binary, mooncake_env
-from sglang_hs.tools.server_process import free_port
+from sglang_hs.tools.server_process import free_port, wait_port
 
 DEADLINE = 60
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not open port {port} (exit {proc.poll()})")
-            time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -40,8 +27,8 @@ def mooncake_master(log_path: str):
                                  f"-http_metadata_server_port={http}", f"-metrics_port={metrics}"],
                                 env=mooncake_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_port(rpc, proc, "mooncake_master")
-            _wait_port(http, proc, "mooncake_master's metadata server")
+            wait_port(rpc, proc, "mooncake_master", DEADLINE)
+            wait_port(http, proc, "mooncake_master's metadata server", DEADLINE)
             yield {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata"}
         finally:
             proc.terminate()

@@ -64,6 +64,20 @@ def _bindable(port: int, host: str, family: int) -> bool:
     return True
 
 
+def wait_port(port: int, proc: "subprocess.Popen", what: str, timeout: float = 60.0, host: str = "127.0.0.1") -> None:
+    """Return once `port` on `host` accepts a connection; RuntimeError naming `what` if `proc` exits first or
+    `timeout` seconds pass (polled every 50 ms: the port is the published state waited on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not open port {port} (exit {proc.poll()})") from None
+            time.sleep(0.05)
+
+
 def free_port(host: str = "127.0.0.1", ephemeral_start: Optional[int] = None) -> int:
     """A TCP port free on `host` now, for a server that binds it only once it has started (seconds to
     minutes later). Drawn at random below the kernel's ephemeral range: the kernel also hands ports of

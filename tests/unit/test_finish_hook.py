@@ -88,6 +88,16 @@ def _req(rid, prompt, output, pool_idx, finished_reason=None, finished_len=None)
     return req
 
 
+def _spec_req(rid, n, verifies, opted, pool_idx):
+    """A finished request of prompt [1, 2, 3] that generated n tokens in `verifies` verify steps (accept length
+    n / verifies), opted in to capture or not."""
+    req = _req(rid, [1, 2, 3], list(range(40, 40 + n)), pool_idx=pool_idx)
+    req.spec_verify_ct = verifies
+    if opted:
+        req.sampling_params.custom_params = {"hs_capture": True}
+    return req
+
+
 def _assert_record(hook, rid, tokens, slots, prompt_len, sent):
     """`prompt_len`: where the record must say the prompt ends; `sent`: the generated tokens it must say
     the server sent (the last one has no row)."""
@@ -191,10 +201,7 @@ def test_accept_below_keeps_the_requests_the_draft_did_poorly_on(hook, monkeypat
     past.spec_verify_ct = 4
     assert capture_hooks.accept_length(past) == 1.25
     for i, (rid, (n, verifies, opted)) in enumerate(cases.items()):
-        req = _req(rid, [1, 2, 3], list(range(40, 40 + n)), pool_idx=i)
-        req.spec_verify_ct = verifies
-        if opted:
-            req.sampling_params.custom_params = {"hs_capture": True}
+        req = _spec_req(rid, n, verifies, opted, pool_idx=i)
         hook.finish(req)
     hook.settle()
     hook.finish(past)
@@ -230,11 +237,7 @@ def test_accept_lowest_keeps_the_lowest_fraction_of_recent_traffic(hook, monkeyp
     # kept; [1, 3, 1.5, 2]: 2 of 4 below 2, dropped; [3, 1.5, 2, 1.5]: 0 below, kept; [1.5, 2, 1.5, 3]: 3 below, dropped
     dropped = {"w-c", "w-e"}
     for i, (rid, n, verifies, opted) in enumerate(cases):
-        req = _req(rid, [1, 2, 3], list(range(40, 40 + n)), pool_idx=i)
-        req.spec_verify_ct = verifies
-        if opted:
-            req.sampling_params.custom_params = {"hs_capture": True}
-        hook.finish(req)
+        hook.finish(_spec_req(rid, n, verifies, opted, pool_idx=i))
         hook.settle()
     assert hook.admission.stats["skipped_draft_accepted"] == len(dropped)
     for i, (rid, n, _, _) in enumerate(cases):
