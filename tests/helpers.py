@@ -229,22 +229,23 @@ def assert_connection_lost(errors) -> None:
     assert errors and all(isinstance(e, lost) for e in errors), f"not a lost connection: {errors!r}"
 
 
-def readers_path() -> Optional[str]:
-    """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None: the
-    SGLANG_HS_READERS folder, else the one scripts/ensure_env.sh recorded in .venv/.readers."""
-    path = os.environ.get("SGLANG_HS_READERS")
-    if not path and os.path.exists(os.path.join(REPO, ".venv", ".readers")):
-        path = open(os.path.join(REPO, ".venv", ".readers")).read().strip()
+def _installed(variable: str, record: str) -> Optional[str]:
+    """The folder set-up installed something into: the `variable` environment setting, else the one
+    scripts/ensure_env.sh recorded in .venv/`record`; None when neither names an existing folder."""
+    path = os.environ.get(variable)
+    if not path and os.path.exists(os.path.join(REPO, ".venv", record)):
+        path = open(os.path.join(REPO, ".venv", record)).read().strip()
     return path if path and os.path.isdir(path) else None
+
+
+def readers_path() -> Optional[str]:
+    """Where requirements/readers.txt (the trainers: SpecForge, speculators) is installed, or None."""
+    return _installed("SGLANG_HS_READERS", ".readers")
 
 
 def mooncake_path() -> Optional[str]:
-    """Where requirements/mooncake.txt (Mooncake's wheel and the libraries it links) is installed, or None: the
-    SGLANG_HS_MOONCAKE folder, else the one scripts/ensure_env.sh recorded in .venv/.mooncake."""
-    path = os.environ.get("SGLANG_HS_MOONCAKE")
-    if not path and os.path.exists(os.path.join(REPO, ".venv", ".mooncake")):
-        path = open(os.path.join(REPO, ".venv", ".mooncake")).read().strip()
-    return path if path and os.path.isdir(path) else None
+    """Where requirements/mooncake.txt (Mooncake's wheel and the libraries it links) is installed, or None."""
+    return _installed("SGLANG_HS_MOONCAKE", ".mooncake")
 
 
 def trainer_env(**extra) -> dict:
