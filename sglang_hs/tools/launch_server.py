@@ -434,12 +434,11 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
 
 
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
-                    v4_hint: str = "", v4_sliding_on_cpu: bool = True) -> Tuple[str, dict, CaptureSpec]:
+                    v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
     checked in one line (CaptureConfigError): the architecture, the layer ids and --hs-last/--hs-hc-streams
-    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line) unless every
-    layer is sliding-window (and `v4_sliding_on_cpu`: the self-test compares V2/V3-family paths only). The
-    launcher and the self-test."""
+    against that config, and DeepSeek-V4 refused on the CPU engine (`cpu`; `v4_hint` ends that line) where the
+    CPU-engine patches do not serve it (v4_on_cpu). The launcher and the self-test."""
     config = raw_config = read_model_config(model_path, _has_flag(sg_argv, "--trust-remote-code"))
     arch = check_architecture(config.get("architectures"), where=f"{model_path}/config.json", config=config)
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
@@ -462,9 +461,6 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
             raise
         raise CaptureConfigError(f"{source['key']} {source['ids']} in {source['from']} (our ids {source['layers']}): "
                                  f"{str(e).replace('--hs-layers: ', '')}; pass --hs-layers") from None
-    if arch in HC_ARCHITECTURES and cpu and not v4_sliding_on_cpu:
-        raise CaptureConfigError(f"{arch}: the self-test compares the V2/V3-family paths on the CPU engine; DeepSeek-V4 "
-                                 "there is judged by tests/e2e/test_v4_cpu.py" + v4_hint)
     if arch in HC_ARCHITECTURES and cpu and v4_on_cpu(arch, config):
         raise CaptureConfigError(v4_on_cpu(arch, config) + v4_hint)
     if arch in HC_ARCHITECTURES and cpu:

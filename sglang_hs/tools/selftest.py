@@ -25,9 +25,9 @@ of them can, the self-test stops before starting any server.
 
 DeepSeek-V4 (hyper-connection streams): `--hs-hc-streams mean|full` reaches every configuration, and the
 sglang-json configuration is skipped (SGLang's capture-only JSON path is EAGLE-3's, which SGLang 0.5.23 does
-not serve for V4). V4 has no forward on SGLang's CPU engine: there the self-test refuses it in one line
-before starting any server, as it does flags the launcher would refuse for the model (--hs-hc-streams for
-a model with one residual stream, --hs-layers out of range).
+not serve for V4). On the CPU engine it runs the V4s that sglang-hs's CPU-engine patches serve (compress ratios
+0, 4, 128) and refuses the others in one line before starting any server, as it does flags the launcher would
+refuse for the model (--hs-hc-streams for a model with one residual stream, --hs-layers out of range).
 
 Every configuration must give identical token ids and row counts, and every row is judged against its
 own reference row (relative L2 error): within the dtype's tolerance (bf16 0.05, fp16 0.02, float32
@@ -333,15 +333,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _check_model(ns, sglang_args: List[str]) -> bool:
     """The launcher's checks of the model and capture flags, before any server starts (CaptureConfigError in
-    one line: --hs-hc-streams for a model without hyper-connections, DeepSeek-V4 on the CPU engine, where
-    SGLang has no V4 forward). Returns whether the model has hyper-connection streams (DeepSeek-V4)."""
+    one line: --hs-hc-streams for a model without hyper-connections, a DeepSeek-V4 the CPU-engine patches do
+    not serve on the CPU engine). Returns whether the model has hyper-connection streams (DeepSeek-V4)."""
     from sglang_hs.tools import tiny_model
     from sglang_hs.tools.argv import flag_value
     from sglang_hs.tools.launch_server import resolve_capture, runs_on_cpu
 
     model = flag_value(sglang_args, "--model-path", "--model") or tiny_model.ensure()
     _, _, spec = resolve_capture(ns, sglang_args, model, runs_on_cpu(sglang_args),
-                                 v4_hint=": run the self-test on a GPU node", v4_sliding_on_cpu=False)
+                                 v4_hint=": run the self-test on a GPU node")
     return spec.hc_mult > 1
 
 

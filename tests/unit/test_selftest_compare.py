@@ -195,22 +195,34 @@ def no_server(monkeypatch):
     return started
 
 
-def _v4_folder(tmp_path):
+def _v4_folder(tmp_path, **extra):
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 8,
-           "hidden_size": 88, "hc_mult": 4, "vocab_size": 300}
+           "hidden_size": 88, "hc_mult": 4, "vocab_size": 300, **extra}
     (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
     return str(tmp_path)
 
 
 @pytest.mark.parametrize("streams", [[], ["--hs-hc-streams", "full"]])
-def test_v4_on_the_cpu_engine_is_refused_in_one_line_before_any_server(tmp_path, capsys, no_server, streams):
+def test_a_v4_the_cpu_engine_cannot_serve_is_refused_in_one_line_before_any_server(tmp_path, capsys, no_server,
+                                                                                   streams):
     from sglang_hs.tools.selftest import main
 
-    assert main(["--model-path", _v4_folder(tmp_path), "--device", "cpu", *streams]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("sglang-hs selftest: error: DeepseekV4ForCausalLM: the self-test "
-                                               "compares the V2/V3-family paths on the CPU engine"), err
-    assert err[0].endswith("run the self-test on a GPU node") and no_server == []
+    for extra in ({}, {"compress_ratios": [0, 1, 2, 0, 4, 128, 0, 0]}):  # none, or V4.1's ratios 1 and 2
+        assert main(["--model-path", _v4_folder(tmp_path, **extra), "--device", "cpu", *streams]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("sglang-hs selftest: error: DeepseekV4ForCausalLM: SGLang 0.5.23 "
+                                                   "serves DeepSeek-V4 on CUDA only"), err
+        assert err[0].endswith("run the self-test on a GPU node") and no_server == []
+
+
+def test_a_v4_the_cpu_engine_serves_reaches_the_servers(tmp_path, capsys, no_server):
+    """Sliding-window, CSA and HCA layers (compress ratios 0, 4, 128): served by the CPU-engine patches, so the
+    self-test runs its configurations (served for real by tests/e2e/test_selftest.py)."""
+    from sglang_hs.tools.selftest import main
+
+    assert main(["--model-path", _v4_folder(tmp_path, compress_ratios=[0, 4, 128, 0, 4, 128, 0, 0]),
+                 "--device", "cpu", "--only", "chunked-16"]) == 1
+    assert no_server == ["reference"], capsys.readouterr()
 
 
 def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(capsys, no_server):
