@@ -79,7 +79,13 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hs-ring-size", default=None, metavar="SIZE",
                    help="bytes of the output ring of finished records per writer, e.g. 8GiB "
                         f"(default {envs.DEFAULT_RING_BYTES >> 30}GiB; {CPU_DEFAULT_RING_SIZE} in CPU mode; grown to hold "
-                        "one record at the maximal context)")
+                        "one record at the maximal context, or of --hs-max-record-tokens)")
+    g.add_argument("--hs-max-record-tokens", type=int, default=None, metavar="N",
+                   help="the ring need only hold records of N tokens (prompt + max_new_tokens), not one at the "
+                        "server's maximal context: a request whose record can never fit the ring is refused with a "
+                        "400 naming the limit (with --hs-when-behind skip: served without capture, marker oversized); "
+                        "admission counts a request without max_new_tokens at the whole context (default: the "
+                        "context length)")
     g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a request held this long because the output ring is full (the reader is behind) "
                         f"instead of holding it forever; 0 = no limit (default {envs.DEFAULT_ADMISSION_TIMEOUT_S:g})")
@@ -293,10 +299,10 @@ def _human(nbytes: int, up: bool = False) -> str:
 
 
 def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, argv: List[str],
-                    dump_dir: str) -> int:
-    """The output ring must hold one record at the server's maximal context length (twice: admission
-    reserves room to wrap) and fit the dump dir's filesystem. A default ring grows to that; a size the
-    user gave is refused, naming the flags."""
+                    dump_dir: str, max_record_tokens: Optional[int] = None) -> int:
+    """The output ring must hold one record at the server's maximal context length, or of `max_record_tokens`
+    (--hs-max-record-tokens) when that is fewer (twice: admission reserves room to wrap), and fit the dump
+    dir's filesystem. A default ring grows to that; a size the user gave is refused, naming the flags."""
     from sglang_hs.server.store.admission import meta_bound
     from sglang_hs.server.store.ring import record_bytes
 
@@ -304,18 +310,27 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
     dtype = str(_flag_value(argv, "--dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     elem = 4 if dtype in ("float32", "float") else 2
     P = spec.rows_per_token
-    if ctx:  # a speculative server's records also hold each verify step's accepted drafts (admission.meta_bound)
-        meta = meta_bound(int(ctx)) if _flag_value(argv, "--speculative-algorithm") else 0
-        need = 2 * record_bytes(int(ctx), P, spec.hidden_size, elem, 256, meta)
+    capped = max_record_tokens is not None and (not ctx or max_record_tokens < int(ctx))
+    tokens = max_record_tokens if capped else ctx
+    if tokens:  # a speculative server's records also hold each verify step's accepted drafts (admission.meta_bound)
+        meta = meta_bound(int(tokens)) if _flag_value(argv, "--speculative-algorithm") else 0
+        need = 2 * record_bytes(int(tokens), P, spec.hidden_size, elem, 256, meta)
+        what, lower = (("of --hs-max-record-tokens", "--hs-max-record-tokens") if capped else
+                       ("at the server's maximal context length", "--context-length (or cap records with "
+                                                                  "--hs-max-record-tokens)"))
         if ring < need and explicit:
             raise CaptureConfigError(
-                f"--hs-ring-size: {ring} bytes cannot hold one record at the server's maximal context length "
-                f"({int(ctx)} tokens x {P} x {spec.hidden_size} x {elem} bytes, twice to wrap: {need} bytes); raise "
-                f"it to at least {_human(need, up=True)} or lower --context-length")
+                f"--hs-ring-size: {ring} bytes cannot hold one record {what} ({int(tokens)} tokens x {P} x "
+                f"{spec.hidden_size} x {elem} bytes, twice to wrap: {need} bytes); raise it to at least "
+                f"{_human(need, up=True)} or lower {lower}")
         if ring < need:
-            print(f"[sglang-hs] output ring: {_human(need)} (room for one record at the {int(ctx)}-token "
-                  "context; set --hs-ring-size for more)", file=sys.stderr)
+            print(f"[sglang-hs] output ring: {_human(need)} (room for one record {what}, {int(tokens)} tokens; set "
+                  "--hs-ring-size for more)", file=sys.stderr)
             ring = need
+        if capped:
+            print(f"[sglang-hs] records of at most ~{tokens} tokens (--hs-max-record-tokens; the context is "
+                  f"{ctx or 'unknown'}): a request whose record can never fit the ring is refused with a 400 "
+                  "(--hs-when-behind skip: served without capture)", file=sys.stderr)
     st = os.statvfs(dump_dir)
     free = st.f_bavail * st.f_frsize
     if ring > free:
@@ -617,17 +632,21 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             or ns.hs_capture_sample is not None or ns.hs_when_behind is not None \
             or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None \
             or ns.hs_hc_streams is not None or ns.hs_capture_accept_below is not None \
-            or ns.hs_capture_accept_lowest is not None or ns.hs_capture_accept_window is not None:
+            or ns.hs_capture_accept_lowest is not None or ns.hs_capture_accept_window is not None \
+            or ns.hs_max_record_tokens is not None:
         raise CaptureConfigError("--hs-layers/--hs-last/--hs-hc-streams/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
                                  "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
-                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-when-behind need "
+                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-when-behind/--hs-max-record-tokens need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (default_ring or envs.DEFAULT_RING_BYTES)
     if dump_dir:
+        if ns.hs_max_record_tokens is not None and ns.hs_max_record_tokens < 1:
+            raise CaptureConfigError(f"--hs-max-record-tokens: at least 1 token (prompt + max_new_tokens), got "
+                                     f"{ns.hs_max_record_tokens}")
         ring = check_ring_size(ring, explicit=bool(ns.hs_ring_size), spec=spec, config=config, argv=sg_argv,
-                               dump_dir=dump_dir)
+                               dump_dir=dump_dir, max_record_tokens=ns.hs_max_record_tokens)
     env["SGLANG_HS_RING_SIZE"] = str(ring)
     env.pop("SGLANG_HS_ADMISSION_TIMEOUT", None)
     if ns.hs_admission_timeout is not None:

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=1, help="the server's KV page size (default 1): the store has "
                                                              "a page of slots beyond the pool (SGLang's padding)")
     p.add_argument("--hs-ring-size", default=None, metavar="SIZE", help="as the launcher's")
+    p.add_argument("--hs-max-record-tokens", type=int, default=None, metavar="N",
+                   help="as the launcher's: the ring need only hold records of N tokens, not one at the context")
     p.add_argument("--dp-size", type=int, default=1, help="with --enable-dp-attention: writers")
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--tp-size", "--tp", type=int, default=None, help="the server's (default: --dp-size); with "
@@ -185,7 +187,8 @@ NUMBERS = (("--samples", "samples", 1, "samples"), ("--mean-tokens", "mean_token
            ("--max-samples", "max_samples", 0, "samples"), ("--context-length", "context_length", 1, "tokens"),
            ("--max-total-tokens", "max_total_tokens", 1, "KV slots"), ("--page-size", "page_size", 1, "tokens"),
            ("--concurrent", "concurrent", 1, "requests"), ("--request-tokens", "request_tokens", 1, "tokens"),
-           ("--dp-size", "dp_size", 1, "ranks"), ("--tp-size", "tp_size", 1, "ranks"), ("--nnodes", "nnodes", 1, "nodes"))
+           ("--dp-size", "dp_size", 1, "ranks"), ("--tp-size", "tp_size", 1, "ranks"), ("--nnodes", "nnodes", 1, "nodes"),
+           ("--hs-max-record-tokens", "hs_max_record_tokens", 1, "tokens"))
 
 
 def check_numbers(ns) -> None:
@@ -241,7 +244,8 @@ def plan(ns) -> dict:
     slots = pool + ns.page_size if pool else None  # kv_index_translator.capture_token_capacity
     store = slots * P * H * elem if slots else None
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (CPU_DEFAULT_RING if cpu else GPU_DEFAULT_RING)
-    need = 2 * record_bytes(int(ctx), P, H, elem, RID_LEN)
+    record_tokens = min(int(ctx), ns.hs_max_record_tokens or int(ctx))  # the ring's floor: one such record, twice
+    need = 2 * record_bytes(record_tokens, P, H, elem, RID_LEN)
     ring_grown = not ns.hs_ring_size and ring < need
     ring = max(ring, need, conc["ring_bytes"] if conc else 0) if not ns.hs_ring_size else ring
     if conc:  # how many of them the ring and the KV pool take at once
@@ -277,7 +281,7 @@ def plan(ns) -> dict:
     out = {"model": cfg.get("architectures", ["?"])[0], "layers": list(spec.layers), "last": spec.last,
            "hidden_size": H, "hc_mult": spec.hc_mult, "rows_per_layer": spec.rows_per_layer, "dtype": dtype,
            "bytes_per_token": P * H * elem, "bytes_per_token_fp8": P * H + 4,
-           "context_length": int(ctx), "writers": writers, "nnodes": ns.nnodes, "writers_by_node": writers_by_node,
+           "context_length": int(ctx), "ring_floor_tokens": record_tokens, "writers": writers, "nnodes": ns.nnodes, "writers_by_node": writers_by_node,
            "kv_slots_per_writer": slots,
            "store_bytes_per_writer": store, "ring_bytes_per_writer": ring, "ring_needed_for_one_record": need,
            "ring_grown_to_context": ring_grown, "concurrent": conc,
@@ -371,7 +375,7 @@ def render(f: dict) -> str:
     else:
         L.append(f"  store: {_human(f['store_bytes_per_writer'])} ({f['kv_slots_per_writer']:,} KV slots)")
     L.append(f"  ring:  {_human(f['ring_bytes_per_writer'])}" + (
-        f" (grown to hold one {f['context_length']:,}-token record twice)" if f["ring_grown_to_context"] else ""))
+        f" (grown to hold one {f['ring_floor_tokens']:,}-token record twice)" if f["ring_grown_to_context"] else ""))
     c = f.get("concurrent")
     if c:
         L.append(f"  {c['requests']} requests of {c['tokens']:,} tokens at once: ring {_human(c['ring_bytes'])} "

@@ -365,7 +365,8 @@ def _hs_flags(ns, copy: Optional[str] = None) -> List[str]:
     if copy == "staging":
         out += ["--hs-scatter-threads", str(ns.hs_scatter_threads)] if ns.hs_scatter_threads is not None else []
     for flag, value in (("--hs-ring-size", ns.hs_ring_size), ("--hs-admission-timeout", ns.hs_admission_timeout),
-                        ("--hs-startup-timeout", ns.hs_startup_timeout), ("--hs-gather-threads", ns.hs_gather_threads)):
+                        ("--hs-startup-timeout", ns.hs_startup_timeout), ("--hs-gather-threads", ns.hs_gather_threads),
+                        ("--hs-max-record-tokens", ns.hs_max_record_tokens)):
         if value is not None:
             out += [flag, str(value)]
     return out

@@ -1,7 +1,8 @@
 """Admission control: with nobody reading, a small output ring fills, new requests wait in SGLang's
 queue (never inside a forward step), and once a reader drains the ring every record arrives exact, row
 for row against HF float32; held past --hs-admission-timeout, a request fails with a clear error and the
-server serves on. The capture's Prometheus metrics on SGLang's /metrics count the same things. (A
+server serves on; a request longer than the ring can ever hold (--hs-max-record-tokens on a longer context) is
+refused at once with a 400 naming the limit. The capture's Prometheus metrics on SGLang's /metrics count the same things. (A
 `/generate` with a list of prompts, admitted member by member, is in test_reader_restart.py, on the
 small-ring server without a time limit.)
 
@@ -32,7 +33,7 @@ def small_ring_server(tmp_path_factory):
     dump = tmp_path_factory.mktemp("hs-admission") / "dump"
     yield from serving(dump, ["--dtype", "float32", "--hs-last", "--hs-ring-size", str(RING),
                               "--hs-admission-timeout", str(HOLD_LIMIT), "--enable-metrics",
-                              "--context-length", "200"])  # the ring must hold one record at the maximal context
+                              "--hs-max-record-tokens", "200"])  # the ring holds 200-token records, not 4096
 
 
 def _prompt(i):
@@ -128,3 +129,29 @@ def test_requests_held_past_the_limit_fail_clearly_and_the_server_serves_on(smal
         out = server.generate(input_ids=_prompt(999), rid="after-limit",
                               sampling_params={"max_new_tokens": 2, "temperature": 0})
         _exact(reader.take("after-limit", timeout=60), hf, (_prompt(999) + out["output_ids"])[:-1])
+
+
+def test_a_request_the_ring_can_never_hold_is_refused_at_once_naming_the_limit(small_ring_server, hf):
+    """--hs-max-record-tokens 200 on the tiny model's 4096-token context: the 2 MiB ring holds two 200-token
+    records, so 150 prompt + 400 max_new_tokens can never be admitted. Refused with a 400 at once (not held until
+    --hs-admission-timeout), nothing reserved or written for it; counted as oversized, and the next request served
+    and captured exact."""
+    server = small_ring_server
+    before = settled(server)
+    with HiddenStateReader(str(server.dump)) as reader:
+        reader.poll()
+        assert not reader.ready_rids(), "an earlier test left records unread"
+        r = requests.post(f"{server.url}/generate", timeout=300, json=dict(
+            input_ids=_prompt(300)[:PROMPT] * 2 + _prompt(301)[:30], rid="too-long",
+            sampling_params={"max_new_tokens": 400, "temperature": 0}))
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert "request refused: 150 prompt + 400 max_new_tokens = 550 tokens" in r.text, r.text
+        assert "at most " in r.text and "tokens fit" in r.text and "--hs-ring-size" in r.text, r.text
+        status = settled(server)
+        assert status["admission"]["oversized"] - before["admission"]["oversized"] == 1, status
+        assert status["admission"]["failed"] - before["admission"]["failed"] == 1, status
+        assert status["admission"]["held_now"] == 0 and status["writer"]["records"] == before["writer"]["records"]
+        assert reader.poll() == 0 and "too-long" not in reader.ready_rids()  # settled: nothing is coming for it
+        out = server.generate(input_ids=_prompt(302), rid="after-too-long",
+                              sampling_params={"max_new_tokens": 2, "temperature": 0})
+        _exact(reader.take("after-too-long", timeout=60), hf, (_prompt(302) + out["output_ids"])[:-1])

@@ -282,7 +282,38 @@ def test_ring_must_hold_one_record_at_the_maximal_context(tmp_path, clean_env, c
     assert need < 256 << 20
     launch_server.prepare(base(3) + ["--context-length", "400000"])  # the CPU default (256MiB) grows to one record
     assert envs.SGLANG_HS_RING_SIZE == 2 * record_bytes(400000, 4, 64, 2, 256) > 256 << 20
-    assert "room for one record at the 400000-token context" in capsys.readouterr().err
+    assert "room for one record at the server's maximal context length, 400000 tokens" in capsys.readouterr().err
+
+
+def test_max_record_tokens_lowers_the_rings_floor(tmp_path, clean_env, capsys):
+    """--hs-max-record-tokens: the ring need only hold records of that many tokens, not one at the maximal context
+    (issue 47: a 128K-context server capturing shorter samples); admission refuses what can never fit (a 400)."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    model = _model_dir(tmp_path, max_position_embeddings=163840)
+
+    def base(n, *more):
+        return ["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / f"hs{n}"), "--hs-last", *more]
+
+    launch_server.prepare(base(1, "--hs-ring-size", "64MiB", "--hs-max-record-tokens", "32768"))
+    assert envs.SGLANG_HS_RING_SIZE == 64 << 20
+    err = capsys.readouterr().err
+    assert "records of at most ~32768 tokens (--hs-max-record-tokens; the context is 163840)" in err, err
+    with pytest.raises(CaptureConfigError, match=r"--hs-ring-size: 67108864 bytes cannot hold one record of "
+                                                 r"--hs-max-record-tokens \(100000 tokens x 4 x 64 x 2 bytes, .*; raise "
+                                                 r"it to at least .* or lower --hs-max-record-tokens$"):
+        launch_server.prepare(base(2, "--hs-ring-size", "64MiB", "--hs-max-record-tokens", "100000"))
+    launch_server.prepare(base(3, "--hs-max-record-tokens", "400000", "--context-length", "1000"))  # above: no cap
+    assert envs.SGLANG_HS_RING_SIZE == 256 << 20  # the CPU default, which holds a 1000-token record
+    assert "--hs-max-record-tokens" not in capsys.readouterr().err
+    launch_server.prepare(base(4, "--hs-max-record-tokens", "600000", "--context-length", "700000"))
+    assert envs.SGLANG_HS_RING_SIZE == 2 * record_bytes(600000, 4, 64, 2, 256)  # the default grows to the cap only
+    assert "room for one record of --hs-max-record-tokens, 600000 tokens" in capsys.readouterr().err
+    for n, bad in enumerate(("0", "-3")):
+        with pytest.raises(CaptureConfigError, match=rf"^--hs-max-record-tokens: at least 1 token .*got {bad}$"):
+            launch_server.prepare(base(5 + n, "--hs-max-record-tokens", bad))
+    with pytest.raises(CaptureConfigError, match=r"--hs-max-record-tokens need --hs-dump-dir"):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-max-record-tokens", "10"])
 
 
 def test_a_speculative_servers_ring_holds_the_drafts_metadata_too(tmp_path, clean_env):

@@ -49,6 +49,16 @@ def test_deepseek_v3_figures_and_what_does_not_fit(tmp_path, capsys):
         assert msgs and "--max-samples" in msgs[0] and "--shard I/" in msgs[0], f["problems"]
 
 
+def test_max_record_tokens_lowers_the_rings_floor_as_the_launchers(tmp_path, capsys):
+    from sglang_hs.server.store.ring import record_bytes
+
+    rc, f = _plan(tmp_path, capsys, "--samples", "10", "--mean-tokens", "2048", "--hs-max-record-tokens", "32768")
+    assert rc == 0 and f["context_length"] == 163840 and f["ring_floor_tokens"] == 32768
+    assert f["ring_needed_for_one_record"] == 2 * record_bytes(32768, 4, 7168, 2, plan.RID_LEN)
+    rc, f = _plan(tmp_path, capsys, "--samples", "10", "--mean-tokens", "2048", "--hs-max-record-tokens", "999999")
+    assert rc == 0 and f["ring_floor_tokens"] == 163840  # above the context: no cap
+
+
 def test_the_checkpoints_drafter_layers_are_planned_as_the_launcher_captures_them(tmp_path, capsys):
     """A V4-Flash-DSpark config (dspark_target_layer_ids [40, 41, 42] of 43): plan sizes our ids 41, 42, 43, as the
     launcher captures them (server/layer_source.py); --hs-layers still wins."""
@@ -96,6 +106,8 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     (["--concurrent", "2", "--request-tokens", "200000"],
      "--request-tokens: 200000 tokens exceed the context length of 163840; raise --context-length"),
     (["--samples", "10", "--mean-tokens", "100", "--page-size", "0"], "--page-size: a number of tokens >= 1, got 0"),
+    (["--samples", "10", "--mean-tokens", "100", "--hs-max-record-tokens", "0"],
+     "--hs-max-record-tokens: a number of tokens >= 1, got 0"),
     (["--samples", "10", "--mean-tokens", "100", "--dp-size", "0", "--enable-dp-attention"],
      "--dp-size: a number of ranks >= 1, got 0"),
 ])

@@ -27,9 +27,9 @@ Oversized: a request whose share (twice its worst-case record) exceeds the ring'
 admitted, however long it waited. With --hs-when-behind hold it is refused at once, the same way, status 400,
 in one line naming its tokens, the bytes it needs, the capacity and the most tokens that fit (unless its abort
 would take a bystander: then it is served and its record refused, logged); with skip it is served without
-capture, reason "oversized". The launcher sizes the ring for one record at the maximal context length, so
-this takes a long request with a large max_new_tokens on a ring given for shorter ones, or a ring smaller than
-the context the server resolves.
+capture, reason "oversized". The launcher sizes the ring for one record at the maximal context length, or of
+--hs-max-record-tokens when that is fewer (a long-context server capturing shorter samples): this takes a
+request longer than that, or a ring smaller than the context the server resolves.
 
 Time limit: a request held longer than `timeout` seconds (--hs-admission-timeout; 0 = no limit) is
 failed: it goes in together with an AbortReq carrying a clear message (status 503), which SGLang
