@@ -5,9 +5,9 @@ DeepSeek-V3/R1's production pairing, so each of its tests below runs on two rank
 overlay and run every verify pass (their status files count TARGET_VERIFY forwards), rank 0 alone writes,
 and its rows are judged like the others: the same tokens and drafts accepted as at `--tp 1`, worst row
 1.07e-6 of HF float32 (1.03e-6 on one rank; NGRAM and EAGLE3, on one rank, 1.05e-6 and 1.03e-6). Two ranks
-cost the module ~100 s (the EAGLE part 242 s -> 339 s, measured back to back on a loaded machine). Planted: a verify that leaves a rejected draft's row at its slot (the next
-verify's first token not written there) fails the concurrent test at the first position whose draft was
-rejected.
+cost the module ~100 s (the EAGLE part 242 s -> 339 s, measured back to back on a loaded machine). Planted:
+a verify that leaves a rejected draft's row at its slot (the next verify's first token not written there)
+fails the concurrent test at the first position whose draft was rejected.
 
 Each decode step of such a server is a verify pass: one forward of the target over the draft tokens of each
 request (NGRAM: a tree of 12; MTP: the last token and one draft), written at KV slots of the request's draft
