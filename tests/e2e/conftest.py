@@ -140,7 +140,9 @@ def contract_server(tmp_path_factory):
 # would (--hs-capture opt-in: only requests that ask are captured, the others leave a marker). NGRAM: SGLang's default tree of 12
 # draft tokens per verify (up to 10 branches), so accepted drafts' KV (and rows) are moved within each
 # request's window. EAGLE: the "v3-mtp" checkpoint's MTP layer as the draft, DeepSeek's MTP setting (one
-# step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer).
+# step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer);
+# served with `--tp 2` (SPEC_TP: DeepSeek's production pairing, MTP on several ranks; the launcher binds one
+# core per rank, rank 0 alone writes), so every EAGLE test below runs at TP2.
 # EAGLE3: a tiny EAGLE-3 draft (tiny_eagle3) reading target layers of its own beside ours, same setting; its
 # server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
 # Each also samples half of the requests that do not opt in (HARVEST_SAMPLE_KEY) and keeps of those only the
@@ -154,6 +156,7 @@ SPECULATIVE = {
     "EAGLE": ["--speculative-algorithm", "EAGLE", *SPEC_STEP],
     "EAGLE3": ["--speculative-algorithm", "EAGLE3", *SPEC_STEP],
 }
+SPEC_TP = {"EAGLE": 2}  # ranks (--tp) of each speculative server; 1 where not named
 
 
 @pytest.fixture(scope="module", params=sorted(SPECULATIVE))
@@ -162,8 +165,9 @@ def speculative_server(request, tmp_path_factory):
 
     model = {"EAGLE": ["--model-path", tiny_model.ensure("v3-mtp")],
              "EAGLE3": ["--speculative-draft-model-path", tiny_eagle3.ensure()]}.get(request.param, [])
+    tp = SPEC_TP.get(request.param, 1)
     flags = [*model, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), *SPECULATIVE[request.param],
-             "--enable-metrics"]
+             *(["--tp", str(tp)] if tp > 1 else []), "--enable-metrics"]
     plain = Launcher(flags) if request.param == "EAGLE3" else None
     try:
         dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
@@ -176,7 +180,7 @@ def speculative_server(request, tmp_path_factory):
         gen = _serve(dump, [*flags, *ours, "--hs-last", "both", "--hs-capture", "opt-in", "--hs-capture-sample",
                             str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY, *select])
         server = next(gen)
-        server.algorithm = request.param
+        server.algorithm, server.tp = request.param, tp
         try:
             server.plain = plain and plain.wait_ready()
             yield server

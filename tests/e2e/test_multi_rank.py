@@ -3,7 +3,8 @@
 The embedded tiny DeepSeek-V3 splits over 2 ranks as is (4 attention heads, 8 routed experts in 2
 groups). Two float32 servers, one after the other, each for its tests: `--tp 2`, and `--tp 2 --dp 2
 --enable-dp-attention --ep-size 2`; expert parallel without DP attention runs on the Kimi-K2-shaped
-checkpoint in test_model_family.py (`--tp 2 --ep-size 2`). Their records are judged per row against HF
+checkpoint in test_model_family.py (`--tp 2 --ep-size 2`), speculative decoding (EAGLE with the MTP layer) in
+test_speculative.py (`--tp 2`). Their records are judged per row against HF
 transformers float32 with the exact oracle of test_exact_rows.py (row_judge: each row within
 row_judge.TOL = 1e-4 of its own HF row and closer to it than to its neighbours). Several ranks change
 the reduction order (each rank's partial sums, then a gloo all-reduce): measured here, the worst row of
