@@ -189,3 +189,50 @@ def test_part_bytes_and_max_bytes_refusals(dump):
         assert [c.stop for c in reader.chunks(rec, ROW)] == [1, 2, 3, 4, 5]  # default-populated zero-copy too
         assert [c.stop for c in reader.chunks(rec, 1)] == [1, 2, 3, 4, 5]  # at least one row a chunk
         reader.ack(rec)
+
+
+class _Bar:
+    def update(self, n):
+        pass
+
+    def write(self, *a, **k):
+        pass
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "safetensors", "deepspec"])
+def test_the_extraction_writes_a_long_record_in_chunks_the_same_file(tmp_path, dump, fmt):
+    """The --data run's sink stage (SampleWriter) over the real ring with --part-mb's bound: the long record's
+    file, written from the ring a chunk at a time, is the file of the same rows written whole; afterwards none of
+    its rows' pages is mapped in the reader."""
+    from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.extract.sinks.base import TrainingSample
+    from sglang_hs.extract.writer import SampleWriter
+
+    _publish(dump, 4, LONG_T, rid="long")
+    manifest = {"layer_ids": [1], "rows_per_layer": 1, "model_path": "/m"}
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, zero_copy=True, part_bytes=CHUNK)
+    try:
+        rec = reader.take("long", timeout=5)
+        sink = SINKS[fmt](str(tmp_path / "chunked"), "bf16")
+        sink.describe_capture(manifest)
+        mask = (torch.arange(LONG_T) >= 100).long()
+        writer = SampleWriter(reader, sink)
+        writer.submit(0, mask, rec, verify=False)
+        inside = _pages_inside(reader, rec)
+        writer.drain(_Bar())
+        assert writer.stats.done == 1 and not writer.stats.failed, writer.stats.failed
+        assert rec.aux_hidden_states is None  # acked once its file was in place
+        assert not (_mapped(reader) & inside)
+    finally:
+        reader.close()
+    rows = _rows(4, LONG_T)
+    whole = SINKS[fmt](str(tmp_path / "whole"), "bf16")
+    whole.describe_capture(manifest)
+    last = None if whole.final_state == "pre-norm" else rows[:, K]  # this ring holds the post-norm state only
+    whole.write(TrainingSample(0, _ids(4, LONG_T), mask, rows[:, :K], last))
+    a, b = open(whole.path(0), "rb").read(), open(sink.path(0), "rb").read()
+    if fmt == "safetensors":
+        from tests.unit.test_sink_chunks import _metadata_sorted
+
+        a, b = _metadata_sorted(a), _metadata_sorted(b)
+    assert a == b
