@@ -236,3 +236,52 @@ def test_the_extraction_writes_a_long_record_in_chunks_the_same_file(tmp_path, d
 
         a, b = _metadata_sorted(a), _metadata_sorted(b)
     assert a == b
+
+
+def _mapping_of(t):
+    """The /proc/self/maps line of the mapping tensor `t`'s data lies in."""
+    p = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return line.strip()
+    return ""
+
+
+@pytest.mark.parametrize("layout,dtype", [("specforge", torch.bfloat16), ("specforge", torch.float32),
+                                          ("specforge", None), ("deepspec", torch.bfloat16),
+                                          ("deepspec", torch.float8_e4m3fn)])
+def test_the_live_dataset_spills_a_long_record_to_a_file_backed_sample(tmp_path, dump, layout, dtype):
+    """live.spill_sample (what LiveHiddenStates yields for a long record): the very dict the in-memory path
+    builds (specforge_sample / deepspec_sample of the same rows), its state tensors mapped from files in spill_dir
+    that are already unlinked (nothing left in the folder), the record's rows' ring pages unmapped."""
+    from sglang_hs.extract.sinks import deepspec_sample, specforge_sample
+    from sglang_hs.live import spill_sample
+
+    _publish(dump, 6, LONG_T, rid="long")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    mask = (torch.arange(LONG_T) >= 50).long()
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK)  # the live dataset's reader
+    try:
+        rec = reader.take("long", timeout=5)
+        assert rec.views
+        out = spill_sample(reader, rec, mask, layout, dtype, str(spill))
+        assert not (_mapped(reader) & _pages_inside(reader, rec))
+        reader.ack(rec)
+    finally:
+        reader.close()
+    assert not list(spill.iterdir())
+    rows = _rows(6, LONG_T)
+    build = deepspec_sample if layout == "deepspec" else specforge_sample
+    want = build(_ids(6, LONG_T), mask, rows[:, :K], rows[:, K], dtype=dtype)
+    assert list(out) == list(want)
+    for key in want:
+        assert out[key].dtype == want[key].dtype and torch.equal(out[key], want[key]), key
+    states = [k for k in out if "hidden" in k]
+    for key in states:
+        where = _mapping_of(out[key])
+        assert ".sglang-hs-spill-" in where and "(deleted)" in where, (key, where)
+    out[states[0]].add_(1)  # copy on write: the trainer may change it
+
