@@ -67,6 +67,9 @@ from sglang_hs.live_workers import LiveDatasetError  # defined there, where the 
 LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equal, tensor for tensor
 
 
+SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
+
+
 def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge", dtype: Optional[torch.dtype] =
                  torch.bfloat16, spill_dir: Optional[str] = None) -> dict:
     """The sample LiveHiddenStates yields for record `rec` (specforge_sample's or deepspec_sample's dict, the same
@@ -99,8 +102,11 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
         (fa, pa), (fl, pl) = files
         for c in reader.chunks(rec):
             n = c.stop - c.start
-            write_at(fa, c.start * K * H * out_dtype.itemsize, convert(c.aux_hidden_states.reshape(n, K * H)))
-            write_at(fl, c.start * H * out_dtype.itemsize, convert(c.last_hidden_state))
+            step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
+            for s in range(0, n, step):
+                at, e = c.start + s, min(n, s + step)
+                write_at(fa, at * K * H * out_dtype.itemsize, convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
+                write_at(fl, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
         for f, _ in files:
             f.flush()
         aux = torch.from_file(pa, shared=False, size=T * K * H, dtype=out_dtype)
