@@ -455,9 +455,10 @@ class HiddenStateReader:
         self.restarts += 1
 
     def close(self) -> None:
-        """Let another reader take over the dump dir (records not acknowledged stay in the ring). A
-        zero-copy reader first drops the records it holds and has not handed out: once the next reader
-        acknowledges them the server writes over their bytes."""
+        """Let another reader take over the dump dir (records not acknowledged stay in the ring). A reader
+        holding records that are views of the ring (zero-copy, or long records of part_bytes) first drops the
+        records it holds and has not handed out: once the next reader acknowledges them the server writes over
+        their bytes."""
         held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
         if any(record.views for record in held):
             for record in held:

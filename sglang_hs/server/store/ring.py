@@ -55,6 +55,10 @@ are the writer's to overwrite: whoever holds such a view must be done with it be
 else who may write the offset file (a member of the share group) can give them back sooner: the writer
 then takes that offset and may write over the views while they are used, so a consumer asks
 `holds(record.offset)` once it is done with them and discards what it made from them when it is False.
+`read_ahead(view_above=N)` hands a record of more than N row bytes as views even when copying (`Record.views`),
+and a reader with `drop_behind` (opened with populate=False: its pages mapped as it reads them) unmaps each
+record's whole pages from its process once it is copied out or released (`drop`: madvise MADV_DONTNEED, the
+file keeps them): HiddenStateReader(part_bytes=N) reads long records a chunk at a time this way.
 """
 from __future__ import annotations
 
