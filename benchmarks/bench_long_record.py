@@ -12,10 +12,15 @@ store's slots, repeated: a 128K record reads each slot 16 times, every read from
 extraction CLI's SpecForge sink (temp name, fsync, rename) into `--disk-dir` (disk by default: /dev/shm has
 no room for the file beside the ring), then acks it. Reader ways (`--readers`):
 
-  view   ack=True, zero_copy=True: the record's tensors are views of the ring, acked once the file is in
-         place (the extraction CLI's way)
-  copy   the default reader: the record copied out of the ring, then written (the live dataset's way: one
-         copy per record, handed to the trainer)
+  view     ack=True, zero_copy=True: the record's tensors are views of the ring, acked once the file is in
+           place (the extraction CLI's way before --part-mb)
+  chunked  the same, with part_bytes (`--part-mb`, the CLI's default 256 MiB): the sink writes the record a chunk at
+           a time from HiddenStateReader.chunks, which unmaps each chunk's ring pages behind it (the CLI now)
+  spill    the live dataset's way for a long record now (live.spill_sample): a copying reader with part_bytes hands
+           it as views, its sample's two state tensors are written a chunk at a time into (unlinked) files in
+           --disk-dir and mapped; then acked
+  copy     the default reader: the record copied out of the ring, then written (the live dataset's way before:
+           one copy per record, handed to the trainer)
 
 Per repetition: gather (submit -> the record is published in the ring), write (the consumer's take ->
 file renamed) and e2e (submit -> file renamed) seconds and GB/s of the record's row bytes; and the peak
@@ -47,7 +52,7 @@ from benchmarks import bench_host_path  # noqa: E402
 from benchmarks.bench_host_path import ELEM, H, LAYERS, P, ROW_BYTES, fill  # noqa: E402
 from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 
-READERS = ("view", "copy")
+READERS = ("view", "chunked", "spill", "copy")
 GB = 1e9
 
 
@@ -91,9 +96,12 @@ class PeakRss:
         return self.peak
 
 
-def _consumer(dump_dir: str, cmd_q, res_q, parent: int) -> None:
+def _consumer(dump_dir: str, cmd_q, res_q, parent: int, part_bytes: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, after its Ctrl-C
     from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.extract.sinks.base import TrainingSample
+    from sglang_hs.extract.writer import sink_chunks
+    from sglang_hs.live import spill_sample
     from sglang_hs.reader import HiddenStateReader
 
     torch.set_num_threads(1)
@@ -110,20 +118,27 @@ def _consumer(dump_dir: str, cmd_q, res_q, parent: int) -> None:
                 for r in readers.values():
                     r.close()
                 readers.clear()
-                view = mode == "view"
-                readers[mode] = HiddenStateReader(dump_dir, poll_interval=0.0005, recycle_memory=True, ack=view,
-                                                  zero_copy=view)
+                views = mode in ("view", "chunked")
+                readers[mode] = HiddenStateReader(dump_dir, poll_interval=0.0005, recycle_memory=True,
+                                                  ack=mode != "copy", zero_copy=views,
+                                                  part_bytes=part_bytes if mode in ("chunked", "spill") else None)
             reader = readers[mode]
             os.makedirs(folder, mode=0o700, exist_ok=True)
             res_q.put(("armed",))
             rec = reader.take(rid, timeout=600)
             t_taken = time.perf_counter()
-            sink = SINKS["specforge"](folder)
-            n = sink.write(0, rec.input_ids, torch.ones(rec.num_tokens, dtype=torch.long), rec.aux_hidden_states,
-                           rec.last_hidden_state)
+            ones = torch.ones(rec.num_tokens, dtype=torch.long)
+            if mode == "spill":
+                out = spill_sample(reader, rec, ones, "specforge", torch.bfloat16, folder)
+                n = sum(t.numel() * t.element_size() for t in out.values())
+                del out
+            else:
+                sink = SINKS["specforge"](folder)
+                n = sink.write(TrainingSample(0, rec.input_ids, ones, rec.aux_hidden_states, rec.last_hidden_state),
+                               chunks=sink_chunks(reader, sink, rec) if mode == "chunked" else None)
             t_written = time.perf_counter()  # CLOCK_MONOTONIC, as the parent's
             tokens = rec.num_tokens
-            if mode == "view":
+            if mode != "copy":
                 reader.ack(rec)
             del rec
             shutil.rmtree(folder)
@@ -135,12 +150,14 @@ def _consumer(dump_dir: str, cmd_q, res_q, parent: int) -> None:
 class Consumer(bench_host_path.Consumer):
     """bench_host_path's consumer process (its recv and close), running this benchmark's _consumer."""
 
-    def __init__(self, dump_dir: str) -> None:
+    def __init__(self, dump_dir: str, part_bytes: int) -> None:
         ctx = mp.get_context("spawn")
         self.cmd_q, self.res_q = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_consumer, args=(dump_dir, self.cmd_q, self.res_q, os.getpid()), daemon=True)
+        self.proc = ctx.Process(target=_consumer, args=(dump_dir, self.cmd_q, self.res_q, os.getpid(), part_bytes),
+                                daemon=True)
         self.proc.start()
         (self.pid,) = self.recv("ready", 120)
+        self.part_bytes = part_bytes
 
 
 def available_bytes() -> int:
@@ -165,6 +182,7 @@ def one_record(writer, worker, consumer, T: int, rep: int, mode: str, slots_perm
     assert tokens == T
     nbytes = T * ROW_BYTES
     row = {"tokens": T, "reader": mode, "rep": rep, "record_GB": nbytes / GB, "file_GB": file_bytes / GB,
+           "part_GB": consumer.part_bytes / GB if mode in ("chunked", "spill") else 0.0,
            "gather_s": t_gathered - t0, "write_s": t_written - t_taken, "e2e_s": t_written - t0,
            "gather_GBps": nbytes / GB / (t_gathered - t0), "write_GBps": nbytes / GB / (t_written - t_taken),
            "e2e_GBps": nbytes / GB / (t_written - t0)}
@@ -178,12 +196,19 @@ def summarise(rows):
     out = []
     for key in dict.fromkeys((r["tokens"], r["reader"]) for r in rows):
         rs = [r for r in rows if (r["tokens"], r["reader"]) == key]
-        s = {"tokens": key[0], "reader": key[1], "reps": len(rs), "record_GB": rs[0]["record_GB"]}
+        s = {"tokens": key[0], "reader": key[1], "reps": len(rs), "record_GB": rs[0]["record_GB"],
+             "part_GB": rs[0].get("part_GB", 0.0)}
         for m in ("gather_GBps", "write_GBps", "e2e_GBps", "consumer_anon_GB", "consumer_shmem_GB",
                   "consumer_total_GB", "writer_anon_GB"):
             vals = [r[m] for r in rs]
             s[f"{m}_median"], s[f"{m}_min"], s[f"{m}_max"] = statistics.median(vals), min(vals), max(vals)
         out.append(s)
+    for s in out:  # against today's view reader of the same length, in the same run
+        base = next((b for b in out if b["tokens"] == s["tokens"] and b["reader"] == "view"), None)
+        s["write_vs_view"] = s["write_GBps_median"] / base["write_GBps_median"] if base else float("nan")
+        s["e2e_vs_view"] = s["e2e_GBps_median"] / base["e2e_GBps_median"] if base else float("nan")
+        s["peak_vs_view"] = s["consumer_total_GB_median"] / base["consumer_total_GB_median"] if base else float("nan")
+        s["peak_vs_part"] = s["consumer_total_GB_median"] / s["part_GB"] if s["part_GB"] else float("nan")
     return out
 
 
@@ -213,7 +238,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tokens", default="65536,131072", help="comma-separated record lengths")
-    ap.add_argument("--readers", default="view,copy", help=f"comma-separated, of: {', '.join(READERS)}")
+    ap.add_argument("--readers", default="view,chunked,spill,copy", help=f"comma-separated, of: {', '.join(READERS)}")
+    ap.add_argument("--part-mb", type=float, default=256, help="chunked and spill: the chunk bound, MiB (the CLI's "
+                    "--part-mb)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each length and reader")
     ap.add_argument("--slots", type=int, default=8192, help="KV slots of the store (57,344 bytes each)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the store and the ring")
@@ -232,6 +259,8 @@ def main(argv=None) -> int:
         ap.error(f"--tokens: comma-separated token counts >= 1, got {args.tokens!r}")
     if not modes or set(modes) - set(READERS):
         ap.error(f"--readers: comma-separated, of {', '.join(READERS)}; got {args.readers!r}")
+    if not 0 < args.part_mb < 1 << 20:
+        ap.error(f"--part-mb: a size in MiB > 0, got {args.part_mb}")
     for flag, value in (("--reps", args.reps), ("--slots", args.slots)):
         if value < 1:
             ap.error(f"{flag}: a number >= 1, got {value}")
@@ -268,7 +297,7 @@ def main(argv=None) -> int:
                                            ring)
                     fill(writer.store, g)
                     worker = FinishWorker(writer)
-                    consumer = Consumer(dump)
+                    consumer = Consumer(dump, int(args.part_mb * (1 << 20)))
                     perm = torch.randperm(args.slots, generator=g).to(torch.int64)
                     for rep in range(args.reps):
                         r = one_record(writer, worker, consumer, T, rep, mode, perm, disk)
@@ -294,8 +323,10 @@ def main(argv=None) -> int:
                   f"\nmedian of {args.reps} (min-max), {machine()}; {where}" + "".join(f"\nskipped: {s}" for s in skipped),
                   lambda s: (f"  {s['tokens']:>7} tokens {s['record_GB']:.2f} GB [{s['reader']}]: e2e "
                              f"{s['e2e_GBps_median']:.2f} GB/s ({s['e2e_GBps_min']:.2f}-{s['e2e_GBps_max']:.2f}), gather "
-                             f"{s['gather_GBps_median']:.2f}, take+write {s['write_GBps_median']:.2f}; consumer peak "
-                             f"{s['consumer_anon_GB_median']:.2f} GB anon + {s['consumer_shmem_GB_median']:.2f} GB ring pages"))
+                             f"{s['gather_GBps_median']:.2f}, take+write {s['write_GBps_median']:.2f} (x"
+                             f"{s['write_vs_view']:.2f} of view); consumer peak {s['consumer_anon_GB_median']:.2f} GB "
+                             f"anon + {s['consumer_shmem_GB_median']:.2f} GB ring pages (x{s['peak_vs_view']:.3f} of "
+                             f"view" + (f", x{s['peak_vs_part']:.2f} of a part" if s['part_GB'] else "") + ")"))
     if summary:
         plot(summary, os.path.join(args.out, "bench_long_record.png"),
              f"one long DeepSeek-V3 record (57,344 B/token) through the whole-record path; {machine()}; {where}")

@@ -30,6 +30,14 @@ whatever records its last requests left in the ring. A server restarted meanwhil
 ring (HiddenStateReader(reattach=True)); one that comes back with another setup ends the iteration with
 LiveDatasetError.
 
+A long record (more than `part_bytes` of rows, 256 MiB by default; one process, ring transport) is never
+copied whole: it stays in the ring as views, and its sample's states are written a chunk at a time into files
+in `spill_dir` (default: the temp folder; not a tmpfs, or the file is memory again), which are mapped (copy on
+write: the trainer may change them in place) and unlinked at once, so nothing is left behind whatever happens
+to the process, then the record is acknowledged. The trainer gets the same dict, its two state tensors
+file-backed (torch.from_file): their pages come from the page cache as they are read. DataLoader workers (and
+Mooncake) still hand a long record over whole.
+
 DataLoader workers: any number. With num_workers N > 1, worker k sends the records of index % N == k
 (concurrency / N of them in flight each, at least one: max(concurrency, N) in all), and worker 0 holds the
 dump dir's one reader in a thread that hands each record to the worker whose request it is, tensors through
@@ -59,11 +67,67 @@ from sglang_hs.live_workers import LiveDatasetError  # defined there, where the 
 LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equal, tensor for tensor
 
 
+SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
+
+
+def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge", dtype: Optional[torch.dtype] =
+                 torch.bfloat16, spill_dir: Optional[str] = None) -> dict:
+    """The sample LiveHiddenStates yields for record `rec` (specforge_sample's or deepspec_sample's dict, the same
+    tensors), its two state tensors written into files in `spill_dir` (default: the temp folder) a chunk of rows
+    at a time from reader.chunks(rec) (each chunk's ring pages unmapped once the next is read), then mapped copy
+    on write and unlinked at once: the whole record is never in this process's memory, and no file outlives the
+    tensors. The caller acknowledges `rec` afterwards."""
+    import tempfile
+
+    from sglang_hs.extract.sinks.base import write_at
+    from sglang_hs.extract.sinks.deepspec import fit_hidden
+
+    T, K, H = rec.aux_hidden_states.shape
+    ids = rec.input_ids.to(torch.int32 if layout == "deepspec" else torch.int64).clone()
+    mask = loss_mask.to(torch.uint8 if layout == "deepspec" else torch.int64)
+    cast = dtype if dtype is not None else rec.aux_hidden_states.dtype
+    out_dtype = torch.bfloat16 if layout == "deepspec" and cast.itemsize == 1 else cast
+
+    def convert(x: torch.Tensor) -> torch.Tensor:
+        if layout == "deepspec" and dtype is not None:
+            x = fit_hidden(x, dtype)  # an FP8 cast checked (per chunk), read back as bf16 as DeepSpec's reader does
+        return x.to(out_dtype)
+
+    folder = spill_dir or tempfile.gettempdir()
+    files = []
+    try:
+        for _ in range(2):
+            fd, path = tempfile.mkstemp(prefix=".sglang-hs-spill-", dir=folder)
+            files.append((os.fdopen(fd, "r+b"), path))
+        (fa, pa), (fl, pl) = files
+        for c in reader.chunks(rec):
+            n = c.stop - c.start
+            step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
+            for s in range(0, n, step):
+                at, e = c.start + s, min(n, s + step)
+                write_at(fa, at * K * H * out_dtype.itemsize, convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
+                write_at(fl, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
+        for f, _ in files:
+            f.flush()
+        aux = torch.from_file(pa, shared=False, size=T * K * H, dtype=out_dtype)
+        last = torch.from_file(pl, shared=False, size=T * H, dtype=out_dtype)
+    finally:
+        for f, path in files:
+            f.close()
+            os.unlink(path)
+    if layout == "deepspec":
+        return {"input_ids": ids, "loss_mask": mask, "target_hidden_states": aux.view(T, K * H),
+                "target_last_hidden_states": last.view(T, H)}
+    return {"input_ids": ids, "loss_mask": mask, "hidden_state": last.view(1, T, H),
+            "aux_hidden_state": aux.view(1, T, K * H)}
+
+
 class LiveHiddenStates(torch.utils.data.IterableDataset):
     def __init__(self, data: Union[str, os.PathLike, Iterable], server: str, dump_dir: Optional[str] = None,
                  concurrency: int = 8, max_samples: Optional[int] = None, request_timeout: float = 3600.0,
                  reader_wait: float = 30.0, owner=None, dtype: Optional[torch.dtype] = torch.bfloat16,
-                 layout: str = "specforge", transport: str = "ring", publisher: Optional[str] = None) -> None:
+                 layout: str = "specforge", transport: str = "ring", publisher: Optional[str] = None,
+                 part_bytes: Optional[int] = 256 << 20, spill_dir: Optional[str] = None) -> None:
         """`data`: a path (JSON Lines, HF dataset) or an iterable of records, iterated anew each epoch.
         `server`: the URL of an sglang-hs server capturing into `dump_dir` with --hs-last. `owner`: the
         server's user when it is not you (see HiddenStateReader). `dtype`: the states' dtype, bf16 by
@@ -74,7 +138,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         the cache's hidden dtype (bf16; an FP8 dtype gives the cast read back as bf16, as DeepSpec's FP8 reader
         does). `transport`: "ring" (the dump dir on this node) or
         "mooncake": a server on another host, its records through its `python -m sglang_hs.publish` at `publisher`
-        (HOST:PORT; no dump_dir)."""
+        (HOST:PORT; no dump_dir). `part_bytes`: a record of more row bytes is spilled to `spill_dir` a chunk
+        at a time, never copied whole (module docstring); None: every record copied."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout: one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.layout = layout
@@ -95,6 +160,11 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         elif publisher is not None:
             raise ValueError("publisher: only with transport='mooncake'")
         self.transport, self.publisher = transport, publisher
+        if part_bytes is not None and (isinstance(part_bytes, bool) or not isinstance(part_bytes, int)
+                                       or part_bytes < 1):
+            raise ValueError(f"part_bytes: a byte count >= 1 or None, got {part_bytes!r}")
+        self.part_bytes = part_bytes
+        self.spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -137,7 +207,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
         from sglang_hs.live_workers import open_live_reader
 
         try:
-            reader = open_live_reader(self.dump_dir, self.reader_wait, self.owner, self.publisher)
+            reader = open_live_reader(self.dump_dir, self.reader_wait, self.owner, self.publisher,
+                                      self.part_bytes if self.publisher is None else None)
         except (RuntimeError, FileNotFoundError, ConnectionError, ImportError) as e:
             raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         yield from self._samples(reader, f"hsl-{uuid.uuid4().hex[:12]}-", 0, 1, self.concurrency)
@@ -288,7 +359,17 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
                 except ExtractError as e:
                     raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
-                if self.layout == "deepspec":
+                if getattr(rec, "views", False) and getattr(reader, "part_bytes", None):  # a long record
+                    from sglang_hs.extract.fp8 import UnstorableRows
+
+                    try:
+                        out = spill_sample(reader, rec, mask, self.layout, self.dtype, self.spill_dir)
+                    except UnstorableRows as e:
+                        self.skipped[e.reason] += 1
+                        continue
+                    finally:
+                        reader.ack(rec)
+                elif self.layout == "deepspec":
                     from sglang_hs.extract.fp8 import UnstorableRows
 
                     try:
@@ -300,6 +381,8 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 else:
                     out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
                                            dtype=self.dtype)
+                if getattr(reader, "ack_mode", False):
+                    reader.ack(rec)  # copied out: its ring bytes go back (a no-op for a spilled one, acked above)
                 del rec
                 yield out
         finally:

@@ -170,16 +170,21 @@ def _recv(conn: Connection):
     return ForkingPickler.loads(conn.recv_bytes())
 
 
-def open_live_reader(dump_dir: Optional[str], reader_wait: float, owner, publisher: Optional[str] = None):
+def open_live_reader(dump_dir: Optional[str], reader_wait: float, owner, publisher: Optional[str] = None,
+                     part_bytes: Optional[int] = None):
     """The live dataset's one reader: the dump dir's ring (following a restarted server), or with `publisher`
     (HOST:PORT) the records of a server on another host through its Mooncake publisher, each confirmed as it
-    arrives as the local reader drains them (sglang_hs/extract/transport/mooncake.py)."""
+    arrives as the local reader drains them (sglang_hs/extract/transport/mooncake.py). `part_bytes`: the ring's
+    reader acknowledges, and hands a record of more row bytes as views of the ring (live.spill_sample writes
+    it to a file a chunk at a time, then acks it)."""
     if publisher is not None:
         from sglang_hs.extract.transport.mooncake import MooncakeTransport
 
         return MooncakeTransport(publisher, ack=False, wait=reader_wait)
     from sglang_hs.reader import HiddenStateReader
 
+    if part_bytes is not None:
+        return HiddenStateReader(dump_dir, wait=reader_wait, owner=owner, reattach=True, ack=True, part_bytes=part_bytes)
     return HiddenStateReader(dump_dir, wait=reader_wait, owner=owner, reattach=True)
 
 

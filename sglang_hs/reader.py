@@ -61,6 +61,22 @@ when False, throw away what you made of them (the extraction CLI removes the fil
                 os.rename(f"{rec.rid}.pt.tmp", f"{rec.rid}.pt")
             reader.ack(rec)                                                   # rec's tensors are gone now
 
+A long record (DeepSeek-V3 at 128K tokens: 7.5 GB of rows) is read a chunk at a time, never held whole:
+with `part_bytes=N` (it needs ack=True) a record of more than N bytes of rows is not copied even by a copying
+reader but comes as views of the ring (`rec.views`, the zero-copy contract: valid until acked), and
+`reader.chunks(rec)` yields its rows in order as RecordChunks (start, stop, and those rows' input_ids,
+aux_hidden_states, last_hidden_state, last_pre_norm) of at most N bytes each. Asking for the next chunk
+unmaps the ring pages of the chunks before it from this process (madvise MADV_DONTNEED; the ring keeps its
+bytes), and such a reader maps its ring page by page as it reads (not all of it up front), unmapping each
+record's pages once copied or acked: the process holds about one chunk of ring pages, never the record.
+chunks() of any other record (max_bytes=) just slices it:
+
+    with HiddenStateReader("/dev/shm/hs", ack=True, part_bytes=256 << 20) as reader:
+        for rec in reader:
+            for c in reader.chunks(rec):             # rec.views: ~256 MB of ring pages mapped at a time
+                out.write(c.aux_hidden_states)      # done with c before the next one
+            reader.ack(rec)
+
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
 
@@ -83,6 +99,7 @@ import collections
 import ctypes
 import fcntl
 import json
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -198,6 +215,9 @@ class HiddenStateRecord:
     # "accepted_drafts": [drafts accepted at each verify step, in order]}} (accept length = that + 1); else {}
     meta: dict = field(default_factory=dict, repr=False)
     _arrival: int = field(default=0, repr=False, compare=False)  # this reader's count of records and markers
+    views: bool = field(default=False, repr=False)  # its tensors are views of the ring (zero_copy, or part_bytes)
+    _rows_at: int = field(default=-1, repr=False, compare=False)  # views: where its rows start in the ring's mapping
+    _row_bytes: int = field(default=0, repr=False, compare=False)  # bytes of one token's rows [P, H]
 
     def drop_tensors(self) -> None:
         """A zero-copy record whose ring bytes went back to the server: no tensor of it is handed on."""
@@ -215,12 +235,36 @@ class HiddenStateRecord:
         return self.input_ids.shape[0]
 
     @property
+    def row_nbytes(self) -> int:
+        """Bytes of its rows (every captured state of every token): what chunks() splits."""
+        return self.num_tokens * self._row_bytes
+
+    @property
     def positions(self) -> torch.Tensor:
         """[T] int32 0..T-1, derived, not captured: the ring holds no positions, since row t is position t
         by construction (the server gathers a request's rows through req_to_token in position order and
         checks their count). Kept because docs/reading.md shows it; nothing to check in it: whether row t
         really is position t shows only in its values (e.g. against HF transformers)."""
         return torch.arange(self.num_tokens, dtype=torch.int32)
+
+
+@dataclass
+class RecordChunk:
+    """Rows [start, stop) of a record, from HiddenStateReader.chunks: slices of its tensors (views of the ring
+    for a record that is one)."""
+    start: int
+    stop: int
+    input_ids: torch.Tensor  # [stop - start]
+    aux_hidden_states: torch.Tensor  # [stop - start, K, H]
+    last_hidden_state: Optional[torch.Tensor]
+    last_pre_norm: Optional[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+
+DEFAULT_CHUNK_BYTES = 256 << 20  # chunks() without a bound, on a reader without part_bytes
 
 
 class NoWriterHere(FileNotFoundError):
@@ -285,14 +329,20 @@ def _lock_ring(ring: RingReader) -> RingReader:
 class HiddenStateReader:
     def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002,
                  recycle_memory: bool = False, ack: bool = False, owner=None, zero_copy: bool = False,
-                 reattach: bool = False) -> None:
+                 reattach: bool = False, part_bytes: Optional[int] = None) -> None:
         """`owner`: the user (name or uid) whose dump files to trust; default this user. Pass the
         server's user when it shares the dump with a group of yours (--hs-share-group). `zero_copy`
         (with `ack`): records are views of the ring, valid until acked (module docstring). `reattach`:
-        follow a restarted server to its new ring, instead of raising ServerRestarted."""
+        follow a restarted server to its new ring, instead of raising ServerRestarted. `part_bytes` (with
+        `ack`): records of more row bytes than that are long records, read in chunks (module docstring)."""
         if zero_copy and not ack:
             raise ValueError("HiddenStateReader(zero_copy=True) needs ack=True: a zero-copy record is a view of the "
                              "server's ring, valid until you ack() it")
+        if part_bytes is not None and (not ack or isinstance(part_bytes, bool) or not isinstance(part_bytes, int)
+                                       or part_bytes < 1):
+            raise ValueError(f"HiddenStateReader(part_bytes={part_bytes!r}): a byte count >= 1, with ack=True (a long "
+                             "record is a view of the server's ring until you ack() it)")
+        self.part_bytes = part_bytes
         if recycle_memory:
             recycle_freed_memory()
         self.dump_dir = os.path.abspath(dump_dir)
@@ -351,7 +401,9 @@ class HiddenStateReader:
         rings, locks = [], []
         try:
             for w in manifest["writers"]:
-                ring = RingReader.open(self.dump_dir, w["ring"], self._uid, manifest.get("share_gid"))
+                ring = RingReader.open(self.dump_dir, w["ring"], self._uid, manifest.get("share_gid"),
+                                       populate=self.part_bytes is None)
+                ring.drop_behind = self.part_bytes is not None
                 locks.append(_lock_ring(ring))  # closes the ring if it cannot lock it
                 rings.append(ring)
         except BaseException:
@@ -403,13 +455,15 @@ class HiddenStateReader:
         self.restarts += 1
 
     def close(self) -> None:
-        """Let another reader take over the dump dir (records not acknowledged stay in the ring). A
-        zero-copy reader first drops the records it holds and has not handed out: once the next reader
-        acknowledges them the server writes over their bytes."""
-        if self.zero_copy:
-            held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
+        """Let another reader take over the dump dir (records not acknowledged stay in the ring). A reader
+        holding records that are views of the ring (zero-copy, or long records of part_bytes) first drops the
+        records it holds and has not handed out: once the next reader acknowledges them the server writes over
+        their bytes."""
+        held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
+        if any(record.views for record in held):
             for record in held:
-                record.drop_tensors()
+                if record.views:
+                    record.drop_tensors()
             self._ready.clear()
             self._later.clear()
         for ring in self._locks:
@@ -435,7 +489,8 @@ class HiddenStateReader:
             raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed")
         n = 0
         for w, ring in enumerate(self._rings):
-            for rec in (ring.read_ahead(copy=not self.zero_copy) if self.ack_mode else ring.drain()):
+            for rec in (ring.read_ahead(copy=not self.zero_copy, view_above=self.part_bytes) if self.ack_mode
+                        else ring.drain()):
                 self._arrivals += 1
                 if rec.skipped:  # a marker: that request has no record
                     if self.ack_mode:
@@ -467,6 +522,9 @@ class HiddenStateReader:
                     offset=rec.offset,
                     meta=rec.meta,
                     _arrival=self._arrivals,
+                    views=rec.views,
+                    _rows_at=rec.rows.data_ptr() - ring.r.buf.data_ptr() if rec.views and rec.num_tokens else -1,
+                    _row_bytes=rec.rows[0].numel() * rec.rows.element_size() if rec.num_tokens else 0,
                 )
                 if rec.rid in self._ready:
                     self._later.setdefault(rec.rid, collections.deque()).append(record)
@@ -505,8 +563,54 @@ class HiddenStateReader:
                 self._retired[key].release(record.seq)
                 if not self._retired[key].unreleased():
                     del self._retired[key]
-        if self.zero_copy:
+        if record.views:
             record.drop_tensors()
+
+    def _ring_of(self, record: HiddenStateRecord) -> Optional[RingReader]:
+        """The ring `record` came from (None: its server's ring was let go)."""
+        if record.generation == self._generation:
+            return self._rings[record.writer] if self._locks else None
+        return self._retired.get((record.generation, record.writer))
+
+    def chunks(self, record: HiddenStateRecord, max_bytes: Optional[int] = None) -> Iterator[RecordChunk]:
+        """`record`'s rows in order, in chunks of at most `max_bytes` of rows (default: the reader's part_bytes,
+        else DEFAULT_CHUNK_BYTES; at least one token's rows): RecordChunks of views of its tensors. For a record
+        that is views of the ring (zero_copy, or a long record of part_bytes), asking for the next chunk unmaps
+        from this process the ring pages of the chunks before it (madvise MADV_DONTNEED: the ring keeps them, a
+        later read maps them again), and so does the end of the iteration (or its close()) for the rows handed
+        out: only the pages wholly inside the record's rows, never its header, token ids or trailer, nor another
+        record's. So be done with a chunk's views before asking for the next; reading a chunk's views afterwards
+        still gives its bytes (until the record's ack) but maps its pages again. A copied record is just
+        sliced."""
+        if record.aux_hidden_states is None:
+            raise ValueError(f"record of {record.rid!r} was acknowledged: its tensors are gone")
+        bound = max_bytes if max_bytes is not None else self.part_bytes or DEFAULT_CHUNK_BYTES
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise ValueError(f"chunks(max_bytes={max_bytes!r}): a byte count >= 1")
+        T, row = record.num_tokens, record._row_bytes
+        n = max(1, bound // row) if row else max(T, 1)
+        ring = self._ring_of(record) if record.views and record._rows_at >= 0 else None
+        at = record._rows_at
+        page = mmap.PAGESIZE
+        low, done = at, 0  # unmapped below `low` already; rows [0, done) handed out
+
+        def drop(rows: int) -> None:
+            nonlocal low
+            if ring is not None and rows:
+                end = at + rows * row
+                ring.drop(low, end - low)
+                low = max(at, end // page * page)
+
+        try:
+            for start in range(0, T, n):
+                drop(start)
+                stop = min(T, start + n)
+                yield RecordChunk(start, stop, record.input_ids[start:stop], record.aux_hidden_states[start:stop],
+                                  None if record.last_hidden_state is None else record.last_hidden_state[start:stop],
+                                  None if record.last_pre_norm is None else record.last_pre_norm[start:stop])
+                done = stop
+        finally:
+            drop(done)
 
     def intact(self, record: HiddenStateRecord) -> bool:
         """Whether every byte of `record` read so far was the record's: always for a copied record (checked as
@@ -515,7 +619,7 @@ class HiddenStateReader:
         group may): the server then writes over the record's bytes, and views read meanwhile hold a torn mix.
         Ask after using the views (writing the file) and before ack(); False: discard what was made of them.
         A record acknowledged already, or of a closed reader, is not intact."""
-        if not self.zero_copy:
+        if not record.views:
             return True
         if record.input_ids is None or not self._locks:  # acknowledged (its tensors dropped), or the reader closed
             return False

@@ -18,6 +18,7 @@ from sglang_hs.extract.errors import ExtractError
 from sglang_hs.extract.flags import build_parser
 from sglang_hs.extract.selection import Selection
 
+PART_BYTES = 256 << 20  # --part-mb's default
 TRANSPORT = "ring"  # transport/__init__.py's TRANSPORTS: the node-local ring by default (--transport)
 
 
@@ -28,6 +29,7 @@ class OutputSettings:
     save_dtype: Optional[str]  # --save-dtype (bf16 for specforge when not given)
     gid: Optional[int]  # --output-group's gid; None: files of this user only
     resume: bool
+    part_bytes: int = PART_BYTES  # --part-mb: a record of more row bytes is written a chunk of this size at a time
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def parse_args(argv: List[str]) -> Tuple[ExtractConfig, List[str]]:
     # 0/1 (all) is the default, also when written out
     selection = Selection(ns.shard or "0/1", given=ns.shard not in (None, "0/1"))
     save_dtype = _save_dtype(ns.format, ns.save_dtype)
+    part_bytes = _part_bytes(ns.part_mb)
     if ns.idle_timeout is not None and not ns.from_dump:
         raise ExtractError("--idle-timeout is for --from-dump")
     if ns.from_dump and ns.finalize:
@@ -143,7 +146,7 @@ def parse_args(argv: List[str]) -> Tuple[ExtractConfig, List[str]]:
         owner = _check_data_run(ns, launcher_args)
     return ExtractConfig(
         mode=mode,
-        output=OutputSettings(os.path.abspath(ns.output), ns.format, save_dtype, gid, ns.resume),
+        output=OutputSettings(os.path.abspath(ns.output), ns.format, save_dtype, gid, ns.resume, part_bytes),
         data=ns.data, max_samples=ns.max_samples, selection=selection,
         server=ServerSettings(ns.server.rstrip("/") if ns.server else None,
                               ns.mooncake if ns.transport == "mooncake" else ns.hs_dump_dir, owner,
@@ -235,6 +238,19 @@ def _check_data_run(ns, launcher_args: List[str]) -> Optional[int]:
     if not os.path.exists(ns.data) and os.path.sep in ns.data:
         raise ExtractError(f"--data: {ns.data} does not exist")
     return owner
+
+
+def _part_bytes(value: Optional[str]) -> int:
+    """--part-mb in bytes (MiB, a number > 0; at most 1 TiB)."""
+    if value is None:
+        return PART_BYTES
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = float("nan")
+    if not 0 < mib <= 1 << 20 or int(mib * (1 << 20)) < 1:
+        raise ExtractError(f"--part-mb: a size in MiB > 0 (at most 1048576), got {value!r}")
+    return int(mib * (1 << 20))
 
 
 def _at_least_one(flag: str, value: int) -> None:

@@ -90,5 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads of this process (default 1: its work is copies and file writes, "
                         "and more threads spin on cores the server needs); raise it for --verify on a large model")
+    p.add_argument("--part-mb", default=None, metavar="MIB",
+                   help="records of more than this many MiB of rows (default 256) are written a chunk of this size at "
+                        "a time, never held whole: the reader maps only the chunk's ring pages")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (a line per 1000 samples instead)")
     return p

@@ -50,6 +50,7 @@ from sglang_hs.extract.journal import JOURNAL, SETUP_KEYS, Journal, setup_of  # 
 from sglang_hs.extract.sinks.base import Sink
 from sglang_hs.extract.stats import Stats
 from sglang_hs.extract.transport.base import Transport
+from sglang_hs.extract.writer import RecordGivenBack, sink_chunks
 
 RING_SHIFT = 32  # file index = ring number << RING_SHIFT | sequence number
 POLL_S = 0.2  # how often a harvester waiting for records looks at its stop conditions
@@ -84,7 +85,9 @@ class Harvester:
                 self.stats.resumed += 1
             else:
                 try:
-                    self.stats.bytes += self.sink.write(self.sink.sample_of(index, rec, loss_mask(rec)))
+                    self.stats.bytes += self.sink.write(self.sink.sample_of(index, rec, loss_mask(rec)),
+                                                        chunks=sink_chunks(self.reader, self.sink, rec),
+                                                        before_commit=lambda: self._still_the_records(rec))
                 except UnstorableRows as e:  # never stored: skipped, counted and acknowledged (module docstring)
                     self._skip(rec, ring_id, e.reason, skip_detail(e, self.sink.save_dtype))
                     return
@@ -95,6 +98,11 @@ class Harvester:
                                    "prompt_len": rec.prompt_len, "next_token": rec.next_token,
                                    **({"speculative": rec.meta["speculative"]} if "speculative" in rec.meta else {})})
         self.reader.ack(rec)
+
+    def _still_the_records(self, rec) -> None:
+        """A long record's views (--part-mb) were its own bytes all along (HiddenStateReader.intact), else no file."""
+        if not self.reader.intact(rec):
+            raise RecordGivenBack(self.reader.dump_dir)
 
     def _skip(self, rec, ring_id: str, reason: str, detail: str) -> None:
         line = self.stats.skip(reason, detail, f"record {rec.rid} (ring {ring_id}, sequence number {rec.seq})",

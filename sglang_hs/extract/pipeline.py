@@ -60,7 +60,7 @@ def run_data(output, sink: Sink, source: DatasetSource, server, requests, facts,
             process = launch.start(server, output.format, requests.verify)  # before the wait: Ctrl-C stops it too
             url, dump_dir = process.url, process.dump_dir
             launch.wait_ready(process)
-        reader = TRANSPORTS[server.transport].for_requests(dump_dir, server.owner)
+        reader = TRANSPORTS[server.transport].for_requests(dump_dir, server.owner, output.part_bytes)
         source.selection.split_by_node(reader.manifest)
         manifest = dict(reader.manifest, vocab_size=model_vocab_size(reader.manifest["model_path"]))
         check_capture(output.format, sink, manifest, f"the server at {url}", verify=bool(requests.verify))
@@ -118,7 +118,7 @@ def run_harvest(output, sink: Sink, harvest, facts, torch_threads: int) -> int:
     torch.set_num_threads(torch_threads)
     try:
         journal = continue_harvest(output, sink)  # locked: the partial files it removed are no other harvester's
-        reader = TRANSPORTS[harvest.transport].for_harvest(harvest.dump_dir, harvest.owner)
+        reader = TRANSPORTS[harvest.transport].for_harvest(harvest.dump_dir, harvest.owner, output.part_bytes)
         manifest = reader.manifest
         check_capture(output.format, sink, manifest, f"the server of {harvest.dump_dir}")
         journal.check_setup(setup_of(output, manifest), output.dir)

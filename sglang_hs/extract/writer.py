@@ -46,9 +46,9 @@ class SampleWriter:
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
         self.writes.append((index, rec.num_tokens, self.write_pool.submit(
             self._write, index, rec.input_ids, mask, rec.aux_hidden_states, self.sink.final_of(rec), verify,
-            rec), rec))
+            rec, sink_chunks(self.reader, self.sink, rec)), rec))
 
-    def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None) -> int:
+    def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None, chunks=None) -> int:
         """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
         or within FP8's rounding bound), else it is removed and VerificationError raised. `rec`: the reader's
         record the tensors are views of; its file takes its name only if the ring bytes were still the
@@ -58,7 +58,8 @@ class SampleWriter:
                 raise RecordGivenBack(self.reader.dump_dir)
 
         try:
-            size = self.sink.write(TrainingSample(index, input_ids, mask, aux, last), before_commit=still_the_records)
+            size = self.sink.write(TrainingSample(index, input_ids, mask, aux, last), before_commit=still_the_records,
+                                   chunks=chunks)
         except RecordGivenBack:
             raise
         except Exception:  # e.g. FP8's non-finite rows: of torn bytes, say that instead (the sample is redone)
@@ -129,6 +130,18 @@ class SampleWriter:
         self.stats.failed.append((index, str(err)))
         bar.write(f"[extract] sample {index} failed: {err}")
         bar.update(1)
+
+
+def sink_chunks(reader, sink: Sink, rec):
+    """The Chunks of `rec` for sink.write when it is a long record (views of the ring, more row bytes than the
+    reader's part_bytes: --part-mb), read with the reader's chunks() (each chunk's ring pages unmapped once the
+    next is asked for); None for any other record (written whole)."""
+    from sglang_hs.extract.sinks.base import Chunk
+
+    bound = getattr(reader, "part_bytes", None)
+    if not bound or not getattr(rec, "views", False) or rec.row_nbytes <= bound:
+        return None
+    return (Chunk(c.start, c.stop, c.aux_hidden_states, sink.final_of(c)) for c in reader.chunks(rec, bound))
 
 
 def _uninterrupted(step) -> bool:

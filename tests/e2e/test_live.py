@@ -65,12 +65,18 @@ def assert_same_samples(samples, files):
                 assert torch.equal(a, b), (i, k)
 
 
-def test_samples_are_the_cli_files(capture_server, dump_dir, cli_files):
+@pytest.mark.parametrize("part_bytes", [256 << 20, 1], ids=["copied", "spilled"])
+def test_samples_are_the_cli_files(capture_server, dump_dir, cli_files, part_bytes, tmp_path):
+    """part_bytes 1: every record is a long one, spilled to files a row at a time (live.spill_sample)."""
     data, files = cli_files
-    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3, part_bytes=part_bytes,
+                          spill_dir=str(spill))
     samples = list(DataLoader(ds, batch_size=None, num_workers=0))
     assert dict(ds.skipped) == {"empty-conversation": 1, "token-out-of-vocab": 1}
     assert_same_samples(samples, files)
+    assert not list(spill.iterdir())  # the spilled files were unlinked once mapped
     # the iteration closed its reader: the dump dir can be read again at once
     HiddenStateReader(str(dump_dir), wait=0).close()
 

@@ -74,11 +74,22 @@ def test_deepspec_takes_bf16_and_both_fp8_dtypes(given, stored):
      "--tp: launcher flags need no --server"),
     (["--from-dump", "/d", "--shard", "1/2"], "--shard does not go with --from-dump"),
     (["--from-dump", "/d", "--torch-threads", "0"], "--torch-threads: must be >= 1, got 0"),
+    (["--data", "d", "--part-mb", "0"], "--part-mb: a size in MiB > 0 (at most 1048576), got '0'"),
+    (["--data", "d", "--part-mb", "-5"], "--part-mb: a size in MiB > 0"),
+    (["--data", "d", "--part-mb", "lots"], "--part-mb: a size in MiB > 0 (at most 1048576), got 'lots'"),
+    (["--data", "d", "--part-mb", "nan"], "--part-mb: a size in MiB > 0"),
+    (["--from-dump", "/d", "--part-mb", "inf"], "--part-mb: a size in MiB > 0"),
 ])
 def test_a_command_line_that_cannot_run_is_one_line_naming_the_flag(argv, message):
     with pytest.raises(ExtractError) as e:
         parse_args(["--output", "out", *argv])
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_part_mb_is_the_long_record_bound_in_bytes():
+    assert parse_args(["--data", "d", "--output", "out"])[0].output.part_bytes == 256 << 20
+    assert parse_args(["--data", "d", "--output", "out", "--part-mb", "64"])[0].output.part_bytes == 64 << 20
+    assert parse_args(["--from-dump", "/d", "--output", "out", "--part-mb", "0.5"])[0].output.part_bytes == 1 << 19
 
 
 def test_the_format_choices_are_the_sinks_registry():

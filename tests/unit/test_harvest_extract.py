@@ -107,11 +107,14 @@ def _check_files(w, out, sent, fmt="specforge"):
     return files
 
 
+@pytest.mark.parametrize("part", [[], ["--part-mb", "0.0002"]], ids=["whole", "chunked"])
 @pytest.mark.parametrize("fmt", ["specforge", "safetensors"])
-def test_records_become_files_masked_on_the_generated_rows(tmp_path, fmt, capsys):
+def test_records_become_files_masked_on_the_generated_rows(tmp_path, fmt, part, capsys):
+    """chunked: --part-mb of 209 bytes, every record (512-1,024 bytes of rows) a long one: views of the ring
+    written a row or two at a time, the same files."""
     w = _dump(tmp_path / "dump")
     sent = _publish(w)
-    assert _run(tmp_path / "dump", tmp_path / "out", "--format", fmt) == 0
+    assert _run(tmp_path / "dump", tmp_path / "out", "--format", fmt, *part) == 0
     _check_files(w, tmp_path / "out", sent, fmt)
     m = json.load(open(tmp_path / "out" / "manifest.json"))
     assert m["samples_written"] == 4 and m["status"] == "complete" and m["from_dump"] == str(tmp_path / "dump")
@@ -128,7 +131,7 @@ def test_records_become_files_masked_on_the_generated_rows(tmp_path, fmt, capsys
     assert w.ring.free_bytes() == w.ring.capacity  # every record acknowledged
     # more traffic later: a second run continues in the same folder, same ring numbering
     more = _publish(w, [("f", 3, 3)], first_slot=40)
-    assert _run(tmp_path / "dump", tmp_path / "out", "--format", fmt) == 0
+    assert _run(tmp_path / "dump", tmp_path / "out", "--format", fmt, *part) == 0
     files = _check_files(w, tmp_path / "out", {**sent, **more}, fmt)
     assert len({e["index"] >> harvest.RING_SHIFT for e in files.values()}) == 1
 

@@ -1,7 +1,9 @@
 """The sink interface: where a run's training samples go, one small surface whatever the format.
 
   write(sample)    one sample (a TrainingSample) into its file, written to a temporary name and renamed when
-                   complete (after an fsync), so a crash never leaves a file that looks done; returns the bytes
+                   complete (after an fsync), so a crash never leaves a file that looks done; returns the bytes.
+                   write(sample, chunks=...) writes a long record's rows a chunk at a time (each format's
+                   _save_chunks: the header first, the rows at their offsets), the same file as _save's
   finalize()       what a completed run adds beside the sample files (speculators' dataset), or None
   resume_state()   what --output already holds of this format's files (a restarted run skips those samples)
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +36,53 @@ class TrainingSample(NamedTuple):
     loss_mask: "torch.Tensor"
     aux: "torch.Tensor"
     last: Optional["torch.Tensor"]
+
+
+class Chunk(NamedTuple):
+    """Rows [start, stop) of a sample: its aux rows [n, R, H] and final state [n, H] (None: none captured)."""
+    start: int
+    stop: int
+    aux: "torch.Tensor"
+    last: Optional["torch.Tensor"]
+
+
+def chunk_states(aux: "torch.Tensor", last: Optional["torch.Tensor"]) -> "torch.Tensor":
+    """[n, R+1, H]: aux [n, R, H] and last [n, H] side by side (aux alone without last): a view when they are
+    the two views of the same rows (rows[:, :R], rows[:, R] of rows [n, R+1, H], what a record's chunk holds),
+    else a copy of the chunk."""
+    import torch
+
+    if last is None:
+        return aux
+    n, R, H = aux.shape
+    e = aux.element_size()
+    if n and aux.dtype == last.dtype and aux.device == last.device and \
+            aux.untyped_storage().data_ptr() == last.untyped_storage().data_ptr() and \
+            aux.stride() == ((R + 1) * H, H, 1) and last.stride() == ((R + 1) * H, 1) and \
+            last.data_ptr() == aux.data_ptr() + R * H * e:
+        return aux.as_strided((n, R + 1, H), ((R + 1) * H, H, 1), aux.storage_offset())
+    return torch.cat([aux, last[:, None]], dim=1)
+
+
+def write_at(f, offset: int, x: "torch.Tensor") -> None:
+    """x's bytes (contiguous, as they lie in memory) into open file `f` at `offset`."""
+    import torch
+
+    f.seek(offset)
+    f.write(x.contiguous().view(torch.uint8).numpy())
+
+
+def in_order(chunks: Iterable[Chunk], T: int):
+    """The chunks, each checked to start where the one before stopped and to be inside [0, T); then that they
+    covered every row (else SinkError: the file would not be whole)."""
+    done = 0
+    for c in chunks:
+        if c.start != done or not c.start < c.stop <= T or c.aux.shape[0] != c.stop - c.start:
+            raise SinkError(f"a chunk of rows [{c.start}, {c.stop}) ({c.aux.shape[0]} rows) after row {done} of {T}")
+        yield c
+        done = c.stop
+    if done != T:
+        raise SinkError(f"the sample's chunks end at row {done} of its {T}: the file is not whole")
 
 
 @dataclass(frozen=True)
@@ -116,11 +165,14 @@ class Sink:
             os.unlink(p)
         return len(stale)
 
-    def write(self, sample, *fields, before_commit: Optional[Callable[[], None]] = None) -> int:
+    def write(self, sample, *fields, before_commit: Optional[Callable[[], None]] = None,
+              chunks: Optional[Iterable[Chunk]] = None) -> int:
         """Write one sample: a TrainingSample, or its fields in order (index, input_ids, loss_mask, aux, last);
         returns the bytes written. `before_commit` is called once the bytes are in the temporary file, before it
         takes the sample's name: raising there leaves no file (a zero-copy record's ring bytes are checked to
-        be still its own)."""
+        be still its own). `chunks`: the sample's rows in order as Chunks (HiddenStateReader.chunks of a long
+        record): the file is written a chunk at a time, its bytes the same as without; aux and last are then
+        read only for their shapes and dtypes (a format that cannot, writes the whole sample)."""
         import torch
 
         from sglang_hs.fsutil import create_private_file, make_private_dirs, set_private_mode
@@ -131,11 +183,15 @@ class Sink:
         final = self.path(index)
         make_private_dirs(os.path.dirname(final), self.share_gid)
         tmp = final + f".{os.getpid()}{TMP_SUFFIX}"
-        if self.save_dtype == "bf16":
+        chunked = chunks is not None and self.writes_chunks(aux, last)
+        if self.save_dtype == "bf16" and not chunked:  # chunked: each chunk is cast as it is written
             aux, last = aux.to(torch.bfloat16), None if last is None else last.to(torch.bfloat16)
         try:
             create_private_file(tmp, self.share_gid)  # its mode before any byte of it is written
-            self._save(tmp, input_ids.long(), loss_mask.long(), aux, last)
+            if chunked:
+                self._save_chunks(tmp, input_ids.long(), loss_mask.long(), aux, last, chunks)
+            else:
+                self._save(tmp, input_ids.long(), loss_mask.long(), aux, last)
             set_private_mode(tmp, self.share_gid)  # a writer that made a file of its own
             if before_commit is not None:
                 before_commit()
@@ -147,6 +203,20 @@ class Sink:
 
     def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
         raise NotImplementedError
+
+    def writes_chunks(self, aux: "torch.Tensor", last: Optional["torch.Tensor"]) -> bool:
+        """Whether this format writes a sample of these tensors chunk by chunk (_save_chunks)."""
+        return False
+
+    def _save_chunks(self, tmp, input_ids, loss_mask, aux, last, chunks: Iterable[Chunk]) -> None:
+        """_save's file, its rows taken from `chunks` in order (aux and last: only their shapes and dtypes)."""
+        raise NotImplementedError
+
+    def out_dtype(self, dtype: "torch.dtype") -> "torch.dtype":
+        """The dtype the states of `dtype` are stored in (--save-dtype bf16 casts; FP8 is the format's)."""
+        import torch
+
+        return torch.bfloat16 if self.save_dtype == "bf16" else dtype
 
 
 def numbered_files(out_dir: str, prefix: str, suffix: str) -> List[Tuple[int, str]]:

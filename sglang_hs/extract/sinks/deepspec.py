@@ -44,7 +44,7 @@ import shutil
 import struct
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from sglang_hs.extract.sinks.base import Sink, SinkError, cut_short, link_sample_file, numbered_files
+from sglang_hs.extract.sinks.base import Sink, SinkError, cut_short, in_order, link_sample_file, numbered_files, write_at
 
 if TYPE_CHECKING:
     import torch
@@ -164,14 +164,12 @@ class DeepSpecSink(Sink):
         """(sample index, path) of every complete sample file, in sample order."""
         return numbered_files(self.out_dir, "sample_", ".bin")
 
-    def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
-        import torch
-
+    def _header(self, aux, last) -> bytes:
+        """The sample file's header (magic, JSON, padded to 64 bytes)."""
         if last is None:
             raise SinkError("--format deepspec needs the final post-norm state (target_last_hidden_states): the "
                             "server runs without --hs-last")
         K = self.aux_layers(aux)
-        dtype = hidden_dtype(self.hidden_dtype)
         T, H = int(aux.shape[0]), int(aux.shape[-1])
         ids = self.layer_ids  # None: no capture described (finalize refuses such files)
         meta = {"format": "sglang-hs deepspec target cache sample", "seq_len": T, "hidden_size": H,
@@ -180,12 +178,42 @@ class DeepSpecSink(Sink):
                 "target_model_name_or_path": self.model_path, "final_state": self.final_state}
         body = json.dumps(meta).encode()
         header = MAGIC + struct.pack("<I", len(body)) + body
-        header += b"\0" * (-len(header) % HEADER_ALIGN)
-        hidden, final = fit_hidden(aux.reshape(T, K * H), dtype), fit_hidden(last, dtype)
+        return header + b"\0" * (-len(header) % HEADER_ALIGN)
+
+    def _save(self, tmp, input_ids, loss_mask, aux, last) -> None:
+        import torch
+
+        header = self._header(aux, last)
+        T, H = int(aux.shape[0]), int(aux.shape[-1])
+        dtype = hidden_dtype(self.hidden_dtype)
+        hidden, final = fit_hidden(aux.reshape(T, self.aux_layers(aux) * H), dtype), fit_hidden(last, dtype)
         with open(tmp, "wb") as f:  # the order and bytes of DeepSpec's write_sample_bytes
             for part in (header, _raw(input_ids.to(torch.int32)), b"\1" * T, _raw(loss_mask.to(torch.uint8)),
                          _raw(hidden), _raw(final)):
                 f.write(part)
+
+    def writes_chunks(self, aux, last) -> bool:
+        return last is not None
+
+    def _save_chunks(self, tmp, input_ids, loss_mask, aux, last, chunks) -> None:
+        """_save's file a chunk of rows at a time: header, token ids and masks, then each chunk's aux rows and final
+        states at their offsets in the two row blocks (an FP8 cast is checked per chunk: a value it cannot store
+        refuses the sample as before, the message naming the chunk's largest value)."""
+        import torch
+
+        header = self._header(aux, last)
+        T, H = int(aux.shape[0]), int(aux.shape[-1])
+        dtype = hidden_dtype(self.hidden_dtype)
+        e = dtype.itemsize
+        R = self.aux_layers(aux)  # aux [T, R, H] is written as [T, R * H], as _save's reshape
+        hidden_at = len(header) + 6 * T
+        final_at = hidden_at + T * R * H * e
+        with open(tmp, "r+b") as f:
+            for part in (header, _raw(input_ids.to(torch.int32)), b"\1" * T, _raw(loss_mask.to(torch.uint8))):
+                f.write(part)
+            for c in in_order(chunks, T):
+                write_at(f, hidden_at + c.start * R * H * e, fit_hidden(c.aux.reshape(c.stop - c.start, R * H), dtype))
+                write_at(f, final_at + c.start * H * e, fit_hidden(c.last, dtype))
 
     def remove_partial(self) -> int:
         n = super().remove_partial()

@@ -19,7 +19,7 @@ import glob
 import os
 from typing import TYPE_CHECKING, Optional
 
-from sglang_hs.extract.sinks.base import Sink, record_rows
+from sglang_hs.extract.sinks.base import Sink, SinkError, chunk_states, in_order, record_rows, write_at
 
 if TYPE_CHECKING:
     import torch
@@ -77,3 +77,66 @@ class SpecForgeSink(Sink):
         sample = specforge_sample(input_ids, loss_mask, aux, last, contiguous=not shared)
         with contextlib.nullcontext() if self.crc32 else _without_crc32():
             torch.save(sample, tmp)
+
+    def writes_chunks(self, aux, last) -> bool:
+        return last is not None and not self.crc32  # a zip entry's CRC-32 is written before its bytes
+
+    def _save_chunks(self, tmp, input_ids, loss_mask, aux, last, chunks) -> None:
+        """_save's file a chunk of rows at a time. torch.save under torch.serialization.skip_data() writes the
+        whole zip (the pickle, every record, each storage's entry at its 64-byte aligned offset) but none of the
+        storages' bytes; they then go in at the offsets Python's zipfile reads from the entries' headers:
+        token ids and loss mask whole, the rows a chunk at a time. The same bytes torch.save writes (its entries
+        without CRC-32, as _save's). The tensors it pickles are the record's own views when their dtype is the
+        file's (nothing of them read), else placeholders over untouched anonymous memory."""
+        import mmap
+        import zipfile
+
+        import torch
+        from torch.serialization import skip_data
+
+        T, H = aux.shape[0], aux.shape[2]
+        dtype = self.out_dtype(aux.dtype)
+        # as _save gets them: Sink.write casts aux and last apart (--save-dtype bf16 of float32 rows), which makes
+        # them two storages: then not the shared layout
+        shared = self.share_rows and aux.dtype == dtype and record_rows(aux, last) is not None
+
+        def like(shape):
+            n = max(1, int(torch.Size(shape).numel()) * dtype.itemsize)
+            return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype)[:torch.Size(shape).numel()].view(shape)
+
+        if shared:
+            rows = record_rows(aux, last)
+            a, l = rows[:, :-1], rows[:, -1]
+        else:
+            a = aux if aux.dtype == dtype and aux.is_contiguous() else like(aux.shape)
+            l = last if last.dtype == dtype and last.is_contiguous() else like(last.shape)
+        sample = specforge_sample(input_ids, loss_mask, a, l, contiguous=False)
+        storages = []  # in the order torch.save numbers them (first seen while pickling the dict, in order)
+        for t in sample.values():
+            if all(t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for s in storages):
+                storages.append(t)
+        with _without_crc32(), skip_data():
+            torch.save(sample, tmp)
+        with zipfile.ZipFile(tmp) as z:
+            entries = {i.filename.rsplit("/data/", 1)[1]: i for i in z.infolist() if "/data/" in i.filename}
+        at = {}
+        with open(tmp, "r+b") as f:
+            for key, t in enumerate(storages):
+                info = entries.get(str(key))
+                want = t.untyped_storage().nbytes()
+                if info is None or info.file_size != want or info.compress_type != zipfile.ZIP_STORED:
+                    raise SinkError(f"torch.save laid the sample out otherwise (storage {key} of {want} bytes is "
+                                    f"{info and info.file_size}): no file written in chunks")
+                f.seek(info.header_offset)
+                local = f.read(30)  # a zip local file header: its name and extra field lengths end it
+                at[key] = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + \
+                    int.from_bytes(local[28:30], "little")
+            write_at(f, at[0], sample["input_ids"])
+            write_at(f, at[1], sample["loss_mask"])
+            K = aux.shape[1]
+            for c in in_order(chunks, T):
+                if shared:
+                    write_at(f, at[2] + c.start * (K + 1) * H * dtype.itemsize, chunk_states(c.aux, c.last).to(dtype))
+                else:  # hidden_state (the final state) then aux_hidden_state, each a storage of its own
+                    write_at(f, at[2] + c.start * H * dtype.itemsize, c.last.to(dtype))
+                    write_at(f, at[3] + c.start * K * H * dtype.itemsize, c.aux.to(dtype))

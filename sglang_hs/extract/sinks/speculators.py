@@ -31,7 +31,8 @@ import os
 import shutil
 from typing import List, Optional, Tuple
 
-from sglang_hs.extract.sinks.base import Sink, SinkError, cut_short, link_sample_file, numbered_files, record_rows
+from sglang_hs.extract.sinks.base import (Sink, SinkError, chunk_states, cut_short, in_order, link_sample_file,
+                                          numbered_files, record_rows, write_at)
 
 
 class SafetensorsSink(Sink):
@@ -54,19 +55,60 @@ class SafetensorsSink(Sink):
 
         rows = record_rows(aux, last) if self.share_rows else None
         states = rows if rows is not None else aux if last is None else torch.cat([aux, last[:, None]], dim=1)
+        meta = self._metadata(aux, last)
+        tensors = {"token_ids": input_ids.contiguous(), "loss_mask": loss_mask.contiguous()}
+        if self.save_dtype in ("fp8", "fp8-per-layer"):
+            states, tensors[fp8.SCALES_KEY] = fp8.quantize(states, per_layer=self.save_dtype == "fp8-per-layer")
+        tensors["hidden_states"] = states.contiguous()
+        save_file(tensors, tmp, metadata=meta)
+
+    def _metadata(self, aux, last) -> dict:
         meta = {"format": "sglang-hs", "final_state": self.final_state if last is not None else "false",
                 "num_aux_layers": str(self.aux_layers(aux)), "fp8_scale": "none"}
         if self.rows_per_layer != 1:  # absent: one row per layer id (every file before hc streams)
             meta["rows_per_layer"] = str(self.rows_per_layer)
         if self.layer_ids is not None:
             meta["layer_ids"] = ",".join(str(i) for i in self.layer_ids)
-        tensors = {"token_ids": input_ids.contiguous(), "loss_mask": loss_mask.contiguous()}
         if self.save_dtype in ("fp8", "fp8-per-layer"):
-            per_layer = self.save_dtype == "fp8-per-layer"
-            states, tensors[fp8.SCALES_KEY] = fp8.quantize(states, per_layer=per_layer)
-            meta["fp8_scale"] = "per-layer" if per_layer else "per-token"
-        tensors["hidden_states"] = states.contiguous()
-        save_file(tensors, tmp, metadata=meta)
+            meta["fp8_scale"] = "per-layer" if self.save_dtype == "fp8-per-layer" else "per-token"
+        return meta
+
+    def writes_chunks(self, aux, last) -> bool:
+        return True
+
+    def _save_chunks(self, tmp, input_ids, loss_mask, aux, last, chunks) -> None:
+        """_save's file a chunk of rows at a time: the header safetensors writes for these tensors first (its
+        own header of a one-token sample, T put in: safetensors lays tensors out by dtype and name, and its
+        offsets follow from the sizes), then each tensor's bytes at its offset, the rows as the chunks come
+        (cast, or FP8-quantized: scales are per token, so per chunk)."""
+        import torch
+        from safetensors.torch import save
+
+        from sglang_hs.extract import fp8
+
+        T, H = aux.shape[0], aux.shape[2]
+        R = aux.shape[1] + (last is not None)
+        quant = self.save_dtype in ("fp8", "fp8-per-layer")
+        per_layer = self.save_dtype == "fp8-per-layer"
+        one = {"token_ids": input_ids[:1].contiguous(), "loss_mask": loss_mask[:1].contiguous(),
+               "hidden_states": torch.zeros(1, R, H, dtype=fp8.FP8 if quant else self.out_dtype(aux.dtype))}
+        if quant:
+            one[fp8.SCALES_KEY] = torch.zeros(1, R if per_layer else 1, 1, dtype=torch.float32)
+        header, data_at = _header_for(save(one, metadata=self._metadata(aux, last)), T)
+        with open(tmp, "r+b") as f:
+            f.write(header)
+            write_at(f, data_at + header_offset(header, "token_ids"), input_ids)
+            write_at(f, data_at + header_offset(header, "loss_mask"), loss_mask)
+            states_at = data_at + header_offset(header, "hidden_states")
+            scales_at = data_at + header_offset(header, fp8.SCALES_KEY) if quant else 0
+            for c in in_order(chunks, T):
+                states = chunk_states(c.aux, c.last)
+                if quant:
+                    states, scales = fp8.quantize(states, per_layer=per_layer)
+                    write_at(f, scales_at + c.start * scales[0].numel() * 4, scales)
+                else:
+                    states = states.to(self.out_dtype(aux.dtype))
+                write_at(f, states_at + c.start * states[0].numel() * states.element_size(), states)
 
     def remove_partial(self) -> int:
         n = super().remove_partial()
@@ -177,6 +219,42 @@ class SafetensorsSink(Sink):
             if os.path.exists(freq_tmp):
                 os.unlink(freq_tmp)
         return {"rows": len(files)}
+
+
+def _header_for(one: bytes, T: int):
+    """(the header bytes, where the data starts) of a safetensors file whose tensors are those of `one` (a
+    safetensors file of a one-token sample: every tensor [1, ...]) with T tokens each: the same JSON, shapes
+    and offsets put in (the tensors in the same order, back to back), padded to 8 bytes with spaces as
+    safetensors pads. SinkError if `one`'s header is not the JSON this writes (another safetensors layout)."""
+    import json
+    import struct
+
+    n = struct.unpack("<Q", one[:8])[0]
+    raw = one[8 : 8 + n]
+    spec = json.loads(raw)
+    if json.dumps(spec, separators=(",", ":"), ensure_ascii=False).encode() != raw.rstrip(b" "):
+        raise SinkError("this safetensors version writes its header in another layout: no file written in chunks")
+    at = 0
+    for name in sorted((k for k in spec if k != "__metadata__"), key=lambda k: spec[k]["data_offsets"][0]):
+        t = spec[name]
+        begin, end = t["data_offsets"]
+        if begin != at or t["shape"][0] != 1:
+            raise SinkError(f"safetensors laid {name} out at {begin}, not {at}: no file written in chunks")
+        size = (end - begin) * T
+        t["shape"][0], t["data_offsets"] = T, [at * T, at * T + size]
+        at += end - begin
+    body = json.dumps(spec, separators=(",", ":"), ensure_ascii=False).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body, 8 + len(body)
+
+
+def header_offset(header: bytes, name: str) -> int:
+    """The data offset of tensor `name` in a safetensors header (as _header_for returns it)."""
+    import json
+    import struct
+
+    n = struct.unpack("<Q", header[:8])[0]
+    return json.loads(header[8 : 8 + n])[name]["data_offsets"][0]
 
 
 TOKEN_FREQ = "token_freq.pt"

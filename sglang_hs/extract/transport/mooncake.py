@@ -457,7 +457,8 @@ class MooncakeTransport:
 
     # -- how the extraction opens it --------------------------------------------------------------------------
     @staticmethod
-    def for_requests(address: str, owner: Optional[int]) -> "MooncakeTransport":
+    def for_requests(address: str, owner: Optional[int], part_bytes: Optional[int] = None) -> "MooncakeTransport":
+        """`part_bytes` (--part-mb): not used here (a record comes whole over Mooncake)."""
         from sglang_hs.extract.errors import ExtractError
 
         try:

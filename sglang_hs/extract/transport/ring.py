@@ -14,20 +14,23 @@ class RingTransport:
     name = "ring"
 
     @staticmethod
-    def for_requests(dump_dir: str, owner: Optional[int]) -> Transport:
+    def for_requests(dump_dir: str, owner: Optional[int], part_bytes: Optional[int] = None) -> Transport:
         """The --data run's reader of `dump_dir` (--hs-dump-dir): zero-copy, a record goes from the ring
-        straight into its file and is acked once the file is in place."""
+        straight into its file and is acked once the file is in place; one of more than `part_bytes` row bytes
+        (--part-mb) a chunk at a time (HiddenStateReader.chunks)."""
         from sglang_hs.reader import HiddenStateReader, NoWriterHere
 
         try:
-            return HiddenStateReader(dump_dir, wait=30, recycle_memory=True, owner=owner, ack=True, zero_copy=True)
+            return HiddenStateReader(dump_dir, wait=30, recycle_memory=True, owner=owner, ack=True, zero_copy=True,
+                                     part_bytes=part_bytes)
         except (RuntimeError, NoWriterHere) as e:  # another reader holds the dump dir; a node without writers
             raise ExtractError(f"--hs-dump-dir: {e}") from None
 
     @staticmethod
-    def for_harvest(dump_dir: str, owner: Optional[int]) -> Transport:
+    def for_harvest(dump_dir: str, owner: Optional[int], part_bytes: Optional[int] = None) -> Transport:
         """The harvest's reader of `dump_dir` (--from-dump): acked once each file is journaled, following a
-        restarted server to its new ring."""
+        restarted server to its new ring; a record of more than `part_bytes` row bytes is not copied but
+        written from the ring a chunk at a time."""
         from sglang_hs.reader import MANIFEST, HiddenStateReader, no_writer_here
 
         dump = os.path.abspath(dump_dir)
@@ -40,6 +43,7 @@ class RingTransport:
             raise ExtractError(f"--from-dump: {dump} holds no {MANIFEST} (is a server running with --hs-dump-dir "
                                f"{dump}?)")
         try:
-            return HiddenStateReader(dump, wait=5, ack=True, recycle_memory=True, owner=owner, reattach=True)
+            return HiddenStateReader(dump, wait=5, ack=True, recycle_memory=True, owner=owner, reattach=True,
+                                     part_bytes=part_bytes)
         except (RuntimeError, ValueError, OSError) as e:  # another reader, another format, permissions
             raise ExtractError(f"--from-dump: {e}") from None

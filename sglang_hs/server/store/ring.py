@@ -55,6 +55,10 @@ are the writer's to overwrite: whoever holds such a view must be done with it be
 else who may write the offset file (a member of the share group) can give them back sooner: the writer
 then takes that offset and may write over the views while they are used, so a consumer asks
 `holds(record.offset)` once it is done with them and discards what it made from them when it is False.
+`read_ahead(view_above=N)` hands a record of more than N row bytes as views even when copying (`Record.views`),
+and a reader with `drop_behind` (opened with populate=False: its pages mapped as it reads them) unmaps each
+record's whole pages from its process once it is copied out or released (`drop`: madvise MADV_DONTNEED, the
+file keeps them): HiddenStateReader(part_bytes=N) reads long records a chunk at a time this way.
 """
 from __future__ import annotations
 
@@ -192,6 +196,7 @@ class Record:
     next_token: int = -1  # the token after the last row (the last generated one); -1: not recorded
     offset: int = -1  # the logical offset it starts at (RingReader.holds)
     meta: dict = field(default_factory=dict)  # what the writer said about the request (encode_meta)
+    views: bool = False  # its tensors are views of the ring (read_ahead copy=False or view_above), else copies
 
     @property
     def num_tokens(self) -> int:
@@ -379,17 +384,23 @@ class RingReader:
         self._unreleased: dict = {}  # seq -> offset after that record, for records read ahead
         self._released: set = set()  # released out of order, waiting for the records before them
         self._mem: Optional[memoryview] = None  # the mapping as a buffer, for zero-copy views (read_ahead)
+        # unmap each record's whole pages from this process once it is copied out or released (a reader of long
+        # records in chunks, whose ring is mapped without MAP_POPULATE: its resident ring pages stay bounded)
+        self.drop_behind = False
+        self._starts: dict = {}  # seq -> offset it starts at, for records read ahead (drop_behind)
 
     @classmethod
     def open(cls, dir_path: str, name: str, owner: Optional[int] = None,
-             writable_by_gid: Optional[int] = None) -> "RingReader":
+             writable_by_gid: Optional[int] = None, populate: bool = True) -> "RingReader":
         """Open a ring of `owner` (a uid; None: this user), writable by nobody else, read-only, and its
-        offset file, group-writable only by `writable_by_gid`."""
+        offset file, group-writable only by `writable_by_gid`. populate=False: the ring's pages are mapped as
+        they are read, not all at once (SharedRegion.attach)."""
         from sglang_hs.fsutil import check_private_file
 
         check_private_file(os.path.join(dir_path, name), owner)
         check_private_file(os.path.join(dir_path, offset_name(name)), owner, writable_by_gid)
-        region = SharedRegion.attach(dir_path, name, owner_uid=-1 if owner is None else owner, writable=False)
+        region = SharedRegion.attach(dir_path, name, owner_uid=-1 if owner is None else owner, writable=False,
+                                     populate=populate)
         offset_fd = None
         try:
             offset_fd = _open_offset_file(dir_path, offset_name(name), os.geteuid() if owner is None else owner)
@@ -457,18 +468,21 @@ class RingReader:
         self._store_tail(tail, last_seq)  # a SKIP marker after the last record goes with the next one
         return out
 
-    def read_ahead(self, copy: bool = True) -> List[Record]:
+    def read_ahead(self, copy: bool = True, view_above: Optional[int] = None) -> List[Record]:
         """Copy out the records published since the last call (the first call: since TAIL) without
         releasing any: `release(seq)` does that once the consumer has handled them. copy=False: the
-        records' tensors are views of the ring, valid until released (nothing is copied)."""
+        records' tensors are views of the ring, valid until released (nothing is copied). `view_above`: a
+        record of more row bytes than that comes as views even when copy=True (Record.views)."""
         if self._cursor is None:
             if self._tail is None:
                 self._tail, self._tail_seq = self._start()
             self._cursor, self._cursor_seq = self._tail, self._tail_seq
         out = []
-        for rec, end in self._records(self._cursor, self._cursor_seq, copy):
+        for rec, end in self._records(self._cursor, self._cursor_seq, copy, view_above):
             out.append(rec)
             self._unreleased[rec.seq] = end
+            if self.drop_behind:
+                self._starts[rec.seq] = rec.offset
             self._cursor, self._cursor_seq = end, rec.seq
         return out
 
@@ -477,6 +491,9 @@ class RingReader:
         the oldest one not yet released. Releasing a record twice is a no-op."""
         if seq not in self._unreleased:
             return
+        if seq in self._starts:
+            start = self._starts.pop(seq)
+            self.drop(HEADER_BYTES + start % self.capacity, self._unreleased[seq] - start)
         self._released.add(seq)
         first = min(self._unreleased)
         if seq != first:
@@ -500,6 +517,14 @@ class RingReader:
         relies on the same), so True means every byte read before the call was the record's."""
         return self.r.load_acquire(OFF_TAIL) <= offset
 
+    def drop(self, at: int, nbytes: int) -> int:
+        """Unmap from this process the whole pages of the ring's records area inside mapping bytes [at, at +
+        nbytes) (SharedRegion.drop_pages: the ring keeps them; the header page is never dropped). Returns the
+        bytes unmapped."""
+        end = min(at + nbytes, self.r.nbytes)
+        at = max(at, HEADER_BYTES)
+        return self.r.drop_pages(at, end - at) if end > at else 0
+
     def unreleased(self) -> int:
         """Records read ahead and not released yet."""
         return len(self._unreleased)
@@ -521,11 +546,11 @@ class RingReader:
         return torch.frombuffer(self._mem[offset : offset + nbytes], dtype=torch.uint8) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
 
-    def _records(self, tail: int, last_seq: int, copy: bool = True):
+    def _records(self, tail: int, last_seq: int, copy: bool = True, view_above: Optional[int] = None):
         """(record, offset after it) for each record published between `tail` and HEAD, checked; copied
-        out, or (copy=False) views of the ring."""
+        out, or (copy=False, or more row bytes than `view_above`) views of the ring."""
         # a copy is read at once by the consumer: torch's clone (its threads, cached stores), not the streamed op
-        take = (lambda off, n: self.r.buf[off : off + n].clone()) if copy else self._view
+        clone = lambda off, n: self.r.buf[off : off + n].clone()  # noqa: E731
         head = self.r.load_acquire(OFF_HEAD)
         if tail > head or head - tail > self.capacity:
             raise TornRecord(f"{self.r.path}: corrupt counters (published {head}, consumed {tail}, capacity "
@@ -574,6 +599,8 @@ class RingReader:
             if not isinstance(meta, dict):
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: metadata is not a JSON object")
             o = m0 + _align(meta_len)
+            views = not copy or (view_above is not None and T * P * H * elem > view_above)
+            take = self._view if views else clone
             ids = take(o, 4 * T).view(torch.int32)
             o += _align(4 * T)
             rows = take(o, T * P * H * elem).view(dtype).view(T, P, H)
@@ -582,5 +609,7 @@ class RingReader:
                                  "before this reader read it (someone else wrote the read offset: another member of "
                                  "the share group?)")
             start, tail = tail, tail + total
+            if self.drop_behind and not views:  # copied out: this process needs none of its pages mapped
+                self.drop(base, total)
             yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
-                         next_token=next_token, offset=start, meta=meta), tail
+                         next_token=next_token, offset=start, meta=meta, views=views), tail

@@ -20,9 +20,10 @@ from sglang_hs._ext import ext
 
 
 class SharedRegion:
-    def __init__(self, dir_path: str, name: str, buf, fd: Optional[int] = None) -> None:
+    def __init__(self, dir_path: str, name: str, buf, fd: Optional[int] = None, mm: Optional[mmap.mmap] = None) -> None:
         self.dir_path, self.name, self.buf = dir_path, name, buf
         self.fd = fd  # attach(): the open file the mapping is of
+        self.mm = mm  # attach(): the mapping (drop_pages)
 
     @classmethod
     def create(cls, dir_path: str, name: str, nbytes: int) -> "SharedRegion":
@@ -34,12 +35,15 @@ class SharedRegion:
         return cls(dir_path, name, ext().map_file(os.path.abspath(dir_path), name, int(nbytes), False, owner_uid))
 
     @classmethod
-    def attach(cls, dir_path: str, name: str, owner_uid: int = -1, writable: bool = True) -> "SharedRegion":
+    def attach(cls, dir_path: str, name: str, owner_uid: int = -1, writable: bool = True,
+               populate: bool = True) -> "SharedRegion":
         """Map an existing regular file of `owner_uid` (-1: this user) through one descriptor, opened
         without following a symlink (neither the folder nor the file) and kept open as `fd`: the mapping
         is of exactly the file `fd` is, whatever happens to its name meanwhile. Read-only unless
         `writable`. The caller closes `fd` (the mapping stays until its last view is freed); a flock on
-        `fd` ends when it is closed."""
+        `fd` ends when it is closed. `populate`: map every page now (MAP_POPULATE); False: each page as it
+        is first touched (a reader that reads long records in chunks keeps only the pages it reads mapped:
+        drop_pages)."""
         dir_path = os.path.abspath(dir_path)
         path = os.path.join(dir_path, name)
         dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -58,7 +62,8 @@ class SharedRegion:
             if st.st_size <= 0:
                 raise ValueError(f"{path} is empty")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0),
+                           prot=prot)
             # `fd` is the file the mapping is of, but not its open file: the mapping holds that one (a flock on
             # it would last as long as the mapping), so a new open file of the same file, through the fd
             own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -69,12 +74,25 @@ class SharedRegion:
             import torch
 
             buf = torch.frombuffer(mm, dtype=torch.uint8)
-        return cls(dir_path, name, buf, own)
+        return cls(dir_path, name, buf, own, mm)
 
     def unlinked(self) -> bool:
         """Whether the file attach() mapped no longer has a name (a restarted server unlinked it and made a
         new one of that name; or the dump dir was removed)."""
         return self.fd is not None and os.fstat(self.fd).st_nlink == 0
+
+    def drop_pages(self, offset: int, nbytes: int) -> int:
+        """Unmap from this process the whole pages inside [offset, offset + nbytes) of an attach()ed mapping
+        (madvise MADV_DONTNEED): they leave its resident memory (RssShmem), the file keeps them (a shared
+        mapping: the bytes stay the file's, and a later read maps them again). The pages the range only
+        partly covers stay. Returns the bytes unmapped."""
+        page = mmap.PAGESIZE
+        start = max(0, -(-offset // page) * page)
+        end = min(self.nbytes, offset + nbytes) // page * page
+        if self.mm is None or end <= start:
+            return 0
+        self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return end - start
 
     @property
     def path(self) -> str:
