@@ -479,16 +479,26 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in HC_ARCHITECTURES and cpu and v4_on_cpu(arch, config):
         raise CaptureConfigError(v4_on_cpu(arch, config) + v4_hint)
     if arch in HC_ARCHITECTURES and cpu:
-        for flag in ("--tp-size", "--tp", "--tensor-parallel-size", "--dp-size", "--dp", "--data-parallel-size",
-                     "--attn-dp-size", "--attention-data-parallel-size", "--attn-cp-size",
+        from sglang_hs.server.patches.dsv4_cpu_tp import tp_refusal  # imports no sglang
+
+        tp = _flag_value(sg_argv, "--tp-size", "--tp", "--tensor-parallel-size")
+        dp = _flag_value(sg_argv, "--dp-size", "--dp", "--data-parallel-size") or "1"
+        dp_attention = _has_flag(sg_argv, "--enable-dp-attention")
+        if dp != "1" and not dp_attention:
+            raise CaptureConfigError(f"--dp {dp} with {arch} on the CPU engine: sglang-hs's V4 CPU patches serve "
+                                     "data parallel as DP attention only (--tp N --dp M --enable-dp-attention)")
+        if tp and tp.isdigit() and dp.isdigit() and int(tp) > 1:  # the query heads and wo_a's groups split over
+            attn_tp = max(1, int(tp) // int(dp)) if dp_attention else int(tp)  # each attention-TP group's ranks
+            why = attn_tp > 1 and tp_refusal(config.get("num_attention_heads", 1), config.get("o_groups", 1), attn_tp)
+            if why:
+                raise CaptureConfigError(f"--tp {tp} with {arch} on the CPU engine: {why}")
+        for flag in ("--attn-dp-size", "--attention-data-parallel-size", "--attn-cp-size",
                      "--attention-context-parallel-size", "--pp-size", "--pipeline-parallel-size"):
             value = _flag_value(sg_argv, flag)
             if value is not None and str(value) != "1":
                 raise CaptureConfigError(f"{flag} {value} with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
-                                         "serve one rank only (attention tensor parallel is not written); drop it")
-        if _has_flag(sg_argv, "--enable-dp-attention"):
-            raise CaptureConfigError(f"--enable-dp-attention with {arch} on the CPU engine: sglang-hs's V4 CPU patches "
-                                     "serve one rank only; drop it")
+                                         "serve tensor parallel (--tp) and DP attention (--dp --enable-dp-attention) "
+                                         "only; drop it")
     for flag, value in (("--hs-capture-accept-below", ns.hs_capture_accept_below),
                         ("--hs-capture-accept-lowest", ns.hs_capture_accept_lowest)):
         if value is not None and (not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):

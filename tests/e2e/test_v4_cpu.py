@@ -1,6 +1,7 @@
 """DeepSeek-V4 on the CPU engine (issue 45): tiny V4s whose layers are sliding-window (compress ratio 0) or heavily
 compressed (ratio 128, HCA), served float32 by SGLang's own DeepseekV4ForCausalLM through the CPU-engine patches
-(sglang_hs/server/patches/dsv4_cpu_server_args.py, dsv4_torch_native.py, dsv4_cpu_moe.py), every captured row judged
+(sglang_hs/server/patches/dsv4_cpu_server_args.py, dsv4_torch_native.py, dsv4_cpu_moe.py; on several ranks
+dsv4_cpu_tp.py and cpu_inplace_all_reduce.py), every captured row judged
 against HF transformers' DeepseekV4ForCausalLM float32 (eager attention: the sinks) on the same weights.
 
 The checkpoints are tiny_model's "v4-swa": 4 layers, hc_mult 4, a window of 8 keys, random attention sinks and
@@ -13,17 +14,24 @@ per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a 
 and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
 keys) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3] pick ids 2, 3 and 4: id 4 = n, the
 streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean with chunks of 50, v4-csa
-under mean with chunks of 7, both with --hs-layers 1,2,3; all with both final states and the radix cache on. Downstream,
+under mean with chunks of 7 and --tp 2 ("csa-tp2": attention tensor parallel, each rank 2 of the 4 query heads, their
+sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the MoE
+split over both), both with --hs-layers 1,2,3; all with both final states and the radix cache on. TP 1 attention is
+the sliding and HCA servers'. test_dp_attention_rows_of_both_groups serves v4-csa under --tp 2 --dp 2
+--enable-dp-attention (its own server). Downstream,
 the extraction CLI writes DeepSpec's target cache from each mean server, judged row by row against HF the same way. --skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
 special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
-to the neighbouring tokens' and layers' rows. Measured: worst row 7.2e-07 (every configuration). Planted bugs (scratch
+to the neighbouring tokens' and layers' rows. Measured: worst row 7.2e-07 (every configuration; csa-tp2 7.9e-07,
+DP attention 7.5e-07). Planted bugs (scratch
 copies of the patches, the long-prompt test): v4-swa: the window one key wider -> rows 8 on (the first past the
 window) off by up to 0.7; the attention sink dropped -> every row off, up to 0.92; the routed experts' SwiGLU clamp
 dropped (dsv4_cpu_moe) -> every row off, up to 0.14. v4-hca: a block visible one position early -> rows 126 on off
 by up to 0.24; the compressor's ape ignored -> rows 127 on (the first closed block) off by up to 0.14. v4-csa: the
-indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34. Each fails.
+indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34 (measured
+at TP 1). csa-tp2: wo_b without its all-reduce (each rank its partial output) -> the pre-norm final rows off from row
+0, up to 0.98; every rank using rank 0's attention sinks -> from row 0, up to 0.41. Each fails.
 """
 import concurrent.futures as cf
 import contextlib
@@ -86,11 +94,11 @@ def hf_reference(variant):
 # below the window and the layers the checkpoint names (None: no --hs-layers); the HCA checkpoint with chunks of 50
 # (blocks of 128 close inside chunks and in decode)
 CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "swa-full": ("v4-swa", "full", 5, None),
-           "hca-mean": ("v4-hca", "mean", 50, LAYERS), "csa-mean": ("v4-csa", "mean", 7, LAYERS)}
+           "hca-mean": ("v4-hca", "mean", 50, LAYERS), "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
 # the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
 # kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
 POOL = 320
-EXTRA = {"csa-mean": ["--max-total-tokens", str(POOL), "--enable-metrics"]}
+EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"]}
 # per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
 # concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
 SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270)),
@@ -375,7 +383,7 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
     from sglang_hs.status import metrics
 
     server, reader, streams, hf = v4
-    if getattr(v4, "config", None) != "csa-mean":
+    if getattr(v4, "config", None) != "csa-tp2":
         pytest.skip("the full pool runs on the CSA server (POOL tokens)")
     evicted0 = metrics(server.url, prefix="sglang:").get("sglang:evicted_tokens_total", 0.0)
     prompts = [_prompt(60 + 17 * i, 70 + i) for i in range(6)]
@@ -395,6 +403,54 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
           f"{cached}, worst {worst:.2e}")
     assert sent > 4 * POOL and evicted >= 2 * POOL, (sent, evicted)
     assert any(c > 0 for c in cached) and any(c == 0 for c in cached[3:]), cached  # hits, and misses of repeats
+
+
+def test_dp_attention_rows_of_both_groups(tmp_path):
+    """v4-csa under `--tp 2 --dp 2 --enable-dp-attention`: two attention groups of one rank each (attention TP 1:
+    every query head on its rank, no attention all-reduce), the MoE over both ranks (TP 2, both groups' tokens
+    gathered, the token ids too: the hash-routed layer reads them; runtime patch cpu_inplace_all_reduce), each
+    group its own writer. A long prompt alone (the other group runs IDLE batches) and 7 greedy tokens, HF's; a prompt
+    routed (routed_dp_rank) to group 0 twice (a radix hit) and once to group 1 (none: each group its own cache), each
+    record from its group's writer; then three requests at once (both groups busy, one group's batch padded to the
+    other's). Every row of every record judged against HF
+    float32. Chunks: SGLang gives each DP group --chunked-prefill-size / dp (14 / 2 = 7)."""
+    hf = _Captured(hf_reference("v4-csa"), LAYERS)
+    gen = _serve(tmp_path / "dump", ["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--dtype",
+                                     "float32", "--skip-tokenizer-init", "--hs-layers", "1,2,3", "--hs-last", "both",
+                                     "--chunked-prefill-size", "14", "--tp", "2", "--dp", "2",
+                                     "--enable-dp-attention"])
+    server = next(gen)
+    try:
+        with HiddenStateReader(str(server.dump)) as reader:
+            assert reader.manifest["num_writers"] == 2
+            ids = _prompt(150, 3)
+            out = server.generate(input_ids=ids, rid="dp-long", sampling_params={"max_new_tokens": 7, **GREEDY})
+            with torch.no_grad():
+                logits = hf.model(torch.tensor([(ids + out["output_ids"])[:-1]])).logits[0]
+            assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"]
+            outs = {"dp-long": (ids, out)}
+            a, routed = _prompt(100, 5), {"dp-a": 0, "dp-a-again": 0, "dp-a-other-group": 1}
+            for rid, group in routed.items():  # a radix hit in group 0's cache, none in group 1's
+                outs[rid] = (a, server.generate(input_ids=a, rid=rid, routed_dp_rank=group, sampling_params={
+                    "max_new_tokens": 4, **GREEDY}))
+            cached = [outs[r][1]["meta_info"]["cached_tokens"] for r in routed]
+            assert cached[0] == 0 and cached[1] >= len(a) - 1 and cached[2] == 0, cached
+            together = [(f"dp-c{i}", _prompt(n, 10 + i)) for i, n in enumerate((61, 9, 130))]
+            with cf.ThreadPoolExecutor(3) as pool:
+                for (rid, p), o in zip(together, pool.map(lambda j: server.generate(
+                        input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": 5, **GREEDY}), together)):
+                    outs[rid] = (p, o)
+            worst, writers = 0.0, set()
+            for rid, (p, o) in outs.items():
+                rec = reader.take(rid, timeout=120)
+                assert rid not in routed or rec.writer == routed[rid], (rid, rec.writer)  # the group's own writer
+                writers.add(rec.writer)
+                worst = max(worst, judge(rec, hf, (p + o["output_ids"])[:-1], "mean"))
+            assert writers == {0, 1}, writers
+            print(f"v4-csa dp2 attention: {len(outs)} records from writers {sorted(writers)}, cached {cached}, "
+                  f"worst {worst:.2e}")
+    finally:
+        next(gen, None)
 
 
 # bf16, what users run: judged statistically as test_capture.py judges the bf16 V3 server (a row's error against HF

@@ -289,3 +289,49 @@ def test_server_args_overrides_on_cpu(mods, monkeypatch):
     assert env["SGLANG_OPT_USE_TILELANG_MHC_PRE"] == "0" and env["SGLANG_OPT_FUSE_MHC_POST_PRE"] == "0"
     assert mods.tn.sliding_window(types.SimpleNamespace(sliding_window=8, window_size=128)) == 8
     assert mods.tn.sliding_window(types.SimpleNamespace(sliding_window=None, window_size=128)) == 128
+
+
+def _model_config(model_type, heads, kv_heads, o_groups=2):
+    def cfg():
+        return types.SimpleNamespace(model_type=model_type, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                     o_groups=o_groups)
+
+    hf = cfg()
+    return types.SimpleNamespace(hf_config=hf, hf_text_config=hf, num_attention_heads=heads,
+                                 num_key_value_heads=kv_heads)
+
+
+def _padding(model_config, load_config, tp_size):
+    """What SGLang's adjust_config_with_unaligned_cpu_tp does to a 1-KV-head config at tp_size: KV heads padded to
+    tp_size, the query heads with them."""
+    for o in (model_config, model_config.hf_config):
+        o.num_attention_heads = tp_size * o.num_attention_heads // o.num_key_value_heads
+        o.num_key_value_heads = tp_size
+    return model_config
+
+
+def test_dsv4_cpu_tp_keeps_v4_head_counts_and_nothing_else(cpu_engine_imports):
+    """dsv4_cpu_tp: a V4 config leaves the CPU engine's TP adjustment with its own head counts (one MQA KV head:
+    MqaAttentionBase asserts it and splits only the query heads); any other model's padding is SGLang's; a V4 split
+    into partial heads or groups is refused."""
+    with cpu_engine_imports():
+        from sglang_hs.server.patches import dsv4_cpu_tp
+
+    adjust = dsv4_cpu_tp._keeping_v4_heads(_padding)
+    v4 = adjust(_model_config("deepseek_v4", 4, 1), None, 2)
+    assert (v4.num_attention_heads, v4.num_key_value_heads) == (4, 1)
+    assert (v4.hf_config.num_attention_heads, v4.hf_config.num_key_value_heads) == (4, 1)
+    other = adjust(_model_config("qwen3", 4, 1), None, 2)
+    assert (other.num_attention_heads, other.num_key_value_heads) == (8, 2)  # SGLang's own padding, untouched
+    for heads, groups in ((4, 1), (3, 1), (6, 3)):
+        with pytest.raises(ValueError, match=r"sglang-hs dsv4_cpu_tp: DeepSeek-V4 attention tensor parallel 2: its "):
+            adjust(_model_config("deepseek_v4", heads, 1, groups), None, 2)
+
+
+def test_local_heads_is_upstreams_sink_slice(mods):
+    """dsv4_torch_native.local_heads: rank r of t takes heads r * H/t .. (r + 1) * H/t of a whole per-head tensor
+    (MqaAttentionBase._local_attn_sink's slice); the ranks' slices tile the heads in order."""
+    sink = torch.arange(8.0)
+    parts = [mods.tn.local_heads(sink, r, 2) for r in range(4)]
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert torch.equal(torch.cat(parts), sink)

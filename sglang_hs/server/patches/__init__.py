@@ -74,6 +74,12 @@ Ledger (what / why / upstream status / removal plan):
 | args              | torch_native, page 1, no hybrid SWA pools,   | server process   |
 |                   | KV dtype auto; CPU_ENV (mHC kernels off) in  | (serve.py)       |
 |                   | the environment its schedulers inherit       |                  |
+| dsv4_cpu_tp       | wraps update_config.adjust_config_with_      | CPU mode, every  |
+|                   | unaligned_cpu_tp: a V4 config keeps its head | spawned process  |
+|                   | counts (one MQA KV head) under --tp > 1      |                  |
+| cpu_inplace_all_  | registers SGLang's sglang::inplace_all_reduce| CPU mode only    |
+| reduce            | op for the CPU dispatch key (its own         |                  |
+|                   | function): integer DP-attention gathers      |                  |
 | hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
 |                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
 |                   | mean to write the streams into such a slot   | --hs-hc-streams  |
@@ -304,6 +310,34 @@ dsv4_cpu_server_args
   upstream: present in sglang 0.5.23; not reported upstream.
   removal:  when SGLang resolves V4 for its CPU engine; tests/e2e/test_v4_cpu.py's server does not start without it.
 
+dsv4_cpu_tp
+  why:      with --tp > 1 the CPU engine's ModelRunner.load_model runs adjust_config_with_unaligned_cpu_tp, which
+            pads a model's KV heads to a multiple of the TP size (and its query heads with them). DeepSeek-V4's
+            attention is an MQA: one KV head every attention-TP rank keeps whole, the query heads split over the ranks
+            (MqaAttentionBase asserts num_key_value_heads == 1); the padding makes it 2 KV heads and 8 query heads
+            at --tp 2, and the model fails to build (that assertion). For a V4 config the wrapper runs SGLang's
+            function (its MoE intermediate padding included) and puts the two head counts back; a V4 whose query
+            heads or o_groups the TP size does not divide is refused (as the launcher refuses it). The attention's
+            own TP split is dsv4_torch_native's: this rank's query heads and sinks, and upstream's
+            MqaAttentionBase._project_wo_b (wo_b row parallel, all-reduced over the attention-TP group).
+  upstream: present in sglang 0.5.23 (configs/update_config.py adjust_config_with_unaligned_cpu_tp, called from
+            model_executor/model_runner.py ModelRunner.load_model when the device is cpu); not reported upstream.
+  removal:  when the CPU engine leaves an MQA's single KV head unpadded; tests/e2e/test_v4_cpu.py's csa-tp2 server
+            (--tp 2) does not start without it.
+
+cpu_inplace_all_reduce
+  why:      SGLang registers its custom ops for one dispatch key (utils/common.py direct_register_custom_op: CUDA on
+            this platform), so `sglang::inplace_all_reduce` has no CPU kernel. DP attention gathers integer tensors
+            with it (layers/dp_attention.py _dp_gather_via_all_reduce), and DeepSeek-V4 gathers its token ids so at
+            every forward under DP attention (DeepseekV4Model._forward_impl, input_ids_global for the hash-routed
+            layers): a V4 --enable-dp-attention server fails at its warm-up ("Could not run
+            'sglang::inplace_all_reduce' with arguments from the 'CPU' backend"). The op's own function
+            (GroupCoordinator._all_reduce_in_place: a gloo all-reduce on CPU) becomes its CPU kernel.
+  upstream: present in sglang 0.5.23 (utils/common.py direct_register_custom_op; layers/dp_attention.py
+            _dp_gather_via_all_reduce); not reported upstream.
+  removal:  when SGLang registers its communication ops for the CPU key; tests/e2e/test_v4_cpu.py's DP-attention
+            server fails its warm-up without it.
+
 kimi_k25_language_model
   why:      SGLang's KimiK25ForConditionalGeneration builds its language model by calling the
             `DeepseekV3ForCausalLM` its module imported from deepseek_v2, so the registry override (by
@@ -321,7 +355,8 @@ processes that build the model, before any forward; warmup_rid and parallel_samp
 HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_args, needed before that process resolves the
 server arguments, are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
-spawned SGLang process re-imports it as `__mp_main__`. Not a `sglang.srt.plugins` entry point: SGLang
+spawned SGLang process re-imports it as `__mp_main__` (with dsv4_cpu_tp, needed before the scheduler loads the
+model). Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
 environment, plain `sglang serve` runs included.
 """
@@ -337,8 +372,9 @@ _applied: dict = {}
 
 # The CPU engine's patches, in the order they are applied: spec_verify_torch_native wraps
 # TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
-CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "torch_native_cpu_pad", "torch_native_extend", "moe_native_ep",
-               "dsa_torch_native", "spec_verify_torch_native", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
+CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplace_all_reduce", "torch_native_cpu_pad",
+               "torch_native_extend", "moe_native_ep", "dsa_torch_native", "spec_verify_torch_native",
+               "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
 
 
 def apply() -> dict:
@@ -363,7 +399,8 @@ def _apply_cpu(name: str) -> None:
 
 def apply_spawned() -> dict:
     """The patches a spawned SGLang process needs before its scheduler builds the parallel groups
-    (sglang_hs/server/serve.py runs this in every such process); idempotent."""
+    and loads the model (sglang_hs/server/serve.py runs this in every such process); idempotent."""
     with _lock:
         _apply_cpu("cpu_gloo_groups")
+        _apply_cpu("dsv4_cpu_tp")
         return dict(_applied)

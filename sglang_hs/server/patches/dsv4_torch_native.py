@@ -32,7 +32,14 @@ See the ledger in sglang_hs/server/patches/__init__.py. Applied in CPU mode only
 - `DeepseekV4DecoderLayerBase.hc_pre/hc_post` and `DeepseekV4Model.hc_head` (upstream: TileLang/Triton kernels,
   `hc_split_sinkhorn` has no CPU path): HF DeepseekV4HyperConnection / DeepseekV4HyperHead in torch.
 
-Not done here: V4.1's ratios 1/2, attention tensor parallel, the hybrid SWA and compressed-state pools (every key and
+Attention tensor parallel (--tp > 1, as SGLang splits V4: MqaAttentionBase): each rank computes its n_heads / tp query
+heads (wq_b is column parallel) with their sinks (attn_sink is kept whole: this rank's slice, as _local_attn_sink) over
+the one shared key of each token, which every rank keeps whole in its own pool, as it keeps the compressors and the
+indexer (replicated); wo_a holds this rank's o_groups / tp groups, and wo_b (row parallel) goes through upstream's
+`_project_wo_b`, whose all-reduce sums the ranks' partial outputs. Head counts: sglang_hs/server/patches/dsv4_cpu_tp.py.
+Rows past the requests' (a padded batch) and IDLE batches attend over nothing (zeros).
+
+Not done here: V4.1's ratios 1/2, the hybrid SWA and compressed-state pools (every key and
 per-token compressor input is kept; the window and blocks are applied here, recomputed per step: O(request length)
 per compressed layer and step), FP8 KV. Exactly tied index scores (every head's ReLU 0) have no defined order, in HF's
 top-k as here.
@@ -69,6 +76,12 @@ def _rope(x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor, inv
     x1, x2 = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def local_heads(per_head: torch.Tensor, rank: int, n_local: int) -> torch.Tensor:
+    """This attention-TP rank's slice of a per-head tensor kept whole on every rank (MqaAttentionBase.attn_sink: its
+    heads rank * n_local .. (rank + 1) * n_local, as upstream's _local_attn_sink; wq_b's rows are sharded the same)."""
+    return per_head[rank * n_local:(rank + 1) * n_local]
 
 
 def _linear(module, x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +179,6 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
         raise NotImplementedError(f"sglang-hs DeepSeek-V4 on the CPU engine: layer {self.layer_id} has compress ratio "
                                   f"{self.compress_ratio}; only sliding-window (0), CSA (4) and HCA (128) layers are "
                                   "served")
-    if self.attn_tp_size != 1:
-        raise NotImplementedError("sglang-hs DeepSeek-V4 on the CPU engine: attention tensor parallel (--tp > 1)")
     T, H, D = x.shape[0], self.n_local_heads, self.head_dim
     if T == 0:
         return x
@@ -201,9 +212,10 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
         q_lora = _rms(q_a, self.q_norm.variance_epsilon, self.q_norm.weight)
         iq = _rope(_linear(idx.wq_b, q_lora).view(T, idx.n_heads, idx.head_dim), self.freqs_cis, positions).float()
         iw = _linear(idx.weights_proj, x).float() * idx.n_heads ** -0.5
-    o = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    o = torch.zeros((T, H, D), dtype=x.dtype, device=x.device)  # rows past the requests' pad the batch (DP attention)
+    sink = local_heads(self.attn_sink, self.attn_tp_rank, H)
     start = 0
-    for req, prefix, n in _requests(forward_batch):
+    for req, prefix, n in ([] if forward_batch.forward_mode.is_idle() else _requests(forward_batch)):
         length = prefix + n
         first = max(0, prefix - window + 1)  # no query of this step sees a key before it
         keys = cache[req_to_token[req, first:length].long()].view(length - first, D).to(x.dtype)
@@ -220,14 +232,16 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
                 closed = indexer_keep(iq[start:start + n], ikeys, iw[start:start + n], idx.softmax_scale, closed,
                                       idx.index_topk)
             keys, mask = torch.cat([keys, entries]), torch.cat([mask, closed], dim=1)
-        o[start:start + n] = sink_attention(q[start:start + n], keys, mask, self.attn_sink, self.softmax_scale)
+        o[start:start + n] = sink_attention(q[start:start + n], keys, mask, sink, self.softmax_scale)
         start += n
     o = _rope(o, self.freqs_cis, positions, inverse=True)
     G = self.n_local_groups
     o = o.reshape(T, G, -1)
     wo_a = self.wo_a.weight.to(x.dtype).view(G, self.o_lora_rank, -1)
     o = torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)
-    return _linear(self.wo_b, o)
+    # wo_b is row parallel over the attention-TP ranks: upstream's own projection, which all-reduces the ranks' partial
+    # sums (the TP group, or the attention-TP group under DP attention)
+    return self._project_wo_b(o, defer_all_reduce)
 
 
 def hc_pre(self, x, hc_fn, hc_scale, hc_base, norm=None, forward_batch=None):
