@@ -96,9 +96,10 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
     folder = spill_dir or tempfile.gettempdir()
     files = []
     try:
-        for _ in range(2):
+        for _ in range(2):  # unlinked at once, mapped through /proc/self/fd: nothing is left if this process dies
             fd, path = tempfile.mkstemp(prefix=".sglang-hs-spill-", dir=folder)
-            files.append((os.fdopen(fd, "r+b"), path))
+            os.unlink(path)
+            files.append((os.fdopen(fd, "r+b"), f"/proc/self/fd/{fd}"))
         (fa, pa), (fl, pl) = files
         for c in reader.chunks(rec):
             n = c.stop - c.start
@@ -112,9 +113,8 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
         aux = torch.from_file(pa, shared=False, size=T * K * H, dtype=out_dtype)
         last = torch.from_file(pl, shared=False, size=T * H, dtype=out_dtype)
     finally:
-        for f, path in files:
+        for f, _ in files:
             f.close()
-            os.unlink(path)
     if layout == "deepspec":
         return {"input_ids": ids, "loss_mask": mask, "target_hidden_states": aux.view(T, K * H),
                 "target_last_hidden_states": last.view(T, H)}
@@ -355,34 +355,32 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                     time.sleep(reader.poll_interval)
                     continue
                 del pending[rid]
-                try:
-                    mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
-                except ExtractError as e:
-                    raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
-                if getattr(rec, "views", False) and getattr(reader, "part_bytes", None):  # a long record
-                    from sglang_hs.extract.fp8 import UnstorableRows
+                from sglang_hs.extract.fp8 import UnstorableRows
 
+                try:  # every way out gives the record's ring bytes back (an acknowledging reader: else the ring
+                    # stays pinned behind it and the server holds every captured request once it wraps)
                     try:
+                        mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
+                    except ExtractError as e:
+                        raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
+                    if getattr(rec, "views", False) and getattr(reader, "part_bytes", None):  # a long record
                         out = spill_sample(reader, rec, mask, self.layout, self.dtype, self.spill_dir)
-                    except UnstorableRows as e:
-                        self.skipped[e.reason] += 1
-                        continue
-                    finally:
-                        reader.ack(rec)
-                elif self.layout == "deepspec":
-                    from sglang_hs.extract.fp8 import UnstorableRows
-
-                    try:
+                        if not reader.intact(rec):  # its ring bytes were taken back meanwhile: the spill is torn
+                            raise LiveDatasetError(
+                                f"LiveHiddenStates: sample {sample.index}: the record's ring bytes were given back "
+                                "while it was spilled (someone else wrote this reader's read offset)")
+                    elif self.layout == "deepspec":
                         out = deepspec_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
                                               dtype=self.dtype)
-                    except UnstorableRows as e:  # the file would not be written either
-                        self.skipped[e.reason] += 1
-                        continue
-                else:
-                    out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
-                                           dtype=self.dtype)
-                if getattr(reader, "ack_mode", False):
-                    reader.ack(rec)  # copied out: its ring bytes go back (a no-op for a spilled one, acked above)
+                    else:
+                        out = specforge_sample(rec.input_ids, mask, rec.aux_hidden_states, rec.last_hidden_state,
+                                               dtype=self.dtype)
+                except UnstorableRows as e:  # the file would not be written either
+                    self.skipped[e.reason] += 1
+                    continue
+                finally:
+                    if getattr(reader, "ack_mode", False):
+                        reader.ack(rec)  # copied or spilled out, or skipped: its ring bytes go back
                 del rec
                 yield out
         finally:

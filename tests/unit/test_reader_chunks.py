@@ -285,3 +285,17 @@ def test_the_live_dataset_spills_a_long_record_to_a_file_backed_sample(tmp_path,
         assert ".sglang-hs-spill-" in where and "(deleted)" in where, (key, where)
     out[states[0]].add_(1)  # copy on write: the trainer may change it
 
+
+
+def test_a_kernel_refusing_to_drop_pages_costs_no_ack():
+    """madvise(MADV_DONTNEED) may fail (EINVAL after mlockall, EAGAIN): dropping pages is only a saving, so
+    drop_pages says 0 and the ack that called it goes on (review: the OSError escaped RingReader.release before
+    its bookkeeping, and the record was never released)."""
+    from sglang_hs.server.store.shm import SharedRegion
+
+    class Refusing:
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    region = SharedRegion("/nowhere", "ring", torch.zeros(4 * mmap.PAGESIZE, dtype=torch.uint8), mm=Refusing())
+    assert region.drop_pages(0, 4 * mmap.PAGESIZE) == 0

@@ -110,3 +110,23 @@ def test_chunks_that_do_not_cover_the_rows_leave_no_file(tmp_path):
             assert not os.path.exists(sink.path(3))
             folder = os.path.dirname(sink.path(3))
             assert not os.path.isdir(folder) or not [f for f in os.listdir(folder) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("save_dtype", [None, "bf16"])
+def test_a_one_token_record_of_both_final_states_in_specforges_chunks(tmp_path, save_dtype):
+    """T = 1 with both final states: aux = rows[:, :K] and last = rows[:, K] are both contiguous views of one
+    rows storage that holds the pre-norm row too; the chunked write pickled them as they were and looked for a
+    fourth storage torch.save never made (KeyError: 3, review of issue 47's reader half). Now written, and it
+    loads to the same tensors as the whole write (whose file also carries the unused pre-norm row: torch.save
+    saves a view's whole storage)."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(1, K + 2, H, generator=g).to(torch.bfloat16)
+    ids, mask, aux, last = torch.tensor([7], dtype=torch.int32), torch.ones(1, dtype=torch.long), rows[:, :K], rows[:, K]
+    got = {}
+    for way, chunks in (("whole", None), ("chunks", [Chunk(0, 1, aux, last)])):
+        sink = _sink("specforge", save_dtype, tmp_path / way)
+        sink.write(TrainingSample(0, ids, mask, aux, last), chunks=chunks)
+        got[way] = torch.load(sink.path(0))
+    assert got["whole"].keys() == got["chunks"].keys()
+    for k in got["whole"]:
+        assert got["whole"][k].dtype == got["chunks"][k].dtype and torch.equal(got["whole"][k], got["chunks"][k]), k

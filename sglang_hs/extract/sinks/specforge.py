@@ -107,9 +107,14 @@ class SpecForgeSink(Sink):
         if shared:
             rows = record_rows(aux, last)
             a, l = rows[:, :-1], rows[:, -1]
-        else:
-            a = aux if aux.dtype == dtype and aux.is_contiguous() else like(aux.shape)
-            l = last if last.dtype == dtype and last.is_contiguous() else like(last.shape)
+        else:  # a view is pickled as it is only when it is its storage's whole (else its offset or its siblings
+            # would be saved: with T = 1, aux and last of one record's rows are both contiguous, one storage)
+            def whole(t):
+                return t.dtype == dtype and t.is_contiguous() and t.storage_offset() == 0 and \
+                    t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+            a = aux if whole(aux) else like(aux.shape)
+            l = last if whole(last) else like(last.shape)
         sample = specforge_sample(input_ids, loss_mask, a, l, contiguous=False)
         storages = []  # in the order torch.save numbers them (first seen while pickling the dict, in order)
         for t in sample.values():

@@ -85,13 +85,17 @@ class SharedRegion:
         """Unmap from this process the whole pages inside [offset, offset + nbytes) of an attach()ed mapping
         (madvise MADV_DONTNEED): they leave its resident memory (RssShmem), the file keeps them (a shared
         mapping: the bytes stay the file's, and a later read maps them again). The pages the range only
-        partly covers stay. Returns the bytes unmapped."""
+        partly covers stay. Returns the bytes unmapped: 0 where the kernel refuses (EINVAL with mlockall,
+        EAGAIN): dropping is only a saving, never a reason for an ack to fail."""
         page = mmap.PAGESIZE
         start = max(0, -(-offset // page) * page)
         end = min(self.nbytes, offset + nbytes) // page * page
         if self.mm is None or end <= start:
             return 0
-        self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        try:
+            self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except OSError:
+            return 0
         return end - start
 
     @property
