@@ -413,46 +413,41 @@ def test_prepare_refuses_other_deepseek_v4_layers_on_the_cpu_engine_in_one_line(
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("flags, named", [(["--attention-data-parallel-size", "2"], "--attention-data-parallel-size 2"),
-                                          (["--pipeline-parallel-size=2"], "--pipeline-parallel-size 2"),
-                                          (["--tp", "2", "--attn-cp-size", "2"], "--attn-cp-size 2")])
-def test_prepare_refuses_deepseek_v4_on_other_cpu_parallelism_in_one_line(tmp_path, clean_env, flags, named):
-    """Tensor parallel and DP attention only: pipeline and context parallel are refused, naming the flag."""
+def _v4_refused(tmp_path, flags, pattern):
+    """The launcher refuses a small V4 (4 query heads, 2 output groups) served with `flags` on the CPU engine in
+    one line matching `pattern`."""
     model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0],
                        num_attention_heads=4, o_groups=2)
-    with pytest.raises(CaptureConfigError, match=rf"^{named} with DeepseekV4ForCausalLM on the CPU engine: "
-                                                 r"sglang-hs's V4 CPU patches serve tensor parallel \(--tp\) and DP "
-                                                 r"attention \(--dp --enable-dp-attention\) only") as e:
+    with pytest.raises(CaptureConfigError, match=pattern) as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                                "--hs-layers", "1,3", *flags])
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("flags, named", [(["--attention-data-parallel-size", "2"], "--attention-data-parallel-size 2"),
+                                          (["--pipeline-parallel-size=2"], "--pipeline-parallel-size 2"),
+                                          (["--tp", "2", "--attn-cp-size", "2"], "--attn-cp-size 2")])
+def test_prepare_refuses_deepseek_v4_on_other_cpu_parallelism_in_one_line(tmp_path, clean_env, flags, named):
+    """Tensor parallel and DP attention only: pipeline and context parallel are refused, naming the flag."""
+    _v4_refused(tmp_path, flags, rf"^{named} with DeepseekV4ForCausalLM on the CPU engine: sglang-hs's V4 CPU patches "
+                                 r"serve tensor parallel \(--tp\) and DP attention \(--dp --enable-dp-attention\) only")
+
+
 def test_prepare_refuses_deepseek_v4_dp_without_dp_attention_on_the_cpu_engine_in_one_line(tmp_path, clean_env):
     """--dp without --enable-dp-attention (whole model replicas behind SGLang's DP controller) is refused, naming
     the flag; with it the V4 server runs (tests/e2e/test_v4_cpu.py's DP-attention test)."""
-    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0],
-                       num_attention_heads=4, o_groups=2)
-    with pytest.raises(CaptureConfigError, match=r"^--dp 2 with DeepseekV4ForCausalLM on the CPU engine: sglang-hs's "
-                                                 r"V4 CPU patches serve data parallel as DP attention only") as e:
-        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
-                               "--hs-layers", "1,3", "--tp", "2", "--dp", "2"])
-    assert "\n" not in str(e.value)
+    _v4_refused(tmp_path, ["--tp", "2", "--dp", "2"], r"^--dp 2 with DeepseekV4ForCausalLM on the CPU engine: "
+                                                      r"sglang-hs's V4 CPU patches serve data parallel as DP attention only")
 
 
 @pytest.mark.parametrize("flags", [["--tp", "3"], ["--tp-size=8"], ["--tensor-parallel-size", "4"]])
 def test_prepare_refuses_a_deepseek_v4_tp_split_of_partial_heads_in_one_line(tmp_path, clean_env, flags):
     """--tp must divide the query heads and wo_a's output groups (4 and 2 here: --tp 2 is served,
     tests/e2e/test_v4_cpu.py's csa-tp2)."""
-    model = _model_dir(tmp_path, arch="DeepseekV4ForCausalLM", layers=4, hc_mult=4, compress_ratios=[0, 0, 0, 0],
-                       num_attention_heads=4, o_groups=2)
     tp = flags[-1].split("=")[-1]
-    with pytest.raises(CaptureConfigError, match=rf"^--tp {tp} with DeepseekV4ForCausalLM on the CPU engine: "
-                                                 rf"DeepSeek-V4 attention tensor parallel {tp}: its 4 query heads and "
-                                                 r"2 output groups \(o_groups\) must both divide by it") as e:
-        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
-                               "--hs-layers", "1,3", *flags])
-    assert "\n" not in str(e.value)
+    _v4_refused(tmp_path, flags, rf"^--tp {tp} with DeepseekV4ForCausalLM on the CPU engine: DeepSeek-V4 attention "
+                                 rf"tensor parallel {tp}: its 4 query heads and 2 output groups \(o_groups\) must both "
+                                 r"divide by it")
 
 
 def test_prepare_refuses_a_quantized_deepseek_v4_on_the_cpu_engine_in_one_line(tmp_path, clean_env):
