@@ -487,6 +487,16 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
         if dp != "1" and not dp_attention:
             raise CaptureConfigError(f"--dp {dp} with {arch} on the CPU engine: sglang-hs's V4 CPU patches serve "
                                      "data parallel as DP attention only (--tp N --dp M --enable-dp-attention)")
+        if dp_attention and dp != (tp or "1"):  # attention TP 1 per group, the one DP layout run (test_v4_cpu.py)
+            raise CaptureConfigError(f"--dp {dp} with --tp {tp or 1} and --enable-dp-attention, {arch} on the CPU "
+                                     "engine: sglang-hs's V4 CPU patches serve DP attention with --dp equal to --tp "
+                                     "(one rank per attention group); attention tensor parallel inside a group is "
+                                     "untested there")
+        ep = _flag_value(sg_argv, "--ep-size", "--ep", "--expert-parallel-size")
+        if ep is not None and str(ep) != "1":
+            raise CaptureConfigError(f"--ep-size {ep} with {arch} on the CPU engine: sglang-hs's V4 CPU patches serve "
+                                     "its experts tensor parallel only (expert parallel with V4's hash-routed layers "
+                                     "is untested there); drop it")
         if tp and tp.isdigit() and dp.isdigit() and int(tp) > 1:  # the query heads and wo_a's groups split over
             attn_tp = max(1, int(tp) // int(dp)) if dp_attention else int(tp)  # each attention-TP group's ranks
             why = attn_tp > 1 and tp_refusal(config.get("num_attention_heads", 1), config.get("o_groups", 1), attn_tp)

@@ -317,7 +317,7 @@ def test_dsv4_cpu_tp_keeps_v4_head_counts_and_nothing_else(cpu_engine_imports):
     with cpu_engine_imports():
         from sglang_hs.server.patches import dsv4_cpu_tp
 
-    adjust = dsv4_cpu_tp._keeping_v4_heads(_padding)
+    adjust = dsv4_cpu_tp._keeping_v4_heads(_padding, attn_tp_size=lambda: 2)
     v4 = adjust(_model_config("deepseek_v4", 4, 1), None, 2)
     assert (v4.num_attention_heads, v4.num_key_value_heads) == (4, 1)
     assert (v4.hf_config.num_attention_heads, v4.hf_config.num_key_value_heads) == (4, 1)
@@ -326,6 +326,11 @@ def test_dsv4_cpu_tp_keeps_v4_head_counts_and_nothing_else(cpu_engine_imports):
     for heads, groups in ((4, 1), (3, 1), (6, 3)):
         with pytest.raises(ValueError, match=r"sglang-hs dsv4_cpu_tp: DeepSeek-V4 attention tensor parallel 2: its "):
             adjust(_model_config("deepseek_v4", heads, 1, groups), None, 2)
+    # under DP attention SGLang passes the whole TP size; the heads split over attention TP (TP / DP) only
+    # (review: --tp 4 --dp 2 --enable-dp-attention passed the launcher, then failed in load_model)
+    assert adjust(_model_config("deepseek_v4", 4, 1, 2), None, 4).num_attention_heads == 4  # attention TP 2
+    with pytest.raises(ValueError, match=r"attention tensor parallel 4: its 4 query heads and 2 output groups"):
+        dsv4_cpu_tp._keeping_v4_heads(_padding, attn_tp_size=lambda: 4)(_model_config("deepseek_v4", 4, 1, 2), None, 4)
 
 
 def test_local_heads_is_upstreams_sink_slice(mods):
@@ -335,3 +340,29 @@ def test_local_heads_is_upstreams_sink_slice(mods):
     parts = [mods.tn.local_heads(sink, r, 2) for r in range(4)]
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert torch.equal(torch.cat(parts), sink)
+
+
+def test_the_cpu_inplace_all_reduce_kernel_reduces_on_the_named_group(cpu_engine_imports, monkeypatch):
+    """cpu_inplace_all_reduce registers its own kernel: the named group's in-place all-reduce, as SGLang's op body.
+    It took the op's Python name's __wrapped__ before, which with SGLANG_KERNEL_API_LOGLEVEL > 0 is the op itself:
+    a kernel that calls itself (RecursionError at V4's first DP-attention gather; review)."""
+    import weakref
+
+    with cpu_engine_imports():
+        from sglang.srt.distributed import parallel_state as ps
+
+        from sglang_hs.server.patches import cpu_inplace_all_reduce
+
+    class Group:
+        def _all_reduce_in_place(self, tensor):
+            tensor.mul_(2)  # a stand-in "sum over two ranks" of equal tensors
+
+    group = Group()
+    monkeypatch.setitem(ps._groups, "hs-test-group", weakref.ref(group))
+    kernel = cpu_inplace_all_reduce.apply()
+    x = torch.arange(4, dtype=torch.int32)
+    kernel(x, "hs-test-group")
+    assert x.tolist() == [0, 2, 4, 6]
+    y = torch.arange(4, dtype=torch.int32)
+    torch.ops.sglang.inplace_all_reduce(y, "hs-test-group")  # through the dispatcher: the CPU kernel is ours
+    assert y.tolist() == [0, 2, 4, 6]

@@ -440,6 +440,16 @@ def test_prepare_refuses_deepseek_v4_dp_without_dp_attention_on_the_cpu_engine_i
                                                       r"sglang-hs's V4 CPU patches serve data parallel as DP attention only")
 
 
+@pytest.mark.parametrize("flags, pattern", [
+    (["--tp", "4", "--dp", "2", "--enable-dp-attention"], r"^--dp 2 with --tp 4 and --enable-dp-attention, "
+                                                           r"DeepseekV4ForCausalLM on the CPU engine: .* --dp equal to --tp"),
+    (["--tp", "2", "--ep-size", "2"], r"^--ep-size 2 with DeepseekV4ForCausalLM on the CPU engine: .*; drop it$")])
+def test_prepare_refuses_untested_deepseek_v4_layouts_in_one_line(tmp_path, clean_env, flags, pattern):
+    """Attention tensor parallel inside a DP-attention group (upstream's extra reduce in _project_wo_b) and expert
+    parallel with V4's hash-routed layers have not run on the CPU engine: refused, naming the flag (review)."""
+    _v4_refused(tmp_path, flags, pattern)
+
+
 @pytest.mark.parametrize("flags", [["--tp", "3"], ["--tp-size=8"], ["--tensor-parallel-size", "4"]])
 def test_prepare_refuses_a_deepseek_v4_tp_split_of_partial_heads_in_one_line(tmp_path, clean_env, flags):
     """--tp must divide the query heads and wo_a's output groups (4 and 2 here: --tp 2 is served,

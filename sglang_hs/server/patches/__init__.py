@@ -317,7 +317,8 @@ dsv4_cpu_tp
             (MqaAttentionBase asserts num_key_value_heads == 1); the padding makes it 2 KV heads and 8 query heads
             at --tp 2, and the model fails to build (that assertion). For a V4 config the wrapper runs SGLang's
             function (its MoE intermediate padding included) and puts the two head counts back; a V4 whose query
-            heads or o_groups the TP size does not divide is refused (as the launcher refuses it). The attention's
+            heads or o_groups the attention-TP size does not divide is refused (as the launcher refuses it; SGLang
+            passes the whole TP size, the heads split over attention TP: TP / DP under DP attention). The attention's
             own TP split is dsv4_torch_native's: this rank's query heads and sinks, and upstream's
             MqaAttentionBase._project_wo_b (wo_b row parallel, all-reduced over the attention-TP group).
   upstream: present in sglang 0.5.23 (configs/update_config.py adjust_config_with_unaligned_cpu_tp, called from
@@ -331,8 +332,9 @@ cpu_inplace_all_reduce
             with it (layers/dp_attention.py _dp_gather_via_all_reduce), and DeepSeek-V4 gathers its token ids so at
             every forward under DP attention (DeepseekV4Model._forward_impl, input_ids_global for the hash-routed
             layers): a V4 --enable-dp-attention server fails at its warm-up ("Could not run
-            'sglang::inplace_all_reduce' with arguments from the 'CPU' backend"). The op's own function
-            (GroupCoordinator._all_reduce_in_place: a gloo all-reduce on CPU) becomes its CPU kernel.
+            'sglang::inplace_all_reduce' with arguments from the 'CPU' backend"). The op's body written out (the
+            named group's GroupCoordinator._all_reduce_in_place: a gloo all-reduce on CPU) becomes its CPU kernel
+            (not the op's Python name, which SGLANG_KERNEL_API_LOGLEVEL wraps around the op itself).
   upstream: present in sglang 0.5.23 (utils/common.py direct_register_custom_op; layers/dp_attention.py
             _dp_gather_via_all_reduce); not reported upstream.
   removal:  when SGLang registers its communication ops for the CPU key; tests/e2e/test_v4_cpu.py's DP-attention

@@ -41,13 +41,21 @@ def tp_refusal(n_heads: int, n_groups: int, tp_size: int):
     return None
 
 
-def _keeping_v4_heads(original):
+def _attn_tp_size() -> int:
+    """This process's attention-TP size (TP / DP under DP attention): the query heads and groups split over it.
+    SGLang's parallel context is set before load_model, which calls the wrapped function with the whole TP size."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_tp_size
+
+
+def _keeping_v4_heads(original, attn_tp_size=_attn_tp_size):
     @functools.wraps(original)
     def adjust_config_with_unaligned_cpu_tp(model_config, load_config, tp_size):
         if not is_v4(model_config):
             return original(model_config, load_config, tp_size)
         text = model_config.hf_text_config
-        why = tp_refusal(text.num_attention_heads, getattr(text, "o_groups", 1), tp_size)
+        why = tp_refusal(text.num_attention_heads, getattr(text, "o_groups", 1), attn_tp_size())
         if why:
             raise ValueError(f"sglang-hs dsv4_cpu_tp: {why}")
         holders = {id(o): o for o in (model_config, model_config.hf_config, text)}.values()

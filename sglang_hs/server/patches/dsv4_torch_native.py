@@ -37,7 +37,9 @@ heads (wq_b is column parallel) with their sinks (attn_sink is kept whole: this 
 the one shared key of each token, which every rank keeps whole in its own pool, as it keeps the compressors and the
 indexer (replicated); wo_a holds this rank's o_groups / tp groups, and wo_b (row parallel) goes through upstream's
 `_project_wo_b`, whose all-reduce sums the ranks' partial outputs. Head counts: sglang_hs/server/patches/dsv4_cpu_tp.py.
-Rows past the requests' (a padded batch) and IDLE batches attend over nothing (zeros).
+IDLE batches attend over nothing (zeros). A decode batch DP attention pads to the other group's size comes with
+padded requests too (request 0, length 1): their rows read and write only slot 0, which SGLang reserves, and are
+never captured (the writer takes real requests' rows only).
 
 Not done here: V4.1's ratios 1/2, the hybrid SWA and compressed-state pools (every key and
 per-token compressor input is kept; the window and blocks are applied here, recomputed per step: O(request length)
