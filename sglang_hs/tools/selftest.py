@@ -316,7 +316,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             aux_only = [Capture(c.token_ids, c.aux, None) for c in ref]
             results.append(("sglang-json (aux layers)", *compare(json_caps, aux_only, dtype)))
     except (ServerStartError, RuntimeError, requests.RequestException, TimeoutError) as e:
-        print(f"sglang-hs selftest: error: {e}\n(server logs: {workdir})", file=sys.stderr)
+        if os.listdir(workdir):
+            print(f"sglang-hs selftest: error: {e}\n(server logs: {workdir})", file=sys.stderr)
+        else:  # no server wrote anything: no folder left behind
+            shutil.rmtree(workdir, ignore_errors=True)
+            print(f"sglang-hs selftest: error: {e}", file=sys.stderr)
         return 1
     print(f"\nsglang-hs self-test: layers {manifest['layer_ids']}{' + last' if manifest['last'] else ''} "
           f"(HF output_hidden_states {manifest['hf_output_hidden_states_index']}), {manifest['model_path']}; "

@@ -4,6 +4,8 @@ most 5%, each still far closer to its own reference row than to any other); it f
 another token, layer or record anywhere, any far row on a float32 server, too many far rows, a drift of
 every row, rows shifted by one position, another layer's rows, noise beyond bf16 tolerance, and
 differing token ids or counts. (tests/e2e/test_selftest.py runs the whole self-test on the server.)"""
+import os
+
 import pytest
 import torch
 
@@ -215,14 +217,26 @@ def test_a_v4_the_cpu_engine_cannot_serve_is_refused_in_one_line_before_any_serv
         assert err[0].endswith("run the self-test on a GPU node") and no_server == []
 
 
-def test_a_v4_the_cpu_engine_serves_reaches_the_servers(tmp_path, capsys, no_server):
+def test_a_v4_the_cpu_engine_serves_reaches_the_servers(tmp_path, capsys, no_server, monkeypatch):
     """Sliding-window, CSA and HCA layers (compress ratios 0, 4, 128): served by the CPU-engine patches, so the
-    self-test runs its configurations (served for real by tests/e2e/test_selftest.py)."""
-    from sglang_hs.tools.selftest import main
+    self-test runs its configurations (served for real by tests/e2e/test_selftest.py). Its work folder, empty when
+    no server wrote a log, is not left behind (it was, in /dev/shm, on every run of this test)."""
+    import tempfile
 
-    assert main(["--model-path", _v4_folder(tmp_path, compress_ratios=[0, 4, 128, 0, 4, 128, 0, 0]),
-                 "--device", "cpu", "--only", "chunked-16"]) == 1
+    import sglang_hs.tools.selftest as st
+
+    made, real = [], tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made.append(real(dir=str(tmp_path)))
+        return made[-1]
+
+    monkeypatch.setattr(st.tempfile, "mkdtemp", mkdtemp)
+    assert st.main(["--model-path", _v4_folder(tmp_path, compress_ratios=[0, 4, 128, 0, 4, 128, 0, 0]),
+                    "--device", "cpu", "--only", "chunked-16"]) == 1
     assert no_server == ["reference"], capsys.readouterr()
+    assert len(made) == 1 and not os.path.exists(made[0])
+    assert capsys.readouterr().err.strip() == "sglang-hs selftest: error: a server was started"
 
 
 def test_hs_hc_streams_for_a_model_without_streams_is_refused_before_any_server(capsys, no_server):
