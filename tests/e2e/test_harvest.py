@@ -55,11 +55,11 @@ STOPS_AT_WRITE = """
 import os, signal, sys
 from sglang_hs.extract import cli, sinks
 n, write = [int(sys.argv.pop(1))], sinks.Sink.write
-def stopping_write(self, *a):
+def stopping_write(self, *a, **kw):
     n[0] -= 1
     if n[0] == 0:
         os.kill(os.getpid(), signal.SIGSTOP)
-    return write(self, *a)
+    return write(self, *a, **kw)
 sinks.Sink.write = stopping_write
 sys.exit(cli.main())
 """
