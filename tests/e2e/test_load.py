@@ -1,4 +1,4 @@
-"""Load: 120 requests of 1..1500 tokens, 32 in flight, chunked prefill of CHUNK, the radix cache on with shared
+"""Load: 96 requests of 1..1500 tokens, 32 in flight, chunked prefill of CHUNK, the radix cache on with shared
 prefixes, some generating, and an output ring small enough that admission control engages while a
 reader keeps draining. Every record must be complete and match the same request run alone on a server
 with the scheduling features off (plain_sched_server): identical row counts, prompt token ids and rows
@@ -16,7 +16,7 @@ from helpers import serving, settled
 from sglang_hs import HiddenStateReader
 
 pytestmark = pytest.mark.e2e
-N, IN_FLIGHT, MAX_LEN = 120, 32, 1500
+N, IN_FLIGHT, MAX_LEN = 96, 32, 1500
 RING = "8MiB"  # > 2 x the largest record (~3.1 MB), << what 32 requests in flight reserve
 # More than half the prompts are longer than a chunk and split, the longest in 12. SGLang's CPU attention
 # backend (torch_native) recomputes a request's whole context for each chunk, so the load's cost grows with

@@ -11,7 +11,10 @@ layers, windows of 8, the indexer dropping blocks) with `--hs-hc-streams full --
 split its 4-token compression blocks and 8-key windows, the warm pass takes prefixes from the radix cache, and every
 row of every stream must match the cold reference (float32: within 1e-3, no allowance). All four CPU
 configurations (also plain-scheduler, --hs-copy staging) passed by hand on the mean: 316 rows each, max error
-below 5e-5."""
+below 5e-5. Opt-in (SGLANG_HS_TEST_SELFTEST_V4=1): its two V4 servers cost ~130 s of the suite's 45-minute budget,
+and tests/e2e/test_v4_cpu.py judges the same paths against HF; it passed in a full run (270 s, loaded) and fails
+with the window keys of earlier chunks dropped in dsv4_torch_native (both configurations' ids differ)."""
+import os
 import subprocess
 import sys
 
@@ -37,6 +40,8 @@ def test_selftest_passes_every_configuration(tmp_path):
     assert "layers [1, 4, 6] + last" in proc.stdout and "PASS: 2 of 2" in proc.stdout
 
 
+@pytest.mark.skipif(os.environ.get("SGLANG_HS_TEST_SELFTEST_V4") != "1",
+                    reason="two V4 servers (~130 s of the suite's budget): SGLANG_HS_TEST_SELFTEST_V4=1 runs it")
 def test_selftest_of_a_deepseek_v4_on_the_cpu_engine(tmp_path):
     from sglang_hs.tools import tiny_model
 
