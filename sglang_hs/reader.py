@@ -460,12 +460,13 @@ class HiddenStateReader:
         records it holds and has not handed out: once the next reader acknowledges them the server writes over
         their bytes."""
         held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
-        if any(record.views for record in held):
+        if any(record.views for record in held):  # copied records stay takeable after close, as before
             for record in held:
                 if record.views:
                     record.drop_tensors()
-            self._ready.clear()
-            self._later.clear()
+            self._ready = type(self._ready)((rid, r) for rid, r in self._ready.items() if not r.views)
+            later = ((rid, collections.deque(r for r in recs if not r.views)) for rid, recs in self._later.items())
+            self._later = type(self._later)((rid, recs) for rid, recs in later if recs)
         for ring in self._locks:
             ring.close()
         self._locks, self._rings, self._retired = [], [], {}

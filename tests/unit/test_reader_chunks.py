@@ -299,3 +299,20 @@ def test_a_kernel_refusing_to_drop_pages_costs_no_ack():
 
     region = SharedRegion("/nowhere", "ring", torch.zeros(4 * mmap.PAGESIZE, dtype=torch.uint8), mm=Refusing())
     assert region.drop_pages(0, 4 * mmap.PAGESIZE) == 0
+
+
+def test_close_drops_the_held_views_and_keeps_the_held_copies(dump):
+    """A copying reader with part_bytes holds both kinds: close() lets go of the views (the next reader may have
+    their bytes overwritten) and keeps the copies takeable, as a copying reader's close always did (review: every
+    held record was thrown away once one was a view)."""
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK)
+    try:
+        _publish(dump, 1, SMALL_T, rid="small")
+        _publish(dump, 2, LONG_T, rid="long")
+        reader.poll()
+        assert set(reader.ready_rids()) == {"small", "long"}
+    finally:
+        reader.close()
+    assert reader.ready_rids() == ["small"]
+    small = reader.take("small", timeout=1)
+    assert not small.views and torch.equal(small.aux_hidden_states, _rows(1, SMALL_T)[:, :K])
