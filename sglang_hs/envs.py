@@ -79,6 +79,9 @@ COPY_STRATEGIES = ("direct", "staging", "deferred")
 CAPTURE_MODES = ("all", "opt-in")
 WHEN_BEHIND = ("hold", "skip")
 DEFAULT_RING_BYTES = 1 << 30
+# A long record is read, written and spilled a chunk of this many row bytes at a time (HiddenStateReader.chunks,
+# the extraction CLI's --part-mb, LiveHiddenStates(part_bytes=))
+DEFAULT_PART_BYTES = 256 << 20
 DEFAULT_ADMISSION_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 DEFAULT_GATHER_THREADS = 1

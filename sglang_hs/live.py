@@ -62,6 +62,7 @@ from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
+from sglang_hs.envs import DEFAULT_PART_BYTES
 from sglang_hs.live_workers import LiveDatasetError  # defined there, where the workers raise it too; public here
 
 LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equal, tensor for tensor
@@ -127,7 +128,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                  concurrency: int = 8, max_samples: Optional[int] = None, request_timeout: float = 3600.0,
                  reader_wait: float = 30.0, owner=None, dtype: Optional[torch.dtype] = torch.bfloat16,
                  layout: str = "specforge", transport: str = "ring", publisher: Optional[str] = None,
-                 part_bytes: Optional[int] = 256 << 20, spill_dir: Optional[str] = None) -> None:
+                 part_bytes: Optional[int] = DEFAULT_PART_BYTES, spill_dir: Optional[str] = None) -> None:
         """`data`: a path (JSON Lines, HF dataset) or an iterable of records, iterated anew each epoch.
         `server`: the URL of an sglang-hs server capturing into `dump_dir` with --hs-last. `owner`: the
         server's user when it is not you (see HiddenStateReader). `dtype`: the states' dtype, bf16 by

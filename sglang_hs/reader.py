@@ -107,6 +107,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from sglang_hs.envs import DEFAULT_PART_BYTES
 from sglang_hs.server.capture_spec import final_states
 from sglang_hs.fsutil import NO_WRITER, check_private_file, owner_uid
 from sglang_hs.server.store.ring import SKIP_REASONS, RingReader
@@ -264,7 +265,7 @@ class RecordChunk:
         return self.stop - self.start
 
 
-DEFAULT_CHUNK_BYTES = 256 << 20  # chunks() without a bound, on a reader without part_bytes
+DEFAULT_CHUNK_BYTES = DEFAULT_PART_BYTES  # chunks() without a bound, on a reader without part_bytes
 
 
 class NoWriterHere(FileNotFoundError):
@@ -624,8 +625,7 @@ class HiddenStateReader:
             return True
         if record.input_ids is None or not self._locks:  # acknowledged (its tensors dropped), or the reader closed
             return False
-        ring = self._rings[record.writer] if record.generation == self._generation else \
-            self._retired.get((record.generation, record.writer))
+        ring = self._ring_of(record)
         return ring is not None and ring.holds(record.offset)
 
     def unacked(self) -> int:

@@ -14,11 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from sglang_hs.envs import DEFAULT_PART_BYTES
 from sglang_hs.extract.errors import ExtractError
 from sglang_hs.extract.flags import build_parser
 from sglang_hs.extract.selection import Selection
 
-PART_BYTES = 256 << 20  # --part-mb's default
+PART_BYTES = DEFAULT_PART_BYTES  # --part-mb's default
 TRANSPORT = "ring"  # transport/__init__.py's TRANSPORTS: the node-local ring by default (--transport)
 
 
