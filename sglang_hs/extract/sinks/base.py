@@ -46,22 +46,28 @@ class Chunk(NamedTuple):
     last: Optional["torch.Tensor"]
 
 
+def _side_by_side(aux: "torch.Tensor", last: Optional["torch.Tensor"]) -> Optional["torch.Tensor"]:
+    """The rows [n, R+1, H] that aux [n, R, H] and last [n, H] are the two views rows[:, :R] and rows[:, R] of
+    (what a record, or a chunk of one, holds), as a view; None when they are not."""
+    if last is None or aux.dim() != 3 or aux.dtype != last.dtype or aux.device != last.device:
+        return None
+    n, R, H = aux.shape
+    if n and aux.untyped_storage().data_ptr() == last.untyped_storage().data_ptr() and \
+            aux.stride() == ((R + 1) * H, H, 1) and last.stride() == ((R + 1) * H, 1) and \
+            last.shape == (n, H) and last.data_ptr() == aux.data_ptr() + R * H * aux.element_size():
+        return aux.as_strided((n, R + 1, H), ((R + 1) * H, H, 1), aux.storage_offset())
+    return None
+
+
 def chunk_states(aux: "torch.Tensor", last: Optional["torch.Tensor"]) -> "torch.Tensor":
     """[n, R+1, H]: aux [n, R, H] and last [n, H] side by side (aux alone without last): a view when they are
-    the two views of the same rows (rows[:, :R], rows[:, R] of rows [n, R+1, H], what a record's chunk holds),
-    else a copy of the chunk."""
+    the two views of the same rows (_side_by_side, what a record's chunk holds), else a copy of the chunk."""
     import torch
 
     if last is None:
         return aux
-    n, R, H = aux.shape
-    e = aux.element_size()
-    if n and aux.dtype == last.dtype and aux.device == last.device and \
-            aux.untyped_storage().data_ptr() == last.untyped_storage().data_ptr() and \
-            aux.stride() == ((R + 1) * H, H, 1) and last.stride() == ((R + 1) * H, 1) and \
-            last.data_ptr() == aux.data_ptr() + R * H * e:
-        return aux.as_strided((n, R + 1, H), ((R + 1) * H, H, 1), aux.storage_offset())
-    return torch.cat([aux, last[:, None]], dim=1)
+    rows = _side_by_side(aux, last)
+    return rows if rows is not None else torch.cat([aux, last[:, None]], dim=1)
 
 
 def write_at(f, offset: int, x: "torch.Tensor") -> None:
@@ -254,14 +260,7 @@ def cut_short(unreadable: List[Tuple[str, str]], made: str) -> SinkError:
 def record_rows(aux: "torch.Tensor", last: Optional["torch.Tensor"]) -> Optional["torch.Tensor"]:
     """The record's rows [T, K+1, H] when `aux` [T, K, H] and `last` [T, H] are its two views rows[:, :K] and
     rows[:, K] (what HiddenStateReader hands out) and their storage is exactly those rows; else None."""
-    if last is None or aux.dim() != 3 or aux.dtype != last.dtype or aux.device != last.device:
+    rows = _side_by_side(aux, last)
+    if rows is None or aux.storage_offset() != 0 or aux.untyped_storage().nbytes() != rows.numel() * rows.element_size():
         return None
-    T, K, H = aux.shape
-    storage = aux.untyped_storage()
-    if T == 0 or last.untyped_storage().data_ptr() != storage.data_ptr() \
-            or storage.nbytes() != T * (K + 1) * H * aux.element_size():
-        return None
-    if (aux.storage_offset(), aux.stride(), last.storage_offset(), last.stride(), last.shape) != \
-            (0, ((K + 1) * H, H, 1), K * H, ((K + 1) * H, 1), (T, H)):
-        return None
-    return aux.as_strided((T, K + 1, H), ((K + 1) * H, H, 1), 0)
+    return rows

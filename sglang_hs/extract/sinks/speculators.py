@@ -94,13 +94,13 @@ class SafetensorsSink(Sink):
                "hidden_states": torch.zeros(1, R, H, dtype=fp8.FP8 if quant else self.out_dtype(aux.dtype))}
         if quant:
             one[fp8.SCALES_KEY] = torch.zeros(1, R if per_layer else 1, 1, dtype=torch.float32)
-        header, data_at = _header_for(save(one, metadata=self._metadata(aux, last)), T)
+        header, at = _header_for(save(one, metadata=self._metadata(aux, last)), T)
         with open(tmp, "r+b") as f:
             f.write(header)
-            write_at(f, data_at + header_offset(header, "token_ids"), input_ids)
-            write_at(f, data_at + header_offset(header, "loss_mask"), loss_mask)
-            states_at = data_at + header_offset(header, "hidden_states")
-            scales_at = data_at + header_offset(header, fp8.SCALES_KEY) if quant else 0
+            write_at(f, at["token_ids"], input_ids)
+            write_at(f, at["loss_mask"], loss_mask)
+            states_at = at["hidden_states"]
+            scales_at = at[fp8.SCALES_KEY] if quant else 0
             for c in in_order(chunks, T):
                 states = chunk_states(c.aux, c.last)
                 if quant:
@@ -222,9 +222,9 @@ class SafetensorsSink(Sink):
 
 
 def _header_for(one: bytes, T: int):
-    """(the header bytes, where the data starts) of a safetensors file whose tensors are those of `one` (a
-    safetensors file of a one-token sample: every tensor [1, ...]) with T tokens each: the same JSON, shapes
-    and offsets put in (the tensors in the same order, back to back), padded to 8 bytes with spaces as
+    """(the header bytes, {tensor name: where its bytes start in the file}) of a safetensors file whose tensors are
+    those of `one` (a safetensors file of a one-token sample: every tensor [1, ...]) with T tokens each: the same
+    JSON, shapes and offsets put in (the tensors in the same order, back to back), padded to 8 bytes with spaces as
     safetensors pads. SinkError if `one`'s header is not the JSON this writes (another safetensors layout)."""
     import json
     import struct
@@ -245,16 +245,9 @@ def _header_for(one: bytes, T: int):
         at += end - begin
     body = json.dumps(spec, separators=(",", ":"), ensure_ascii=False).encode()
     body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body, 8 + len(body)
-
-
-def header_offset(header: bytes, name: str) -> int:
-    """The data offset of tensor `name` in a safetensors header (as _header_for returns it)."""
-    import json
-    import struct
-
-    n = struct.unpack("<Q", header[:8])[0]
-    return json.loads(header[8 : 8 + n])[name]["data_offsets"][0]
+    data_at = 8 + len(body)
+    return struct.pack("<Q", len(body)) + body, {name: data_at + t["data_offsets"][0] for name, t in spec.items()
+                                                 if name != "__metadata__"}
 
 
 TOKEN_FREQ = "token_freq.pt"
