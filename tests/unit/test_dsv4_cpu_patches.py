@@ -11,6 +11,7 @@
   left to "auto" on CPU.
 The end-to-end judge is tests/e2e/test_v4_cpu.py.
 """
+import os
 import types
 
 import pytest
@@ -366,3 +367,41 @@ def test_the_cpu_inplace_all_reduce_kernel_reduces_on_the_named_group(cpu_engine
     y = torch.arange(4, dtype=torch.int32)
     torch.ops.sglang.inplace_all_reduce(y, "hs-test-group")  # through the dispatcher: the CPU kernel is ours
     assert y.tolist() == [0, 2, 4, 6]
+
+
+_LOGGED_ALL_REDUCE = """
+import sys, weakref, torch
+sys.path.insert(0, sys.argv[1])
+from sglang.kernels import kernel_api_logging
+assert kernel_api_logging._KERNEL_API_LOG_LEVEL > 0
+from sglang.srt.distributed import parallel_state as ps
+from sglang_hs.server.patches import cpu_inplace_all_reduce
+
+class Group:
+    def _all_reduce_in_place(self, tensor):
+        tensor.mul_(2)
+
+group = Group()
+ps._groups["hs-test-group"] = weakref.ref(group)
+cpu_inplace_all_reduce.apply()
+y = torch.arange(4, dtype=torch.int32)
+torch.ops.sglang.inplace_all_reduce(y, "hs-test-group")
+print(y.tolist())
+"""
+
+
+def test_the_cpu_inplace_all_reduce_kernel_with_sglangs_kernel_api_logging_on(tmp_path):
+    """The same through the dispatcher in a process started with SGLANG_KERNEL_API_LOGLEVEL=1, which SGLang reads
+    when it imports (so a process of its own): its logging wrapper is then the op's Python name, and a kernel taken
+    from that name calls itself (the review's RecursionError)."""
+    import subprocess
+    import sys
+
+    from sglang_hs.server.cpu import stubs_dir
+
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_KERNEL_API_LOGLEVEL="1",
+               SGLANG_KERNEL_API_LOGDEST=str(tmp_path / "kernel_api.log"))
+    r = subprocess.run([sys.executable, "-c", _LOGGED_ALL_REDUCE, stubs_dir()], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[-2] == "[0, 2, 4, 6]", r.stdout[-2000:]
