@@ -303,8 +303,7 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
     """The output ring must hold one record at the server's maximal context length, or of `max_record_tokens`
     (--hs-max-record-tokens) when that is fewer (twice: admission reserves room to wrap), and fit the dump
     dir's filesystem. A default ring grows to that; a size the user gave is refused, naming the flags."""
-    from sglang_hs.server.store.admission import meta_bound
-    from sglang_hs.server.store.ring import record_bytes
+    from sglang_hs.server.store.admission import ring_floor
 
     ctx = _flag_value(argv, "--context-length") or config.get("max_position_embeddings")
     dtype = str(_flag_value(argv, "--dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
@@ -312,9 +311,8 @@ def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, 
     P = spec.rows_per_token
     capped = max_record_tokens is not None and (not ctx or max_record_tokens < int(ctx))
     tokens = max_record_tokens if capped else ctx
-    if tokens:  # a speculative server's records also hold each verify step's accepted drafts (admission.meta_bound)
-        meta = meta_bound(int(tokens)) if _flag_value(argv, "--speculative-algorithm") else 0
-        need = 2 * record_bytes(int(tokens), P, spec.hidden_size, elem, 256, meta)
+    if tokens:  # a speculative server's records also hold each verify step's accepted drafts
+        need = ring_floor(int(tokens), P, spec.hidden_size, elem, bool(_flag_value(argv, "--speculative-algorithm")))
         what, lower = (("of --hs-max-record-tokens", "--hs-max-record-tokens") if capped else
                        ("at the server's maximal context length", "--context-length (or cap records with "
                                                                   "--hs-max-record-tokens)"))

@@ -26,7 +26,6 @@ PROG = "python -m sglang_hs.plan"
 GPU_DEFAULT_RING = 1 << 30  # envs.DEFAULT_RING_BYTES
 CPU_DEFAULT_RING = 256 << 20  # launch_server.CPU_DEFAULT_RING_SIZE
 CPU_DEFAULT_SLOTS = 4096  # launch_server.CPU_DEFAULT_MAX_TOTAL_TOKENS
-RID_LEN = 256  # the launcher sizes a record with a rid of this length
 # Per file, beyond the rows (measured on files the sinks write; tests/unit/test_plan.py checks them):
 SAFETENSORS_HEADER = 340  # JSON header with our metadata, about (the scales' entry: 90 more)
 SPECFORGE_OVERHEAD = 2240  # torch.save's zip entries and pickle, about (the rows saved as one storage, as the CLI does)
@@ -219,7 +218,8 @@ def plan(ns) -> dict:
     from sglang_hs.server import layer_source
     from sglang_hs.server.capture_spec import CaptureSpec, hc_mult_of, parse_layer_ids
     from sglang_hs.tools.launch_server import parse_size
-    from sglang_hs.server.store.ring import HEADER_BYTES, _align, record_bytes
+    from sglang_hs.server.store.admission import ring_floor
+    from sglang_hs.server.store.ring import HEADER_BYTES, _align
 
     check_numbers(ns)
     cfg = _config(ns.model_path)
@@ -244,8 +244,8 @@ def plan(ns) -> dict:
     slots = pool + ns.page_size if pool else None  # kv_index_translator.capture_token_capacity
     store = slots * P * H * elem if slots else None
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (CPU_DEFAULT_RING if cpu else GPU_DEFAULT_RING)
-    record_tokens = min(int(ctx), ns.hs_max_record_tokens or int(ctx))  # the ring's floor: one such record, twice
-    need = 2 * record_bytes(record_tokens, P, H, elem, RID_LEN)
+    record_tokens = min(int(ctx), ns.hs_max_record_tokens or int(ctx))  # the ring's floor, as the launcher's
+    need = ring_floor(record_tokens, P, H, elem)
     ring_grown = not ns.hs_ring_size and ring < need
     ring = max(ring, need, conc["ring_bytes"] if conc else 0) if not ns.hs_ring_size else ring
     if conc:  # how many of them the ring and the KV pool take at once
@@ -301,7 +301,7 @@ def plan(ns) -> dict:
 def concurrent_needs(ns, ctx: int, P: int, H: int, elem: int) -> Optional[dict]:
     """--concurrent N requests of --request-tokens L at once: the ring admission reserves for them (twice each
     one's worst-case record of L - 1 rows, admission.py) and the KV slots they hold (N x L); None without it."""
-    from sglang_hs.server.store.ring import record_bytes
+    from sglang_hs.server.store.admission import ring_floor
 
     if ns.concurrent is None:
         if ns.request_tokens is not None:
@@ -310,7 +310,7 @@ def concurrent_needs(ns, ctx: int, P: int, H: int, elem: int) -> Optional[dict]:
     L = ns.request_tokens or ctx
     if L > ctx:
         raise PlanError(f"--request-tokens: {L} tokens exceed the context length of {ctx}; raise --context-length")
-    each = 2 * record_bytes(L - 1, P, H, elem, RID_LEN)
+    each = ring_floor(L - 1, P, H, elem)
     return {"requests": ns.concurrent, "tokens": L, "record_bytes": each // 2, "ring_bytes_each": each,
             "ring_bytes": ns.concurrent * each, "kv_slots": ns.concurrent * L,
             "store_bytes": ns.concurrent * L * P * H * elem}

@@ -54,7 +54,7 @@ def test_max_record_tokens_lowers_the_rings_floor_as_the_launchers(tmp_path, cap
 
     rc, f = _plan(tmp_path, capsys, "--samples", "10", "--mean-tokens", "2048", "--hs-max-record-tokens", "32768")
     assert rc == 0 and f["context_length"] == 163840 and f["ring_floor_tokens"] == 32768
-    assert f["ring_needed_for_one_record"] == 2 * record_bytes(32768, 4, 7168, 2, plan.RID_LEN)
+    assert f["ring_needed_for_one_record"] == 2 * record_bytes(32768, 4, 7168, 2, 256)  # rid of 256 bytes
     rc, f = _plan(tmp_path, capsys, "--samples", "10", "--mean-tokens", "2048", "--hs-max-record-tokens", "999999")
     assert rc == 0 and f["ring_floor_tokens"] == 163840  # above the context: no cap
 
@@ -196,7 +196,7 @@ def test_concurrent_long_requests_size_the_ring_and_store(tmp_path, capsys, mode
         rc, f = _plan(tmp_path, capsys, *args)
     assert rc == 0 and f["bytes_per_token"] == row
     c = f["concurrent"]
-    each = 2 * record_bytes(L - 1, 4, row // 8, 2, plan.RID_LEN)
+    each = 2 * record_bytes(L - 1, 4, row // 8, 2, 256)  # rid of 256 bytes
     assert c["ring_bytes"] == 4 * each and c["kv_slots"] == 4 * L and c["store_bytes"] == 4 * L * row
     assert f["ring_bytes_per_writer"] >= c["ring_bytes"] and f["kv_slots_per_writer"] == 4 * L + 1
     assert c["at_once_ring"] == c["at_once_kv"] == 4 and f["samples"] == 4 and f["tokens"] == 4 * L

@@ -136,6 +136,17 @@ def meta_bound(max_new: int) -> int:
     return 64 + 6 * max(0, max_new)
 
 
+SIZED_RID_BYTES = 256  # the request id a ring is sized for (the launcher's floor, the planner): longer ones fit if room
+
+
+def ring_floor(tokens: int, P: int, H: int, elem: int, speculative: bool = False) -> int:
+    """The smallest output ring that admits a record of `tokens` tokens (a request id of SIZED_RID_BYTES and, on a
+    speculative server, every verify step's accepted drafts): twice the record, since admission reserves room to
+    wrap. The launcher grows a default ring to it (or refuses a given one) and the planner sizes with it."""
+    meta = meta_bound(tokens) if speculative else 0
+    return 2 * record_bytes(tokens, P, H, elem, SIZED_RID_BYTES, meta)
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted request's share: the ring bytes reserved for its record or marker, and its decision."""
