@@ -130,3 +130,25 @@ def test_a_one_token_record_of_both_final_states_in_specforges_chunks(tmp_path, 
     assert got["whole"].keys() == got["chunks"].keys()
     for k in got["whole"]:
         assert got["whole"][k].dtype == got["chunks"][k].dtype and torch.equal(got["whole"][k], got["chunks"][k]), k
+
+
+def test_specforges_chunks_are_read_back_before_the_file_is_kept(tmp_path, monkeypatch):
+    """The chunked SpecForge writer matches torch.save's storage entries to the tensors by torch's numbering and by
+    size, and input_ids and loss_mask are the same size: a torch that numbered them otherwise (here: the sample's
+    dict in another order, so torch.save sees loss_mask first) would swap them without a word. The file is read
+    back with torch.load before it is kept: refused, no file left."""
+    from sglang_hs.extract.sinks import specforge
+
+    ids, mask, aux, last = _record(torch.bfloat16, 1)
+    real = specforge.specforge_sample
+
+    def loss_mask_first(*args, **kwargs):
+        sample = real(*args, **kwargs)
+        return {"loss_mask": sample.pop("loss_mask"), **sample}
+
+    monkeypatch.setattr(specforge, "specforge_sample", loss_mask_first)
+    sink = _sink("specforge", None, tmp_path)
+    with pytest.raises(SinkError, match="read back"):
+        sink.write(TrainingSample(0, ids, mask, aux, last), chunks=_chunks(aux, last, 5))
+    assert not os.path.exists(sink.path(0))
+    assert not [f for f in os.listdir(os.path.dirname(sink.path(0))) if f.endswith(".tmp")]

@@ -58,6 +58,23 @@ def specforge_sample(input_ids: "torch.Tensor", loss_mask: "torch.Tensor", aux: 
             "aux_hidden_state": aux}
 
 
+def _check_read_back(path, input_ids, loss_mask, ends) -> None:
+    """The chunked file read as SpecForge reads it (torch.load, mmap: nothing but what is compared is read): the
+    token ids and loss mask in their own entries and the first and last rows where the chunks put them. The
+    storages' entries are matched to the tensors by torch.save's numbering and their sizes, and input_ids and
+    loss_mask have the same size: a torch that numbered them otherwise would swap them silently."""
+    import torch
+
+    got = torch.load(path, mmap=True, weights_only=True)
+    ok = torch.equal(got["input_ids"], input_ids.long()) and torch.equal(got["loss_mask"], loss_mask.long())
+    for row, (aux_row, last_row) in ends.items():
+        ok = ok and torch.equal(got["aux_hidden_state"][0, row], aux_row) and \
+            torch.equal(got["hidden_state"][0, row], last_row)
+    if not ok:
+        raise SinkError("torch.save laid the sample out otherwise (the file read back is not the sample written in "
+                        "chunks): no file written in chunks")
+
+
 class SpecForgeSink(Sink):
     name, needs_last, wants_last = "specforge", True, True
     crc32 = False  # torch.save's CRC-32 of every entry (True: as torch.save does by default)
@@ -139,9 +156,14 @@ class SpecForgeSink(Sink):
             write_at(f, at[0], sample["input_ids"])
             write_at(f, at[1], sample["loss_mask"])
             K = aux.shape[1]
+            ends = {}  # the first and the last row as written (aux flattened, final): the read-back check's
             for c in in_order(chunks, T):
                 if shared:
                     write_at(f, at[2] + c.start * (K + 1) * H * dtype.itemsize, chunk_states(c.aux, c.last).to(dtype))
                 else:  # hidden_state (the final state) then aux_hidden_state, each a storage of its own
                     write_at(f, at[2] + c.start * H * dtype.itemsize, c.last.to(dtype))
                     write_at(f, at[3] + c.start * K * H * dtype.itemsize, c.aux.to(dtype))
+                for row, i in ((c.start, 0), (c.stop - 1, -1)):
+                    if row in (0, T - 1):
+                        ends[row] = (c.aux[i].reshape(-1).to(dtype).clone(), c.last[i].to(dtype).clone())
+        _check_read_back(tmp, input_ids, loss_mask, ends)
