@@ -691,6 +691,11 @@ class HiddenStateReader:
         """Bytes published to the rings and not yet drained: how far this reader lags the server."""
         return sum(ring.unread_bytes() for ring in self._rings)
 
+    def largest_record_bytes(self) -> int:
+        """An upper bound on the bytes of any record this server can write: half its largest ring (admission takes a
+        request only if twice its worst-case record fits the ring), so what a consumer must be able to hold."""
+        return max((ring.capacity // 2 for ring in self._rings), default=0)
+
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
         """That request's record, waiting for it; raises NotCaptured once its marker says it has none. A rid
         used again: each call answers the oldest request of that rid not answered yet, record or marker."""

@@ -270,3 +270,21 @@ def test_importing_needs_no_mooncake():
             "assert 'mooncake' not in sys.modules and 'mooncake.store' not in sys.modules, sorted(sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_HS_MOONCAKE"}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=DEADLINE)
+
+
+def test_a_segment_smaller_than_the_largest_record_is_named_at_start(master, tmp_path):
+    """A record larger than the publisher's Mooncake segment cannot be put: it stops the publisher when it comes (it
+    stays in the ring). The publisher says so at start, in one line naming --segment-mb and what would take it: here
+    an 80 MiB ring admits records of up to 40 MiB, and --window-mb 1 leaves the least segment, 32 MB."""
+    from sglang_hs.publish import segment_warning
+
+    w = CaptureWriter(str(tmp_path), CaptureSpec.resolve(LAYERS, "both", 4, H), 8, torch.bfloat16, 80 << 20)
+    pub = Publisher(master, str(tmp_path), window_mb=1)
+    try:
+        line = pub.line("[publish] warning")
+        assert "records of up to 40 MB" in line and "32 MB Mooncake segment holds (--segment-mb)" in line, line
+        assert "raise --segment-mb to at least 40" in line and "--hs-max-record-tokens" in line, line
+    finally:
+        pub.stop()
+        w.close()
+    assert segment_warning(32 << 20, 32 << 20) is None  # a record that fits exactly: nothing to say
