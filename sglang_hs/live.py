@@ -32,7 +32,8 @@ LiveDatasetError.
 
 A long record (more than `part_bytes` of rows, 256 MiB by default; one process, ring transport) is never
 copied whole: it stays in the ring as views, and its sample's states are written a chunk at a time into files
-in `spill_dir` (default: the temp folder; not a tmpfs, or the file is memory again), which are mapped (copy on
+in `spill_dir` (default: the temp folder; not a tmpfs, or the file is memory again: the first spill into a tmpfs or
+ramfs folder warns once, in one line), which are mapped (copy on
 write: the trainer may change them in place) and unlinked at once, so nothing is left behind whatever happens
 to the process, then the record is acknowledged. The trainer gets the same dict, its two state tensors
 file-backed (torch.from_file): their pages come from the page cache as they are read. DataLoader workers (and
@@ -69,6 +70,28 @@ LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equa
 
 
 SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
+_spill_dirs_checked: set = set()  # the spill folders this process has checked (and warned of) once
+
+
+def warn_if_spill_dir_in_memory(folder: str, given: bool) -> Optional[str]:
+    """Once per folder and process: one line on stderr when spill folder `folder` (`given`: spill_dir=, else the
+    temp folder) is on a file system that keeps its files in memory (tmpfs, ramfs): spilling there saves nothing.
+    Returns the line (None: no warning)."""
+    import sys
+
+    from sglang_hs.fsutil import MEMORY_FILE_SYSTEMS, fs_type_of
+
+    if folder in _spill_dirs_checked:
+        return None
+    _spill_dirs_checked.add(folder)
+    kind = fs_type_of(folder)
+    if kind not in MEMORY_FILE_SYSTEMS:
+        return None
+    what = f"spill_dir {folder}" if given else f"spill_dir (None: the temp folder, {folder})"
+    line = (f"[sglang-hs] warning: LiveHiddenStates {what} is on {kind}, so a long record spilled there is still "
+            "held in memory: expected a disk-backed directory (spill_dir=)")
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge", dtype: Optional[torch.dtype] =
@@ -95,6 +118,7 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
         return x.to(out_dtype)
 
     folder = spill_dir or tempfile.gettempdir()
+    warn_if_spill_dir_in_memory(folder, spill_dir is not None)
     files = []
     try:
         for _ in range(2):  # unlinked at once, mapped through /proc/self/fd: nothing is left if this process dies

@@ -332,6 +332,35 @@ def test_the_live_dataset_spills_a_long_record_to_a_file_backed_sample(tmp_path,
 
 
 
+def test_spilling_into_a_tmpfs_folder_warns_once(tmp_path, dump, monkeypatch, capsys):
+    """Two long records spilled into a folder the mount table says is a tmpfs: the samples are made all the
+    same, and one line on stderr, the first time, names the folder (issue 47, leftover 2)."""
+    import os
+
+    from sglang_hs import fsutil, live
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    st = os.stat(spill)
+    table = tmp_path / "mountinfo"
+    table.write_text(f"31 25 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / /x rw - tmpfs tmpfs rw\n")
+    monkeypatch.setattr(fsutil, "MOUNTINFO", str(table))
+    monkeypatch.setattr(live, "_spill_dirs_checked", set())
+    _publish(dump, 7, LONG_T, rid="a")
+    _publish(dump, 8, LONG_T, rid="b")
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK)
+    try:
+        for rid, seed in (("a", 7), ("b", 8)):
+            rec = reader.take(rid, timeout=5)
+            out = live.spill_sample(reader, rec, torch.ones(LONG_T), "specforge", None, str(spill))
+            assert torch.equal(out["hidden_state"][0], _rows(seed, LONG_T)[:, K])
+            reader.ack(rec)
+    finally:
+        reader.close()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"spill_dir {spill} is on tmpfs" in err[0] and "disk-backed directory" in err[0], err
+
+
 def test_a_kernel_refusing_to_drop_pages_costs_no_ack():
     """madvise(MADV_DONTNEED) may fail (EINVAL after mlockall, EAGAIN): dropping pages is only a saving, so
     drop_pages says 0 and the ack that called it goes on (review: the OSError escaped RingReader.release before
