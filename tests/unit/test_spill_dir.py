@@ -44,7 +44,7 @@ def test_without_a_device_match_the_longest_mount_point_above_it(tmp_path):
     table = _table(tmp_path, [
         "30 25 0:9999 / / rw - ext4 /dev/sda1 rw",
         f"31 30 0:9998 / {spaced} rw - ramfs ramfs rw",
-        f"32 30 0:9997 / {tmp_path}/a rw - tmpfs tmpfs rw",  # a prefix of the name, not a folder above it
+        f"32 31 0:9997 / {spaced}/sp rw - tmpfs tmpfs rw",  # longer, but a prefix of the name, not a folder above it
     ])
     assert fsutil.fs_type_of(str(folder), table) == "ramfs"
     os.symlink(folder, tmp_path / "link")
