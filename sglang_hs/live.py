@@ -94,17 +94,33 @@ def warn_if_spill_dir_in_memory(folder: str, given: bool) -> Optional[str]:
     return line
 
 
+def spill_folder(spill_dir: Optional[str]) -> str:
+    """Where long records spill: `spill_dir`, else the temp folder; warned of once if it is in memory."""
+    import tempfile
+
+    folder = spill_dir or tempfile.gettempdir()
+    warn_if_spill_dir_in_memory(folder, spill_dir is not None)
+    return folder
+
+
+def is_long(reader, rec) -> bool:
+    """Whether `rec` is a long record, spilled rather than copied: more row bytes than the reader's part_bytes (a
+    HiddenStateReader's: views of the ring; a worker's RoutedRecords: the router's spill file)."""
+    bound = getattr(reader, "part_bytes", None)
+    return bool(bound) and rec.row_nbytes > bound
+
+
 def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge", dtype: Optional[torch.dtype] =
                  torch.bfloat16, spill_dir: Optional[str] = None) -> dict:
     """The sample LiveHiddenStates yields for record `rec` (specforge_sample's or deepspec_sample's dict, the same
     tensors), its two state tensors written into files in `spill_dir` (default: the temp folder) a chunk of rows
     at a time from reader.chunks(rec) (each chunk's ring pages unmapped once the next is read), then mapped copy
-    on write and unlinked at once: the whole record is never in this process's memory, and no file outlives the
-    tensors. The caller acknowledges `rec` afterwards."""
-    import tempfile
-
+    on write and unlinked at once (sglang_hs/spill.py): the whole record is never in this process's memory, and no
+    file outlives the tensors. In a DataLoader worker they cross to the main process as the files, not as copies
+    (spill.crossing_as_file). The caller acknowledges `rec` afterwards."""
     from sglang_hs.extract.sinks.base import write_at
     from sglang_hs.extract.sinks.deepspec import fit_hidden
+    from sglang_hs.spill import SpillFile, crossing_as_file
 
     T, K, H = rec.aux_hidden_states.shape
     ids = rec.input_ids.to(torch.int32 if layout == "deepspec" else torch.int64).clone()
@@ -117,34 +133,28 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
             x = fit_hidden(x, dtype)  # an FP8 cast checked (per chunk), read back as bf16 as DeepSpec's reader does
         return x.to(out_dtype)
 
-    folder = spill_dir or tempfile.gettempdir()
-    warn_if_spill_dir_in_memory(folder, spill_dir is not None)
-    files = []
-    try:
-        for _ in range(2):  # unlinked at once, mapped through /proc/self/fd: nothing is left if this process dies
-            fd, path = tempfile.mkstemp(prefix=".sglang-hs-spill-", dir=folder)
-            os.unlink(path)
-            files.append((os.fdopen(fd, "r+b"), f"/proc/self/fd/{fd}"))
-        (fa, pa), (fl, pl) = files
-        for c in reader.chunks(rec):
-            n = c.stop - c.start
-            step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
-            for s in range(0, n, step):
-                at, e = c.start + s, min(n, s + step)
-                write_at(fa, at * K * H * out_dtype.itemsize, convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
-                write_at(fl, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
-        for f, _ in files:
-            f.flush()
-        aux = torch.from_file(pa, shared=False, size=T * K * H, dtype=out_dtype)
-        last = torch.from_file(pl, shared=False, size=T * H, dtype=out_dtype)
-    finally:
-        for f, _ in files:
-            f.close()
+    folder = spill_folder(spill_dir)
+    fa, fl = SpillFile(folder), SpillFile(folder)
+    for c in reader.chunks(rec):
+        n = c.stop - c.start
+        step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
+        for s in range(0, n, step):
+            at, e = c.start + s, min(n, s + step)
+            write_at(fa.file, at * K * H * out_dtype.itemsize, convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
+            write_at(fl.file, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
+    aux, last = fa.map(T * K * H, out_dtype), fl.map(T * H, out_dtype)
     if layout == "deepspec":
-        return {"input_ids": ids, "loss_mask": mask, "target_hidden_states": aux.view(T, K * H),
-                "target_last_hidden_states": last.view(T, H)}
-    return {"input_ids": ids, "loss_mask": mask, "hidden_state": last.view(1, T, H),
-            "aux_hidden_state": aux.view(1, T, K * H)}
+        states = {"target_hidden_states": (aux.view(T, K * H), fa), "target_last_hidden_states": (last.view(T, H), fl)}
+    else:
+        states = {"hidden_state": (last.view(1, T, H), fl), "aux_hidden_state": (aux.view(1, T, K * H), fa)}
+    out = {"input_ids": ids, "loss_mask": mask}
+    in_worker = torch.utils.data.get_worker_info() is not None
+    for key, (t, spill) in states.items():
+        out[key] = crossing_as_file(t, spill) if in_worker else t
+    for spill in (fa, fl):
+        if not in_worker:  # the mappings keep the files; only a crossing needs the descriptor
+            spill.close()
+    return out
 
 
 class LiveHiddenStates(torch.utils.data.IterableDataset):
@@ -255,13 +265,14 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 self._router.join()
             try:
                 router = self._router = RecordRouter(address, self._authkey, n, self.dump_dir, self.reader_wait,
-                                                     self.owner, self.publisher)
+                                                     self.owner, self.publisher, self.part_bytes, self.spill_dir)
             except (RuntimeError, FileNotFoundError, OSError, ImportError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         finished = False
         try:
             try:  # worker 0 may still be waiting for the manifest
-                source = RoutedRecords(address, self._authkey, info.id, 2 * self.reader_wait + 10)
+                source = RoutedRecords(address, self._authkey, info.id, 2 * self.reader_wait + 10,
+                                       part_bytes=self.part_bytes if self.publisher is None else None)
             except (OSError, EOFError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {info.id}: the record router "
                                        f"(worker 0) did not answer ({type(e).__name__}: {e})") from None
@@ -388,7 +399,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                         mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
                     except ExtractError as e:
                         raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
-                    if getattr(rec, "views", False) and getattr(reader, "part_bytes", None):  # a long record
+                    if is_long(reader, rec):
                         out = spill_sample(reader, rec, mask, self.layout, self.dtype, self.spill_dir)
                         if not reader.intact(rec):  # its ring bytes were taken back meanwhile: the spill is torn
                             raise LiveDatasetError(
