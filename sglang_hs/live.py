@@ -70,39 +70,6 @@ LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equa
 
 
 SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
-_spill_dirs_checked: set = set()  # the spill folders this process has checked (and warned of) once
-
-
-def warn_if_spill_dir_in_memory(folder: str, given: bool) -> Optional[str]:
-    """Once per folder and process: one line on stderr when spill folder `folder` (`given`: spill_dir=, else the
-    temp folder) is on a file system that keeps its files in memory (tmpfs, ramfs): spilling there saves nothing.
-    Returns the line (None: no warning)."""
-    import sys
-
-    from sglang_hs.fsutil import MEMORY_FILE_SYSTEMS, fs_type_of
-
-    if folder in _spill_dirs_checked:
-        return None
-    _spill_dirs_checked.add(folder)
-    kind = fs_type_of(folder)
-    if kind not in MEMORY_FILE_SYSTEMS:
-        return None
-    what = f"spill_dir {folder}" if given else f"spill_dir (None: the temp folder, {folder})"
-    line = (f"[sglang-hs] warning: LiveHiddenStates {what} is on {kind}, so a long record spilled there is still "
-            "held in memory: expected a disk-backed directory (spill_dir=)")
-    print(line, file=sys.stderr, flush=True)
-    return line
-
-
-def spill_folder(spill_dir: Optional[str]) -> str:
-    """Where long records spill: `spill_dir`, else the temp folder; warned of once if it is in memory."""
-    import tempfile
-
-    folder = spill_dir or tempfile.gettempdir()
-    warn_if_spill_dir_in_memory(folder, spill_dir is not None)
-    return folder
-
-
 def is_long(reader, rec) -> bool:
     """Whether `rec` is a long record, spilled rather than copied: more row bytes than the reader's part_bytes (a
     HiddenStateReader's: views of the ring; a worker's RoutedRecords: the router's spill file)."""
@@ -120,7 +87,7 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
     (spill.crossing_as_file). The caller acknowledges `rec` afterwards."""
     from sglang_hs.extract.sinks.base import write_at
     from sglang_hs.extract.sinks.deepspec import fit_hidden
-    from sglang_hs.spill import SpillFile, crossing_as_file
+    from sglang_hs.spill import SpillFile, crossing_as_file, spill_folder
 
     T, K, H = rec.aux_hidden_states.shape
     ids = rec.input_ids.to(torch.int32 if layout == "deepspec" else torch.int64).clone()

@@ -367,8 +367,7 @@ class RecordRouter:
         """Send `rec` to its worker, then (an acknowledging reader: part_bytes) acknowledge it. A long record (views
         of the ring) goes as one spill file in spill_dir (spill.spill_record: written a chunk at a time, the worker
         maps the same file), a copied one through shared memory."""
-        from sglang_hs.live import spill_folder
-        from sglang_hs.spill import spill_record
+        from sglang_hs.spill import spill_folder, spill_record
 
         try:
             sent = rec

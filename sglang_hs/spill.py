@@ -1,8 +1,9 @@
 """Spill files: a long record's tensors in unlinked files on disk, mapped copy on write, handed from one process to
 another as the file, never as a copy (issue 47: a 64K-128K-token sample is never held twice in memory).
 
-A spill file is made in a folder (LiveHiddenStates' spill_dir), unlinked at once and kept open (SpillFile): nothing
-is left behind whatever happens to the process. Its tensors are `torch.from_file` of /proc/self/fd/N, MAP_PRIVATE:
+A spill file is made in a folder (LiveHiddenStates' spill_dir, else the temp folder: spill_folder, which warns once,
+in one line, when the folder is on a tmpfs or ramfs, where a file is memory again and spilling saves nothing),
+unlinked at once and kept open (SpillFile): nothing is left behind whatever happens to the process. Its tensors are `torch.from_file` of /proc/self/fd/N, MAP_PRIVATE:
 their pages are the page cache's until written to (copy on write: a trainer may change them in place).
 
 Across processes (DataLoader workers to the main process, LiveHiddenStates' record router to the workers) a
@@ -16,13 +17,41 @@ a plain tensor, the same values, no copy made.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from multiprocessing.reduction import DupFd, ForkingPickler
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 PREFIX = ".sglang-hs-spill-"
+_spill_dirs_checked: set = set()  # the spill folders this process has checked (and warned of) once
+
+
+def warn_if_spill_dir_in_memory(folder: str, given: bool) -> Optional[str]:
+    """Once per folder and process: one line on stderr when spill folder `folder` (`given`: spill_dir=, else the
+    temp folder) is on a file system that keeps its files in memory (tmpfs, ramfs): spilling there saves nothing.
+    Returns the line (None: no warning)."""
+    from sglang_hs.fsutil import MEMORY_FILE_SYSTEMS, fs_type_of
+
+    if folder in _spill_dirs_checked:
+        return None
+    _spill_dirs_checked.add(folder)
+    kind = fs_type_of(folder)
+    if kind not in MEMORY_FILE_SYSTEMS:
+        return None
+    what = f"spill_dir {folder}" if given else f"spill_dir (None: the temp folder, {folder})"
+    line = (f"[sglang-hs] warning: LiveHiddenStates {what} is on {kind}, so a long record spilled there is still "
+            "held in memory: expected a disk-backed directory (spill_dir=)")
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def spill_folder(spill_dir: Optional[str]) -> str:
+    """Where long records spill: `spill_dir`, else the temp folder; warned of once if it is in memory."""
+    folder = spill_dir or tempfile.gettempdir()
+    warn_if_spill_dir_in_memory(folder, spill_dir is not None)
+    return folder
 
 
 class SpillFile:

@@ -345,7 +345,7 @@ def test_spilling_into_a_tmpfs_folder_warns_once(tmp_path, dump, monkeypatch, ca
     table = tmp_path / "mountinfo"
     table.write_text(f"31 25 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / /x rw - tmpfs tmpfs rw\n")
     monkeypatch.setattr(fsutil, "MOUNTINFO", str(table))
-    monkeypatch.setattr(live, "_spill_dirs_checked", set())
+    monkeypatch.setattr(spilling, "_spill_dirs_checked", set())
     _publish(dump, 7, LONG_T, rid="a")
     _publish(dump, 8, LONG_T, rid="b")
     reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK)

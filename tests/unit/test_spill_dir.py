@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sglang_hs import fsutil, live
+from sglang_hs import fsutil, spill
 
 
 def _table(tmp_path, lines):
@@ -56,8 +56,8 @@ def test_a_spill_folder_in_memory_is_warned_of_once_in_one_line(tmp_path, monkey
     folder = tmp_path / "spill"
     folder.mkdir()
     monkeypatch.setattr(fsutil, "MOUNTINFO", _table(tmp_path, [f"31 25 {_dev(folder)} / /x rw - {kind} x rw"]))
-    monkeypatch.setattr(live, "_spill_dirs_checked", set())
-    lines = [live.warn_if_spill_dir_in_memory(str(folder), given) for _ in range(3)]
+    monkeypatch.setattr(spill, "_spill_dirs_checked", set())
+    lines = [spill.warn_if_spill_dir_in_memory(str(folder), given) for _ in range(3)]
     err = capsys.readouterr().err.splitlines()
     if kind == "ext4":
         assert lines == [None] * 3 and err == []
