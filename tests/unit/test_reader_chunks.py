@@ -338,6 +338,7 @@ def test_spilling_into_a_tmpfs_folder_warns_once(tmp_path, dump, monkeypatch, ca
     import os
 
     from sglang_hs import fsutil, live
+    from sglang_hs import spill as spilling
 
     spill = tmp_path / "spill"
     spill.mkdir()
