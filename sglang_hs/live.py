@@ -30,14 +30,15 @@ whatever records its last requests left in the ring. A server restarted meanwhil
 ring (HiddenStateReader(reattach=True)); one that comes back with another setup ends the iteration with
 LiveDatasetError.
 
-A long record (more than `part_bytes` of rows, 256 MiB by default; one process, ring transport) is never
-copied whole: it stays in the ring as views, and its sample's states are written a chunk at a time into files
-in `spill_dir` (default: the temp folder; not a tmpfs, or the file is memory again: the first spill into a tmpfs or
-ramfs folder warns once, in one line), which are mapped (copy on
-write: the trainer may change them in place) and unlinked at once, so nothing is left behind whatever happens
-to the process, then the record is acknowledged. The trainer gets the same dict, its two state tensors
-file-backed (torch.from_file): their pages come from the page cache as they are read. DataLoader workers (and
-Mooncake) still hand a long record over whole.
+A long record (more than `part_bytes` of rows, 256 MiB by default; ring transport) is never copied whole: it
+stays in the ring as views, and its sample's states are written a chunk at a time into files in `spill_dir`
+(default: the temp folder; not a tmpfs, or the file is memory again: the first spill into a tmpfs or ramfs folder
+warns once, in one line), which are mapped (copy on write: the trainer may change them in place) and unlinked at
+once, so nothing is left behind whatever happens to the process, then the record is acknowledged. The trainer
+gets the same dict, its two state tensors file-backed (torch.from_file): their pages come from the page cache as
+they are read. From DataLoader workers the files cross to the main process, not copies (sglang_hs/spill.py); with
+several workers the router spills the record itself to a file the worker maps. Mooncake still hands a long record
+over whole.
 
 DataLoader workers: any number. With num_workers N > 1, worker k sends the records of index % N == k
 (concurrency / N of them in flight each, at least one: max(concurrency, N) in all), and worker 0 holds the
@@ -70,6 +71,8 @@ LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equa
 
 
 SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
+
+
 def is_long(reader, rec) -> bool:
     """Whether `rec` is a long record, spilled rather than copied: more row bytes than the reader's part_bytes (a
     HiddenStateReader's: views of the ring; a worker's RoutedRecords: the router's spill file)."""
@@ -102,14 +105,20 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
 
     folder = spill_folder(spill_dir)
     fa, fl = SpillFile(folder), SpillFile(folder)
-    for c in reader.chunks(rec):
-        n = c.stop - c.start
-        step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
-        for s in range(0, n, step):
-            at, e = c.start + s, min(n, s + step)
-            write_at(fa.file, at * K * H * out_dtype.itemsize, convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
-            write_at(fl.file, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
-    aux, last = fa.map(T * K * H, out_dtype), fl.map(T * H, out_dtype)
+    try:
+        for c in reader.chunks(rec):
+            n = c.stop - c.start
+            step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
+            for s in range(0, n, step):
+                at, e = c.start + s, min(n, s + step)
+                write_at(fa.file, at * K * H * out_dtype.itemsize,
+                         convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
+                write_at(fl.file, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
+        aux, last = fa.map(T * K * H, out_dtype), fl.map(T * H, out_dtype)
+    except BaseException:  # e.g. rows FP8 cannot store: the files go at once
+        fa.close()
+        fl.close()
+        raise
     if layout == "deepspec":
         states = {"target_hidden_states": (aux.view(T, K * H), fa), "target_last_hidden_states": (last.view(T, H), fl)}
     else:

@@ -6,7 +6,9 @@ itself (fork or spawn), so they share nothing made after the dataset was built. 
 in a private folder the dataset made when it was built (rendezvous_dir: 0700, this user's, a random name),
 named after the iteration, so every worker finds it unasked; records travel pickled by torch's
 ForkingPickler, as DataLoader batches do: their tensors go through shared memory, only handles through the
-socket.
+socket. A long record (more than the dataset's part_bytes of rows: the router's reader acknowledges and hands
+it as views of the ring) goes as a spill file instead (sglang_hs/spill.py): the router writes its states into
+an unlinked file a chunk at a time, acks it and sends the file's descriptor, which the worker maps.
 
 Security (issue 31, item 1; docs/security.md#live-dataset-workers): another local user must not reach the
 trainer through this socket. Four layers, each enough against another uid: (1) the socket lies in the private
