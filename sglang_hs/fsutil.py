@@ -202,3 +202,41 @@ def _user(uid: int) -> str:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except (ImportError, KeyError):
         return f"uid {uid}"
+
+
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # their files' pages are memory: a file there saves no RAM
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _unescape_mount_field(text: str) -> str:
+    """A mountinfo path with its octal escapes (\\040 for a space, \\011, \\012, \\134) undone."""
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def fs_type_of(path: str, mountinfo: Optional[str] = None) -> str:
+    """The file-system type of the mount that holds the existing `path`, '' if unknown: the mount of its device
+    (st_dev, as mountinfo's major:minor; symlinks and bind mounts resolved by the kernel), else the mount whose
+    mount point is the longest prefix of its real path (a btrfs subvolume's st_dev is not its mount's).
+    `mountinfo`: the mount table read (default MOUNTINFO, this process's)."""
+    try:
+        st = os.stat(path)
+        with open(mountinfo or MOUNTINFO) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    real = os.path.realpath(path)
+    by_dev, best, by_prefix = "", "", ""
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        kind, mnt = right.split()[0], _unescape_mount_field(fields[4])
+        if fields[2] == dev:
+            by_dev = kind  # the last one: a mount over another at the same point is the one seen
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, by_prefix = mnt, kind
+    return by_dev or by_prefix

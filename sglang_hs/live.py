@@ -30,13 +30,15 @@ whatever records its last requests left in the ring. A server restarted meanwhil
 ring (HiddenStateReader(reattach=True)); one that comes back with another setup ends the iteration with
 LiveDatasetError.
 
-A long record (more than `part_bytes` of rows, 256 MiB by default; one process, ring transport) is never
-copied whole: it stays in the ring as views, and its sample's states are written a chunk at a time into files
-in `spill_dir` (default: the temp folder; not a tmpfs, or the file is memory again), which are mapped (copy on
-write: the trainer may change them in place) and unlinked at once, so nothing is left behind whatever happens
-to the process, then the record is acknowledged. The trainer gets the same dict, its two state tensors
-file-backed (torch.from_file): their pages come from the page cache as they are read. DataLoader workers (and
-Mooncake) still hand a long record over whole.
+A long record (more than `part_bytes` of rows, 256 MiB by default; ring transport) is never copied whole: it
+stays in the ring as views, and its sample's states are written a chunk at a time into files in `spill_dir`
+(default: the temp folder; not a tmpfs, or the file is memory again: the first spill into a tmpfs or ramfs folder
+warns once, in one line), which are mapped (copy on write: the trainer may change them in place) and unlinked at
+once, so nothing is left behind whatever happens to the process, then the record is acknowledged. The trainer
+gets the same dict, its two state tensors file-backed (torch.from_file): their pages come from the page cache as
+they are read. From DataLoader workers the files cross to the main process, not copies (sglang_hs/spill.py); with
+several workers the router spills the record itself to a file the worker maps. Mooncake still hands a long record
+over whole.
 
 DataLoader workers: any number. With num_workers N > 1, worker k sends the records of index % N == k
 (concurrency / N of them in flight each, at least one: max(concurrency, N) in all), and worker 0 holds the
@@ -71,17 +73,24 @@ LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equa
 SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
 
 
+def is_long(reader, rec) -> bool:
+    """Whether `rec` is a long record, spilled rather than copied: more row bytes than the reader's part_bytes (a
+    HiddenStateReader's: views of the ring; a worker's RoutedRecords: the router's spill file)."""
+    bound = getattr(reader, "part_bytes", None)
+    return bool(bound) and rec.row_nbytes > bound
+
+
 def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge", dtype: Optional[torch.dtype] =
                  torch.bfloat16, spill_dir: Optional[str] = None) -> dict:
     """The sample LiveHiddenStates yields for record `rec` (specforge_sample's or deepspec_sample's dict, the same
     tensors), its two state tensors written into files in `spill_dir` (default: the temp folder) a chunk of rows
     at a time from reader.chunks(rec) (each chunk's ring pages unmapped once the next is read), then mapped copy
-    on write and unlinked at once: the whole record is never in this process's memory, and no file outlives the
-    tensors. The caller acknowledges `rec` afterwards."""
-    import tempfile
-
+    on write and unlinked at once (sglang_hs/spill.py): the whole record is never in this process's memory, and no
+    file outlives the tensors. In a DataLoader worker they cross to the main process as the files, not as copies
+    (spill.crossing_as_file). The caller acknowledges `rec` afterwards."""
     from sglang_hs.extract.sinks.base import write_at
     from sglang_hs.extract.sinks.deepspec import fit_hidden
+    from sglang_hs.spill import SpillFile, crossing_as_file, spill_folder
 
     T, K, H = rec.aux_hidden_states.shape
     ids = rec.input_ids.to(torch.int32 if layout == "deepspec" else torch.int64).clone()
@@ -94,33 +103,34 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
             x = fit_hidden(x, dtype)  # an FP8 cast checked (per chunk), read back as bf16 as DeepSpec's reader does
         return x.to(out_dtype)
 
-    folder = spill_dir or tempfile.gettempdir()
-    files = []
+    folder = spill_folder(spill_dir)
+    fa, fl = SpillFile(folder), SpillFile(folder)
     try:
-        for _ in range(2):  # unlinked at once, mapped through /proc/self/fd: nothing is left if this process dies
-            fd, path = tempfile.mkstemp(prefix=".sglang-hs-spill-", dir=folder)
-            os.unlink(path)
-            files.append((os.fdopen(fd, "r+b"), f"/proc/self/fd/{fd}"))
-        (fa, pa), (fl, pl) = files
         for c in reader.chunks(rec):
             n = c.stop - c.start
             step = max(1, -(-n // SPILL_PIECES))  # made contiguous (and cast) a piece of a chunk at a time
             for s in range(0, n, step):
                 at, e = c.start + s, min(n, s + step)
-                write_at(fa, at * K * H * out_dtype.itemsize, convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
-                write_at(fl, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
-        for f, _ in files:
-            f.flush()
-        aux = torch.from_file(pa, shared=False, size=T * K * H, dtype=out_dtype)
-        last = torch.from_file(pl, shared=False, size=T * H, dtype=out_dtype)
-    finally:
-        for f, _ in files:
-            f.close()
+                write_at(fa.file, at * K * H * out_dtype.itemsize,
+                         convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
+                write_at(fl.file, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
+        aux, last = fa.map(T * K * H, out_dtype), fl.map(T * H, out_dtype)
+    except BaseException:  # e.g. rows FP8 cannot store: the files go at once
+        fa.close()
+        fl.close()
+        raise
     if layout == "deepspec":
-        return {"input_ids": ids, "loss_mask": mask, "target_hidden_states": aux.view(T, K * H),
-                "target_last_hidden_states": last.view(T, H)}
-    return {"input_ids": ids, "loss_mask": mask, "hidden_state": last.view(1, T, H),
-            "aux_hidden_state": aux.view(1, T, K * H)}
+        states = {"target_hidden_states": (aux.view(T, K * H), fa), "target_last_hidden_states": (last.view(T, H), fl)}
+    else:
+        states = {"hidden_state": (last.view(1, T, H), fl), "aux_hidden_state": (aux.view(1, T, K * H), fa)}
+    out = {"input_ids": ids, "loss_mask": mask}
+    in_worker = torch.utils.data.get_worker_info() is not None
+    for key, (t, spill) in states.items():
+        out[key] = crossing_as_file(t, spill) if in_worker else t
+    for spill in (fa, fl):
+        if not in_worker:  # the mappings keep the files; only a crossing needs the descriptor
+            spill.close()
+    return out
 
 
 class LiveHiddenStates(torch.utils.data.IterableDataset):
@@ -231,13 +241,14 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                 self._router.join()
             try:
                 router = self._router = RecordRouter(address, self._authkey, n, self.dump_dir, self.reader_wait,
-                                                     self.owner, self.publisher)
+                                                     self.owner, self.publisher, self.part_bytes, self.spill_dir)
             except (RuntimeError, FileNotFoundError, OSError, ImportError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: {e}") from None
         finished = False
         try:
             try:  # worker 0 may still be waiting for the manifest
-                source = RoutedRecords(address, self._authkey, info.id, 2 * self.reader_wait + 10)
+                source = RoutedRecords(address, self._authkey, info.id, 2 * self.reader_wait + 10,
+                                       part_bytes=self.part_bytes if self.publisher is None else None)
             except (OSError, EOFError) as e:
                 raise LiveDatasetError(f"LiveHiddenStates: DataLoader worker {info.id}: the record router "
                                        f"(worker 0) did not answer ({type(e).__name__}: {e})") from None
@@ -364,7 +375,7 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
                         mask = record_loss_mask(sample, reply.get("output_ids", []), rec)
                     except ExtractError as e:
                         raise LiveDatasetError(f"LiveHiddenStates: sample {sample.index}: {e}") from None
-                    if getattr(rec, "views", False) and getattr(reader, "part_bytes", None):  # a long record
+                    if is_long(reader, rec):
                         out = spill_sample(reader, rec, mask, self.layout, self.dtype, self.spill_dir)
                         if not reader.intact(rec):  # its ring bytes were taken back meanwhile: the spill is torn
                             raise LiveDatasetError(

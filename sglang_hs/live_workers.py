@@ -6,7 +6,9 @@ itself (fork or spawn), so they share nothing made after the dataset was built. 
 in a private folder the dataset made when it was built (rendezvous_dir: 0700, this user's, a random name),
 named after the iteration, so every worker finds it unasked; records travel pickled by torch's
 ForkingPickler, as DataLoader batches do: their tensors go through shared memory, only handles through the
-socket.
+socket. A long record (more than the dataset's part_bytes of rows: the router's reader acknowledges and hands
+it as views of the ring) goes as a spill file instead (sglang_hs/spill.py): the router writes its states into
+an unlinked file a chunk at a time, acks it and sends the file's descriptor, which the worker maps.
 
 Security (issue 31, item 1; docs/security.md#live-dataset-workers): another local user must not reach the
 trainer through this socket. Four layers, each enough against another uid: (1) the socket lies in the private
@@ -194,10 +196,13 @@ class RecordRouter:
     Worker 0's iteration does not wait for it (module docstring)."""
 
     def __init__(self, address: str, authkey: bytes, num_workers: int, dump_dir: str, reader_wait: float,
-                 owner, publisher: Optional[str] = None) -> None:
+                 owner, publisher: Optional[str] = None, part_bytes: Optional[int] = None,
+                 spill_dir: Optional[str] = None) -> None:
         self.address, self.num_workers = address, num_workers
         self.nonce = os.urandom(6).hex()
-        self.reader = open_live_reader(dump_dir, reader_wait, owner, publisher)
+        self.reader = open_live_reader(dump_dir, reader_wait, owner, publisher,
+                                       part_bytes if publisher is None else None)
+        self.spill_dir = spill_dir
         self._authkey = authkey
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._bound_ino = None
@@ -332,7 +337,7 @@ class RecordRouter:
                     worker = int(worker) if worker.isdigit() else -1
                     if worker in by_worker:
                         asked.pop(rid, None)
-                        _send(by_worker[worker], ("record", self.reader.pop_ready(rid)))
+                        self._hand_over(by_worker[worker], self.reader.pop_ready(rid))
                     elif worker in ended or not 0 <= worker < self.num_workers:  # nobody to take it
                         self.reader.discard(rid)
                     # else: a worker that has not joined yet; it gets the record when it does
@@ -360,6 +365,24 @@ class RecordRouter:
                 _bye(self._joined.get()[0], ("error", "stopped"))
             self._exit_hook.cancel()
 
+    def _hand_over(self, conn: Connection, rec) -> None:
+        """Send `rec` to its worker, then (an acknowledging reader: part_bytes) acknowledge it. A long record (views
+        of the ring) goes as one spill file in spill_dir (spill.spill_record: written a chunk at a time, the worker
+        maps the same file), a copied one through shared memory."""
+        from sglang_hs.spill import spill_folder, spill_record
+
+        try:
+            sent = rec
+            if rec.views:
+                sent = spill_record(self.reader, rec, spill_folder(self.spill_dir))
+                if not self.reader.intact(rec):  # its ring bytes were taken back meanwhile: the spill is torn
+                    raise LiveDatasetError(f"the record of {rec.rid} was given back to the server while it was "
+                                           "spilled (someone else wrote this reader's read offset)")
+            _send(conn, ("record", sent))
+        finally:
+            if getattr(self.reader, "ack_mode", False):
+                self.reader.ack(rec)
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -381,7 +404,9 @@ class RoutedRecords:
     """A worker's side: what the one-process iteration uses of a HiddenStateReader (manifest, poll,
     pop_ready, not_captured, poll_interval), fed by the router."""
 
-    def __init__(self, address: str, authkey: bytes, worker: int, wait_s: float, poll_interval: float = 0.002) -> None:
+    def __init__(self, address: str, authkey: bytes, worker: int, wait_s: float, poll_interval: float = 0.002,
+                 part_bytes: Optional[int] = None) -> None:
+        self.part_bytes = part_bytes  # the router's: a record of more row bytes comes as a spill file (spill_record)
         deadline = time.monotonic() + wait_s
         while True:  # worker 0 may not listen yet
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -447,6 +472,18 @@ class RoutedRecords:
 
     def pop_ready(self, rid: str):
         return self._ready.pop(rid, None)
+
+    def intact(self, rec) -> bool:
+        """Always: a record here is a copy or a spill file of its own (the router checked the ring's bytes)."""
+        return True
+
+    def chunks(self, rec, max_bytes: Optional[int] = None):
+        """`rec`'s rows a chunk of at most `max_bytes` (default part_bytes) row bytes at a time, as
+        HiddenStateReader.chunks: slices (a long record is a spill file here, no ring)."""
+        from sglang_hs.envs import DEFAULT_PART_BYTES
+        from sglang_hs.spill import slice_chunks
+
+        return slice_chunks(rec, max_bytes or self.part_bytes or DEFAULT_PART_BYTES)
 
     def ready_rids(self) -> list:
         return []  # the router sends only this worker's records

@@ -50,7 +50,8 @@ class SampleWriter:
 
     def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None, chunks=None) -> int:
         """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
-        or within FP8's rounding bound), else it is removed and VerificationError raised. `rec`: the reader's
+        or within FP8's rounding bound; a long record's chunk by chunk, as `chunks` wrote it), else it is
+        removed and VerificationError raised. `rec`: the reader's
         record the tensors are views of; its file takes its name only if the ring bytes were still the
         record's once written (HiddenStateReader.intact), else RecordGivenBack and no file."""
         def still_the_records() -> None:
@@ -69,7 +70,8 @@ class SampleWriter:
             from sglang_hs.extract.verify import VerificationError, check_stored
 
             try:
-                check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype)
+                check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype,
+                             None if chunks is None else sink_chunks(self.reader, self.sink, rec))
             except VerificationError:
                 os.unlink(self.sink.path(index))
                 still_the_records()  # the rows changed under the read-back: torn, not the server's error
@@ -132,16 +134,26 @@ class SampleWriter:
         bar.update(1)
 
 
+def is_long(reader, rec) -> bool:
+    """Whether `rec` is a long record: views of the ring with more row bytes than the reader's part_bytes
+    (--part-mb), to be read a chunk at a time."""
+    bound = getattr(reader, "part_bytes", None)
+    return bool(bound) and getattr(rec, "views", False) and rec.row_nbytes > bound
+
+
+def record_chunks(reader, rec):
+    """The reader's RecordChunks of `rec` when it is a long record (each chunk's ring pages unmapped once the
+    next is asked for); None for any other record (read whole)."""
+    return reader.chunks(rec, reader.part_bytes) if is_long(reader, rec) else None
+
+
 def sink_chunks(reader, sink: Sink, rec):
-    """The Chunks of `rec` for sink.write when it is a long record (views of the ring, more row bytes than the
-    reader's part_bytes: --part-mb), read with the reader's chunks() (each chunk's ring pages unmapped once the
-    next is asked for); None for any other record (written whole)."""
+    """The Chunks of `rec` for sink.write (and --verify's read-back) when it is a long record, read with the
+    reader's chunks(); None for any other record (written whole)."""
     from sglang_hs.extract.sinks.base import Chunk
 
-    bound = getattr(reader, "part_bytes", None)
-    if not bound or not getattr(rec, "views", False) or rec.row_nbytes <= bound:
-        return None
-    return (Chunk(c.start, c.stop, c.aux_hidden_states, sink.final_of(c)) for c in reader.chunks(rec, bound))
+    chunks = record_chunks(reader, rec)
+    return None if chunks is None else (Chunk(c.start, c.stop, c.aux_hidden_states, sink.final_of(c)) for c in chunks)
 
 
 def _uninterrupted(step) -> bool:

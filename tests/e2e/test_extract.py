@@ -134,8 +134,11 @@ def _server_args(capture_server, dump_dir):
     return ["--server", capture_server.url, "--hs-dump-dir", str(dump_dir)]
 
 
-@pytest.mark.parametrize("fmt", ["specforge", "safetensors"])
-def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, fmt):
+@pytest.mark.parametrize("fmt, part_mb", [("specforge", None), ("safetensors", None), ("safetensors", "0.001")],
+                         ids=["specforge", "safetensors", "safetensors-in-parts"])
+def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, fmt, part_mb):
+    """part_mb 0.001 (1,048 row bytes): every record is a long one, written and --verify'd (the logprobs and the
+    file read back) a chunk at a time."""
     convs = conversations(6, seed=1)
     pretok = [{"input_ids": [5 + (7 * j) % 900 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30},
               {"input_ids": [9 + (3 * j) % 800 for j in range(25)]}]
@@ -150,7 +153,7 @@ def test_dataset_to_files_both_formats(capture_server, dump_dir, tmp_path, tok, 
     data = write_jsonl(tmp_path / "data.jsonl", convs + pretok, bad)
     out = tmp_path / "out"
     proc = extract(["--data", data, "--output", str(out), "--format", fmt, "--verify", "1.0", "--concurrency", "4",
-                    *_server_args(capture_server, dump_dir)])
+                    *(["--part-mb", part_mb] if part_mb else []), *_server_args(capture_server, dump_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["status"] == "complete" and manifest["samples_written"] == 8 and manifest["verified"] == 8

@@ -114,13 +114,20 @@ def test_samples_through_mooncake_are_the_cli_files(capture_server, dump_dir, cl
     HiddenStateReader(str(dump_dir), wait=0).close()  # the stopped publisher let go of the dump dir
 
 
-@pytest.mark.parametrize("workers,context,epochs", [(2, "fork", 2), (3, "spawn", 1)])
-def test_several_workers_yield_the_cli_files(capture_server, dump_dir, cli_files, workers, context, epochs):
+@pytest.mark.parametrize("workers,context,epochs,part_bytes", [(2, "fork", 2, None), (3, "spawn", 1, None),
+                                                             (1, "fork", 1, 1), (2, "spawn", 1, 1)])
+def test_several_workers_yield_the_cli_files(capture_server, dump_dir, cli_files, workers, context, epochs,
+                                             part_bytes, tmp_path):
     """Each worker sends its share (record index % workers) and gets its records from worker 0's router;
     every sample comes exactly once, and since the skipped records are the last ones, the DataLoader's
-    turn-taking over the workers gives dataset order. Persistent workers: a second epoch, the same samples."""
+    turn-taking over the workers gives dataset order. Persistent workers: a second epoch, the same samples.
+    part_bytes 1: every record a long one, spilled (by the router to a file the worker maps, then the worker's
+    sample) and handed to the main process as its spill files, mapped there (no shared-memory copy)."""
     data, files = cli_files
-    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    kw = {} if part_bytes is None else {"part_bytes": part_bytes, "spill_dir": str(spill)}
+    ds = LiveHiddenStates(data, capture_server.url, dump_dir, concurrency=3, **kw)
     loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context,
                         persistent_workers=epochs > 1)
     for epoch in range(epochs):
@@ -129,8 +136,25 @@ def test_several_workers_yield_the_cli_files(capture_server, dump_dir, cli_files
         assert sorted(tuple(s["input_ids"].tolist()) for s in samples) == \
             sorted(tuple(f["input_ids"].tolist()) for f in files), "not every sample exactly once"
         assert_same_samples(samples, files)
+        if part_bytes is not None:
+            for s in samples:
+                for k in ("hidden_state", "aux_hidden_state"):
+                    where = _mapping_of(s[k])
+                    assert ".sglang-hs-spill-" in where and where.endswith("(deleted)"), (k, where)
+            assert not list(spill.iterdir())
         # worker 0 ends last, closing the one reader: the dump dir can be read again at once
         HiddenStateReader(str(dump_dir), wait=0).close()
+
+
+def _mapping_of(t):
+    """The /proc/self/maps line of the mapping tensor `t`'s data lies in."""
+    p = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return line.strip()
+    return ""
 
 
 def test_tiny_eagle3_head_trains_on_it(capture_server, dump_dir, tmp_path):

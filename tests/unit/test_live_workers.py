@@ -152,15 +152,19 @@ class Preparer:
         return Sample(index, [index + 1, index + 2, index + 3], [0, 1, 1])
 
 
-def fake_server(dump: str, node=None, routes=None):
+def fake_server(dump: str, node=None, routes=None, distinct_rows=False):
     """A capturing server's /generate and /abort_request; returns its URL and the rids it was sent. `node`:
-    the writer's node (one node of a multi-node server, its one DP rank); `routes`: rid -> routed_dp_rank."""
+    the writer's node (one node of a multi-node server, its one DP rank); `routes`: rid -> routed_dp_rank.
+    `distinct_rows`: the store holds random rows and a record's are those of its token ids' slots (else the
+    zeros of slots 0, 1, 2)."""
     from sglang_hs.server.capture_spec import CaptureSpec
     from sglang_hs.server.store.writer import CaptureWriter
 
     os.mkdir(dump, 0o700)
     writer = CaptureWriter(dump, CaptureSpec.resolve([1, 2], True, 4, 8), 64, torch.float32, 1 << 20,
                            writer_id=node["dp_ranks"][0] if node else 0, node=node)
+    if distinct_rows:
+        writer.store.copy_(torch.randn(writer.store.shape, generator=torch.Generator().manual_seed(5)))
     lock, rids = threading.Lock(), []
 
     def post(path, body):
@@ -171,7 +175,8 @@ def fake_server(dump: str, node=None, routes=None):
             rids.append(body["rid"])
             if routes is not None:
                 routes[body["rid"]] = body.get("routed_dp_rank")
-            writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32), torch.arange(len(ids)))
+            writer.publish_gathered(body["rid"], torch.tensor(ids, dtype=torch.int32),
+                                    torch.tensor(ids) if distinct_rows else torch.arange(len(ids)))
         return ONE_TOKEN_REPLY
 
     return json_server(post)[1], rids
@@ -186,7 +191,7 @@ def scenario(name: str, tmp: str) -> dict:
     dump = os.path.join(tmp, "dump")
     # node-workers: one node of a multi-node server, its writer serving DP rank 1 of 2
     url, rids = fake_server(dump, node={"dp_ranks": [1], "dp_size": 2, "nnodes": 2, "node_rank": 1}
-                            if name == "node-workers" else None)
+                            if name == "node-workers" else None, distinct_rows=name.startswith("spilled-"))
     ds = LiveHiddenStates(list(range(16)), server=url, dump_dir=dump, concurrency=4, reader_wait=5)
     out = {"epochs": [], "rids": []}
 
@@ -265,9 +270,47 @@ def scenario(name: str, tmp: str) -> dict:
         att.kill()  # its stdin is the DataLoader workers' too (forked after it): no EOF to wait for
         att.wait()
         out["marker"] = os.path.exists(marker) and os.stat(marker).st_uid
+    elif name.startswith("spilled-"):  # spilled-<workers>-<context>: every record a long one (issue 47, leftover 3)
+        _, workers, context = name.split("-")
+        spill = os.path.join(tmp, "spill")
+        os.mkdir(spill)
+        ds = LiveHiddenStates(list(range(8)), server=url, dump_dir=dump, concurrency=4, reader_wait=5,
+                              part_bytes=SPILL_PART_BYTES, spill_dir=spill)
+        ds._preparer = Preparer()
+        samples = list(DataLoader(ds, batch_size=None, num_workers=int(workers), multiprocessing_context=context))
+        HiddenStateReader(dump, wait=0).close()
+        copied = LiveHiddenStates(list(range(8)), server=url, dump_dir=dump, concurrency=4, reader_wait=5,
+                                  part_bytes=None)  # the reference: every record copied, in this process
+        copied._preparer = Preparer()
+        want = {int(s["input_ids"][0]) - 1: s for s in copied}
+        HiddenStateReader(dump, wait=0).close()
+        out["epochs"].append([int(s["input_ids"][0]) - 1 for s in samples])
+        out["differ"] = [f"{i} {k}" for i, s in zip(out["epochs"][0], samples) for k in want[i]
+                         if list(s) != list(want[i]) or s[k].dtype != want[i][k].dtype
+                         or s[k].shape != want[i][k].shape or not torch.equal(s[k], want[i][k])]
+        out["nonzero"] = all(bool(s["hidden_state"].abs().sum()) for s in samples)
+        out["mappings"] = sorted({_mapping_kind(s[k]) for s in samples for k in ("hidden_state", "aux_hidden_state")})
+        out["left_in_spill"] = os.listdir(spill)
     else:
         raise ValueError(name)
     return out
+
+
+SPILL_PART_BYTES = 100  # the fake server's rows are 96 bytes a token (3 float32 rows of 8): every record is long
+
+
+def _mapping_kind(t) -> str:
+    """What the memory under tensor `t` is, from /proc/self/maps: 'spill file (deleted)', 'shared memory' (torch's
+    IPC copy) or 'other'."""
+    p = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= p < hi:
+                if ".sglang-hs-spill-" in line:
+                    return "spill file" + (" (deleted)" if line.rstrip().endswith("(deleted)") else "")
+                return "shared memory" if "/dev/shm" in line or "torch_" in line else "other"
+    return "other"
 
 
 def run(name: str, tmp_path) -> dict:
@@ -511,6 +554,20 @@ def test_a_meeting_folder_others_may_enter_is_refused(tmp_path):
 
 if __name__ == "__main__":
     print(json.dumps(scenario(sys.argv[1], sys.argv[2])))
+
+
+@pytest.mark.parametrize("name", ["spilled-1-fork", "spilled-2-fork", "spilled-1-spawn", "spilled-3-spawn"])
+def test_long_records_cross_from_workers_as_their_spill_files(tmp_path, name):
+    """With DataLoader workers (issue 47, leftover 3), every record a long one (part_bytes below one token's rows):
+    one worker spills its sample's states and they reach the main process as the spill files, mapped there, not as
+    a shared-memory copy (nor lost: torch cannot share a from_file storage); with several, the router spills each
+    record to a file the worker maps, and the worker's sample crosses the same way. The samples are those of every
+    record copied in one process (the reference), every one once, in dataset order, and no spill file is left."""
+    out = run(name, tmp_path)
+    assert sorted(out["epochs"][0]) == list(range(8)), out["epochs"]
+    assert out["differ"] == [] and out["nonzero"], out
+    assert out["mappings"] == ["spill file (deleted)"], out["mappings"]
+    assert out["left_in_spill"] == [], out["left_in_spill"]
 
 
 @pytest.mark.parametrize("dtype", ["default", None, torch.float16])

@@ -238,6 +238,51 @@ def test_the_extraction_writes_a_long_record_in_chunks_the_same_file(tmp_path, d
     assert a == b
 
 
+def test_verify_of_a_long_record_reads_it_a_chunk_at_a_time(tmp_path, dump):
+    """--verify of a long record over the real ring (issue 47, leftover 1): the logprob check (Extraction._complete:
+    check() over record_chunks) and the safetensors read-back (SampleWriter: check_stored over the record's chunks
+    again) pass for the true rows, fail for a stored row changed, and leave none of the record's rows' pages mapped
+    in the reader (the whole path's read of the record's views leaves them all mapped)."""
+    from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.extract.verify import VerificationError, check, check_stored
+    from sglang_hs.extract.writer import SampleWriter, record_chunks, sink_chunks
+
+    _publish(dump, 5, LONG_T, rid="long")
+    rows = _rows(5, LONG_T)
+    g = torch.Generator().manual_seed(1)
+    V = 64
+    head = torch.randn(V, H, generator=g) * 0.05
+    tokens = torch.randint(0, V, (LONG_T + 1,), generator=g).tolist()
+    logp = torch.log_softmax(rows[:, K].float() @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, zero_copy=True, part_bytes=CHUNK)
+    try:
+        rec = reader.take("long", timeout=5)
+        inside = _pages_inside(reader, rec)
+        assert check(0, tokens, rec.last_hidden_state, head, [None] + logp.tolist(),
+                     chunks=record_chunks(reader, rec), part_bytes=CHUNK) < 1e-3
+        assert not (_mapped(reader) & inside)
+        sink = SINKS["safetensors"](str(tmp_path / "out"), None)
+        sink.describe_capture({"layer_ids": [1], "rows_per_layer": 1, "model_path": "/m"})
+        writer = SampleWriter(reader, sink)
+        last = sink.final_of(rec)  # None: this ring holds the post-norm state only, speculators reads the pre-norm one
+        writer._write(0, rec.input_ids, torch.ones(LONG_T), rec.aux_hidden_states, last, True, rec,
+                      sink_chunks(reader, sink, rec))  # as submit() hands it: written and read back in chunks
+        assert not (_mapped(reader) & inside)
+        from safetensors.torch import load_file, save_file
+
+        t = load_file(sink.path(0))
+        assert torch.equal(t["hidden_states"], rows[:, :K])
+        t["hidden_states"][LONG_T - 3, 0, 5] += 1
+        save_file(t, sink.path(0))
+        with pytest.raises(VerificationError, match=rf"1 stored rows differ .*\(first: row {LONG_T - 3}, layer 0 of 1\)"):
+            check_stored(0, sink.path(0), rec.aux_hidden_states, last, None,
+                         sink_chunks(reader, sink, rec))
+        assert not (_mapped(reader) & inside)
+        reader.ack(rec)
+    finally:
+        reader.close()
+
+
 def _mapping_of(t):
     """The /proc/self/maps line of the mapping tensor `t`'s data lies in."""
     p = t.data_ptr()
@@ -285,6 +330,36 @@ def test_the_live_dataset_spills_a_long_record_to_a_file_backed_sample(tmp_path,
         assert ".sglang-hs-spill-" in where and "(deleted)" in where, (key, where)
     out[states[0]].add_(1)  # copy on write: the trainer may change it
 
+
+
+def test_spilling_into_a_tmpfs_folder_warns_once(tmp_path, dump, monkeypatch, capsys):
+    """Two long records spilled into a folder the mount table says is a tmpfs: the samples are made all the
+    same, and one line on stderr, the first time, names the folder (issue 47, leftover 2)."""
+    import os
+
+    from sglang_hs import fsutil, live
+    from sglang_hs import spill as spilling
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    st = os.stat(spill)
+    table = tmp_path / "mountinfo"
+    table.write_text(f"31 25 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / /x rw - tmpfs tmpfs rw\n")
+    monkeypatch.setattr(fsutil, "MOUNTINFO", str(table))
+    monkeypatch.setattr(spilling, "_spill_dirs_checked", set())
+    _publish(dump, 7, LONG_T, rid="a")
+    _publish(dump, 8, LONG_T, rid="b")
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK)
+    try:
+        for rid, seed in (("a", 7), ("b", 8)):
+            rec = reader.take(rid, timeout=5)
+            out = live.spill_sample(reader, rec, torch.ones(LONG_T), "specforge", None, str(spill))
+            assert torch.equal(out["hidden_state"][0], _rows(seed, LONG_T)[:, K])
+            reader.ack(rec)
+    finally:
+        reader.close()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"spill_dir {spill} is on tmpfs" in err[0] and "disk-backed directory" in err[0], err
 
 
 def test_a_kernel_refusing_to_drop_pages_costs_no_ack():

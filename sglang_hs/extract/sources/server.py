@@ -19,7 +19,7 @@ from sglang_hs.extract.samples import STATUS_CHECK_S, record_loss_mask, record_o
 from sglang_hs.extract.sinks.base import ResumeState, Sink
 from sglang_hs.extract.sources.dataset_file import DatasetSource
 from sglang_hs.extract.transport.base import Transport
-from sglang_hs.extract.writer import RecordGivenBack, SampleWriter
+from sglang_hs.extract.writer import RecordGivenBack, SampleWriter, record_chunks
 
 
 def _selected_for_verify(index: int, fraction: float) -> bool:
@@ -94,7 +94,8 @@ class Extraction(SampleWriter):
             try:
                 diff = check(sample.index, sample.input_ids + output, rec.last_hidden_state, self.lm_head,
                              [x[0] for x in entries], [x[1] for x in entries], temperature=temperature,
-                             sampled_from=len(sample.input_ids))
+                             sampled_from=len(sample.input_ids), chunks=record_chunks(self.reader, rec),
+                             part_bytes=getattr(self.reader, "part_bytes", None))
             except VerificationError:
                 if not self.reader.intact(rec):  # rows changed under the check: torn, not the server's error
                     raise RecordGivenBack(self.reader.dump_dir) from None

@@ -1,0 +1,161 @@
+"""Spill files: a long record's tensors in unlinked files on disk, mapped copy on write, handed from one process to
+another as the file, never as a copy (issue 47: a 64K-128K-token sample is never held twice in memory).
+
+A spill file is made in a folder (LiveHiddenStates' spill_dir, else the temp folder: spill_folder, which warns once,
+in one line, when the folder is on a tmpfs or ramfs, where a file is memory again and spilling saves nothing),
+unlinked at once and kept open (SpillFile): nothing is left behind whatever happens to the process. Its tensors are `torch.from_file` of /proc/self/fd/N, MAP_PRIVATE:
+their pages are the page cache's until written to (copy on write: a trainer may change them in place).
+
+Across processes (DataLoader workers to the main process, LiveHiddenStates' record router to the workers) a
+tensor goes through multiprocessing's ForkingPickler, and torch's own reduction moves its storage into a new
+shared-memory segment, a second full copy (and for a `from_file` storage fails: it keeps no descriptor to share).
+`crossing_as_file(t, spill)` marks a tensor of a spill file (a SpilledTensor, the same tensor): pickled by
+ForkingPickler it is the file's descriptor (multiprocessing's DupFd, as torch hands its own shared-memory
+descriptors over) and the view (dtype, shape, strides, offset), and the receiving process maps the same file:
+a plain tensor, the same values, no copy made.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import Optional, Tuple
+
+import torch
+
+PREFIX = ".sglang-hs-spill-"
+_spill_dirs_checked: set = set()  # the spill folders this process has checked (and warned of) once
+
+
+def warn_if_spill_dir_in_memory(folder: str, given: bool) -> Optional[str]:
+    """Once per folder and process: one line on stderr when spill folder `folder` (`given`: spill_dir=, else the
+    temp folder) is on a file system that keeps its files in memory (tmpfs, ramfs): spilling there saves nothing.
+    Returns the line (None: no warning)."""
+    from sglang_hs.fsutil import MEMORY_FILE_SYSTEMS, fs_type_of
+
+    if folder in _spill_dirs_checked:
+        return None
+    _spill_dirs_checked.add(folder)
+    kind = fs_type_of(folder)
+    if kind not in MEMORY_FILE_SYSTEMS:
+        return None
+    what = f"spill_dir {folder}" if given else f"spill_dir (None: the temp folder, {folder})"
+    line = (f"[sglang-hs] warning: LiveHiddenStates {what} is on {kind}, so a long record spilled there is still "
+            "held in memory: expected a disk-backed directory (spill_dir=)")
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def spill_folder(spill_dir: Optional[str]) -> str:
+    """Where long records spill: `spill_dir`, else the temp folder; warned of once if it is in memory."""
+    folder = spill_dir or tempfile.gettempdir()
+    warn_if_spill_dir_in_memory(folder, spill_dir is not None)
+    return folder
+
+
+class SpillFile:
+    """An unlinked file in `folder`, open for reading and writing until this object goes."""
+
+    def __init__(self, folder: str) -> None:
+        fd, path = tempfile.mkstemp(prefix=PREFIX, dir=folder)
+        os.unlink(path)
+        self.file = os.fdopen(fd, "r+b")
+
+    @property
+    def fd(self) -> int:
+        return self.file.fileno()
+
+    def map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Its first `numel` elements of `dtype`, mapped copy on write (written bytes flushed first)."""
+        self.file.flush()
+        return _map_fd(self.fd, numel, dtype)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __del__(self) -> None:
+        try:
+            self.file.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _map_fd(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=numel, dtype=dtype)
+
+
+class SpilledTensor(torch.Tensor):
+    """A tensor mapped from a spill file (`_spill`: its SpillFile), pickled by ForkingPickler as that file."""
+
+
+def crossing_as_file(t: torch.Tensor, spill: SpillFile) -> torch.Tensor:
+    """`t` (a view of `spill`'s mapping) as a SpilledTensor: the same tensor, that another process gets as a
+    mapping of the same file."""
+    out = t.as_subclass(SpilledTensor)
+    out._spill = spill
+    return out
+
+
+def _reduce_spilled(t: SpilledTensor):
+    storage = t.untyped_storage()
+    return rebuild_spilled, (DupFd(t._spill.fd), storage.nbytes() // t.element_size(), t.dtype,
+                             tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def rebuild_spilled(dup, numel: int, dtype: torch.dtype, size: Tuple[int, ...], stride: Tuple[int, ...],
+                    offset: int) -> torch.Tensor:
+    """The receiving side: the same view of the spill file, mapped here (a plain tensor)."""
+    fd = dup.detach()
+    try:
+        base = _map_fd(fd, numel, dtype)
+    finally:
+        os.close(fd)
+    return base.as_strided(size, stride, offset)
+
+
+ForkingPickler.register(SpilledTensor, _reduce_spilled)
+
+
+STATES = ("aux_hidden_states", "last_hidden_state", "last_pre_norm")  # a record's (and RecordChunk's) state tensors
+
+
+def spill_record(reader, rec, folder: str):
+    """A copy of long record `rec` (views of the ring) whose state tensors are one spill file in `folder`, written a
+    chunk at a time from reader.chunks(rec) (each chunk's ring pages unmapped once the next is read), in their
+    dtype and shapes, crossing to another process as that file (crossing_as_file); its token ids copied. The
+    caller acknowledges `rec` afterwards."""
+    import dataclasses
+
+    from sglang_hs.extract.sinks.base import write_at
+
+    T = rec.num_tokens
+    names = [n for n in STATES if getattr(rec, n) is not None]
+    width = {n: getattr(rec, n)[0].numel() if T else 0 for n in names}  # elements of one token's row
+    dtype = rec.aux_hidden_states.dtype
+    start, end = {}, 0
+    for n in names:
+        start[n], end = end, end + T * width[n]
+    spill = SpillFile(folder)
+    for c in reader.chunks(rec):
+        for n in names:
+            write_at(spill.file, (start[n] + c.start * width[n]) * dtype.itemsize, getattr(c, n))
+    base = spill.map(end, dtype)
+    states = {n: crossing_as_file(base[start[n]:start[n] + T * width[n]].view(getattr(rec, n).shape), spill)
+              for n in names}
+    return dataclasses.replace(rec, input_ids=rec.input_ids.clone(), views=False, _rows_at=-1, **states)
+
+
+def slice_chunks(rec, bound: int):
+    """`rec`'s rows in order as RecordChunks of at most `bound` row bytes (at least one token's): slices of a record
+    that is no view of a ring (a spilled one), as HiddenStateReader.chunks hands a copied record."""
+    from sglang_hs.reader import RecordChunk
+
+    T, row = rec.num_tokens, rec._row_bytes
+    n = max(1, bound // row) if row else max(T, 1)
+    for s in range(0, T, n):
+        e = min(T, s + n)
+        yield RecordChunk(s, e, rec.input_ids[s:e], *(None if getattr(rec, k) is None else getattr(rec, k)[s:e]
+                                                      for k in STATES))
