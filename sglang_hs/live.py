@@ -114,7 +114,10 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
                 write_at(fa.file, at * K * H * out_dtype.itemsize,
                          convert(c.aux_hidden_states[s:e].reshape(e - s, K * H)))
                 write_at(fl.file, at * H * out_dtype.itemsize, convert(c.last_hidden_state[s:e]))
-        aux, last = fa.map(T * K * H, out_dtype), fl.map(T * H, out_dtype)
+        # in a DataLoader worker the sample crosses as its files: mapped shared, so what the worker changes in place
+        # (a wrapper normalising the states) is in the file the main process maps
+        shared = torch.utils.data.get_worker_info() is not None
+        aux, last = fa.map(T * K * H, out_dtype, shared), fl.map(T * H, out_dtype, shared)
     except BaseException:  # e.g. rows FP8 cannot store: the files go at once
         fa.close()
         fl.close()
@@ -124,11 +127,10 @@ def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge"
     else:
         states = {"hidden_state": (last.view(1, T, H), fl), "aux_hidden_state": (aux.view(1, T, K * H), fa)}
     out = {"input_ids": ids, "loss_mask": mask}
-    in_worker = torch.utils.data.get_worker_info() is not None
     for key, (t, spill) in states.items():
-        out[key] = crossing_as_file(t, spill) if in_worker else t
+        out[key] = crossing_as_file(t, spill) if shared else t
     for spill in (fa, fl):
-        if not in_worker:  # the mappings keep the files; only a crossing needs the descriptor
+        if not shared:  # the mappings keep the files; only a crossing needs the descriptor
             spill.close()
     return out
 
@@ -176,6 +178,9 @@ class LiveHiddenStates(torch.utils.data.IterableDataset):
             raise ValueError(f"part_bytes: a byte count >= 1 or None, got {part_bytes!r}")
         self.part_bytes = part_bytes
         self.spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
+        if self.spill_dir is not None and not (os.path.isdir(self.spill_dir) and os.access(self.spill_dir, os.W_OK)):
+            raise ValueError(f"spill_dir: expected a writable directory (disk-backed: long records are written there), "
+                             f"got {self.spill_dir!r}")
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -9,10 +9,12 @@ their pages are the page cache's until written to (copy on write: a trainer may 
 Across processes (DataLoader workers to the main process, LiveHiddenStates' record router to the workers) a
 tensor goes through multiprocessing's ForkingPickler, and torch's own reduction moves its storage into a new
 shared-memory segment, a second full copy (and for a `from_file` storage fails: it keeps no descriptor to share).
-`crossing_as_file(t, spill)` marks a tensor of a spill file (a SpilledTensor, the same tensor): pickled by
-ForkingPickler it is the file's descriptor (multiprocessing's DupFd, as torch hands its own shared-memory
-descriptors over) and the view (dtype, shape, strides, offset), and the receiving process maps the same file:
-a plain tensor, the same values, no copy made.
+`crossing_as_file(t, spill)` registers the mapping: pickled by ForkingPickler, it and every tensor viewing its
+storage (slices, reshapes, in-place results: what a wrapper or a collate may make of it in the worker) are the
+file's descriptor (multiprocessing's DupFd, as torch hands its own shared-memory descriptors over) and the view
+(dtype, shape, strides, offset), and the receiving process maps the same file: a plain tensor, the same values, no
+copy made. A tensor with storage of its own (a batch that default_collate stacks, a cast) goes torch's own way,
+through shared memory: batch_size=None keeps a long sample file-backed.
 """
 from __future__ import annotations
 
@@ -66,10 +68,11 @@ class SpillFile:
     def fd(self) -> int:
         return self.file.fileno()
 
-    def map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Its first `numel` elements of `dtype`, mapped copy on write (written bytes flushed first)."""
+    def map(self, numel: int, dtype: torch.dtype, shared: bool = False) -> torch.Tensor:
+        """Its first `numel` elements of `dtype`, mapped copy on write (written bytes flushed first); `shared`: the
+        file's own pages (MAP_SHARED: a write goes to the file, so a process it crosses to sees it)."""
         self.file.flush()
-        return _map_fd(self.fd, numel, dtype)
+        return _map_fd(self.fd, numel, dtype, shared)
 
     def close(self) -> None:
         self.file.close()
@@ -81,42 +84,70 @@ class SpillFile:
             pass
 
 
-def _map_fd(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _map_fd(fd: int, numel: int, dtype: torch.dtype, shared: bool = False) -> torch.Tensor:
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=numel, dtype=dtype)
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=shared, size=numel, dtype=dtype)
 
 
-class SpilledTensor(torch.Tensor):
-    """A tensor mapped from a spill file (`_spill`: its SpillFile), pickled by ForkingPickler as that file."""
+# The spill mappings that cross as their file: a mapping's storage (its StorageImpl, StorageWeakRef.cdata) -> (a weak
+# reference to it, its SpillFile). A weak reference keeps the StorageImpl's address from being reused, so a live entry
+# is that storage and no other; an expired one (the sample dropped) is pruned with its file at the next registration.
+_CROSSING: dict = {}
+_torch_reduce_tensor = None  # torch's own reduction of a tensor (torch.multiprocessing.reductions.reduce_tensor)
 
 
 def crossing_as_file(t: torch.Tensor, spill: SpillFile) -> torch.Tensor:
-    """`t` (a view of `spill`'s mapping) as a SpilledTensor: the same tensor, that another process gets as a
-    mapping of the same file."""
-    out = t.as_subclass(SpilledTensor)
-    out._spill = spill
-    return out
+    """Returns `t` (a mapping of `spill`, or a view of one), registered so that ForkingPickler pickles it, and every
+    tensor viewing the same storage (a slice, a reshape, the result of an in-place op: what a collate or a wrapper
+    in the worker may make of it), as the file's descriptor and the view: the receiving process maps the same file
+    (rebuild_spilled). Any other tensor (a stack, a cast: new storage) goes torch's own way. Only a process that
+    registers a mapping replaces ForkingPickler's reduction of tensors (_install)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    _install()
+    for key in [k for k, (ref, _) in _CROSSING.items() if ref.expired()]:
+        del _CROSSING[key]
+    ref = StorageWeakRef(t.untyped_storage())
+    _CROSSING[ref.cdata] = (ref, spill)
+    return t
 
 
-def _reduce_spilled(t: SpilledTensor):
-    storage = t.untyped_storage()
-    return rebuild_spilled, (DupFd(t._spill.fd), storage.nbytes() // t.element_size(), t.dtype,
+def _crossing_file(t: torch.Tensor) -> Optional[SpillFile]:
+    if not _CROSSING or t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        return None
+    entry = _CROSSING.get(t.untyped_storage()._cdata)
+    return entry[1] if entry is not None and not entry[0].expired() else None
+
+
+def _reduce_tensor(t: torch.Tensor):
+    spill = _crossing_file(t)
+    if spill is None:
+        return _torch_reduce_tensor(t)
+    return rebuild_spilled, (DupFd(spill.fd), t.untyped_storage().nbytes() // t.element_size(), t.dtype,
                              tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _install() -> None:
+    """ForkingPickler's reduction of torch.Tensor becomes _reduce_tensor (torch's own for every tensor that is not a
+    registered spill mapping), once per process, after torch registered its own (torch.multiprocessing)."""
+    global _torch_reduce_tensor
+    if _torch_reduce_tensor is None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _torch_reduce_tensor = reduce_tensor
+        ForkingPickler.register(torch.Tensor, _reduce_tensor)
 
 
 def rebuild_spilled(dup, numel: int, dtype: torch.dtype, size: Tuple[int, ...], stride: Tuple[int, ...],
                     offset: int) -> torch.Tensor:
-    """The receiving side: the same view of the spill file, mapped here (a plain tensor)."""
+    """The receiving side: the same view of the spill file, mapped here copy on write (a plain tensor)."""
     fd = dup.detach()
     try:
         base = _map_fd(fd, numel, dtype)
     finally:
         os.close(fd)
     return base.as_strided(size, stride, offset)
-
-
-ForkingPickler.register(SpilledTensor, _reduce_spilled)
 
 
 STATES = ("aux_hidden_states", "last_hidden_state", "last_pre_norm")  # a record's (and RecordChunk's) state tensors

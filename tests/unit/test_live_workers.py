@@ -270,19 +270,24 @@ def scenario(name: str, tmp: str) -> dict:
         att.kill()  # its stdin is the DataLoader workers' too (forked after it): no EOF to wait for
         att.wait()
         out["marker"] = os.path.exists(marker) and os.stat(marker).st_uid
-    elif name.startswith("spilled-"):  # spilled-<workers>-<context>: every record a long one (issue 47, leftover 3)
-        _, workers, context = name.split("-")
+    elif name.startswith("spilled-"):  # spilled-<workers>-<context>[-batched|-edited]: every record a long one
+        _, workers, context, *how = name.split("-")  # (issue 47, leftover 3)
         spill = os.path.join(tmp, "spill")
         os.mkdir(spill)
         ds = LiveHiddenStates(list(range(8)), server=url, dump_dir=dump, concurrency=4, reader_wait=5,
                               part_bytes=SPILL_PART_BYTES, spill_dir=spill)
         ds._preparer = Preparer()
-        samples = list(DataLoader(ds, batch_size=None, num_workers=int(workers), multiprocessing_context=context))
+        if how == ["batched"]:  # default_collate in the worker: batches of one, stacked into new storage
+            samples = [{k: v[0] for k, v in b.items()} for b in DataLoader(
+                ds, batch_size=1, num_workers=int(workers), multiprocessing_context=context)]
+        else:  # "edited": a wrapper changes the states in place in the worker
+            samples = list(DataLoader(Doubled(ds) if how == ["edited"] else ds, batch_size=None,
+                                      num_workers=int(workers), multiprocessing_context=context))
         HiddenStateReader(dump, wait=0).close()
         copied = LiveHiddenStates(list(range(8)), server=url, dump_dir=dump, concurrency=4, reader_wait=5,
                                   part_bytes=None)  # the reference: every record copied, in this process
         copied._preparer = Preparer()
-        want = {int(s["input_ids"][0]) - 1: s for s in copied}
+        want = {int(s["input_ids"][0]) - 1: s for s in (Doubled(copied) if how == ["edited"] else copied)}
         HiddenStateReader(dump, wait=0).close()
         out["epochs"].append([int(s["input_ids"][0]) - 1 for s in samples])
         out["differ"] = [f"{i} {k}" for i, s in zip(out["epochs"][0], samples) for k in want[i]
@@ -297,6 +302,20 @@ def scenario(name: str, tmp: str) -> dict:
 
 
 SPILL_PART_BYTES = 100  # the fake server's rows are 96 bytes a token (3 float32 rows of 8): every record is long
+
+
+class Doubled(torch.utils.data.IterableDataset):
+    """A user's wrapper that changes a sample's states in place (x2) where it runs: in the DataLoader worker."""
+
+    def __init__(self, ds) -> None:
+        self.ds = ds
+
+    def __iter__(self):
+        for s in self.ds:
+            s["hidden_state"].mul_(2)
+            s["aux_hidden_state"][0, 1:].mul_(2)  # a slice of it: another view of the same storage
+            s["aux_hidden_state"][0, :1].mul_(2)
+            yield s
 
 
 def _mapping_kind(t) -> str:
@@ -556,17 +575,23 @@ if __name__ == "__main__":
     print(json.dumps(scenario(sys.argv[1], sys.argv[2])))
 
 
-@pytest.mark.parametrize("name", ["spilled-1-fork", "spilled-2-fork", "spilled-1-spawn", "spilled-3-spawn"])
+@pytest.mark.parametrize("name", ["spilled-1-fork", "spilled-2-fork", "spilled-1-spawn", "spilled-3-spawn",
+                                  "spilled-1-fork-batched", "spilled-2-spawn-batched", "spilled-1-fork-edited",
+                                  "spilled-2-spawn-edited"])
 def test_long_records_cross_from_workers_as_their_spill_files(tmp_path, name):
     """With DataLoader workers (issue 47, leftover 3), every record a long one (part_bytes below one token's rows):
     one worker spills its sample's states and they reach the main process as the spill files, mapped there, not as
     a shared-memory copy (nor lost: torch cannot share a from_file storage); with several, the router spills each
     record to a file the worker maps, and the worker's sample crosses the same way. The samples are those of every
-    record copied in one process (the reference), every one once, in dataset order, and no spill file is left."""
+    record copied in one process (the reference), every one once, in dataset order, and no spill file is left.
+    batched: default_collate stacks each batch in the worker (new storage: it crosses through shared memory, as any
+    batch does; the sample was lost before, review); edited: a wrapper doubles the states in place in the worker,
+    and the main process sees them doubled (it saw the file's first bytes before, review)."""
     out = run(name, tmp_path)
     assert sorted(out["epochs"][0]) == list(range(8)), out["epochs"]
     assert out["differ"] == [] and out["nonzero"], out
-    assert out["mappings"] == ["spill file (deleted)"], out["mappings"]
+    kind = "shared memory" if name.endswith("batched") else "spill file (deleted)"
+    assert out["mappings"] == [kind], out["mappings"]
     assert out["left_in_spill"] == [], out["left_in_spill"]
 
 
@@ -638,3 +663,14 @@ def test_two_workers_on_one_node_share_its_samples(tmp_path):
     assert out["epochs"] == [list(range(1, 16, 2))], out["epochs"]
     workers = {r.rsplit("-", 2)[-2] for r in out["rids"][0]}
     assert workers == {"0", "1"}, out["rids"]
+
+
+def test_a_spill_dir_that_is_no_writable_folder_is_refused_up_front(tmp_path):
+    """A long record spills into spill_dir: one that is missing (or a file) is refused when the dataset is made, in
+    one line naming spill_dir, not by mkstemp's error at the first long record, inside a worker (review)."""
+    from sglang_hs.live import LiveHiddenStates
+
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path / "missing", tmp_path / "file"):
+        with pytest.raises(ValueError, match=r"spill_dir: expected a writable directory .*got '.*(missing|file)'"):
+            LiveHiddenStates([], server="http://127.0.0.1:9", dump_dir="/nonexistent", spill_dir=bad)

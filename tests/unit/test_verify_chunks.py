@@ -182,3 +182,30 @@ def test_check_stored_of_another_shape_names_both_in_chunks_too(tmp_path):
     short = [c for c in _sink_chunks(aux[:-1], last[:-1]) if c.start < T - 1]
     with pytest.raises(VerificationError, match=rf"holds hidden_states \({T}, {K + 1}, {H}\), captured \({T - 1}, "):
         check_stored(0, path, torch.empty(T - 1, K, H, device="meta"), last, None, chunks=short)
+
+
+def test_a_nan_final_state_fails_the_logprob_check():
+    """A captured final state of NaNs gives NaN logprobs, and NaN > tolerance is False: such a row passed --verify
+    (review). Now it is a disagreeing row, named, in one chunk or several."""
+    head, last, tokens, server = _case()
+    bad = last.clone()
+    bad[ROWS + 1] = float("nan")
+    for chunks in (None, _record_chunks(bad)):
+        with pytest.raises(VerificationError, match=rf"row {ROWS + 1} .*1 of {T} rows disagree"):
+            check(0, tokens, bad, head, server, chunks=chunks)
+
+
+def test_a_nan_row_stored_as_captured_is_the_same_row_and_chunks_must_cover_every_row(tmp_path):
+    """The file read back is compared by its bytes: a captured row holding NaN (stored as it is) is the captured row,
+    which NaN != NaN called different (review). And chunks that stop short of the record's rows are refused: the
+    rows after them would not be checked."""
+    g = torch.Generator().manual_seed(5)
+    aux, last = torch.randn(T, K, H, generator=g).bfloat16(), torch.randn(T, H, generator=g).bfloat16()
+    aux[2, 1, 3] = float("nan")
+    sink = SafetensorsSink(str(tmp_path), None)
+    sink.write(0, torch.arange(T), torch.ones(T), aux, last)
+    check_stored(0, sink.path(0), aux, last, None)
+    check_stored(0, sink.path(0), aux, last, None, chunks=_sink_chunks(aux, last))
+    short = _sink_chunks(aux, last)[:-1]
+    with pytest.raises(VerificationError, match=rf"sample 0: the sample's chunks end at row {short[-1].stop} of its {T}"):
+        check_stored(0, sink.path(0), aux, last, None, chunks=short)
