@@ -321,3 +321,28 @@ def json_server(post, get: bool = False):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_port}"
+
+
+def mapping_of(t) -> str:
+    """The /proc/self/maps line of the mapping tensor `t`'s data lies in ("" if none)."""
+    p = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return line.strip()
+    return ""
+
+
+def verify_case(T=12, V=50, H=16, seed=0):
+    """For sglang_hs.extract.verify.check: a head [V, H], T final states and T + 1 tokens (the last: the token after
+    the last row), with the server's logprob of each token from those states (None at 0), as the extraction passes
+    them."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randn(V, H, generator=g)
+    last = torch.randn(T, H, generator=g) * 3
+    tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
+    logp = torch.log_softmax(last @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return head, last, tokens, [None] + logp.tolist()

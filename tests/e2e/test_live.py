@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from helpers import mapping_of
 from sglang_hs import HiddenStateReader
 from sglang_hs.tools import tiny_model
 from sglang_hs.extract.verify import load_lm_head
@@ -139,22 +140,11 @@ def test_several_workers_yield_the_cli_files(capture_server, dump_dir, cli_files
         if part_bytes is not None:
             for s in samples:
                 for k in ("hidden_state", "aux_hidden_state"):
-                    where = _mapping_of(s[k])
+                    where = mapping_of(s[k])
                     assert ".sglang-hs-spill-" in where and where.endswith("(deleted)"), (k, where)
             assert not list(spill.iterdir())
         # worker 0 ends last, closing the one reader: the dump dir can be read again at once
         HiddenStateReader(str(dump_dir), wait=0).close()
-
-
-def _mapping_of(t):
-    """The /proc/self/maps line of the mapping tensor `t`'s data lies in."""
-    p = t.data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= p < hi:
-                return line.strip()
-    return ""
 
 
 def test_tiny_eagle3_head_trains_on_it(capture_server, dump_dir, tmp_path):

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 import specforge_way
+from helpers import verify_case
 from sglang_hs.tools import tiny_model
 from sglang_hs.extract import cli, output
 from sglang_hs.extract.dataset import Preparer, SkipSample
@@ -276,19 +277,8 @@ def test_a_float32_capture_is_written_bf16_for_specforge(tmp_path):
                                                                               aux.bfloat16().reshape(T, -1))
 
 
-def _verify_case(T=12, V=50, H=16, seed=0):
-    """A head, T final states and T + 1 tokens (the last: the token after the last row), with the server's
-    logprob of each token from those states (None at 0), as the extraction passes them to check()."""
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randn(V, H, generator=g)
-    last = torch.randn(T, H, generator=g) * 3
-    tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
-    logp = torch.log_softmax(last @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return head, last, tokens, [None] + logp.tolist()
-
-
 def test_verification_passes_the_true_states_and_fails_wrong_ones_in_any_row_the_last_included():
-    head, last, tokens, server = _verify_case()
+    head, last, tokens, server = verify_case()
     T = last.shape[0]
     assert check(0, tokens, last.bfloat16().float(), head, server, tokens) < 0.08
     with pytest.raises(VerificationError, match="sample 7: row 0 "):  # shifted by one token
@@ -310,7 +300,7 @@ def test_verification_passes_the_true_states_and_fails_wrong_ones_in_any_row_the
 def test_verification_of_sampled_tokens_uses_the_temperature_scaled_logprob():
     """--regenerate --temperature: SGLang reports a sampled token's logprob from log softmax(logits / T)
     (the unscaled one with SGLANG_RETURN_ORIGINAL_LOGPROB); the prompt tokens' logprobs are unscaled."""
-    head, last, tokens, server = _verify_case()
+    head, last, tokens, server = verify_case()
     prompt_len, temp = 5, 0.7
     scaled = torch.log_softmax(last @ head.T / temp, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
     mixed = server[:prompt_len] + scaled[prompt_len - 1:].tolist()

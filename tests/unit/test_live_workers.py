@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import scenario_process
-from helpers import ONE_TOKEN_REPLY, json_server
+from helpers import ONE_TOKEN_REPLY, json_server, mapping_of
 
 LIMIT_S = 120  # a generous bound on a scenario of a few seconds: only a hang reaches it
 
@@ -321,15 +321,10 @@ class Doubled(torch.utils.data.IterableDataset):
 def _mapping_kind(t) -> str:
     """What the memory under tensor `t` is, from /proc/self/maps: 'spill file (deleted)', 'shared memory' (torch's
     IPC copy) or 'other'."""
-    p = t.data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= p < hi:
-                if ".sglang-hs-spill-" in line:
-                    return "spill file" + (" (deleted)" if line.rstrip().endswith("(deleted)") else "")
-                return "shared memory" if "/dev/shm" in line or "torch_" in line else "other"
-    return "other"
+    line = mapping_of(t)
+    if ".sglang-hs-spill-" in line:
+        return "spill file" + (" (deleted)" if line.endswith("(deleted)") else "")
+    return "shared memory" if "/dev/shm" in line or "torch_" in line else "other"
 
 
 def run(name: str, tmp_path) -> dict:

@@ -21,6 +21,7 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
+from helpers import mapping_of  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
 from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.server.store import ring  # noqa: E402
@@ -283,17 +284,6 @@ def test_verify_of_a_long_record_reads_it_a_chunk_at_a_time(tmp_path, dump):
         reader.close()
 
 
-def _mapping_of(t):
-    """The /proc/self/maps line of the mapping tensor `t`'s data lies in."""
-    p = t.data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= p < hi:
-                return line.strip()
-    return ""
-
-
 @pytest.mark.parametrize("layout,dtype", [("specforge", torch.bfloat16), ("specforge", torch.float32),
                                           ("specforge", None), ("deepspec", torch.bfloat16),
                                           ("deepspec", torch.float8_e4m3fn)])
@@ -326,7 +316,7 @@ def test_the_live_dataset_spills_a_long_record_to_a_file_backed_sample(tmp_path,
         assert out[key].dtype == want[key].dtype and torch.equal(out[key], want[key]), key
     states = [k for k in out if "hidden" in k]
     for key in states:
-        where = _mapping_of(out[key])
+        where = mapping_of(out[key])
         assert ".sglang-hs-spill-" in where and "(deleted)" in where, (key, where)
     out[states[0]].add_(1)  # copy on write: the trainer may change it
 

@@ -7,6 +7,7 @@ whole tensors are passed on the meta device (only their shapes are there), and t
 import pytest
 import torch
 
+from helpers import verify_case
 from sglang_hs.extract import verify
 from sglang_hs.extract.sinks import SafetensorsSink
 from sglang_hs.extract.sinks.base import Chunk
@@ -26,12 +27,7 @@ def _verdict(fn, *args, **kw):
 
 
 def _case(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randn(V, H, generator=g)
-    last = torch.randn(T, H, generator=g) * 3
-    tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
-    logp = torch.log_softmax(last @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return head, last, tokens, [None] + logp.tolist()
+    return verify_case(T, V, H, seed)
 
 
 def _record_chunks(last, n=ROWS):
