@@ -66,18 +66,12 @@ import torch
 
 from sglang_hs.envs import DEFAULT_PART_BYTES
 from sglang_hs.live_workers import LiveDatasetError  # defined there, where the workers raise it too; public here
+from sglang_hs.reader import is_long
 
 LAYOUTS = ("specforge", "deepspec")  # the --format whose files the samples equal, tensor for tensor
 
 
 SPILL_PIECES = 8  # spill_sample copies an eighth of a chunk at a time (the states are not contiguous in the ring)
-
-
-def is_long(reader, rec) -> bool:
-    """Whether `rec` is a long record, spilled rather than copied: more row bytes than the reader's part_bytes (a
-    HiddenStateReader's: views of the ring; a worker's RoutedRecords: the router's spill file)."""
-    bound = getattr(reader, "part_bytes", None)
-    return bool(bound) and rec.row_nbytes > bound
 
 
 def spill_sample(reader, rec, loss_mask: torch.Tensor, layout: str = "specforge", dtype: Optional[torch.dtype] =

@@ -268,6 +268,13 @@ class RecordChunk:
 DEFAULT_CHUNK_BYTES = DEFAULT_PART_BYTES  # chunks() without a bound, on a reader without part_bytes
 
 
+def is_long(reader, rec) -> bool:
+    """Whether `rec` is a long record of `reader`: more row bytes than its part_bytes (a HiddenStateReader's, which
+    hands such a record as views of the ring, or a live dataset worker's RoutedRecords'), read a chunk at a time."""
+    bound = getattr(reader, "part_bytes", None)
+    return bool(bound) and rec.row_nbytes > bound
+
+
 class NoWriterHere(FileNotFoundError):
     """The dump dir is that of a node hosting no writer of a multi-node server (SGLang --nnodes): its
     launcher says so there (fsutil.NO_WRITER); the records land in another node's dump dir."""

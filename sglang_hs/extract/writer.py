@@ -134,17 +134,12 @@ class SampleWriter:
         bar.update(1)
 
 
-def is_long(reader, rec) -> bool:
-    """Whether `rec` is a long record: views of the ring with more row bytes than the reader's part_bytes
-    (--part-mb), to be read a chunk at a time."""
-    bound = getattr(reader, "part_bytes", None)
-    return bool(bound) and getattr(rec, "views", False) and rec.row_nbytes > bound
-
-
 def record_chunks(reader, rec):
-    """The reader's RecordChunks of `rec` when it is a long record (each chunk's ring pages unmapped once the
-    next is asked for); None for any other record (read whole)."""
-    return reader.chunks(rec, reader.part_bytes) if is_long(reader, rec) else None
+    """The reader's RecordChunks of `rec` when it is a long record held as views of the ring (each chunk's ring
+    pages unmapped once the next is asked for); None for any other record (read whole)."""
+    from sglang_hs.reader import is_long
+
+    return reader.chunks(rec, reader.part_bytes) if getattr(rec, "views", False) and is_long(reader, rec) else None
 
 
 def sink_chunks(reader, sink: Sink, rec):
