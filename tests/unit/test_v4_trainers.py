@@ -1,6 +1,9 @@
 """SpecForge 0.2.0 and speculators 0.9.0 train on files extracted from a DeepSeek-V4 dump (issue 34, item 4).
 
-SGLang's V4 forward cannot run on the CPU engine, so the dump is written as the V4 overlay writes it
+The same path runs end to end on a real V4 server in tests/e2e/test_v4_cpu.py (the swa-mean server's records: the
+extraction CLI's files of both formats, both trainers' teachers against HF and their loss falling). This unit test
+keeps a faster, server-free check on another checkpoint (6 layers, CSA's index settings, LAYERS [1, 3, 5]) and the
+--from-dump extraction: the dump is written as the V4 overlay writes it
 (sglang_hs/server/models/deepseek_v4.py): the real CaptureWriter with the overlay's CaptureSpec (hc_mult 4, the
 default `--hs-hc-streams mean`, `--hs-last both`), rows handed to `writer.copy` through `spec.pack` as the
 overlay's forward does, records published from their KV slots. The rows are HF transformers float32's own
