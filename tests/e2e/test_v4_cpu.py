@@ -39,7 +39,15 @@ dropped (dsv4_cpu_moe) -> every row off, up to 0.14. v4-hca: a block visible one
 by up to 0.24; the compressor's ape ignored -> rows 127 on (the first closed block) off by up to 0.14. v4-csa: the
 indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34 (measured
 at TP 1). csa-tp2: wo_b without its all-reduce (each rank its partial output) -> the pre-norm final rows off from row
-0, up to 0.98; every rank using rank 0's attention sinks -> from row 0, up to 0.41. Each fails.
+0, up to 0.98; every rank using rank 0's attention sinks -> from row 0, up to 0.41. Issue 45's three: a compression
+window closed one token late (a block visible from `q_pos // ratio`, not `(q_pos + 1) // ratio`) -> the long prompt's
+pre-norm rows off from each checkpoint's first block end on: v4-hca rows 127 on, up to 0.16; csa-tp2 rows 3 on, up
+to 0.46. The stream mean taken before the post-mix (the capture handed the streams the last hc_post mixed into, not
+its output; in hc_full_streams too) -> swa-mean: every row of id 2 off, up to 0.047; swa-full: up to 0.15 (stream 0).
+A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
+recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
+sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
+(test_a_full_pool_evicts_and_reuses_slots, v4-pool-1-3) pre-norm rows 67 on off by up to 0.64. Each fails.
 """
 import concurrent.futures as cf
 import contextlib
