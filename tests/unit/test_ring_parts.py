@@ -154,3 +154,195 @@ def test_bad_part_fields_in_a_header_are_torn(ringw, n_ids, first_row, total_row
     w.r.buf[trail : trail + len(new)] = torch.frombuffer(bytearray(new), dtype=torch.uint8)
     assert first == [1]
     _torn(d, "corrupt record header|torn record")
+
+
+# -- the reader: a parted record is ONE HiddenStateRecord -------------------------------------------------------------
+
+from sglang_hs.reader import HiddenStateReader, StreamedRecordError, is_long  # noqa: E402
+from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
+from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
+
+RH = 1000  # one aux layer + the post-norm state: RP = 2, 4,000 bytes a token in bf16 (not a page's divisor)
+RP, ROW = 2, 2 * 1000 * 2
+PAGE = 4096
+N, PART = 600, 50  # a record of 2.4 MB of rows in parts of 200 KB
+CHUNK = 64 << 10  # the streaming reader's part_bytes: 16 rows a chunk, 4 chunks a part
+SMALL = 5
+
+
+def _rrows(seed, T):
+    return _rows(seed, T, RP, RH)
+
+
+@pytest.fixture
+def dump(tmp_path):
+    """A dump whose ring holds about two parts (and the small records beside them), far less than the record."""
+    cap = 2 * ring.record_bytes(PART, RP, RH, 2, 8, 0, N) + 4 * ring.record_bytes(SMALL, RP, RH, 2, 16, 64)
+    w = CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], True, 4, RH), 8, torch.bfloat16, cap)
+    w.dir = tmp_path
+    assert cap < N * ROW / 3
+    return w
+
+
+class Publisher(threading.Thread):
+    """Publishes from a thread, as the server's finish worker does: whole records, a marker, and a record in parts
+    (each part waits for ring room the reader gives back); `error` holds what it raised."""
+
+    def __init__(self, w, items, timeout=20):
+        super().__init__(daemon=True)
+        self.w, self.items, self.timeout, self.error, self.done = w, items, timeout, None, threading.Event()
+
+    def run(self):
+        try:
+            for kind, rid, seed, T in self.items:
+                ids, rows = _ids(seed, T), _rrows(seed, T)
+                if kind == "whole":
+                    self.w.ring.publish(rid, ids, rows, timeout=self.timeout, prompt_len=2, next_token=seed)
+                elif kind == "marker":
+                    self.w.ring.publish(rid, torch.empty(0, dtype=torch.int32), torch.empty(0, RP, RH,
+                                        dtype=torch.bfloat16), skipped=2, timeout=self.timeout)
+                else:
+                    for a in range(0, T, PART):
+                        self.w.ring.publish(rid, ids if a == 0 else torch.empty(0, dtype=torch.int32),
+                                            rows[a:a + PART], timeout=self.timeout, first_row=a, total_rows=T,
+                                            prompt_len=T - 7, next_token=seed, meta=b'{"parts":1}')
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+        finally:
+            self.done.set()
+
+    def finish(self):
+        assert self.done.wait(30), "the publisher is still waiting for ring room"
+        assert self.error is None, self.error
+
+
+ITEMS = [("whole", "before", 1, SMALL), ("marker", "m", 0, 0), ("parts", "long", 2, N), ("whole", "after", 3, SMALL)]
+
+
+def _mapped(reader):
+    """Indices of the pages of the reader's mapping of its ring that this process has mapped now."""
+    buf = reader._rings[0].r.buf
+    base, n = buf.data_ptr(), buf.numel() // PAGE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(base // PAGE * 8)
+        entries = f.read(n * 8)
+    return {i for i in range(n) if struct.unpack_from("<Q", entries, 8 * i)[0] >> 63}
+
+
+def _check_whole(rec, rid, seed):
+    assert rec.rid == rid and torch.equal(rec.input_ids, _ids(seed, SMALL))
+    assert torch.equal(rec.aux_hidden_states, _rrows(seed, SMALL)[:, :1])
+
+
+def test_a_streamed_record_from_a_writer_thread_through_a_ring_smaller_than_it(dump):
+    """The reader with part_bytes hands the record when its first part came and streams its rows through chunks() as
+    the writer publishes the next parts into the room each released part leaves: every row equal to the source,
+    the whole record never in the ring (its capacity holds ~2 parts) nor mapped in the reader (pagemap: about a
+    part of ring pages at a time); a marker and whole records before and after it as usual."""
+    pub = Publisher(dump, ITEMS)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    pub.start()
+    try:
+        before = reader.take("before", timeout=20)
+        _check_whole(before, "before", 1)
+        reader.ack(before)
+        rec = reader.take("long", timeout=20)
+        assert (rec.num_tokens, rec.prompt_len, rec.next_token, rec.meta) == (N, N - 7, 2, {"parts": 1})
+        assert torch.equal(rec.input_ids, _ids(2, N)) and rec.row_nbytes == N * ROW and is_long(reader, rec)
+        assert rec.aux_hidden_states.shape == (N, 1, RH) and rec.last_hidden_state.shape == (N, RH)
+        with pytest.raises(StreamedRecordError, match="aux_hidden_states of the record of 'long' is streamed"):
+            rec.aux_hidden_states[0]
+        with pytest.raises(StreamedRecordError, match="reader.chunks"):
+            torch.cat([rec.last_hidden_state])
+        src, at, peak = _rrows(2, N), 0, 0
+        for c in reader.chunks(rec):
+            assert c.start == at and c.stop - c.start <= CHUNK // ROW, (c.start, c.stop, at)
+            assert torch.equal(c.input_ids, _ids(2, N)[c.start:c.stop])
+            assert torch.equal(c.aux_hidden_states, src[c.start:c.stop, :1]), c.start
+            assert torch.equal(c.last_hidden_state, src[c.start:c.stop, 1]), c.start
+            assert c.last_pre_norm is None
+            peak, at = max(peak, len(_mapped(reader))), c.stop
+        assert at == N
+        with pytest.raises(RuntimeError, match="second time"):
+            next(reader.chunks(rec))
+        assert reader.intact(rec)
+        reader.ack(rec)
+        _check_whole(reader.take("after", timeout=20), "after", 3)
+        assert reader.not_captured("m") == "not_sampled"
+        pub.finish()
+        part_pages = PART * ROW // PAGE
+        print(f"most ring pages mapped at once: {peak} (a part is {part_pages} pages, the record {N * ROW // PAGE})")
+        assert peak <= part_pages + 2 * (CHUNK // PAGE) + 2 * 16 + 8, peak
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(ack=True), dict(ack=True, zero_copy=True),
+                                dict(ack=True, part_bytes=N * ROW)], ids=["eager", "ack", "zero_copy", "under_bound"])
+def test_an_assembling_reader_gets_the_identical_whole_record(dump, kw):
+    """A reader without part_bytes (or whose bound the record is under) copies each part into one whole record as
+    it arrives and gives the part's ring bytes back at once (so the writer goes on through a ring smaller than the
+    record): one record, ready at its last part, a copy even for a zero-copy reader."""
+    pub = Publisher(dump, ITEMS)
+    reader = HiddenStateReader(str(dump.dir), wait=1, **kw)
+    pub.start()
+    try:
+        before = reader.take("before", timeout=20)
+        _check_whole(before, "before", 1)
+        reader.ack(before)  # else it holds the ring's TAIL back, and with it the parts behind it
+        rec = reader.take("long", timeout=20)
+        assert not rec.views and rec._stream is None and rec.seq == 3  # its first part's
+        src = _rrows(2, N)
+        assert torch.equal(rec.input_ids, _ids(2, N)) and (rec.prompt_len, rec.next_token) == (N - 7, 2)
+        assert torch.equal(rec.aux_hidden_states, src[:, :1]) and torch.equal(rec.last_hidden_state, src[:, 1])
+        assert [c.stop for c in reader.chunks(rec, 200 * ROW)] == [200, 400, 600]
+        _check_whole(reader.take("after", timeout=20), "after", 3)
+        pub.finish()
+        assert reader.unacked() == (1 if kw.get("ack") else 0)  # "after" (the parts went back as they were copied)
+    finally:
+        reader.close()
+
+
+def test_ack_before_reading_all_parts_releases_the_rest_as_they_arrive(dump):
+    pub = Publisher(dump, ITEMS)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    pub.start()
+    try:
+        reader.ack(reader.take("before", timeout=20))
+        rec = reader.take("long", timeout=20)
+        it = reader.chunks(rec)
+        c = next(it)
+        assert torch.equal(c.aux_hidden_states, _rrows(2, N)[:c.stop, :1])
+        reader.ack(rec)  # the consumer gives up on it after one chunk
+        with pytest.raises(ValueError, match="acknowledged"):
+            next(it)
+        _check_whole(reader.take("after", timeout=20), "after", 3)  # the writer got past the record's parts
+        pub.finish()
+        assert reader.unacked() == 1  # "after" alone
+    finally:
+        reader.close()
+
+
+def test_a_part_that_does_not_come_times_out_naming_the_unacked_records_holding_the_tail(dump):
+    """A record read before the streamed one and not acknowledged holds the ring's TAIL back: the writer cannot
+    publish the next part once the ring is full, and chunks() says so when its part_wait runs out. Acknowledging
+    it lets the writer go on."""
+    big = [("whole", f"b{i}", 10 + i, SMALL) for i in range(3)]
+    pub = Publisher(dump, big + [("parts", "long", 2, N), ("whole", "after", 3, SMALL)], timeout=30)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=1)
+    pub.start()
+    try:
+        held = [reader.take(f"b{i}", timeout=20) for i in range(3)]
+        rec = reader.take("long", timeout=20)
+        with pytest.raises(TimeoutError, match=r"no part of the streamed record of 'long' \(seq 4\) after 1s: \d+ of its "
+                           r"600 rows arrived, \d+ read; 3 records read before it and not acknowledged \(seq 1, 2, 3\) "
+                           "hold the ring's TAIL back"):
+            for _ in reader.chunks(rec):
+                pass
+        for r in held:
+            reader.ack(r)
+        reader.ack(rec)
+        _check_whole(reader.take("after", timeout=20), "after", 3)
+        pub.finish()
+    finally:
+        reader.close()
