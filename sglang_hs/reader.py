@@ -232,6 +232,12 @@ class HiddenStateRecord:
         self.input_ids = self.aux_hidden_states = self.last_hidden_state = self.last_pre_norm = None
 
     @property
+    def streamed(self) -> bool:
+        """Its rows come a part at a time through reader.chunks(record), once (a record that left the server's ring
+        in parts, more row bytes than the reader's part_bytes); its state tensors are StreamedRows stand-ins."""
+        return self._stream is not None
+
+    @property
     def output_ids(self) -> list:
         """The generated tokens the server sent: input_ids[prompt_len:] + [next_token]."""
         if self.prompt_len > self.num_tokens or self.next_token < 0:
