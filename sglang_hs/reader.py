@@ -273,8 +273,15 @@ class StreamedRows:
     sink or a spill needs to lay its file out), and everything else (indexing, any torch function, .to(), .numpy())
     raises StreamedRecordError naming the record, so no consumer gets a silent wrong answer."""
 
-    def __init__(self, rid: str, name: str, shape: tuple, dtype: torch.dtype) -> None:
-        self.__dict__.update(_rid=rid, _name=name, shape=torch.Size(shape), dtype=dtype, device=torch.device("cpu"))
+    def __init__(self, rid: str, name: str, shape: tuple, dtype: torch.dtype, of: object = None) -> None:
+        self.__dict__.update(_rid=rid, _name=name, shape=torch.Size(shape), dtype=dtype, device=torch.device("cpu"),
+                             _of=of)
+
+    def same_rows(self, other) -> bool:
+        """Whether `other` stands in for another state of the same streamed record (its rows side by side with
+        these in every part: a sink that stores a record's states as one tensor, SpecForge's, lays the file out
+        as for a record's own views)."""
+        return isinstance(other, StreamedRows) and other._of is not None and other._of is self._of
 
     @property
     def ndim(self) -> int:
@@ -660,8 +667,8 @@ class HiddenStateReader:
         row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
         if stream is not None:
             N, _, H = stream.total_rows, *rows.shape[1:]
-            aux = StreamedRows(rec.rid, "aux_hidden_states", (N, self.num_aux, H), rows.dtype)
-            last, pre = (StreamedRows(rec.rid, name, (N, H), rows.dtype) if which in self.finals else None
+            aux = StreamedRows(rec.rid, "aux_hidden_states", (N, self.num_aux, H), rows.dtype, stream)
+            last, pre = (StreamedRows(rec.rid, name, (N, H), rows.dtype, stream) if which in self.finals else None
                          for name, which in (("last_hidden_state", "post-norm"), ("last_pre_norm", "pre-norm")))
         else:
             aux, last, pre = rows[:, :self.num_aux], self._final(rows, "post-norm"), self._final(rows, "pre-norm")
