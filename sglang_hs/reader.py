@@ -903,7 +903,7 @@ class HiddenStateReader:
         to be still this reader's (intact)."""
         with self._lock:
             part, st.current = st.current, None
-            if part is None:
+            if part is None or not self._locks:  # a closed reader leaves its parts to the next one
                 return
             st.read += part.rows.shape[0]
             if not st.ring.holds(part.offset):

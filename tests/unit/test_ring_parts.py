@@ -517,3 +517,82 @@ def test_the_live_dataset_spills_a_streamed_record(tmp_path, dump, layout, dtype
         assert out[key].dtype == want[key].dtype and torch.equal(out[key], want[key]), key
     assert not routed.streamed and torch.equal(routed.input_ids, _ids(6, N))
     assert torch.equal(routed.aux_hidden_states, rows[:, :1]) and torch.equal(routed.last_hidden_state, rows[:, 1])
+
+
+# -- several writers, a restarted server, a reader that stopped mid-record ---------------------------------------------
+
+def test_parts_are_per_ring_with_several_writers(tmp_path):
+    """Data-parallel attention: one ring per writer, each publishing a parted record from its own thread at once;
+    one reader streams both, reading their chunks in turns (each ring's parts are its own record's)."""
+    node = {"dp_ranks": [0, 1], "dp_size": 2, "nnodes": 1, "node_rank": 0}
+    cap = 2 * ring.record_bytes(PART, RP, RH, 2, 8, 0, N) + 4 * ring.record_bytes(SMALL, RP, RH, 2, 16, 64)
+    ws = [CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], True, 4, RH), 8, torch.bfloat16, cap, writer_id=i,
+                        node=node) for i in (0, 1)]
+    pubs = [Publisher(w, [("parts", f"long{i}", 20 + i, N), ("whole", f"after{i}", 30 + i, SMALL)])
+            for i, w in enumerate(ws)]
+    reader = HiddenStateReader(str(tmp_path), wait=5, ack=True, part_bytes=CHUNK, part_wait=20)
+    for p in pubs:
+        p.start()
+    try:
+        recs = [reader.take(f"long{i}", timeout=20) for i in (0, 1)]
+        assert [r.writer for r in recs] == [0, 1] and all(r.streamed for r in recs)
+        for i, pair in enumerate(zip(*(reader.chunks(r) for r in recs))):
+            for k, c in enumerate(pair):
+                assert torch.equal(c.aux_hidden_states, _rrows(20 + k, N)[c.start:c.stop, :1]), (i, k)
+        assert pair[0].stop == pair[1].stop == N
+        for r in recs:
+            reader.ack(r)
+        for i in (0, 1):
+            _check_whole(reader.take(f"after{i}", timeout=20), f"after{i}", 30 + i)
+        for p in pubs:
+            p.finish()
+    finally:
+        reader.close()
+
+
+def test_a_server_restarted_before_the_last_part(dump):
+    """The server restarted after a streamed record's first part: chunks() yields that part's rows, then raises
+    ServerRestarted naming the record; the reader (reattach=True) goes on with the new server's records."""
+    from sglang_hs.reader import ServerRestarted
+
+    ids, rows = _ids(7, N), _rrows(7, N)
+    dump.ring.publish("long", ids, rows[:PART], first_row=0, total_rows=N, timeout=5)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20, reattach=True)
+    try:
+        rec = reader.take("long", timeout=5)
+        w1 = CaptureWriter(str(dump.dir), CaptureSpec.resolve([1], True, 4, RH), 8, torch.bfloat16,
+                           dump.ring.capacity + ring.HEADER_BYTES)  # the restarted server
+        w1.ring.publish("new", _ids(8, SMALL), _rrows(8, SMALL), timeout=5, prompt_len=2, next_token=8)
+        got = 0
+        with pytest.raises(ServerRestarted, match="restarted before the last part of the streamed record of 'long'"):
+            for c in reader.chunks(rec):
+                assert torch.equal(c.aux_hidden_states, rows[c.start:c.stop, :1])
+                got = c.stop
+        assert got == PART
+        reader.ack(rec)
+        _check_whole(reader.take("new", timeout=5), "new", 8)
+        assert reader.restarts == 1
+    finally:
+        reader.close()
+
+
+def test_a_reader_after_one_that_stopped_mid_record_skips_its_orphan_parts(dump):
+    """A reader closed after reading (and releasing) the first part of a streamed record: the next reader starts
+    after that part, skips the record's remaining parts (lost: counted in orphan_parts) and reads on."""
+    pub = Publisher(dump, ITEMS)
+    first = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    pub.start()
+    try:
+        first.ack(first.take("before", timeout=20))
+        it = first.chunks(first.take("long", timeout=20))
+        for _ in range(-(-PART // (CHUNK // ROW)) + 1):  # into the second part: the first one went back
+            next(it)
+    finally:
+        first.close()
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    try:
+        _check_whole(reader.take("after", timeout=20), "after", 3)
+        assert reader.orphan_parts == N // PART - 1 and "long" not in reader.ready_rids()
+        pub.finish()
+    finally:
+        reader.close()
