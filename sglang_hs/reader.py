@@ -77,6 +77,18 @@ chunks() of any other record (max_bytes=) just slices it:
                 out.write(c.aux_hidden_states)      # done with c before the next one
             reader.ack(rec)
 
+A server may publish a long record in PARTS (ring format 9; docs/how-it-works.md, Long records in parts): it is
+still ONE record here (the whole input_ids, prompt_len, next_token, meta; seq and offset its first part's). A reader
+with part_bytes STREAMS a parted record of more row bytes: it is ready once its first part came (`rec.streamed`),
+its state tensors are StreamedRows (shape and dtype; any read raises StreamedRecordError), and chunks(rec), once,
+yields its rows as the parts arrive (waiting up to `part_wait` seconds for each), each part's ring bytes given back
+once the next chunk is asked for; ack it before the end and its remaining parts are let go as they come. Any other
+reader (or a record of at most part_bytes) gets it ASSEMBLED: each part copied into one whole record as it arrives
+and given back at once, the record ready at its last part (a copy even for zero_copy). Either way the server
+publishes the next part only into ring room given back, so ack the records before a parted one: an unacknowledged
+record holds the ring's TAIL, and chunks() times out naming it. A reader that stops in the middle of a parted
+record loses it (its earlier parts went back); the next reader skips the rest (`orphan_parts`).
+
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
 

@@ -67,6 +67,8 @@ then takes that offset and may write over the views while they are used, so a co
 and a reader with `drop_behind` (opened with populate=False: its pages mapped as it reads them) unmaps each
 record's whole pages from its process once it is copied out or released (`drop`: madvise MADV_DONTNEED, the
 file keeps them): HiddenStateReader(part_bytes=N) reads long records a chunk at a time this way.
+`read_ahead(part_views=True)` hands every part of a parted record as views (the reader copies it into its
+record, or streams it, and releases it then).
 """
 from __future__ import annotations
 
