@@ -963,11 +963,12 @@ class HiddenStateReader:
         if unacked:
             msg += (f"; {unacked} records read and not acknowledged hold {self.unread_bytes() / 1e6:.1f} MB "
                     "of the output ring, and new requests wait for ring space: ack() records as you go")
-            coming = [st for st in self._parted.values() if st.mode == "assemble"]
+            coming = list(self._parted.values())
             if coming:
-                msg += (f" (the record of {coming[0].record.rid!r} is coming in parts, {coming[0].received} of its "
-                        f"{coming[0].total_rows} rows so far: the server publishes its next part only into the ring "
-                        "room those acks give back)")
+                st = coming[0]
+                msg += (f" (the record of {st.record.rid!r} is coming in parts, {st.received} of its {st.total_rows} "
+                        "rows so far: the server publishes its next part only into the ring room those acks"
+                        + (", and reading its chunks()," if st.mode == "stream" else "") + " give back)")
         return TimeoutError(msg)
 
     def _marker_first(self, rid: str) -> bool:

@@ -336,8 +336,8 @@ def test_a_part_that_does_not_come_times_out_naming_the_unacked_records_holding_
     try:
         held = [reader.take(f"b{i}", timeout=20) for i in range(3)]
         rec = reader.take("long", timeout=20)
-        with pytest.raises(TimeoutError, match=r"no part of the streamed record of 'long' \(seq 4\) after 1s: \d+ of its "
-                           r"600 rows arrived, \d+ read; 3 records read before it and not acknowledged \(seq 1, 2, 3\) "
+        with pytest.raises(TimeoutError, match=r"no part of the streamed record of 'long' \(seq 4\) after 1s: \d+ "
+                           r"of its 600 rows arrived, \d+ read; 3 records read before it and not acknowledged \(seq 1, 2, 3\) "
                            "hold the ring's TAIL back"):
             for _ in reader.chunks(rec):
                 pass
@@ -593,6 +593,27 @@ def test_a_reader_after_one_that_stopped_mid_record_skips_its_orphan_parts(dump)
     try:
         _check_whole(reader.take("after", timeout=20), "after", 3)
         assert reader.orphan_parts == N // PART - 1 and "long" not in reader.ready_rids()
+        pub.finish()
+    finally:
+        reader.close()
+
+
+def test_take_of_a_record_behind_an_unread_streamed_one_says_why_it_waits(dump):
+    """A record published after a streamed one comes only once the streamed one's parts were read (they fill the
+    ring before it): take() of it times out saying so."""
+    pub = Publisher(dump, ITEMS)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    pub.start()
+    try:
+        reader.ack(reader.take("before", timeout=20))
+        rec = reader.take("long", timeout=20)
+        with pytest.raises(TimeoutError, match=r"the record of 'long' is coming in parts, \d+ of its 600 rows so far: "
+                           r"the server publishes its next part only into the ring room those acks, and reading its "
+                           r"chunks\(\), give back"):
+            reader.take("after", timeout=1)
+        assert sum(c.num_tokens for c in reader.chunks(rec)) == N
+        reader.ack(rec)
+        _check_whole(reader.take("after", timeout=20), "after", 3)
         pub.finish()
     finally:
         reader.close()

@@ -130,8 +130,8 @@ class SpecForgeSink(Sink):
         else:  # a view is pickled as it is only when it is its storage's whole (else its offset or its siblings
             # would be saved: with T = 1, aux and last of one record's rows are both contiguous, one storage)
             def whole(t):
-                return isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_contiguous() and t.storage_offset() == 0 and \
-                    t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                return isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_contiguous() and \
+                    t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
             a = aux if whole(aux) else like(aux.shape)
             l = last if whole(last) else like(last.shape)

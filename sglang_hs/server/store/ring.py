@@ -25,8 +25,9 @@ read further: the ring fills and admission control holds or skips requests as wi
 value a reader writes can stop the server or make it write outside the ring.
 
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
-rid length, prompt length, next token, metadata length, token ids stored, first row, total rows), the request id (utf-8), the metadata (a JSON
-object, utf-8; empty for none), input_ids int32[n_ids], rows [T, P, H], then a 64-byte trailer that repeats
+rid length, prompt length, next token, metadata length, token ids stored, first row, total rows), the request
+id (utf-8), the metadata (a JSON object, utf-8; empty for none), input_ids int32[n_ids], rows [T, P, H], then a
+64-byte trailer that repeats
 magic, sequence number and length and holds a CRC-32 of the header, request id and metadata. A record never wraps: when one does not fit before the end of the buffer the writer
 publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and starts again at 0. The writer
 only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes
@@ -353,7 +354,8 @@ class RingWriter:
             raise ValueError(f"record of request {rid[:200]!r}: first_row {first_row} and total_rows {total_rows}: "
                              "expected first_row 0 for a whole record (total_rows 0), total_rows > 0 for a part")
         if input_ids.shape != (n_ids,):
-            which = "a whole record's T" if not total_rows else "a first part's N" if not first_row else "none on a later part"
+            which = ("a whole record's T" if not total_rows else "a first part's N" if not first_row
+                     else "none on a later part")
             raise ValueError(f"record of request {rid[:200]!r}: token ids of shape {tuple(input_ids.shape)}, expected "
                              f"({n_ids},): {which}")
         assert dtype in DTYPES and (not skipped or (T == 0 and skipped in SKIP_REASONS))
