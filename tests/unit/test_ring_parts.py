@@ -617,3 +617,43 @@ def test_take_of_a_record_behind_an_unread_streamed_one_says_why_it_waits(dump):
         pub.finish()
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_extractions_verify_of_a_streamed_record_defers_its_logprob_check_to_the_sinks_pass(tmp_path, dump, wrong):
+    """Extraction._complete with --verify: a streamed record's rows come once, so its logprob check is not run over
+    its chunks there (that would consume the parts before the sink) but fed by the sink's pass: the sample is
+    written and counted verified, or with one logprob off fails the run's verification naming the row."""
+    from types import SimpleNamespace
+
+    from sglang_hs.extract.dataset import Sample
+    from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.extract.sources.server import Extraction
+
+    ids = _ids(4, N).tolist()
+    tokens = ids + [5]
+    g = torch.Generator().manual_seed(2)
+    head = torch.randn(2048, RH, generator=g) * 0.05
+    rows = _rrows(4, N)
+    logp = torch.log_softmax(rows[:, 1].float() @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    entries = [[None, tokens[0]]] + [[float(x), t] for x, t in zip(logp, tokens[1:])]
+    if wrong:
+        entries[100][0] += 1.0
+    reply = {"output_ids": [5], "meta_info": {"input_token_logprobs": entries[:N], "output_token_logprobs": entries[N:]}}
+    pub, reader, rec = _streamed(dump)
+    try:
+        sink = SINKS["safetensors"](str(tmp_path / "out"), None)
+        sink.describe_capture(MANIFEST)
+        ext = Extraction(SimpleNamespace(temperature=0.0), "http://unused", reader, sink, None, head, progress=False)
+        ext._complete(Sample(0, ids, [1] * N), reply, rec, True)
+        ext.drain(_Bar())
+        pub.finish()
+    finally:
+        reader.close()
+    if wrong:
+        assert ext.stats.done == 0 and ext.stats.verified == 0
+        assert "sample 0: row 99 (the state before token 100)" in ext.verify_failure, ext.verify_failure
+        assert not list((tmp_path / "out").glob("*.safetensors"))
+    else:
+        assert (ext.stats.done, ext.stats.verified, ext.stats.failed) == (1, 1, []), ext.stats.failed
+        assert ext.stats.verify_max_diff < 1e-3
