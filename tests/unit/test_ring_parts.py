@@ -657,3 +657,31 @@ def test_the_extractions_verify_of_a_streamed_record_defers_its_logprob_check_to
     else:
         assert (ext.stats.done, ext.stats.verified, ext.stats.failed) == (1, 1, []), ext.stats.failed
         assert ext.stats.verify_max_diff < 1e-3
+
+
+def test_the_harvester_writes_a_streamed_record(tmp_path, dump):
+    """The harvester (--harvest) handles a streamed record like any long one: its file from the chunks as the parts
+    arrive, the same file as the rows written whole, its journal line, then the ack."""
+    from safetensors.torch import load_file
+
+    from sglang_hs.extract import harvest
+    from sglang_hs.extract.sinks import SINKS
+    from sglang_hs.extract.stats import Stats
+
+    pub, reader, rec = _streamed(dump)
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        sink = SINKS["safetensors"](str(out), None)
+        sink.describe_capture(MANIFEST)
+        journal = harvest.Journal(str(out))
+        h = harvest.Harvester(reader, sink, journal, Stats())
+        h.handle(rec)
+        assert h.stats.done == 1 and rec.aux_hidden_states is None  # written, then acked
+        pub.finish()
+    finally:
+        reader.close()
+    (index,) = journal.files
+    t = load_file(sink.path(index))
+    assert torch.equal(t["hidden_states"], _rrows(4, N)[:, :1]) and t["token_ids"].tolist() == _ids(4, N).tolist()
+    assert journal.files[index]["tokens"] == N and journal.files[index]["prompt_len"] == N - 7
