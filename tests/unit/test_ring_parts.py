@@ -6,7 +6,6 @@ the reader's: a parted record is ONE HiddenStateRecord, assembled by copy (no pa
 streamed a part at a time through chunks() (more than part_bytes of rows), with a ring smaller than the record."""
 import struct
 import threading
-import time
 import zlib
 
 import pytest
@@ -158,6 +157,7 @@ def test_bad_part_fields_in_a_header_are_torn(ringw, n_ids, first_row, total_row
 
 # -- the reader: a parted record is ONE HiddenStateRecord -------------------------------------------------------------
 
+from helpers import mapped_pages as _mapped  # noqa: E402
 from sglang_hs.reader import HiddenStateReader, StreamedRecordError, is_long  # noqa: E402
 from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.server.store.writer import CaptureWriter  # noqa: E402
@@ -217,16 +217,6 @@ class Publisher(threading.Thread):
 
 
 ITEMS = [("whole", "before", 1, SMALL), ("marker", "m", 0, 0), ("parts", "long", 2, N), ("whole", "after", 3, SMALL)]
-
-
-def _mapped(reader):
-    """Indices of the pages of the reader's mapping of its ring that this process has mapped now."""
-    buf = reader._rings[0].r.buf
-    base, n = buf.data_ptr(), buf.numel() // PAGE
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(base // PAGE * 8)
-        entries = f.read(n * 8)
-    return {i for i in range(n) if struct.unpack_from("<Q", entries, 8 * i)[0] >> 63}
 
 
 def _check_whole(rec, rid, seed):
