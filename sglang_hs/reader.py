@@ -639,6 +639,9 @@ class HiddenStateReader:
                 raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed")
             n = 0
             for w, ring in enumerate(self._rings):
+                # parts come as views to an acknowledging reader (copied into their record, or streamed, then
+                # released); an eager one's drain() copies them out and releases them at once (assembled by a second
+                # copy: its views would be the writer's again before this loop read them)
                 for rec in (ring.read_ahead(copy=not self.zero_copy, view_above=self.part_bytes, part_views=True)
                             if self.ack_mode else ring.drain()):
                     if rec.skipped:
@@ -869,9 +872,8 @@ class HiddenStateReader:
                     return
                 at, T = part.first_row, part.rows.shape[0]
                 for s in range(0, T, n):
-                    if st.mode != "stream":  # acked meanwhile: the part's bytes went back
-                        raise ValueError(f"record of {record.rid!r} was acknowledged: its tensors are gone")
                     if s:  # the pages of the part's chunks before this one (drop_behind: the part's rest at release)
+                        self._still_readable(record, st)
                         self._drop_rows(st.ring, part.rows, s)
                     e = min(T, s + n)
                     rows = part.rows[s:e]
@@ -880,6 +882,15 @@ class HiddenStateReader:
                 self._part_done(st)
         finally:
             self._part_done(st)
+
+    def _still_readable(self, record: HiddenStateRecord, st: _Parted) -> None:
+        """A streamed record's parts may be read on: not acknowledged meanwhile (its parts went back), nor the
+        reader closed (they are the next reader's, who may acknowledge them and have them written over)."""
+        if not self._locks:
+            raise st.lost or RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed: the streamed record "
+                                          f"of {record.rid!r} comes again to the next reader")
+        if st.mode != "stream":
+            raise ValueError(f"record of {record.rid!r} was acknowledged: its tensors are gone")
 
     @staticmethod
     def _drop_rows(ring: RingReader, rows: torch.Tensor, upto: int) -> None:
@@ -893,8 +904,7 @@ class HiddenStateReader:
         deadline = time.monotonic() + self.part_wait
         while True:
             with self._lock:
-                if st.mode == "drop":
-                    raise ValueError(f"record of {record.rid!r} was acknowledged: its tensors are gone")
+                self._still_readable(record, st)
                 if st.parts:
                     st.current = st.parts.popleft()
                     return st.current
@@ -1024,7 +1034,9 @@ class HiddenStateReader:
 
     def largest_record_bytes(self) -> int:
         """An upper bound on the bytes of any record this server can write: half its largest ring (admission takes a
-        request only if twice its worst-case record fits the ring), so what a consumer must be able to hold."""
+        request only if twice its worst-case record fits the ring), so what a consumer must be able to hold. A
+        record the server publishes in parts (ring format 9) is not bounded by it: an assembling reader holds it
+        whole, a streaming one (part_bytes) a part at a time."""
         return max((ring.capacity // 2 for ring in self._rings), default=0)
 
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:

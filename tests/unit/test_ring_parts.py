@@ -675,3 +675,28 @@ def test_the_harvester_writes_a_streamed_record(tmp_path, dump):
     t = load_file(sink.path(index))
     assert torch.equal(t["hidden_states"], _rrows(4, N)[:, :1]) and t["token_ids"].tolist() == _ids(4, N).tolist()
     assert journal.files[index]["tokens"] == N and journal.files[index]["prompt_len"] == N - 7
+
+
+def test_chunks_of_a_streamed_record_after_close_refuse(dump):
+    """close() hands the ring to the next reader: a streamed record's chunks() stops there (its parts may be
+    written over once that reader acknowledges them), and the record comes again whole to the next reader."""
+    pub = Publisher(dump, ITEMS)
+    first = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    pub.start()
+    try:
+        first.ack(first.take("before", timeout=20))
+        it = first.chunks(first.take("long", timeout=20))
+        next(it)
+    finally:
+        first.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    try:
+        rec = reader.take("long", timeout=20)  # its first part was never released: it comes again, whole
+        assert sum(c.num_tokens for c in reader.chunks(rec)) == N and reader.orphan_parts == 0
+        reader.ack(rec)
+        _check_whole(reader.take("after", timeout=20), "after", 3)
+        pub.finish()
+    finally:
+        reader.close()
