@@ -320,6 +320,8 @@ class StreamedRows:
                                    "reader.chunks(record)")
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocol probes (copy, pickle, numpy's array interface): as any object
+            raise AttributeError(name)
         raise self._refuse(f".{name}")
 
     def __getitem__(self, key):
@@ -346,6 +348,19 @@ class StreamedRows:
 
     def __repr__(self) -> str:
         return f"StreamedRows({self._name} of {self._rid!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _refused_op(name: str):
+    def op(self, *args):
+        raise self._refuse(name)
+    return op
+
+
+for _op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lt", "le", "gt",
+            "ge", "neg", "abs", "bool", "float", "int"):
+    setattr(StreamedRows, f"__{_op}__", _refused_op(f"__{_op}__"))
+    if _op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor"):
+        setattr(StreamedRows, f"__r{_op}__", _refused_op(f"__r{_op}__"))
 
 
 class _Parted:

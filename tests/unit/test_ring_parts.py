@@ -700,3 +700,22 @@ def test_chunks_of_a_streamed_record_after_close_refuse(dump):
         pub.finish()
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("use", [lambda s: s[0], lambda s: s.float(), lambda s: s.contiguous(), lambda s: s + 1,
+                                 lambda s: 2 * s, lambda s: torch.cat([s]), lambda s: torch.zeros(1) @ s,
+                                 lambda s: list(s), lambda s: bool(s), lambda s: __import__("numpy").asarray(s),
+                                 lambda s: s.view(torch.uint8)],
+                         ids=["index", "float", "contiguous", "add", "rmul", "cat", "matmul", "iter", "bool", "numpy",
+                              "view"])
+def test_a_streamed_records_state_stand_in_refuses_every_read(use):
+    """StreamedRows (a streamed record's aux_hidden_states, last_hidden_state, last_pre_norm): shape and dtype for a
+    file's layout, and every read a StreamedRecordError naming the record and chunks(), never a wrong answer."""
+    from sglang_hs.reader import StreamedRows
+
+    s = StreamedRows("r-1", "last_hidden_state", (N, RH), torch.bfloat16)
+    assert (s.shape, s.dtype, s.dim(), s.size(0), s.numel(), s.element_size()) == ((N, RH), torch.bfloat16, 2, N,
+                                                                                   N * RH, 2)
+    with pytest.raises(StreamedRecordError, match=r"last_hidden_state of the record of 'r-1' is streamed in parts .*"
+                                                  r"read its rows with reader.chunks\(record\)"):
+        use(s)

@@ -27,8 +27,7 @@ value a reader writes can stop the server or make it write outside the ring.
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
 rid length, prompt length, next token, metadata length, token ids stored, first row, total rows), the request
 id (utf-8), the metadata (a JSON object, utf-8; empty for none), input_ids int32[n_ids], rows [T, P, H], then a
-64-byte trailer that repeats
-magic, sequence number and length and holds a CRC-32 of the header, request id and metadata. A record never wraps: when one does not fit before the end of the buffer the writer
+64-byte trailer that repeats magic, sequence number and length and holds a CRC-32 of the header, request id and metadata. A record never wraps: when one does not fit before the end of the buffer the writer
 publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and starts again at 0. The writer
 only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes
 below the HEAD it acquire-loaded, so a record is either wholly visible or not at all; header/trailer
