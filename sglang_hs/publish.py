@@ -322,6 +322,8 @@ def main(argv: Optional[list] = None) -> int:
     window = int(args.window_mb * (1 << 20))
     segment = int((args.segment_mb or max(2 * args.window_mb, MIN_SEGMENT_MB)) * (1 << 20))
     try:
+        # no part_bytes: a record that leaves the ring in parts comes here assembled, one copy of its whole rows
+        # (each part released as it is copied), since Mooncake hands a record over whole anyway
         reader = HiddenStateReader(args.hs_dump_dir, wait=args.wait, ack=True, zero_copy=True, reattach=True,
                                    owner=args.hs_owner)
     except (RuntimeError, NoWriterHere, FileNotFoundError, ValueError, PermissionError) as e:

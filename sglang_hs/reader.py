@@ -77,6 +77,18 @@ chunks() of any other record (max_bytes=) just slices it:
                 out.write(c.aux_hidden_states)      # done with c before the next one
             reader.ack(rec)
 
+A server may publish a long record in PARTS (ring format 9; docs/how-it-works.md, Long records in parts): it is
+still ONE record here (the whole input_ids, prompt_len, next_token, meta; seq and offset its first part's). A reader
+with part_bytes STREAMS a parted record of more row bytes: it is ready once its first part came (`rec.streamed`),
+its state tensors are StreamedRows (shape and dtype; any read raises StreamedRecordError), and chunks(rec), once,
+yields its rows as the parts arrive (waiting up to `part_wait` seconds for each), each part's ring bytes given back
+once the next chunk is asked for; ack it before the end and its remaining parts are let go as they come. Any other
+reader (or a record of at most part_bytes) gets it ASSEMBLED: each part copied into one whole record as it arrives
+and given back at once, the record ready at its last part (a copy even for zero_copy). Either way the server
+publishes the next part only into ring room given back, so ack the records before a parted one: an unacknowledged
+record holds the ring's TAIL, and chunks() times out naming it. A reader that stops in the middle of a parted
+record loses it (its earlier parts went back); the next reader skips the rest (`orphan_parts`).
+
 Unacknowledged records hold their ring space (new requests wait in admission control while the ring is
 full), so acknowledge as you go. One reader per dump dir: a second is refused while the first lives.
 
@@ -99,8 +111,11 @@ import collections
 import ctypes
 import fcntl
 import json
+import logging
+import math
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -112,6 +127,8 @@ from sglang_hs.server.capture_spec import final_states
 from sglang_hs.fsutil import NO_WRITER, check_private_file, owner_uid
 from sglang_hs.server.store.ring import SKIP_REASONS, RingReader
 from sglang_hs.server.store.writer import FORMAT_VERSION, MANIFEST
+
+logger = logging.getLogger(__name__)
 
 
 def recycle_freed_memory() -> bool:
@@ -219,10 +236,18 @@ class HiddenStateRecord:
     views: bool = field(default=False, repr=False)  # its tensors are views of the ring (zero_copy, or part_bytes)
     _rows_at: int = field(default=-1, repr=False, compare=False)  # views: where its rows start in the ring's mapping
     _row_bytes: int = field(default=0, repr=False, compare=False)  # bytes of one token's rows [P, H]
+    # a streamed record (parts, more than part_bytes of rows): its parts as they arrive (HiddenStateReader.chunks)
+    _stream: Optional["_Parted"] = field(default=None, repr=False, compare=False)
 
     def drop_tensors(self) -> None:
         """A zero-copy record whose ring bytes went back to the server: no tensor of it is handed on."""
         self.input_ids = self.aux_hidden_states = self.last_hidden_state = self.last_pre_norm = None
+
+    @property
+    def streamed(self) -> bool:
+        """Its rows come a part at a time through reader.chunks(record), once (a record that left the server's ring
+        in parts, more row bytes than the reader's part_bytes); its state tensors are StreamedRows stand-ins."""
+        return self._stream is not None
 
     @property
     def output_ids(self) -> list:
@@ -247,6 +272,118 @@ class HiddenStateRecord:
         checks their count). Kept because docs/reading.md shows it; nothing to check in it: whether row t
         really is position t shows only in its values (e.g. against HF transformers)."""
         return torch.arange(self.num_tokens, dtype=torch.int32)
+
+
+class StreamedRecordError(TypeError):
+    """A streamed record's rows were asked for as one tensor: they are read with reader.chunks(record)."""
+
+
+class StreamedRows:
+    """What a streamed record (one that leaves the server's ring in parts, more than the reader's part_bytes of
+    rows) holds in place of aux_hidden_states, last_hidden_state and last_pre_norm: its rows are never in one
+    place, they come a part at a time through reader.chunks(record). It has the tensor's shape and dtype (what a
+    sink or a spill needs to lay its file out), and everything else (indexing, any torch function, .to(), .numpy())
+    raises StreamedRecordError naming the record, so no consumer gets a silent wrong answer."""
+
+    def __init__(self, rid: str, name: str, shape: tuple, dtype: torch.dtype, of: object = None) -> None:
+        self.__dict__.update(_rid=rid, _name=name, shape=torch.Size(shape), dtype=dtype, device=torch.device("cpu"),
+                             _of=of)
+
+    def same_rows(self, other) -> bool:
+        """Whether `other` stands in for another state of the same streamed record (its rows side by side with
+        these in every part: a sink that stores a record's states as one tensor, SpecForge's, lays the file out
+        as for a record's own views)."""
+        return isinstance(other, StreamedRows) and other._of is not None and other._of is self._of
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: Optional[int] = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def _refuse(self, what: str) -> StreamedRecordError:
+        return StreamedRecordError(f"{self._name} of the record of {self._rid!r} is streamed in parts (more row bytes "
+                                   f"than the reader's part_bytes), not one tensor ({what}): read its rows with "
+                                   "reader.chunks(record)")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocol probes (copy, pickle, numpy's array interface): as any object
+            raise AttributeError(name)
+        raise self._refuse(f".{name}")
+
+    def __getitem__(self, key):
+        raise self._refuse("indexed")
+
+    def __iter__(self):
+        raise self._refuse("iterated")
+
+    def __len__(self) -> int:
+        raise self._refuse("len()")
+
+    def __array__(self, *a, **k):
+        raise self._refuse("as an array")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def find(x):
+            if isinstance(x, cls):
+                return x
+            items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+            return next((f for f in map(find, items) if f is not None), None)
+
+        raise find((args, kwargs or {}))._refuse(getattr(func, "__name__", str(func)))
+
+    def __repr__(self) -> str:
+        return f"StreamedRows({self._name} of {self._rid!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _refused_op(name: str):
+    def op(self, *args):
+        raise self._refuse(name)
+    return op
+
+
+for _op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lt", "le", "gt",
+            "ge", "neg", "abs", "bool", "float", "int"):
+    setattr(StreamedRows, f"__{_op}__", _refused_op(f"__{_op}__"))
+    if _op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor"):
+        setattr(StreamedRows, f"__r{_op}__", _refused_op(f"__r{_op}__"))
+
+
+class _Parted:
+    """A parted record coming in from one ring (its parts come back to back, nothing between them). `mode`:
+    "assemble" (each part copied into `rows`, the whole record, and released at once; the record is ready at its
+    last part), "stream" (the record was ready at its first part; `parts` holds the parts arrived and not read by
+    chunks() yet, views of the ring, each released once chunks() is past it) or "drop" (a streamed record acked
+    before all its parts were read: the rest are released as they arrive)."""
+
+    def __init__(self, record: "HiddenStateRecord", mode: str, ring: RingReader, total_rows: int) -> None:
+        self.record, self.mode, self.ring, self.total_rows = record, mode, ring, total_rows
+        self.rows: Optional[torch.Tensor] = None  # assemble: the whole record's rows
+        self.parts: "collections.deque" = collections.deque()  # stream: ring Records arrived, not read yet
+        self.received = 0  # rows arrived
+        self.read = 0  # rows chunks() moved past (stream)
+        self.current = None  # the part chunks() is reading (stream)
+        self.iterated = False  # chunks() was asked for (once only)
+        self.given_back = False  # a part's ring bytes were taken back by the server before it was read out
+        self.lost: Optional[Exception] = None  # why its remaining parts will never come (a restart, close())
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total_rows
 
 
 @dataclass
@@ -337,12 +474,13 @@ def _lock_ring(ring: RingReader) -> RingReader:
 class HiddenStateReader:
     def __init__(self, dump_dir: str, wait: float = 60.0, poll_interval: float = 0.002,
                  recycle_memory: bool = False, ack: bool = False, owner=None, zero_copy: bool = False,
-                 reattach: bool = False, part_bytes: Optional[int] = None) -> None:
+                 reattach: bool = False, part_bytes: Optional[int] = None, part_wait: float = 60.0) -> None:
         """`owner`: the user (name or uid) whose dump files to trust; default this user. Pass the
         server's user when it shares the dump with a group of yours (--hs-share-group). `zero_copy`
         (with `ack`): records are views of the ring, valid until acked (module docstring). `reattach`:
         follow a restarted server to its new ring, instead of raising ServerRestarted. `part_bytes` (with
-        `ack`): records of more row bytes than that are long records, read in chunks (module docstring)."""
+        `ack`): records of more row bytes than that are long records, read in chunks (module docstring).
+        `part_wait`: how long chunks() of a streamed record waits for its next part before TimeoutError."""
         if zero_copy and not ack:
             raise ValueError("HiddenStateReader(zero_copy=True) needs ack=True: a zero-copy record is a view of the "
                              "server's ring, valid until you ack() it")
@@ -351,6 +489,12 @@ class HiddenStateReader:
             raise ValueError(f"HiddenStateReader(part_bytes={part_bytes!r}): a byte count >= 1, with ack=True (a long "
                              "record is a view of the server's ring until you ack() it)")
         self.part_bytes = part_bytes
+        self.part_wait = part_wait
+        # poll(), ack() and a streamed record's chunks() may run on different threads (the extraction CLI's writer
+        # threads read a streamed record's chunks, which polls for its next part, while the main thread takes)
+        self._lock = threading.RLock()
+        self._parted: dict = {}  # (generation, writer) -> _Parted: the parted record coming in from that ring
+        self.orphan_parts = 0  # later parts of a record whose first parts a reader before this one consumed
         if recycle_memory:
             recycle_freed_memory()
         self.dump_dir = os.path.abspath(dump_dir)
@@ -456,6 +600,10 @@ class HiddenStateReader:
                 self._retired[(self._generation, w)] = ring
         for ring in self._locks:
             ring.close()
+        for key in [k for k in self._parted if k[0] == self._generation]:  # its remaining parts will never come
+            st = self._parted.pop(key)
+            st.lost = ServerRestarted(f"the server was restarted before the last part of the streamed record of "
+                                      f"{st.record.rid!r}: its remaining rows are gone")
         self._rings, self._locks, self.manifest = rings, locks, manifest
         self._ring_ids = ring_ids(manifest)
         self.dp_ranks = sorted(dp_rank_of(w) for w in manifest["writers"])
@@ -467,17 +615,23 @@ class HiddenStateReader:
         holding records that are views of the ring (zero-copy, or long records of part_bytes) first drops the
         records it holds and has not handed out: once the next reader acknowledges them the server writes over
         their bytes."""
-        held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
-        if any(record.views for record in held):  # copied records stay takeable after close, as before
-            for record in held:
-                if record.views:
-                    record.drop_tensors()
-            self._ready = type(self._ready)((rid, r) for rid, r in self._ready.items() if not r.views)
-            later = ((rid, collections.deque(r for r in recs if not r.views)) for rid, recs in self._later.items())
-            self._later = type(self._later)((rid, recs) for rid, recs in later if recs)
-        for ring in self._locks:
-            ring.close()
-        self._locks, self._rings, self._retired = [], [], {}
+        with self._lock:
+            for st in self._parted.values():  # parted records coming in: their parts not read stay in the ring
+                st.lost = RuntimeError(f"this HiddenStateReader of {self.dump_dir} was closed before the last part "
+                                       f"of the streamed record of {st.record.rid!r}")
+                st.parts.clear()
+            self._parted = {}
+            held = list(self._ready.values()) + [r for later in self._later.values() for r in later]
+            if any(record.views for record in held):  # copied records stay takeable after close, as before
+                for record in held:
+                    if record.views:
+                        record.drop_tensors()
+                self._ready = type(self._ready)((rid, r) for rid, r in self._ready.items() if not r.views)
+                later = ((rid, collections.deque(r for r in recs if not r.views)) for rid, recs in self._later.items())
+                self._later = type(self._later)((rid, recs) for rid, recs in later if recs)
+            for ring in self._locks:
+                ring.close()
+            self._locks, self._rings, self._retired = [], [], {}
 
     def __enter__(self) -> "HiddenStateReader":
         return self
@@ -493,74 +647,159 @@ class HiddenStateReader:
             pass
 
     def poll(self) -> int:
-        """Bring in every record published since the last poll; returns how many arrived."""
-        if not self._locks:
-            raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed")
-        n = 0
-        for w, ring in enumerate(self._rings):
-            for rec in (ring.read_ahead(copy=not self.zero_copy, view_above=self.part_bytes) if self.ack_mode
-                        else ring.drain()):
-                self._arrivals += 1
-                if rec.skipped:  # a marker: that request has no record
-                    if self.ack_mode:
-                        ring.release(rec.seq)
-                    self._skipped[self._arrivals] = (rec.rid, SKIP_REASONS[rec.skipped])
-                    self._marks.setdefault(rec.rid, collections.deque()).append(self._arrivals)
-                    if len(self._skipped) > MAX_MARKERS:  # the oldest marker of all is its rid's oldest
-                        _, (old, _) = self._skipped.popitem(last=False)
-                        self._marks[old].popleft()
-                        if not self._marks[old]:
-                            del self._marks[old]
-                    self.markers += 1
-                    n += 1
-                    continue
-                K = self.num_aux
-                record = HiddenStateRecord(
-                    rid=rec.rid,
-                    input_ids=rec.input_ids,
-                    aux_hidden_states=rec.rows[:, :K],
-                    last_hidden_state=self._final(rec.rows, "post-norm"),
-                    last_pre_norm=self._final(rec.rows, "pre-norm"),
-                    seq=rec.seq,
-                    writer=w,
-                    dp_rank=dp_rank_of(self.manifest["writers"][w]),
-                    ring_id=self._ring_ids[w],
-                    generation=self._generation,
-                    prompt_len=rec.prompt_len,
-                    next_token=rec.next_token,
-                    offset=rec.offset,
-                    meta=rec.meta,
-                    _arrival=self._arrivals,
-                    views=rec.views,
-                    _rows_at=rec.rows.data_ptr() - ring.r.buf.data_ptr() if rec.views and rec.num_tokens else -1,
-                    _row_bytes=rec.rows[0].numel() * rec.rows.element_size() if rec.num_tokens else 0,
-                )
-                if rec.rid in self._ready:
-                    self._later.setdefault(rec.rid, collections.deque()).append(record)
-                else:
-                    self._ready[rec.rid] = record
-                n += 1
-        if n == 0:
-            self._check_restart()
-        return n
+        """Bring in every record published since the last poll; returns how many arrived (a parted record counts
+        once: when it becomes ready, at its last part when assembled, at its first when streamed)."""
+        with self._lock:
+            if not self._locks:
+                raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed")
+            n = 0
+            for w, ring in enumerate(self._rings):
+                # parts come as views to an acknowledging reader (copied into their record, or streamed, then
+                # released); an eager one's drain() copies them out and releases them at once (assembled by a second
+                # copy: its views would be the writer's again before this loop read them)
+                for rec in (ring.read_ahead(copy=not self.zero_copy, view_above=self.part_bytes, part_views=True)
+                            if self.ack_mode else ring.drain()):
+                    if rec.skipped:
+                        self._marker(ring, rec)
+                        n += 1
+                    elif rec.is_part:
+                        record = self._part_in(w, ring, rec)
+                        if record is not None:
+                            self._arrive(record)
+                            n += 1
+                    else:
+                        self._arrive(self._record_of(w, ring, rec))
+                        n += 1
+            if n == 0:
+                self._check_restart()
+            return n
+
+    def _marker(self, ring: RingReader, rec) -> None:
+        """A marker: that request has no record."""
+        if self.ack_mode:
+            ring.release(rec.seq)
+        self._arrivals += 1
+        self._skipped[self._arrivals] = (rec.rid, SKIP_REASONS[rec.skipped])
+        self._marks.setdefault(rec.rid, collections.deque()).append(self._arrivals)
+        if len(self._skipped) > MAX_MARKERS:  # the oldest marker of all is its rid's oldest
+            _, (old, _) = self._skipped.popitem(last=False)
+            self._marks[old].popleft()
+            if not self._marks[old]:
+                del self._marks[old]
+        self.markers += 1
+
+    def _record_of(self, w: int, ring: RingReader, rec, rows: Optional[torch.Tensor] = None,
+                   input_ids: Optional[torch.Tensor] = None, stream: Optional[_Parted] = None) -> HiddenStateRecord:
+        """The HiddenStateRecord of ring record `rec` (a whole one; or a parted record's first part, with the
+        whole `rows` assembled, or `stream`: its rows stand-ins, StreamedRows)."""
+        rows = rec.rows if rows is None else rows
+        ids = rec.input_ids if input_ids is None else input_ids
+        row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+        if stream is not None:
+            N, _, H = stream.total_rows, *rows.shape[1:]
+            aux = StreamedRows(rec.rid, "aux_hidden_states", (N, self.num_aux, H), rows.dtype, stream)
+            last, pre = (StreamedRows(rec.rid, name, (N, H), rows.dtype, stream) if which in self.finals else None
+                         for name, which in (("last_hidden_state", "post-norm"), ("last_pre_norm", "pre-norm")))
+        else:
+            aux, last, pre = rows[:, :self.num_aux], self._final(rows, "post-norm"), self._final(rows, "pre-norm")
+        views = stream is not None or (rec.views and rows is rec.rows)
+        return HiddenStateRecord(
+            rid=rec.rid, input_ids=ids, aux_hidden_states=aux, last_hidden_state=last, last_pre_norm=pre, seq=rec.seq,
+            writer=w, dp_rank=dp_rank_of(self.manifest["writers"][w]), ring_id=self._ring_ids[w],
+            generation=self._generation, prompt_len=rec.prompt_len, next_token=rec.next_token, offset=rec.offset,
+            meta=rec.meta, views=views,
+            _rows_at=rows.data_ptr() - ring.r.buf.data_ptr() if views and stream is None and rows.shape[0] else -1,
+            _row_bytes=row_bytes, _stream=stream)
+
+    def _arrive(self, record: HiddenStateRecord) -> None:
+        """A record is ready: take() answers it (after any older one of its rid)."""
+        self._arrivals += 1
+        record._arrival = self._arrivals
+        if record.rid in self._ready:
+            self._later.setdefault(record.rid, collections.deque()).append(record)
+        else:
+            self._ready[record.rid] = record
+
+    def _part_in(self, w: int, ring: RingReader, rec) -> Optional[HiddenStateRecord]:
+        """Take one part of a parted record (a view of the ring; the ring checked it continues the record before
+        it, in order). Returns the record when it becomes ready: an assembled one at its last part, a streamed
+        one at its first."""
+        key = (self._generation, w)
+        if rec.orphan:  # its record's first parts went to a reader before this one: lost, let its bytes go
+            self._release_part(ring, rec)
+            self.orphan_parts += 1
+            if self.orphan_parts == 1:
+                logger.warning("sglang-hs: %s: the record of request %r was being read in parts by a reader that "
+                               "stopped; its remaining parts are skipped (the record is lost)", ring.r.path, rec.rid)
+            return None
+        st = self._parted[key] = self._first_part(w, ring, rec) if rec.first_row == 0 else self._parted[key]
+        T = rec.rows.shape[0]
+        st.received += T
+        if st.mode == "assemble":
+            st.rows[rec.first_row:rec.first_row + T].copy_(rec.rows)
+            self._release_part(ring, rec)  # copied: its ring bytes go back at once, so the next part can come
+        elif st.mode == "stream":
+            st.parts.append(rec)
+        else:  # "drop": its record was acknowledged before this part came
+            self._release_part(ring, rec)
+        if st.complete:
+            del self._parted[key]
+        if st.mode == "assemble":
+            return st.record if st.complete else None
+        return st.record if rec.first_row == 0 else None  # streamed: ready at its first part
+
+    def _first_part(self, w: int, ring: RingReader, rec) -> _Parted:
+        """The state of a parted record from its first part: streamed (more than part_bytes of rows: ready now, its
+        parts read by chunks()) or assembled (a whole copy of its rows, filled as its parts arrive)."""
+        N = rec.total_rows
+        row_bytes = rec.rows[0].numel() * rec.rows.element_size()
+        ids = rec.input_ids.clone()  # all N ids (4 bytes a token): small, and the part's bytes go back early
+        if self.part_bytes is not None and N * row_bytes > self.part_bytes:
+            st = _Parted(None, "stream", ring, N)
+            st.record = self._record_of(w, ring, rec, input_ids=ids, stream=st)
+            return st
+        st = _Parted(None, "assemble", ring, N)
+        st.rows = torch.empty((N, *rec.rows.shape[1:]), dtype=rec.rows.dtype)
+        st.record = self._record_of(w, ring, rec, rows=st.rows, input_ids=ids)
+        return st
+
+    def _release_part(self, ring: RingReader, rec) -> None:
+        """A part is done with: its ring bytes go back to the server (eager readers released it already)."""
+        if self.ack_mode:
+            ring.release(rec.seq)
 
     def _final(self, rows: torch.Tensor, which: str) -> Optional[torch.Tensor]:
         return rows[:, self.num_aux + self.finals.index(which)] if which in self.finals else None
 
     def _pop(self, rid: str) -> HiddenStateRecord:
         """The oldest ready record of `rid`; the next one of a reused rid, if any, becomes ready."""
-        record = self._ready.pop(rid)
-        later = self._later.get(rid)
-        if later:
-            self._ready[rid] = later.popleft()
-            if not later:
-                del self._later[rid]
-        return record
+        with self._lock:
+            record = self._ready.pop(rid)
+            later = self._later.get(rid)
+            if later:
+                self._ready[rid] = later.popleft()
+                if not later:
+                    del self._later[rid]
+            return record
 
     def ack(self, record: HiddenStateRecord) -> None:
         """The consumer is done with `record`: with ack=True its ring bytes go back to the server (once
         the records before it are acknowledged too); a no-op for an eager reader. A zero-copy record's
-        tensors are dropped (None): its bytes are the server's again."""
+        tensors are dropped (None): its bytes are the server's again. A streamed record acked before chunks()
+        read all its parts: the rest are released as they arrive (poll() consumes them). An assembled record's
+        parts went back to the server as they were copied: its ack releases nothing more."""
+        with self._lock:
+            self._ack(record)
+
+    def _ack(self, record: HiddenStateRecord) -> None:
+        st = record._stream
+        if st is not None and st.mode == "stream":
+            st.mode = "drop"
+            while st.parts:
+                self._release_part(st.ring, st.parts.popleft())
+            if st.current is not None:
+                self._release_part(st.ring, st.current)
+                st.current = None
         if self.ack_mode:
             if not self._locks:
                 raise RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed: the record of "
@@ -596,6 +835,12 @@ class HiddenStateReader:
         bound = max_bytes if max_bytes is not None else self.part_bytes or DEFAULT_CHUNK_BYTES
         if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
             raise ValueError(f"chunks(max_bytes={max_bytes!r}): a byte count >= 1")
+        if record._stream is not None:
+            return self._stream_chunks(record, bound)
+        return self._slice_chunks(record, bound)
+
+    def _slice_chunks(self, record: HiddenStateRecord, bound: int) -> Iterator[RecordChunk]:
+        """chunks() of a record held whole (copied, or views of the ring)."""
         T, row = record.num_tokens, record._row_bytes
         n = max(1, bound // row) if row else max(T, 1)
         ring = self._ring_of(record) if record.views and record._rows_at >= 0 else None
@@ -621,6 +866,99 @@ class HiddenStateReader:
         finally:
             drop(done)
 
+    def _stream_chunks(self, record: HiddenStateRecord, bound: int) -> Iterator[RecordChunk]:
+        """chunks() of a streamed record: its parts' rows as they arrive (chunks of at most `bound` row bytes, a
+        part split as needed, never two parts in one chunk), each part released to the server (its ring pages
+        unmapped) once the next chunk after it is asked for. Once only: the parts are gone after."""
+        st = record._stream
+        with self._lock:
+            if st.iterated:
+                raise RuntimeError(f"chunks() of the streamed record of {record.rid!r} was asked for a second time: "
+                                   "its parts went back to the server as the first pass read them")
+            st.iterated = True
+        n = max(1, bound // record._row_bytes)
+        return self._parts_of(record, st, n)
+
+    def _parts_of(self, record: HiddenStateRecord, st: _Parted, n: int) -> Iterator[RecordChunk]:
+        try:
+            while True:
+                part = self._next_part(record, st)
+                if part is None:
+                    return
+                at, T = part.first_row, part.rows.shape[0]
+                for s in range(0, T, n):
+                    if s:  # the pages of the part's chunks before this one (drop_behind: the part's rest at release)
+                        self._still_readable(record, st)
+                        self._drop_rows(st.ring, part.rows, s)
+                    e = min(T, s + n)
+                    rows = part.rows[s:e]
+                    yield RecordChunk(at + s, at + e, record.input_ids[at + s:at + e], rows[:, :self.num_aux],
+                                      self._final(rows, "post-norm"), self._final(rows, "pre-norm"))
+                self._part_done(st)
+        finally:
+            self._part_done(st)
+
+    def _still_readable(self, record: HiddenStateRecord, st: _Parted) -> None:
+        """A streamed record's parts may be read on: not acknowledged meanwhile (its parts went back), nor the
+        reader closed (they are the next reader's, who may acknowledge them and have them written over)."""
+        if not self._locks:
+            raise st.lost or RuntimeError(f"this HiddenStateReader of {self.dump_dir} is closed: the streamed record "
+                                          f"of {record.rid!r} comes again to the next reader")
+        if st.mode != "stream":
+            raise ValueError(f"record of {record.rid!r} was acknowledged: its tensors are gone")
+
+    @staticmethod
+    def _drop_rows(ring: RingReader, rows: torch.Tensor, upto: int) -> None:
+        """Unmap from this process the whole pages of a part's rows [0, upto) (a view of the ring's mapping)."""
+        if ring.drop_behind:
+            at = rows.data_ptr() - ring.r.buf.data_ptr()
+            ring.drop(at, upto * rows[0].numel() * rows.element_size())
+
+    def _next_part(self, record: HiddenStateRecord, st: _Parted):
+        """The next part of a streamed record for chunks() (None: all read), polling for it until part_wait."""
+        deadline = time.monotonic() + self.part_wait
+        while True:
+            with self._lock:
+                self._still_readable(record, st)
+                if st.parts:
+                    st.current = st.parts.popleft()
+                    return st.current
+                if st.read == st.total_rows:
+                    return None
+                if st.lost is not None:
+                    raise st.lost
+                arrived = self.poll()
+                if st.parts:
+                    continue
+                if time.monotonic() > deadline:
+                    raise self._part_timeout(record, st)
+            if not arrived:
+                time.sleep(self.poll_interval)
+
+    def _part_done(self, st: _Parted) -> None:
+        """chunks() is past the part it read: its ring bytes go back (its pages unmapped: drop_behind), once checked
+        to be still this reader's (intact)."""
+        with self._lock:
+            part, st.current = st.current, None
+            if part is None or not self._locks:  # a closed reader leaves its parts to the next one
+                return
+            st.read += part.rows.shape[0]
+            if not st.ring.holds(part.offset):
+                st.given_back = True
+            self._release_part(st.ring, part)
+
+    def _part_timeout(self, record: HiddenStateRecord, st: _Parted) -> TimeoutError:
+        """No next part of a streamed record came: say what was read, and what holds the ring's TAIL back."""
+        first_seq = record.seq
+        held = sorted(q for q in st.ring._unreleased if q < first_seq)
+        msg = (f"no part of the streamed record of {record.rid!r} (seq {first_seq}) after {self.part_wait}s: "
+               f"{st.received} of its {st.total_rows} rows arrived, {st.read} read")
+        if held:
+            msg += (f"; {len(held)} records read before it and not acknowledged (seq {', '.join(map(str, held[:8]))}"
+                    f"{', ...' if len(held) > 8 else ''}) hold the ring's TAIL back, so the server cannot publish "
+                    "its next part once the ring is full: ack() them before reading a streamed record")
+        return TimeoutError(msg)
+
     def intact(self, record: HiddenStateRecord) -> bool:
         """Whether every byte of `record` read so far was the record's: always for a copied record (checked as
         it was copied); for a zero-copy one, whether the server has not taken its ring bytes back yet. Only
@@ -632,6 +970,11 @@ class HiddenStateReader:
             return True
         if record.input_ids is None or not self._locks:  # acknowledged (its tensors dropped), or the reader closed
             return False
+        st = record._stream
+        if st is not None:  # each part checked as chunks() moved past it; the one it reads now, here
+            with self._lock:
+                part = st.current
+                return not st.given_back and (part is None or st.ring.holds(part.offset))
         ring = self._ring_of(record)
         return ring is not None and ring.holds(record.offset)
 
@@ -645,6 +988,12 @@ class HiddenStateReader:
         if unacked:
             msg += (f"; {unacked} records read and not acknowledged hold {self.unread_bytes() / 1e6:.1f} MB "
                     "of the output ring, and new requests wait for ring space: ack() records as you go")
+            coming = list(self._parted.values())
+            if coming:
+                st = coming[0]
+                msg += (f" (the record of {st.record.rid!r} is coming in parts, {st.received} of its {st.total_rows} "
+                        "rows so far: the server publishes its next part only into the ring room those acks"
+                        + (", and reading its chunks()," if st.mode == "stream" else "") + " give back)")
         return TimeoutError(msg)
 
     def _marker_first(self, rid: str) -> bool:
@@ -700,7 +1049,9 @@ class HiddenStateReader:
 
     def largest_record_bytes(self) -> int:
         """An upper bound on the bytes of any record this server can write: half its largest ring (admission takes a
-        request only if twice its worst-case record fits the ring), so what a consumer must be able to hold."""
+        request only if twice its worst-case record fits the ring), so what a consumer must be able to hold. A
+        record the server publishes in parts (ring format 9) is not bounded by it: an assembling reader holds it
+        whole, a streaming one (part_bytes) a part at a time."""
         return max((ring.capacity // 2 for ring in self._rings), default=0)
 
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:

@@ -159,12 +159,14 @@ def spill_record(reader, rec, folder: str):
     dtype and shapes, crossing to another process as that file (crossing_as_file); its token ids copied. The
     caller acknowledges `rec` afterwards."""
     import dataclasses
+    import math
 
     from sglang_hs.extract.sinks.base import write_at
 
     T = rec.num_tokens
     names = [n for n in STATES if getattr(rec, n) is not None]
-    width = {n: getattr(rec, n)[0].numel() if T else 0 for n in names}  # elements of one token's row
+    # elements of one token's row, from the shape alone (a streamed record's states are stand-ins, StreamedRows)
+    width = {n: math.prod(getattr(rec, n).shape[1:]) if T else 0 for n in names}
     dtype = rec.aux_hidden_states.dtype
     start, end = {}, 0
     for n in names:
@@ -176,7 +178,7 @@ def spill_record(reader, rec, folder: str):
     base = spill.map(end, dtype)
     states = {n: crossing_as_file(base[start[n]:start[n] + T * width[n]].view(getattr(rec, n).shape), spill)
               for n in names}
-    return dataclasses.replace(rec, input_ids=rec.input_ids.clone(), views=False, _rows_at=-1, **states)
+    return dataclasses.replace(rec, input_ids=rec.input_ids.clone(), views=False, _rows_at=-1, _stream=None, **states)
 
 
 def slice_chunks(rec, bound: int):

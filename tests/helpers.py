@@ -323,6 +323,22 @@ def json_server(post, get: bool = False):
     return srv, f"http://127.0.0.1:{srv.server_port}"
 
 
+def mapped_pages(reader, w: int = 0) -> set:
+    """Indices of the pages of a HiddenStateReader's mapping of ring `w` that this process has mapped now
+    (/proc/self/pagemap's present bit: the test process also maps the writer's side of the same file, so its RSS
+    would not tell)."""
+    import mmap
+    import struct
+
+    page = mmap.PAGESIZE
+    buf = reader._rings[w].r.buf
+    base, n = buf.data_ptr(), buf.numel() // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(base // page * 8)
+        entries = f.read(n * 8)
+    return {i for i in range(n) if struct.unpack_from("<Q", entries, 8 * i)[0] >> 63}
+
+
 def mapping_of(t) -> str:
     """The /proc/self/maps line of the mapping tensor `t`'s data lies in ("" if none)."""
     p = t.data_ptr()

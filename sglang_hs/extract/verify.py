@@ -67,48 +67,68 @@ def check(index: int, tokens: List[int], last: torch.Tensor, lm_head: torch.Tens
     RecordChunks (a long record: each chunk's ring pages unmapped once the next is read; None: `last`
     sliced). The logits are computed `part_bytes` of them at a time (None: DEFAULT_PART_BYTES), never for every
     row at once."""
-    T = last.shape[0]
-    if len(tokens) != T + 1:
-        raise VerificationError(f"sample {index}: {T} captured rows for {len(tokens) - 1} tokens forwarded")
-    if len(server_logprobs) != T + 1:
-        raise VerificationError(f"sample {index}: the server returned {len(server_logprobs)} logprobs for "
-                                f"{T + 1} tokens")
-    if server_token_ids is not None and list(server_token_ids[1:]) != list(tokens[1:]):
-        raise VerificationError(f"sample {index}: the server's logprobs are of other tokens than the record's")
-    if T == 0:
-        return 0.0
-    target = torch.tensor(tokens[1:])[:, None]
-    theirs = torch.tensor([float(x) for x in server_logprobs[1:]])
-    sampled = temperature >= SAMPLING_EPS and sampled_from is not None and sampled_from <= T
-    first_sampled_row = max(sampled_from - 1, 0) if sampled else T  # rows from here on predicted sampled tokens
-    rows_per_block = max(1, (part_bytes or DEFAULT_PART_BYTES) // (4 * lm_head.shape[0]))  # float32 logits [n, V]
-    worst, bad, first = 0.0, 0, None
-    for start, rows in _row_blocks(last, chunks, rows_per_block):
-        stop = start + rows.shape[0]
-        ours, diff, tol = _block_diffs(rows, lm_head, target[start:stop], theirs[start:stop],
-                                       first_sampled_row - start, temperature)
-        worst = max(worst, float(diff.nan_to_num(nan=float("inf")).max()))
-        wrong = (~(diff <= tol)).nonzero().flatten().tolist()  # a NaN state disagrees too
-        bad += len(wrong)
-        if wrong and first is None:
-            t = wrong[0]
-            first = (start + t, float(ours[t]), float(theirs[start + t]), float(tol[t]))
-    if first is not None:
-        t, our, their, tol_t = first
-        raise VerificationError(f"sample {index}: row {t} (the state before token {t + 1}"
-                                f"{', the last row' if t == T - 1 else ''}): the captured final state gives "
-                                f"logprob {our:.4f}, the server {their:.4f} (tolerance {tol_t:.3f}); "
-                                f"{bad} of {T} rows disagree")
-    return worst
+    verdict = LogprobCheck(index, tokens, last.shape[0], lm_head, server_logprobs, server_token_ids, temperature,
+                           sampled_from, part_bytes)
+    for at, rows in (((c.start, c.last_hidden_state) for c in chunks) if chunks is not None else [(0, last)]):
+        verdict.feed(at, rows)
+    return verdict.result()
 
 
-def _row_blocks(last: torch.Tensor, chunks: Optional[Iterable], rows_per_block: int) -> Iterator[Tuple[int, torch.Tensor]]:
-    """(first row, final states) of at most `rows_per_block` rows at a time, in order: of `chunks` (RecordChunks,
-    each read before the next is asked for), or slices of `last`."""
-    parts = ((c.start, c.last_hidden_state) for c in chunks) if chunks is not None else [(0, last)]
-    for at, rows in parts:
-        for i in range(0, rows.shape[0], rows_per_block):
-            yield at + i, rows[i:i + rows_per_block]
+class LogprobCheck:
+    """check()'s verdict built from the final states a block at a time, in row order: feed(first row, rows) for
+    each, then result(). What a streamed record needs (HiddenStateRecord.streamed: its rows come once, as the sink
+    writes them, so the check is fed from that same pass, SampleWriter._write). The sample's sizes are checked
+    here, before any row."""
+
+    def __init__(self, index: int, tokens: List[int], T: int, lm_head: torch.Tensor,
+                 server_logprobs: List[Optional[float]], server_token_ids: Optional[List[int]] = None,
+                 temperature: float = 0.0, sampled_from: Optional[int] = None,
+                 part_bytes: Optional[int] = None) -> None:
+        if len(tokens) != T + 1:
+            raise VerificationError(f"sample {index}: {T} captured rows for {len(tokens) - 1} tokens forwarded")
+        if len(server_logprobs) != T + 1:
+            raise VerificationError(f"sample {index}: the server returned {len(server_logprobs)} logprobs for "
+                                    f"{T + 1} tokens")
+        if server_token_ids is not None and list(server_token_ids[1:]) != list(tokens[1:]):
+            raise VerificationError(f"sample {index}: the server's logprobs are of other tokens than the record's")
+        self.index, self.T, self.lm_head, self.temperature = index, T, lm_head, temperature
+        self.target = torch.tensor(tokens[1:])[:, None]
+        self.theirs = torch.tensor([float(x) for x in server_logprobs[1:]])
+        sampled = temperature >= SAMPLING_EPS and sampled_from is not None and sampled_from <= T
+        self.first_sampled_row = max(sampled_from - 1, 0) if sampled else T  # rows from here predicted sampled tokens
+        # float32 logits [n, V]
+        self.rows_per_block = max(1, (part_bytes or DEFAULT_PART_BYTES) // (4 * lm_head.shape[0]))
+        self.worst, self.bad, self.first, self.seen = 0.0, 0, None, 0
+
+    def feed(self, at: int, rows: torch.Tensor) -> None:
+        """The final states of rows [at, at + len(rows)), the next ones in order."""
+        if at != self.seen:
+            raise VerificationError(f"sample {self.index}: final states of row {at} after row {self.seen}")
+        for i in range(0, rows.shape[0], self.rows_per_block):
+            block = rows[i:i + self.rows_per_block]
+            start, stop = at + i, at + i + block.shape[0]
+            ours, diff, tol = _block_diffs(block, self.lm_head, self.target[start:stop], self.theirs[start:stop],
+                                           self.first_sampled_row - start, self.temperature)
+            self.worst = max(self.worst, float(diff.nan_to_num(nan=float("inf")).max()))
+            wrong = (~(diff <= tol)).nonzero().flatten().tolist()  # a NaN state disagrees too
+            self.bad += len(wrong)
+            if wrong and self.first is None:
+                t = wrong[0]
+                self.first = (start + t, float(ours[t]), float(self.theirs[start + t]), float(tol[t]))
+        self.seen = at + rows.shape[0]
+
+    def result(self) -> float:
+        """The largest difference, or VerificationError naming the first bad row and the count."""
+        T = self.T
+        if self.seen != T:
+            raise VerificationError(f"sample {self.index}: the final states of {self.seen} of its {T} rows were read")
+        if self.first is not None:
+            t, our, their, tol_t = self.first
+            raise VerificationError(f"sample {self.index}: row {t} (the state before token {t + 1}"
+                                    f"{', the last row' if t == T - 1 else ''}): the captured final state gives "
+                                    f"logprob {our:.4f}, the server {their:.4f} (tolerance {tol_t:.3f}); "
+                                    f"{self.bad} of {T} rows disagree")
+        return self.worst
 
 
 def _block_diffs(rows: torch.Tensor, lm_head: torch.Tensor, target: torch.Tensor, theirs: torch.Tensor,
@@ -183,3 +203,81 @@ def _stored_rows_wrong(got: torch.Tensor, scale: Optional[torch.Tensor], aux: to
         return (got != want).any(-1)
     diff = (fp8.dequantize(got, scale).float() - want.float()).abs()
     return (~(diff <= fp8.error_bound(want, scale))).any(-1)  # a byte that dequantizes to NaN is off too
+
+
+class StoredDigest:
+    """--verify's read-back of a streamed record (HiddenStateRecord.streamed: its parts go back to the server as
+    the one pass the sink writes from reads them, so there is no second pass to compare the file with). tee() hands
+    the sink its Chunks and keeps, for each (row, layer), a CRC-32 of the bytes the file must hold there: the
+    captured row cast to the stored dtype, or with FP8 the row quantized per token as the sink does (each checked
+    then to be within e4m3's rounding bound of the captured one, as check_stored does) and its scales. check() then
+    reads the file back a chunk's rows at a time (get_slice) and compares: the same verdict as check_stored, and
+    the rows never held whole."""
+
+    def __init__(self, save_dtype: Optional[str] = None) -> None:
+        self.save_dtype = save_dtype
+        self.kept: list = []  # (start, stop, CRCs of the stored states [n, L], of the scales [n] or None, bound bad)
+
+    def tee(self, chunks: Iterable) -> Iterator:
+        for c in chunks:
+            self._keep(c)
+            yield c
+
+    def _keep(self, c) -> None:
+        from sglang_hs.extract import fp8
+        from sglang_hs.extract.sinks.base import chunk_states
+
+        want = chunk_states(c.aux, c.last)
+        scale_crcs, off_bound = None, torch.zeros(want.shape[:2], dtype=torch.bool)
+        if self.save_dtype in ("fp8", "fp8-per-layer"):
+            stored, scale = fp8.quantize(want, per_layer=self.save_dtype == "fp8-per-layer")
+            diff = (fp8.dequantize(stored, scale).float() - want.float()).abs()
+            off_bound = (~(diff <= fp8.error_bound(want, scale))).any(-1)
+            scale_crcs = _crcs(scale.reshape(scale.shape[0], 1, -1))[:, 0]
+        else:
+            stored = want.to(torch.bfloat16) if self.save_dtype == "bf16" else want
+        self.kept.append((c.start, c.stop, _crcs(stored), scale_crcs, off_bound))
+
+    def check(self, index: int, path: str, want_shape: Tuple[int, int, int]) -> None:
+        """VerificationError naming the sample, the count and the first (row, layer) when the file's rows are not
+        the ones kept (or the sink's FP8 rows were off their bound)."""
+        from safetensors import safe_open
+
+        from sglang_hs.extract import fp8
+
+        bad, first = 0, None
+        with safe_open(path, "pt") as f:
+            stored = f.get_slice("hidden_states")
+            if tuple(stored.get_shape()) != tuple(want_shape):
+                raise VerificationError(f"sample {index}: {path} holds hidden_states {tuple(stored.get_shape())}, "
+                                        f"captured {tuple(want_shape)}")
+            scales = f.get_slice(fp8.SCALES_KEY) if fp8.SCALES_KEY in f.keys() else None
+            if (scales is not None) != (self.save_dtype in ("fp8", "fp8-per-layer")):
+                raise VerificationError(f"sample {index}: {path} {'holds' if scales is not None else 'lacks'} FP8 "
+                                        f"scales, stored as {self.save_dtype or 'captured'}")
+            done = 0
+            for start, stop, crcs, scale_crcs, off_bound in self.kept:
+                wrong = off_bound | (_crcs(stored[start:stop]) != crcs)
+                if scale_crcs is not None:
+                    got = scales[start:stop]
+                    wrong |= (_crcs(got.reshape(got.shape[0], 1, -1))[:, 0] != scale_crcs)[:, None]
+                bad += int(wrong.sum())
+                if wrong.any() and first is None:
+                    row, layer = wrong.nonzero()[0].tolist()
+                    first = (start + row, layer)
+                done = stop
+        if done != want_shape[0]:
+            raise VerificationError(f"sample {index}: {done} of its {want_shape[0]} rows went by the read-back")
+        if first is not None:
+            what = "dequantized, are off FP8's rounding bound of" if scales is not None else "differ from"
+            raise VerificationError(f"sample {index}: {path}: {bad} stored rows {what} the captured ones "
+                                    f"(first: row {first[0]}, layer {first[1]} of {want_shape[1]})")
+
+
+def _crcs(x: torch.Tensor) -> torch.Tensor:
+    """[n, L] int64: the CRC-32 of each x[i, l]'s bytes (x [n, L, ...])."""
+    import zlib
+
+    n, L = x.shape[:2]
+    b = x.contiguous().view(torch.uint8).reshape(n, L, -1).numpy()
+    return torch.tensor([[zlib.crc32(b[i, j]) for j in range(L)] for i in range(n)], dtype=torch.int64).reshape(n, L)

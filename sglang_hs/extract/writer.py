@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import sys
+import threading
 from typing import List, Optional, Tuple
 
 from sglang_hs.extract.errors import ExtractError
@@ -38,26 +39,36 @@ class SampleWriter:
         self.writes: List[tuple] = []  # (sample index, tokens, future of sink.write, record), oldest first
         self.write_pool = cf.ThreadPoolExecutor(WRITERS, thread_name_prefix="sglang-hs-write")
         self.verify_failure: Optional[str] = None  # a stored file that does not hold the captured rows
+        self._stats_lock = threading.Lock()  # a streamed record's logprob verdict is counted on a writer thread
 
-    def submit(self, index: int, mask, rec, verify: bool) -> None:
-        """Write the sample of record `rec` (its views, zero-copy) with loss mask `mask`, in the background."""
+    def submit(self, index: int, mask, rec, verify: bool, logprobs=None) -> None:
+        """Write the sample of record `rec` (its views, zero-copy) with loss mask `mask`, in the background.
+        `logprobs`: a streamed record's --verify logprob check (verify.LogprobCheck), fed as the file is written."""
         unwritten = [w[2] for w in self.writes if not w[2].done()]
         if len(unwritten) >= 2 * WRITERS:  # bound the records held in memory while the disk catches up
             cf.wait(unwritten, return_when=cf.FIRST_COMPLETED)
         self.writes.append((index, rec.num_tokens, self.write_pool.submit(
             self._write, index, rec.input_ids, mask, rec.aux_hidden_states, self.sink.final_of(rec), verify,
-            rec, sink_chunks(self.reader, self.sink, rec)), rec))
+            rec, sink_chunks(self.reader, self.sink, rec, logprobs), logprobs), rec))
 
-    def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None, chunks=None) -> int:
+    def _write(self, index, input_ids, mask, aux, last, verify: bool, rec=None, chunks=None, logprobs=None) -> int:
         """Write one sample; a verified sample's file is read back and must hold the captured rows (exactly,
         or within FP8's rounding bound; a long record's chunk by chunk, as `chunks` wrote it), else it is
         removed and VerificationError raised. `rec`: the reader's
         record the tensors are views of; its file takes its name only if the ring bytes were still the
-        record's once written (HiddenStateReader.intact), else RecordGivenBack and no file."""
+        record's once written (HiddenStateReader.intact), else RecordGivenBack and no file. A streamed record
+        (its parts read once, as `chunks` writes them): the read-back compares the file with what that pass kept
+        (verify.StoredDigest), and `logprobs` (its logprob check, fed by that pass too) gives its verdict here."""
+        from sglang_hs.extract.verify import StoredDigest, VerificationError, check_stored
+
         def still_the_records() -> None:
             if rec is not None and not self.reader.intact(rec):
                 raise RecordGivenBack(self.reader.dump_dir)
 
+        digest = None
+        if verify and self.sink.name == "safetensors" and chunks is not None and getattr(rec, "streamed", False):
+            digest = StoredDigest(self.sink.save_dtype)
+            chunks = digest.tee(chunks)
         try:
             size = self.sink.write(TrainingSample(index, input_ids, mask, aux, last), before_commit=still_the_records,
                                    chunks=chunks)
@@ -66,16 +77,23 @@ class SampleWriter:
         except Exception:  # e.g. FP8's non-finite rows: of torn bytes, say that instead (the sample is redone)
             still_the_records()
             raise
-        if verify and self.sink.name == "safetensors":
-            from sglang_hs.extract.verify import VerificationError, check_stored
-
-            try:
-                check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype,
-                             None if chunks is None else sink_chunks(self.reader, self.sink, rec))
-            except VerificationError:
-                os.unlink(self.sink.path(index))
-                still_the_records()  # the rows changed under the read-back: torn, not the server's error
-                raise
+        try:
+            if logprobs is not None:
+                diff = logprobs.result()
+                with self._stats_lock:
+                    self.stats.verified += 1
+                    self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
+            if verify and self.sink.name == "safetensors":
+                if digest is not None:
+                    digest.check(index, self.sink.path(index), (aux.shape[0], aux.shape[1] + (last is not None),
+                                                                aux.shape[2]))
+                else:
+                    check_stored(index, self.sink.path(index), aux, last, self.sink.save_dtype,
+                                 None if chunks is None else sink_chunks(self.reader, self.sink, rec))
+        except VerificationError:
+            os.unlink(self.sink.path(index))
+            still_the_records()  # the rows changed under the read-back: torn, not the server's error
+            raise
         return size
 
     def _collect_writes(self, bar) -> int:
@@ -142,13 +160,21 @@ def record_chunks(reader, rec):
     return reader.chunks(rec, reader.part_bytes) if getattr(rec, "views", False) and is_long(reader, rec) else None
 
 
-def sink_chunks(reader, sink: Sink, rec):
+def sink_chunks(reader, sink: Sink, rec, logprobs=None):
     """The Chunks of `rec` for sink.write (and --verify's read-back) when it is a long record, read with the
-    reader's chunks(); None for any other record (written whole)."""
+    reader's chunks(); None for any other record (written whole). `logprobs` (a verify.LogprobCheck): fed each
+    chunk's final states as it goes by (a streamed record is read once)."""
+    chunks = record_chunks(reader, rec)
+    return None if chunks is None else _sink_chunks(chunks, sink, logprobs)
+
+
+def _sink_chunks(chunks, sink: Sink, logprobs):
     from sglang_hs.extract.sinks.base import Chunk
 
-    chunks = record_chunks(reader, rec)
-    return None if chunks is None else (Chunk(c.start, c.stop, c.aux_hidden_states, sink.final_of(c)) for c in chunks)
+    for c in chunks:
+        if logprobs is not None:
+            logprobs.feed(c.start, c.last_hidden_state)
+        yield Chunk(c.start, c.stop, c.aux_hidden_states, sink.final_of(c))
 
 
 def _uninterrupted(step) -> bool:

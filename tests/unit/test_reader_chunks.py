@@ -9,7 +9,6 @@ trailer, the records beside it, views still held) stays. Records at odd offsets 
 odd lengths before the rows), one that lands at the start of the buffer after the writer wrapped around, and a
 copying reader (small records copied and their pages let go at once, the long one a view until acked)."""
 import mmap
-import struct
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from helpers import mapping_of  # noqa: E402
+from helpers import mapped_pages as _mapped, mapping_of  # noqa: E402
 from sglang_hs.reader import HiddenStateReader  # noqa: E402
 from sglang_hs.server.capture_spec import CaptureSpec  # noqa: E402
 from sglang_hs.server.store import ring  # noqa: E402
@@ -46,16 +45,6 @@ def _ids(seed, T):
 
 def _publish(w, seed, T, rid=None):
     w.ring.publish(rid or f"r{seed}", _ids(seed, T), _rows(seed, T), timeout=5)
-
-
-def _mapped(reader, w=0):
-    """Indices of the pages of the reader's mapping of ring `w` that this process has mapped now."""
-    buf = reader._rings[w].r.buf
-    base, n = buf.data_ptr(), buf.numel() // PAGE
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(base // PAGE * 8)
-        entries = f.read(n * 8)
-    return {i for i in range(n) if struct.unpack_from("<Q", entries, 8 * i)[0] >> 63}
 
 
 def _pages_inside(reader, rec):

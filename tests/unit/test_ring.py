@@ -16,6 +16,7 @@ from sglang_hs.server.store import ring  # noqa: E402
 from sglang_hs.server.store.shm import SharedRegion  # noqa: E402
 
 N, P, H = 300, 3, 40
+PROMPT_LEN_AT = 38  # the prompt length's byte offset in a record header (ring._REC)
 
 
 def _record(i):
@@ -182,8 +183,8 @@ def test_prompt_length_and_next_token_are_checked_and_default_to_all_prompt(tmp_
         w.publish("said", ids, rows, prompt_len=2, next_token=77)
         base = ring.HEADER_BYTES + ring.record_bytes(5, P, H, 2, len("plain")) + (rec if fix_crc else 0)
         hdr = bytearray(bytes(region.buf[base : base + ring._REC.size].tolist()))
-        assert ring._REC.unpack(bytes(hdr))[-3:] == (2, 77, 0)  # prompt_len, next_token, meta_len
-        struct.pack_into("<I", hdr, ring._REC.size - 12, prompt_len)
+        assert ring._REC.unpack(bytes(hdr))[9:12] == (2, 77, 0)  # prompt_len, next_token, meta_len
+        struct.pack_into("<I", hdr, PROMPT_LEN_AT, prompt_len)
         region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
         if fix_crc:
             trail = base + rec - ring.ALIGN
@@ -193,7 +194,7 @@ def test_prompt_length_and_next_token_are_checked_and_default_to_all_prompt(tmp_
         with pytest.raises(ring.TornRecord, match=message):
             ring.RingReader.open(str(tmp_path), "r").drain()
         if not fix_crc:  # put it back and consume it, so the next record is the one altered
-            struct.pack_into("<I", hdr, ring._REC.size - 12, 2)
+            struct.pack_into("<I", hdr, PROMPT_LEN_AT, 2)
             region.buf[base : base + len(hdr)] = torch.frombuffer(hdr, dtype=torch.uint8)
             (said,) = ring.RingReader.open(str(tmp_path), "r").drain()
             assert (said.prompt_len, said.next_token) == (2, 77)
@@ -249,7 +250,7 @@ def test_a_records_metadata_crosses_whole_and_is_checksummed(tmp_path):
     base = ring.HEADER_BYTES + 3 * ring.record_bytes(5, P, H, 2, 0, 0) + ring._align(len("with")) \
         + ring._align(len("gathered")) + ring._align(len("without")) + 2 * ring._align(len(raw))
     hdr = bytes(region.buf[base : base + ring._REC.size].tolist())
-    assert ring._REC.unpack(hdr)[-1] == len(raw)
+    assert ring._REC.unpack(hdr)[11] == len(raw)  # meta_len
     m0 = base + ring.ALIGN + ring._align(len("altered"))
     assert bytes(region.buf[m0 : m0 + len(raw)].tolist()) == raw
     region.buf[m0 + 5] = region.buf[m0 + 5] ^ 1

@@ -115,20 +115,23 @@ class SpecForgeSink(Sink):
         dtype = self.out_dtype(aux.dtype)
         # as _save gets them: Sink.write casts aux and last apart (--save-dtype bf16 of float32 rows), which makes
         # them two storages: then not the shared layout
-        shared = self.share_rows and aux.dtype == dtype and record_rows(aux, last) is not None
+        # a streamed record's states (reader.StreamedRows: no tensor, the rows come through the chunks) are laid out
+        # as its views would be: one storage of rows [T, R + 1, H]
+        streamed = getattr(aux, "same_rows", None) is not None and aux.same_rows(last)
+        shared = self.share_rows and aux.dtype == dtype and (streamed or record_rows(aux, last) is not None)
 
         def like(shape):
             n = max(1, int(torch.Size(shape).numel()) * dtype.itemsize)
             return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype)[:torch.Size(shape).numel()].view(shape)
 
         if shared:
-            rows = record_rows(aux, last)
+            rows = like((T, aux.shape[1] + 1, H)) if streamed else record_rows(aux, last)
             a, l = rows[:, :-1], rows[:, -1]
         else:  # a view is pickled as it is only when it is its storage's whole (else its offset or its siblings
             # would be saved: with T = 1, aux and last of one record's rows are both contiguous, one storage)
             def whole(t):
-                return t.dtype == dtype and t.is_contiguous() and t.storage_offset() == 0 and \
-                    t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                return isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_contiguous() and \
+                    t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
             a = aux if whole(aux) else like(aux.shape)
             l = last if whole(last) else like(last.shape)

@@ -83,26 +83,32 @@ class Extraction(SampleWriter):
 
     # -- records --
     def _complete(self, sample, reply: dict, rec, verify: bool) -> None:
-        from sglang_hs.extract.verify import VerificationError, check
+        from sglang_hs.extract.verify import LogprobCheck, VerificationError, check
 
         output = reply.get("output_ids", [])
         mask = record_loss_mask(sample, output, rec)
+        deferred = None
         if verify:  # every row: the last one predicted the last generated token, output[-1]
             meta = reply["meta_info"]
             entries = list(meta["input_token_logprobs"]) + list(meta.get("output_token_logprobs", []))
             temperature = self.requests.temperature if sample.prompt_len is not None else 0.0
-            try:
-                diff = check(sample.index, sample.input_ids + output, rec.last_hidden_state, self.lm_head,
-                             [x[0] for x in entries], [x[1] for x in entries], temperature=temperature,
-                             sampled_from=len(sample.input_ids), chunks=record_chunks(self.reader, rec),
-                             part_bytes=getattr(self.reader, "part_bytes", None))
-            except VerificationError:
-                if not self.reader.intact(rec):  # rows changed under the check: torn, not the server's error
-                    raise RecordGivenBack(self.reader.dump_dir) from None
-                raise
-            self.stats.verified += 1
-            self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
-        self.submit(sample.index, mask, rec, verify)
+            args = (sample.index, sample.input_ids + output)
+            more = dict(server_logprobs=[x[0] for x in entries], server_token_ids=[x[1] for x in entries],
+                        temperature=temperature, sampled_from=len(sample.input_ids),
+                        part_bytes=getattr(self.reader, "part_bytes", None))
+            if getattr(rec, "streamed", False):  # its rows come once: checked as the sink writes them (SampleWriter)
+                deferred = LogprobCheck(*args, rec.num_tokens, self.lm_head, **more)
+            else:
+                try:
+                    diff = check(*args, rec.last_hidden_state, self.lm_head, chunks=record_chunks(self.reader, rec),
+                                 **more)
+                except VerificationError:
+                    if not self.reader.intact(rec):  # rows changed under the check: torn, not the server's error
+                        raise RecordGivenBack(self.reader.dump_dir) from None
+                    raise
+                self.stats.verified += 1
+                self.stats.verify_max_diff = max(self.stats.verify_max_diff, diff)
+        self.submit(sample.index, mask, rec, verify, deferred)
 
     def run(self, source: DatasetSource, resumed: ResumeState) -> None:
         """Every sample of `source` whose file `resumed` does not have yet; ExtractError when the run had to stop (the server died, a disk full, a failed --verify)."""

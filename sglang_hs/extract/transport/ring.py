@@ -17,7 +17,8 @@ class RingTransport:
     def for_requests(dump_dir: str, owner: Optional[int], part_bytes: Optional[int] = None) -> Transport:
         """The --data run's reader of `dump_dir` (--hs-dump-dir): zero-copy, a record goes from the ring
         straight into its file and is acked once the file is in place; one of more than `part_bytes` row bytes
-        (--part-mb) a chunk at a time (HiddenStateReader.chunks)."""
+        (--part-mb) a chunk at a time (HiddenStateReader.chunks; one the server publishes in parts is streamed,
+        each part given back as soon as it is written)."""
         from sglang_hs.reader import HiddenStateReader, NoWriterHere
 
         try:
@@ -30,7 +31,8 @@ class RingTransport:
     def for_harvest(dump_dir: str, owner: Optional[int], part_bytes: Optional[int] = None) -> Transport:
         """The harvest's reader of `dump_dir` (--from-dump): acked once each file is journaled, following a
         restarted server to its new ring; a record of more than `part_bytes` row bytes is not copied but
-        written from the ring a chunk at a time."""
+        written from the ring a chunk at a time (streamed as its parts arrive when the server publishes it in
+        parts)."""
         from sglang_hs.reader import MANIFEST, HiddenStateReader, no_writer_here
 
         dump = os.path.abspath(dump_dir)

@@ -25,9 +25,9 @@ read further: the ring fills and admission control holds or skips requests as wi
 value a reader writes can stop the server or make it write outside the ring.
 
 A record is 64-byte aligned: a 64-byte header (magic, total length, sequence number, T, P, H, dtype,
-rid length, prompt length, next token, metadata length), the request id (utf-8), the metadata (a JSON
-object, utf-8; empty for none), input_ids int32[T], rows [T, P, H], then a 64-byte trailer that repeats
-magic, sequence number and length and holds a CRC-32 of the header, request id and metadata. A record never wraps: when one does not fit before the end of the buffer the writer
+rid length, prompt length, next token, metadata length, token ids stored, first row, total rows), the request
+id (utf-8), the metadata (a JSON object, utf-8; empty for none), input_ids int32[n_ids], rows [T, P, H], then a
+64-byte trailer that repeats magic, sequence number and length and holds a CRC-32 of the header, request id and metadata. A record never wraps: when one does not fit before the end of the buffer the writer
 publishes a SKIP marker (or nothing, when fewer than 64 bytes remain) and starts again at 0. The writer
 only writes bytes the reader has consumed (HEAD - TAIL <= capacity), and the reader only reads bytes
 below the HEAD it acquire-loaded, so a record is either wholly visible or not at all; header/trailer
@@ -38,6 +38,14 @@ can tell that request will have no record, and why.
 A record of a request says where its prompt ends (prompt length: rows >= it are generated tokens) and
 holds the token after its last row (the last generated token, which has no row, or -1 when the writer
 did not say), so the whole sequence the server sent is input_ids + [next token].
+A record larger than the server's bound leaves the ring in PARTS (format 9): each part is a record of its own
+(header, trailer, sequence number: every check above and `release` are per part) whose header says it holds
+rows [first_row, first_row + T) of a record of total_rows = N > 0 rows (T >= 1); the first part (first_row 0)
+holds all N token ids (n_ids = N), the later ones none (n_ids = 0); every part carries the record's request id,
+prompt length (of the whole record), next token and metadata. A whole record has n_ids = T, first_row = 0,
+total_rows = 0. The parts of a record are published back to back, in order, nothing between them: a reader
+takes anything else as torn, except later parts it finds first (a reader before it consumed the earlier ones
+and died: `Record.orphan`, their record is lost).
 Sequence numbers run 1, 2, 3, ... without gaps. A reader that starts later resumes where the last one
 stopped: at the offset file's offset when that is the end of a record past the ring's TAIL (checked as
 the writer checks it), else at TAIL; a record there not newer than the one before it (a replay) is
@@ -59,6 +67,8 @@ then takes that offset and may write over the views while they are used, so a co
 and a reader with `drop_behind` (opened with populate=False: its pages mapped as it reads them) unmaps each
 record's whole pages from its process once it is copied out or released (`drop`: madvise MADV_DONTNEED, the
 file keeps them): HiddenStateReader(part_bytes=N) reads long records a chunk at a time this way.
+`read_ahead(part_views=True)` hands every part of a parted record as views (the reader copies it into its
+record, or streams it, and releases it then).
 """
 from __future__ import annotations
 
@@ -79,12 +89,13 @@ from sglang_hs._ext import ext
 from sglang_hs.server.store.shm import SharedRegion
 
 MAGIC = b"SGLHSRNG"
-VERSION = 8  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
+VERSION = 9  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
 # 4: the record header holds the prompt length and the token after the last row (harvesting live traffic);
 # 5: the reader writes its offset into its own file (ring-*.offset), the ring is the writer's alone;
 # 6: marker reason 7, draft_accepted (--hs-capture-accept-below); 7: a record's metadata (meta_len, JSON after
 # the request id: under speculative decoding each verify step's accepted drafts); 8: marker reason 8, oversized (a
-# request whose record could never fit the ring, served without capture under --hs-when-behind skip)
+# request whose record could never fit the ring, served without capture under --hs-when-behind skip); 9: records
+# in parts (n_ids, first_row, total_rows: a record larger than the server's bound leaves the ring a part at a time)
 HEADER_BYTES = 4096
 OFF_MAGIC, OFF_VERSION, OFF_CAPACITY, OFF_PID = 0, 8, 16, 24
 OFF_HEAD, OFF_TAIL = 64, 128  # separate cache lines
@@ -92,9 +103,9 @@ OFF_TAIL_SEQ = 136  # sequence number of the record that ends at TAIL (the write
 OFFSET_BYTES = 64  # the reader's offset file: its read offset at 0, its pid at 8
 OFFSET_PID = 8
 REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
-# magic, flags, total, seq, T, P, H, dtype, pad, rid_len, prompt_len, next_token, meta_len (50 of the header's 64
-# bytes)
-_REC = struct.Struct("<IIQQIHIBxHIiI")
+# magic, flags, total, seq, T, P, H, dtype, pad, rid_len, prompt_len, next_token, meta_len, n_ids, first_row,
+# total_rows (62 of the header's 64 bytes)
+_REC = struct.Struct("<IIQQIHIBxHIiIIII")
 _TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid + meta), seq, total
 ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
@@ -158,8 +169,22 @@ def _create_offset_file(dir_path: str, name: str) -> int:
     return fd
 
 
-def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int, meta_len: int = 0) -> int:
-    return ALIGN + _align(rid_len) + _align(meta_len) + _align(4 * T) + _align(T * P * H * elem) + ALIGN
+def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int, meta_len: int = 0,
+                 n_ids: Optional[int] = None) -> int:
+    """Bytes of a record of T rows [P, H] holding `n_ids` token ids (default T: a whole record; a part holds
+    its record's N ids when it is the first one, none after)."""
+    ids = T if n_ids is None else n_ids
+    return ALIGN + _align(rid_len) + _align(meta_len) + _align(4 * ids) + _align(T * P * H * elem) + ALIGN
+
+
+def part_fields_valid(T: int, n_ids: int, first_row: int, total_rows: int, prompt_len: int, flags: int) -> bool:
+    """A header's part fields are consistent: a whole record (total_rows 0) holds its T ids; a part holds
+    T >= 1 rows [first_row, first_row + T) of the record's total_rows, all of its ids on the first part
+    (first_row 0) and none on the others, its prompt length within the whole record; a marker is never a part."""
+    if total_rows == 0:
+        return n_ids == T and first_row == 0
+    return (not flags and 1 <= T and first_row + T <= total_rows and prompt_len <= total_rows + 1
+            and n_ids == (total_rows if first_row == 0 else 0))
 
 
 def encode_meta(meta: Optional[dict]) -> bytes:
@@ -197,10 +222,23 @@ class Record:
     offset: int = -1  # the logical offset it starts at (RingReader.holds)
     meta: dict = field(default_factory=dict)  # what the writer said about the request (encode_meta)
     views: bool = False  # its tensors are views of the ring (read_ahead copy=False or view_above), else copies
+    # a part of a parted record (total_rows > 0): rows are its rows [first_row, first_row + T) of the record's
+    # total_rows; input_ids what it stores (all the record's ids on its first part, none on later ones)
+    first_row: int = 0
+    total_rows: int = 0
+    orphan: bool = False  # a later part a fresh reader found first: its record's first parts went to a reader before
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def is_part(self) -> bool:
+        return self.total_rows > 0
+
+    @property
+    def is_last_part(self) -> bool:
+        return self.total_rows > 0 and self.first_row + self.rows.shape[0] == self.total_rows
 
 
 class RingWriter:
@@ -286,28 +324,49 @@ class RingWriter:
 
     def publish(self, rid: str, input_ids: torch.Tensor, rows: Optional[torch.Tensor] = None, timeout: float = 60.0,
                 *, gather_from: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None,
-                skipped: int = 0, prompt_len: Optional[int] = None, next_token: int = -1, meta: bytes = b"") -> int:
+                skipped: int = 0, prompt_len: Optional[int] = None, next_token: int = -1, meta: bytes = b"",
+                first_row: int = 0, total_rows: int = 0) -> int:
         """Append one record; returns its sequence number. Blocks while the ring is full (bounded).
 
         The rows are either `rows` [T, P, H], or gathered straight into the ring as
         `gather_from[slots]` (a store [S, P, H] and its KV slots [T]): one copy fewer. `skipped` (a
         SKIP_REASONS code) makes it a marker record: T must be 0. `prompt_len` (default T: no row is a
         generated token) and `next_token` (the token after the last row) go into the header, `meta`
-        (encode_meta) after the request id."""
+        (encode_meta) after the request id.
+
+        `total_rows` N > 0 makes it a PART of a record of N rows: its T >= 1 rows are rows [first_row,
+        first_row + T) of the record; `input_ids` are the record's N ids on the first part (first_row 0) and
+        empty ([0]) on the others; rid, prompt_len (of the whole record: default N), next_token and meta the
+        same on every part. The caller publishes a record's parts back to back, in order, nothing between
+        them (a reader takes anything else as torn)."""
         if rows is not None:
             T, P, H = rows.shape
             dtype = rows.dtype
         else:
             T, (_, P, H), dtype = slots.shape[0], gather_from.shape, gather_from.dtype
-        assert input_ids.shape == (T,) and dtype in DTYPES and (not skipped or (T == 0 and skipped in SKIP_REASONS))
-        prompt_len = T if prompt_len is None else prompt_len
-        assert 0 <= prompt_len <= T + 1 and -1 <= next_token < 2**31, (prompt_len, T, next_token)
+        n_ids = T if not total_rows else (total_rows if first_row == 0 else 0)
+        if total_rows and (skipped or T < 1 or first_row < 0 or first_row + T > total_rows):
+            raise ValueError(f"part of request {rid[:200]!r}: rows [{first_row}, {first_row + T}) of a record of "
+                             f"{total_rows} rows{' (a marker is never a part)' if skipped else ''}: expected T >= 1 "
+                             "rows inside the record")
+        if total_rows < 0 or (not total_rows and first_row):
+            raise ValueError(f"record of request {rid[:200]!r}: first_row {first_row} and total_rows {total_rows}: "
+                             "expected first_row 0 for a whole record (total_rows 0), total_rows > 0 for a part")
+        if input_ids.shape != (n_ids,):
+            which = ("a whole record's T" if not total_rows else "a first part's N" if not first_row
+                     else "none on a later part")
+            raise ValueError(f"record of request {rid[:200]!r}: token ids of shape {tuple(input_ids.shape)}, expected "
+                             f"({n_ids},): {which}")
+        assert dtype in DTYPES and (not skipped or (T == 0 and skipped in SKIP_REASONS))
+        whole = total_rows or T  # the rows of the whole record
+        prompt_len = whole if prompt_len is None else prompt_len
+        assert 0 <= prompt_len <= whole + 1 and -1 <= next_token < 2**31, (prompt_len, whole, next_token)
         elem = torch.empty(0, dtype=dtype).element_size()
         rid_b = rid.encode()
         if len(rid_b) > MAX_RID_BYTES:
             raise ValueError(f"request id of {len(rid_b)} bytes (utf-8): the output ring's records hold at most "
                              f"{MAX_RID_BYTES}")
-        total = record_bytes(T, P, H, elem, len(rid_b), len(meta))
+        total = record_bytes(T, P, H, elem, len(rid_b), len(meta), n_ids)
         if total > self.capacity:
             raise ValueError(f"record of {total} bytes (rid {rid[:200]!r}, {T} tokens) exceeds the output ring's "
                              f"capacity of {self.capacity} bytes: raise --hs-ring-size")
@@ -316,7 +375,7 @@ class RingWriter:
         seq = self.seq + 1
         try:
             header = _REC.pack(REC_MAGIC, skipped, total, seq, T, P, H, DTYPES[dtype], len(rid_b), prompt_len,
-                               next_token, len(meta))
+                               next_token, len(meta), n_ids, first_row, total_rows)
         except struct.error as e:
             raise ValueError(f"record of request {rid[:200]!r} cannot be encoded ({e}): T={T}, P={P}, H={H}") from None
         trailer = _TRAIL.pack(REC_MAGIC, zlib.crc32(header + rid_b + meta), seq, total)
@@ -328,7 +387,7 @@ class RingWriter:
             skip = self.capacity - pos
             self._wait_for(skip + total, timeout)
             if skip >= ALIGN:
-                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+                self._write(pos, _REC.pack(SKIP_MAGIC, 0, skip, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
             head += skip
             self.r.store_release(OFF_HEAD, head)
             self.head = head
@@ -343,8 +402,8 @@ class RingWriter:
         if meta:
             buf[base + o : base + o + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
             o += _align(len(meta))
-        buf[base + o : base + o + 4 * T] = input_ids.to(torch.int32).contiguous().view(torch.uint8)
-        o += _align(4 * T)
+        buf[base + o : base + o + 4 * n_ids] = input_ids.to(torch.int32).contiguous().view(torch.uint8)
+        o += _align(4 * n_ids)
         n = T * P * H * elem
         dst = buf[base + o : base + o + n].view(dtype).view(T, P, H)
         if rows is None:  # streamed, threaded, without the GIL (csrc/gather_rows_cpu.cpp)
@@ -388,6 +447,10 @@ class RingReader:
         # records in chunks, whose ring is mapped without MAP_POPULATE: its resident ring pages stay bounded)
         self.drop_behind = False
         self._starts: dict = {}  # seq -> offset it starts at, for records read ahead (drop_behind)
+        # where the records read so far stand among parts (_part_order): None between records, else what the next
+        # part must be; _fresh until this reader's first record (a later part there is an orphan, not torn)
+        self._parting: Optional[tuple] = None
+        self._fresh = True
 
     @classmethod
     def open(cls, dir_path: str, name: str, owner: Optional[int] = None,
@@ -468,17 +531,18 @@ class RingReader:
         self._store_tail(tail, last_seq)  # a SKIP marker after the last record goes with the next one
         return out
 
-    def read_ahead(self, copy: bool = True, view_above: Optional[int] = None) -> List[Record]:
+    def read_ahead(self, copy: bool = True, view_above: Optional[int] = None, part_views: bool = False) -> List[Record]:
         """Copy out the records published since the last call (the first call: since TAIL) without
         releasing any: `release(seq)` does that once the consumer has handled them. copy=False: the
         records' tensors are views of the ring, valid until released (nothing is copied). `view_above`: a
-        record of more row bytes than that comes as views even when copy=True (Record.views)."""
+        record of more row bytes than that comes as views even when copy=True (Record.views). `part_views`:
+        every part of a parted record comes as views (the consumer copies it into its record, or streams it)."""
         if self._cursor is None:
             if self._tail is None:
                 self._tail, self._tail_seq = self._start()
             self._cursor, self._cursor_seq = self._tail, self._tail_seq
         out = []
-        for rec, end in self._records(self._cursor, self._cursor_seq, copy, view_above):
+        for rec, end in self._records(self._cursor, self._cursor_seq, copy, view_above, part_views):
             out.append(rec)
             self._unreleased[rec.seq] = end
             if self.drop_behind:
@@ -546,9 +610,40 @@ class RingReader:
         return torch.frombuffer(self._mem[offset : offset + nbytes], dtype=torch.uint8) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
 
-    def _records(self, tail: int, last_seq: int, copy: bool = True, view_above: Optional[int] = None):
+    def _part_order(self, seq: int, at: int, rid_b: bytes, meta_b: bytes, prompt_len: int, next_token: int, T: int,
+                    first_row: int, total_rows: int) -> bool:
+        """Check a record's place among parts: a record's parts come back to back, in row order, with the same
+        request id, metadata, prompt length, next token and total rows, and nothing else between them
+        (TornRecord otherwise). Returns whether it is an orphan: a later part read first by this reader, whose
+        record's earlier parts a reader before it consumed (and released: they are gone), as are its next ones."""
+        fresh, expected = self._fresh, self._parting
+        self._fresh = False
+        where = f"{self.r.path}: record seq {seq} at offset {at}"
+        if expected is not None:
+            e_rid, e_meta, e_prompt, e_next, e_total, e_row, orphan = expected
+            if not total_rows or first_row != e_row or (rid_b, meta_b, prompt_len, next_token, total_rows) != \
+                    (e_rid, e_meta, e_prompt, e_next, e_total):
+                got = f"rows [{first_row}, {first_row + T}) of {total_rows}" if total_rows else "a whole record"
+                raise TornRecord(f"{where}: {got} of request {rid_b[:200]!r} where the part of rows [{e_row}, ..) of "
+                                 f"{e_total} of request {e_rid[:200]!r} was expected (a record's parts come back to "
+                                 "back, in order, alike)")
+        elif total_rows and first_row:
+            if not fresh:
+                raise TornRecord(f"{where}: a part of rows [{first_row}, {first_row + T}) of {total_rows} of request "
+                                 f"{rid_b[:200]!r} without its earlier parts (expected its first part, rows [0, ..))")
+            orphan = True
+        else:
+            orphan = False
+        end = first_row + T
+        self._parting = (rid_b, meta_b, prompt_len, next_token, total_rows, end, orphan) \
+            if total_rows and end < total_rows else None
+        return orphan
+
+    def _records(self, tail: int, last_seq: int, copy: bool = True, view_above: Optional[int] = None,
+                 part_views: bool = False):
         """(record, offset after it) for each record published between `tail` and HEAD, checked; copied
-        out, or (copy=False, or more row bytes than `view_above`) views of the ring."""
+        out, or (copy=False, or more row bytes than `view_above`, or a part with `part_views`) views of the
+        ring."""
         # a copy is read at once by the consumer: torch's clone (its threads, cached stores), not the streamed op
         clone = lambda off, n: self.r.buf[off : off + n].clone()  # noqa: E731
         head = self.r.load_acquire(OFF_HEAD)
@@ -563,19 +658,26 @@ class RingReader:
                 continue
             base = HEADER_BYTES + pos
             header = bytes(self.r.buf[base : base + _REC.size].tolist())
-            magic, flags, total, seq, T, P, H, dt, rid_len, prompt_len, next_token, meta_len = _REC.unpack(header)
+            (magic, flags, total, seq, T, P, H, dt, rid_len, prompt_len, next_token, meta_len, n_ids, first_row,
+             total_rows) = _REC.unpack(header)
             if magic == SKIP_MAGIC:
                 if not _valid_skip(pos, total, head - tail, self.capacity):
                     raise TornRecord(f"{self.r.path}: corrupt skip marker at offset {tail}")
                 tail += total
                 continue
             if magic != REC_MAGIC or total % ALIGN or total > head - tail or dt not in DTYPE_OF \
-                    or (flags and (flags not in SKIP_REASONS or T != 0)) or prompt_len > T + 1 or next_token < -1:
+                    or (flags and (flags not in SKIP_REASONS or T != 0)) or prompt_len > T + 1 + total_rows \
+                    or next_token < -1:
                 raise TornRecord(f"{self.r.path}: corrupt record header at offset {tail}")
+            if not part_fields_valid(T, n_ids, first_row, total_rows, prompt_len, flags):
+                raise TornRecord(f"{self.r.path}: corrupt record header at offset {tail}: {n_ids} token ids, rows "
+                                 f"[{first_row}, {first_row + T}) of {total_rows} (expected a whole record's T ids, or "
+                                 "a part inside its record: the record's ids on its first part, none after)")
             tm, crc, tseq, ttotal = _TRAIL.unpack(bytes(self.r.buf[base + total - ALIGN : base + total - ALIGN + _TRAIL.size].tolist()))
             dtype = DTYPE_OF[dt]
             elem = torch.empty(0, dtype=dtype).element_size()
-            if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or total != record_bytes(T, P, H, elem, rid_len, meta_len):
+            if (tm, tseq, ttotal) != (REC_MAGIC, seq, total) or \
+                    total != record_bytes(T, P, H, elem, rid_len, meta_len, n_ids):
                 raise TornRecord(f"{self.r.path}: torn record seq {seq} at offset {tail}")
             rid_b = bytes(self.r.buf[base + ALIGN : base + ALIGN + rid_len].tolist())
             m0 = base + ALIGN + _align(rid_len)
@@ -598,11 +700,13 @@ class RingReader:
                 meta = None
             if not isinstance(meta, dict):
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail}: metadata is not a JSON object")
+            orphan = self._part_order(seq, tail, rid_b, meta_b, prompt_len, next_token, T, first_row, total_rows)
             o = m0 + _align(meta_len)
-            views = not copy or (view_above is not None and T * P * H * elem > view_above)
+            views = not copy or (view_above is not None and T * P * H * elem > view_above) or \
+                (part_views and total_rows > 0)
             take = self._view if views else clone
-            ids = take(o, 4 * T).view(torch.int32)
-            o += _align(4 * T)
+            ids = take(o, 4 * n_ids).view(torch.int32)
+            o += _align(4 * n_ids)
             rows = take(o, T * P * H * elem).view(dtype).view(T, P, H)
             if self.r.load_acquire(OFF_TAIL) > tail:  # the writer took a read offset past it: maybe written over
                 raise TornRecord(f"{self.r.path}: record seq {seq} at offset {tail} was given back to the writer "
@@ -612,4 +716,5 @@ class RingReader:
             if self.drop_behind and not views:  # copied out: this process needs none of its pages mapped
                 self.drop(base, total)
             yield Record(rid=rid, seq=seq, input_ids=ids, rows=rows, skipped=flags, prompt_len=prompt_len,
-                         next_token=next_token, offset=start, meta=meta, views=views), tail
+                         next_token=next_token, offset=start, meta=meta, views=views, first_row=first_row,
+                         total_rows=total_rows, orphan=orphan), tail
