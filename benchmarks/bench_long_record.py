@@ -21,6 +21,10 @@ no room for the file beside the ring), then acks it. Reader ways (`--readers`):
            --disk-dir and mapped; then acked
   copy     the default reader: the record copied out of the ring, then written (the live dataset's way before:
            one copy per record, handed to the trainer)
+  parts    records in parts (--hs-record-part-size = --part-mb): the finish worker publishes the record a part at a
+           time (its KV slots held, as the server does) into a ring of twice a first part plus two parts, far
+           smaller than the record, while the chunked reader writes each part's rows as it arrives and gives its
+           ring room back (the server with --hs-record-part-size and the CLI now)
 
 Per repetition: gather (submit -> the record is published in the ring), write (the consumer's take ->
 file renamed) and e2e (submit -> file renamed) seconds and GB/s of the record's row bytes; and the peak
@@ -52,7 +56,7 @@ from benchmarks import bench_host_path  # noqa: E402
 from benchmarks.bench_host_path import ELEM, H, LAYERS, P, ROW_BYTES, fill  # noqa: E402
 from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
 
-READERS = ("view", "chunked", "spill", "copy")
+READERS = ("view", "chunked", "spill", "copy", "parts")
 GB = 1e9
 
 
@@ -118,10 +122,11 @@ def _consumer(dump_dir: str, cmd_q, res_q, parent: int, part_bytes: int) -> None
                 for r in readers.values():
                     r.close()
                 readers.clear()
-                views = mode in ("view", "chunked")
+                views = mode in ("view", "chunked", "parts")
                 readers[mode] = HiddenStateReader(dump_dir, poll_interval=0.0005, recycle_memory=True,
                                                   ack=mode != "copy", zero_copy=views,
-                                                  part_bytes=part_bytes if mode in ("chunked", "spill") else None)
+                                                  part_bytes=part_bytes if mode in ("chunked", "spill", "parts")
+                                                  else None)
             reader = readers[mode]
             os.makedirs(folder, mode=0o700, exist_ok=True)
             res_q.put(("armed",))
@@ -135,7 +140,7 @@ def _consumer(dump_dir: str, cmd_q, res_q, parent: int, part_bytes: int) -> None
             else:
                 sink = SINKS["specforge"](folder)
                 n = sink.write(TrainingSample(0, rec.input_ids, ones, rec.aux_hidden_states, rec.last_hidden_state),
-                               chunks=sink_chunks(reader, sink, rec) if mode == "chunked" else None)
+                               chunks=sink_chunks(reader, sink, rec) if mode in ("chunked", "parts") else None)
             t_written = time.perf_counter()  # CLOCK_MONOTONIC, as the parent's
             tokens = rec.num_tokens
             if mode != "copy":
@@ -174,15 +179,22 @@ def one_record(writer, worker, consumer, T: int, rep: int, mode: str, slots_perm
     consumer.recv("armed")
     peaks = PeakRss({"writer": os.getpid(), "consumer": consumer.pid})
     t0 = time.perf_counter()
-    worker.submit(rid, ids, slots)
-    worker.drain()
-    t_gathered = time.perf_counter()
-    t_taken, t_written, tokens, file_bytes = consumer.recv("done", 1200)
+    worker.submit(rid, ids, slots, held=mode == "parts")  # in parts: published as the consumer makes ring room
+    if mode == "parts":  # its last parts wait for the consumer: drained once it is done (or its error is seen)
+        worker.flush()
+        t_taken, t_written, tokens, file_bytes = consumer.recv("done", 1200)
+        worker.drain()
+        t_gathered = time.perf_counter()
+    else:
+        worker.drain()
+        t_gathered = time.perf_counter()
+        t_taken, t_written, tokens, file_bytes = consumer.recv("done", 1200)
     peak = peaks.stop()
     assert tokens == T
     nbytes = T * ROW_BYTES
     row = {"tokens": T, "reader": mode, "rep": rep, "record_GB": nbytes / GB, "file_GB": file_bytes / GB,
-           "part_GB": consumer.part_bytes / GB if mode in ("chunked", "spill") else 0.0,
+           "part_GB": consumer.part_bytes / GB if mode in ("chunked", "spill", "parts") else 0.0,
+           "ring_GB": writer.ring.capacity / GB,
            "gather_s": t_gathered - t0, "write_s": t_written - t_taken, "e2e_s": t_written - t0,
            "gather_GBps": nbytes / GB / (t_gathered - t0), "write_GBps": nbytes / GB / (t_written - t_taken),
            "e2e_GBps": nbytes / GB / (t_written - t0)}
@@ -197,7 +209,7 @@ def summarise(rows):
     for key in dict.fromkeys((r["tokens"], r["reader"]) for r in rows):
         rs = [r for r in rows if (r["tokens"], r["reader"]) == key]
         s = {"tokens": key[0], "reader": key[1], "reps": len(rs), "record_GB": rs[0]["record_GB"],
-             "part_GB": rs[0].get("part_GB", 0.0)}
+             "part_GB": rs[0].get("part_GB", 0.0), "ring_GB": rs[0].get("ring_GB", float("nan"))}
         for m in ("gather_GBps", "write_GBps", "e2e_GBps", "consumer_anon_GB", "consumer_shmem_GB",
                   "consumer_total_GB", "writer_anon_GB"):
             vals = [r[m] for r in rs]
@@ -238,9 +250,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tokens", default="65536,131072", help="comma-separated record lengths")
-    ap.add_argument("--readers", default="view,chunked,spill,copy", help=f"comma-separated, of: {', '.join(READERS)}")
-    ap.add_argument("--part-mb", type=float, default=256, help="chunked and spill: the chunk bound, MiB (the CLI's "
-                    "--part-mb)")
+    ap.add_argument("--readers", default="view,chunked,spill,copy,parts", help=f"comma-separated, of: {', '.join(READERS)}")
+    ap.add_argument("--part-mb", type=float, default=256, help="chunked, spill and parts: the chunk bound, MiB (the "
+                    "CLI's --part-mb; parts: also the server's --hs-record-part-size)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each length and reader")
     ap.add_argument("--slots", type=int, default=8192, help="KV slots of the store (57,344 bytes each)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the store and the ring")
@@ -278,9 +290,14 @@ def main(argv=None) -> int:
     disk = tempfile.mkdtemp(prefix=".bench-long-record-", dir=args.disk_dir or "/tmp")
     where = f"store and ring in {args.shm_dir}, files in {disk}"
     try:
+        part = int(args.part_mb * (1 << 20))
+        part_rows = max(1, part // ROW_BYTES)
         for T in lengths:
-            ring = record_bytes(T, P, H, ELEM, 64)  # one record: each lands at offset 0
             for mode in modes:
+                # one record (each lands at offset 0); in parts: twice a first part (all ids) and two more parts
+                ring = record_bytes(T, P, H, ELEM, 64) if mode != "parts" or T <= part_rows else \
+                    2 * record_bytes(part_rows, P, H, ELEM, 64, n_ids=T) + 2 * record_bytes(part_rows, P, H, ELEM, 64,
+                                                                                            n_ids=0)
                 need = store_bytes + ring + (T * ROW_BYTES if mode == "copy" else 0)
                 if need > args.max_gb * GB or need > available_bytes() - 2 * GB:
                     why = (f"{T} tokens, {mode}: store + ring{' + copy' if mode == 'copy' else ''} = {need / GB:.1f} GB, "
@@ -297,7 +314,9 @@ def main(argv=None) -> int:
                                            ring)
                     fill(writer.store, g)
                     worker = FinishWorker(writer)
-                    consumer = Consumer(dump, int(args.part_mb * (1 << 20)))
+                    if mode == "parts":
+                        worker.enable_parts(part)
+                    consumer = Consumer(dump, part)
                     perm = torch.randperm(args.slots, generator=g).to(torch.int64)
                     for rep in range(args.reps):
                         r = one_record(writer, worker, consumer, T, rep, mode, perm, disk)
@@ -326,7 +345,8 @@ def main(argv=None) -> int:
                              f"{s['gather_GBps_median']:.2f}, take+write {s['write_GBps_median']:.2f} (x"
                              f"{s['write_vs_view']:.2f} of view); consumer peak {s['consumer_anon_GB_median']:.2f} GB "
                              f"anon + {s['consumer_shmem_GB_median']:.2f} GB ring pages (x{s['peak_vs_view']:.3f} of "
-                             f"view" + (f", x{s['peak_vs_part']:.2f} of a part" if s['part_GB'] else "") + ")"))
+                             f"view" + (f", x{s['peak_vs_part']:.2f} of a part" if s['part_GB'] else "") + f"); ring "
+                             f"{s['ring_GB']:.2f} GB"))
     if summary:
         plot(summary, os.path.join(args.out, "bench_long_record.png"),
              f"one long DeepSeek-V3 record (57,344 B/token) through the whole-record path; {machine()}; {where}")

@@ -172,6 +172,11 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # stream waits on the GPU for one, before the server is stopped with the stuck gather named (finisher.py).
     "SGLANG_HS_FINISH_WATCHDOG_S": _number("SGLANG_HS_FINISH_WATCHDOG_S", DEFAULT_FINISH_WATCHDOG_S, float,
                                            lambda x: math.isfinite(x) and x > 0, "seconds > 0"),
+    # --hs-record-part-size: a captured record of more row bytes leaves the output ring in parts of at most that
+    # many row bytes, each published as soon as the ring has room, the request's KV slots held (not given back
+    # to SGLang) until its last part is gathered (finisher.py, patches/hold_finished_kv.py); 0/unset: every
+    # record whole. Only where the writer rank is the attention group's only rank (attention TP 1).
+    "SGLANG_HS_RECORD_PART_BYTES": _int("SGLANG_HS_RECORD_PART_BYTES", 0),
     # Threads of one record's gather into the output ring (--hs-gather-threads); a record gets at most
     # one thread per 8 MiB of rows (csrc/gather_rows_cpu.cpp), so short records always take one.
     "SGLANG_HS_GATHER_THREADS": _int("SGLANG_HS_GATHER_THREADS", DEFAULT_GATHER_THREADS),

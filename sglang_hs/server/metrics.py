@@ -25,6 +25,7 @@ later one (sglang_hs/status.py: metrics_after):
                                           stream wait on the GPU and is not counted here
     sglang_hs:device_write_waits_total    CUDA, --hs-copy direct: steps whose forward stream was made to wait
                                           on the GPU for gathers their KV slots may still be read by
+    sglang_hs:record_parts_published_total  parts published of records in parts (--hs-record-part-size)
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
     sglang_hs:rows_moved_total            rows moved with SGLang's KV after speculative verify steps (accepted
                                           drafts to the front of their window; CaptureWriter.move)
@@ -45,6 +46,8 @@ later one (sglang_hs/status.py: metrics_after):
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now
     sglang_hs:finish_pending              finished requests handed to the finish worker, not yet published
+    sglang_hs:kv_held_requests            finished requests whose KV slots are held until their record is
+                                          gathered (--hs-record-part-size), and sglang_hs:kv_held_tokens their slots
     sglang_hs:output_ring_fill_ratio      unread bytes / capacity of the output ring
 """
 from __future__ import annotations
@@ -61,6 +64,7 @@ COUNTERS = {  # metric name -> (source, key, help)
     "store_write_waits": ("writer", "write_waits", "Forward copies (CPU engine) that waited for a pending gather."),
     "device_write_waits": ("writer", "device_write_waits",
                            "CUDA direct: steps whose forward stream waited on the GPU for gathers of their slots."),
+    "record_parts_published": ("writer", "parts", "Parts published of records in parts (--hs-record-part-size)."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
     "rows_moved": ("writer", "moved_rows", "Rows moved with SGLang's KV after speculative verify steps."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),
@@ -110,6 +114,9 @@ class CaptureMetrics:
 
         self._held = gauge("admission_held", "Requests held right now until the output ring has room.")
         self._pending = gauge("finish_pending", "Finished requests handed to the finish worker, not yet published.")
+        self._held_reqs = gauge("kv_held_requests", "Finished requests whose KV slots are held until their record "
+                                "is gathered (--hs-record-part-size).")
+        self._held_tokens = gauge("kv_held_tokens", "KV slots of those requests.")
         self._fill = gauge("output_ring_fill_ratio", "Unread bytes / capacity of the output ring.")
         self._unaccounted = gauge("requests_unaccounted", "Requests admitted or held whose outcome is not counted yet.")
 
@@ -122,6 +129,8 @@ class CaptureMetrics:
                 self._seen[name] = value
         self._held.set(snapshot.get("admission", {}).get("held_now", 0))
         self._pending.set(snapshot.get("writer", {}).get("finish_pending", 0))
+        self._held_reqs.set(snapshot.get("writer", {}).get("held_requests", 0))
+        self._held_tokens.set(snapshot.get("writer", {}).get("held_tokens", 0))
         self._fill.set(snapshot.get("output_ring_fill") or 0.0)
         self._unaccounted.set(snapshot.get("unaccounted", 0))
         # last: whoever sees them sees the figures above

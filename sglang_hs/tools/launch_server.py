@@ -86,6 +86,11 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                         "400 naming the limit (with --hs-when-behind skip: served without capture, marker oversized); "
                         "admission counts a request without max_new_tokens at the whole context (default: the "
                         "context length)")
+    g.add_argument("--hs-record-part-size", default=None, metavar="SIZE",
+                   help="a record of more row bytes than SIZE (e.g. 256MiB) leaves the output ring in parts, each as "
+                        "soon as the ring has room, the request's KV slots held until its last part is gathered: the "
+                        "ring need hold only a part, not a whole long sample (then sized for that). Needs attention TP "
+                        "1 (--tp 1, or --attn-dp-size equal to --tp) (default: every record whole)")
     g.add_argument("--hs-admission-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a request held this long because the output ring is full (the reader is behind) "
                         f"instead of holding it forever; 0 = no limit (default {envs.DEFAULT_ADMISSION_TIMEOUT_S:g})")
@@ -298,21 +303,60 @@ def _human(nbytes: int, up: bool = False) -> str:
     return f"{value:.{digits}f}{name}"
 
 
+def record_part_bytes(value: Optional[str], argv: List[str]) -> int:
+    """--hs-record-part-size in bytes (0: not given). Refused in one line where a writer's attention group has more
+    than one rank: holding a finished request's KV slots on the writer alone would make the ranks' allocators
+    diverge (sglang_hs/server/patches/hold_finished_kv.py)."""
+    if value is None:
+        return 0
+    from sglang_hs import envs
+
+    part = parse_size(value, "--hs-record-part-size")
+    for flag, why in (("--enable-streaming-session", "SGLang keeps a streaming session's KV row for its next turn, "
+                       "so it cannot be held while a record in parts is gathered"),
+                      ("--enable-memory-saver", "release_memory_occupation needs the scheduler idle, which it is "
+                       "not while finished requests' KV is held")):
+        if _has_flag(argv, flag):
+            raise CaptureConfigError(f"--hs-record-part-size with {flag}: {why}; drop one of them")
+    if envs.SGLANG_HS_SYNC_FINISH:
+        raise CaptureConfigError("--hs-record-part-size with SGLANG_HS_SYNC_FINISH=1: records in parts are published "
+                                 "by the finish worker; unset SGLANG_HS_SYNC_FINISH")
+    try:
+        tp = int(_flag_value(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
+        dp = int(_flag_value(argv, "--attn-dp-size") or (_flag_value(argv, "--dp-size", "--dp", "--data-parallel-size")
+                                                         if _has_flag(argv, "--enable-dp-attention") else None) or 1)
+    except ValueError:  # SGLang's parser refuses it with its own message
+        return part
+    if tp // max(dp, 1) > 1:
+        raise CaptureConfigError(f"--hs-record-part-size with --tp {tp}" + (f" and {dp} attention DP groups" if dp > 1
+                                                                             else "") +
+                                 f": attention TP {tp // max(dp, 1)}; records in parts need attention TP 1 (--tp 1, "
+                                 "or --attn-dp-size equal to --tp): holding a request's KV slots on one rank of its "
+                                 "attention group is not built")
+    return part
+
+
 def check_ring_size(ring: int, explicit: bool, spec: CaptureSpec, config: dict, argv: List[str],
-                    dump_dir: str, max_record_tokens: Optional[int] = None) -> int:
+                    dump_dir: str, max_record_tokens: Optional[int] = None, part_bytes: int = 0) -> int:
     """The output ring must hold one record at the server's maximal context length, or of `max_record_tokens`
     (--hs-max-record-tokens) when that is fewer (twice: admission reserves room to wrap), and fit the dump
-    dir's filesystem. A default ring grows to that; a size the user gave is refused, naming the flags."""
+    dir's filesystem. A default ring grows to that; a size the user gave is refused, naming the flags. With
+    records in parts (`part_bytes`, --hs-record-part-size) one part of such a record (all its token ids) will do."""
     from sglang_hs.server.store.admission import ring_floor
 
     ctx = _flag_value(argv, "--context-length") or config.get("max_position_embeddings")
     dtype = str(_flag_value(argv, "--dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     elem = 4 if dtype in ("float32", "float") else 2
     P = spec.rows_per_token
+    if part_bytes and part_bytes < P * spec.hidden_size * elem:
+        raise CaptureConfigError(f"--hs-record-part-size: {part_bytes} bytes is less than one token's rows ({P} x "
+                                 f"{spec.hidden_size} x {elem} = {P * spec.hidden_size * elem} bytes); give at least "
+                                 "that (e.g. 256MiB)")
     capped = max_record_tokens is not None and (not ctx or max_record_tokens < int(ctx))
     tokens = max_record_tokens if capped else ctx
     if tokens:  # a speculative server's records also hold each verify step's accepted drafts
-        need = ring_floor(int(tokens), P, spec.hidden_size, elem, bool(_flag_value(argv, "--speculative-algorithm")))
+        need = ring_floor(int(tokens), P, spec.hidden_size, elem, bool(_flag_value(argv, "--speculative-algorithm")),
+                          part_bytes=part_bytes)
         what, lower = (("of --hs-max-record-tokens", "--hs-max-record-tokens") if capped else
                        ("at the server's maximal context length", "--context-length (or cap records with "
                                                                   "--hs-max-record-tokens)"))
@@ -596,7 +640,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
                 "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW", "SGLANG_HS_CAPTURE_ACCEPT_LOWEST",
-                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW"):
+                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW", "SGLANG_HS_RECORD_PART_BYTES"):
         env.pop(key, None)
     dump_dir = None
     if ns.hs_dump_dir:
@@ -651,10 +695,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None \
             or ns.hs_hc_streams is not None or ns.hs_capture_accept_below is not None \
             or ns.hs_capture_accept_lowest is not None or ns.hs_capture_accept_window is not None \
-            or ns.hs_max_record_tokens is not None:
+            or ns.hs_max_record_tokens is not None or ns.hs_record_part_size is not None:
         raise CaptureConfigError("--hs-layers/--hs-last/--hs-hc-streams/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
                                  "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
-                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-when-behind/--hs-max-record-tokens need "
+                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-when-behind/--hs-record-part-size/"
+                                 "--hs-max-record-tokens need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs
 
@@ -663,8 +708,11 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         if ns.hs_max_record_tokens is not None and ns.hs_max_record_tokens < 1:
             raise CaptureConfigError(f"--hs-max-record-tokens: at least 1 token (prompt + max_new_tokens), got "
                                      f"{ns.hs_max_record_tokens}")
+        part_bytes = record_part_bytes(ns.hs_record_part_size, sg_argv)
+        if part_bytes:
+            env["SGLANG_HS_RECORD_PART_BYTES"] = str(part_bytes)
         ring = check_ring_size(ring, explicit=bool(ns.hs_ring_size), spec=spec, config=config, argv=sg_argv,
-                               dump_dir=dump_dir, max_record_tokens=ns.hs_max_record_tokens)
+                               dump_dir=dump_dir, max_record_tokens=ns.hs_max_record_tokens, part_bytes=part_bytes)
     env["SGLANG_HS_RING_SIZE"] = str(ring)
     env.pop("SGLANG_HS_ADMISSION_TIMEOUT", None)
     if ns.hs_admission_timeout is not None:

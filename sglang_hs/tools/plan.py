@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hs-ring-size", default=None, metavar="SIZE", help="as the launcher's")
     p.add_argument("--hs-max-record-tokens", type=int, default=None, metavar="N",
                    help="as the launcher's: the ring need only hold records of N tokens, not one at the context")
+    p.add_argument("--hs-record-part-size", default=None, metavar="SIZE",
+                   help="as the launcher's: records of more row bytes leave the ring in parts, so the ring need hold "
+                        "one part of each (all its token ids), not the record")
     p.add_argument("--dp-size", type=int, default=1, help="with --enable-dp-attention: writers")
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--tp-size", "--tp", type=int, default=None, help="the server's (default: --dp-size); with "
@@ -245,7 +248,7 @@ def plan(ns) -> dict:
     store = slots * P * H * elem if slots else None
     ring = parse_size(ns.hs_ring_size) if ns.hs_ring_size else (CPU_DEFAULT_RING if cpu else GPU_DEFAULT_RING)
     record_tokens = min(int(ctx), ns.hs_max_record_tokens or int(ctx))  # the ring's floor, as the launcher's
-    need = ring_floor(record_tokens, P, H, elem)
+    need = ring_floor(record_tokens, P, H, elem, part_bytes=_part_bytes(ns))
     ring_grown = not ns.hs_ring_size and ring < need
     ring = max(ring, need, conc["ring_bytes"] if conc else 0) if not ns.hs_ring_size else ring
     if conc:  # how many of them the ring and the KV pool take at once
@@ -298,6 +301,15 @@ def plan(ns) -> dict:
     return out
 
 
+def _part_bytes(ns) -> int:
+    """--hs-record-part-size in bytes (0: records whole)."""
+    if getattr(ns, "hs_record_part_size", None) is None:
+        return 0
+    from sglang_hs.tools.launch_server import parse_size
+
+    return parse_size(ns.hs_record_part_size, "--hs-record-part-size")
+
+
 def concurrent_needs(ns, ctx: int, P: int, H: int, elem: int) -> Optional[dict]:
     """--concurrent N requests of --request-tokens L at once: the ring admission reserves for them (twice each
     one's worst-case record of L - 1 rows, admission.py) and the KV slots they hold (N x L); None without it."""
@@ -310,7 +322,7 @@ def concurrent_needs(ns, ctx: int, P: int, H: int, elem: int) -> Optional[dict]:
     L = ns.request_tokens or ctx
     if L > ctx:
         raise PlanError(f"--request-tokens: {L} tokens exceed the context length of {ctx}; raise --context-length")
-    each = ring_floor(L - 1, P, H, elem)
+    each = ring_floor(L - 1, P, H, elem, part_bytes=_part_bytes(ns))
     return {"requests": ns.concurrent, "tokens": L, "record_bytes": each // 2, "ring_bytes_each": each,
             "ring_bytes": ns.concurrent * each, "kv_slots": ns.concurrent * L,
             "store_bytes": ns.concurrent * L * P * H * elem}

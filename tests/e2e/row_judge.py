@@ -1,11 +1,16 @@
 """The per-row judge of records from float32 servers against HF transformers float32 (the exact oracle;
 tests/e2e/test_exact_rows.py says what the tolerance rests on)."""
 import concurrent.futures as cf
+from collections import namedtuple
 
 TOL = 1e-4
 # rows stored in bf16 (--format specforge files, whatever the server's dtype): one rounding of a float32 row,
 # at most 2^-9 relative per element, so within BF16_TOL of HF float32 per row; a neighbour is ~1 off
 BF16_TOL = 4e-3
+
+
+# a record's rows put together from the chunks a reader with part_bytes handed out: what assert_exact judges
+Whole = namedtuple("Whole", "rid input_ids aux_hidden_states last_hidden_state last_pre_norm")
 
 
 def rel(got, ref):

@@ -79,3 +79,69 @@ def test_skip_serves_it_without_capture_with_an_oversized_marker():
     assert [m.rid for m in out] == ["long"]
     assert adm.decided["long"] == ("oversized", True) and adm.reserved["long"] == adm.marker_need("long")
     assert adm.stats["skipped_oversized"] == 1 and adm.stats["oversized"] == 1 and adm.stats["failed"] == 0
+
+
+def test_with_records_in_parts_a_long_request_reserves_its_first_part_and_fits():
+    """--hs-record-part-size: a request whose record will leave the ring in parts reserves twice its first part
+    (all its token ids and part_rows rows), so a 128K-token request fits a ring far smaller than its record; one
+    whose record is at most a part reserves it whole, as before; --hs-capture-max-bytes still charges the whole
+    record."""
+    part_rows = (256 << 20) // (P * H * ELEM)
+    adm = _adm(part_rows=part_rows, max_bytes=1 << 40)
+    long, short = _req("long", 120000, 8000), _req("short", part_rows // 4 - 10, 10)
+    assert adm.need(long) == 2 * record_bytes(part_rows, P, H, ELEM, 4, n_ids=128000 - 1) < RING
+    assert adm.need(short) == 2 * record_bytes(part_rows // 4 - 1, P, H, ELEM, 5)
+    out = adm.filter([long, short])
+    assert out == [long, short] and adm.reserved == {"long": adm.need(long), "short": adm.need(short)}
+    assert adm.stats["capture_bytes"] == record_bytes(128000 - 1, P, H, ELEM, 4) + record_bytes(part_rows // 4 - 1, P, H, ELEM, 5)
+    assert _adm().need(long) > RING  # without parts: oversized
+
+
+def test_a_later_part_takes_only_room_no_other_request_was_admitted_on():
+    """part_room (the finish worker, before each part after the first): room beyond every OTHER request's reservation
+    (its own counts as free: it is what the first part was admitted on), and while a part's room is taken admission
+    sees it as gone."""
+    part_rows = (256 << 20) // (P * H * ELEM)
+    adm = _adm(part_rows=part_rows)
+    a, b = _req("a", 120000, 8000), _req("b", 1000, 10)
+    assert adm.filter([a, b]) == [a, b]
+    ticket_a = adm.finish("a", a)
+    others = adm.need(b)
+    part = 2 * record_bytes(part_rows, P, H, ELEM, 1, n_ids=0)
+    adm.ring.free = others + part - 1  # one byte short of a part beyond b's reservation
+    assert not adm.part_room(part, ticket_a)
+    adm.ring.free = others + part
+    assert adm.part_room(part, ticket_a)
+    c = _req("c", 10, 2)  # the part's room is taken: admission sees none left beyond b's
+    assert adm.filter([c]) == [] and adm.held
+    adm.part_room_done()
+    adm.ring.free -= part // 2  # the part published (a part's record is half the room taken: room to wrap)
+    assert adm.filter([]) == []  # a's own reservation stands until its record is done
+    adm.release_reservation("a", ticket_a)
+    assert adm.filter([]) == [c]
+    assert adm.reserved_bytes() == sum(adm.reserved.values())
+
+
+def test_records_in_parts_charge_their_worst_case_tokens_to_the_kv_hold_budget():
+    """With records in parts a finished captured request's KV may be held until its record is gathered: the worst-case
+    tokens (prompt + max_new_tokens) of the captured requests in flight stay within the hold budget, so a stalled reader
+    never holds the whole pool; a request over it waits like one the ring cannot take (skip: served without capture),
+    unless it is alone; uncaptured requests are never charged; a finished record gives its tokens back."""
+    part_rows = (256 << 20) // (P * H * ELEM)
+
+    def _adm(**kw):  # a ring with room for all of them: only the budget holds a request back
+        return AdmissionControl(Ring(8 << 30), P, H, ELEM, context_len=163840, **kw)
+
+    adm = _adm(part_rows=part_rows, hold_budget=100000)
+    a, b, c = _req("a", 60000, 8000), _req("b", 30000, 2001), _req("c", 1000, 10)
+    assert adm.filter([a, b, c]) == [a] and [r.rid for r in adm.held] == ["b", "c"]  # b over the budget: c waits too
+    assert adm.stats["hold_charged_tokens"] == 68000
+    ticket = adm.finish("a", a)
+    adm.release_reservation("a", ticket)  # a's record gathered: its KV released, its tokens back
+    assert adm.filter([]) == [b, c] and adm.stats["hold_charged_tokens"] == 32001 + 1010
+    alone = _adm(part_rows=part_rows, hold_budget=100000)
+    big = _req("big", 120000, 8000)
+    assert alone.filter([big]) == [big]  # over the budget alone: let in (one request can always run)
+    skip = _adm(part_rows=part_rows, hold_budget=100000, when_behind="skip")
+    assert skip.filter([a, b]) == [a, b] and skip.stats["skipped_reader_behind"] == 1  # b served without capture
+    assert skip.stats["hold_charged_tokens"] == 68000

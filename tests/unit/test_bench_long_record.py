@@ -1,7 +1,8 @@
 """benchmarks/bench_long_record.py at a small size: it runs the whole-record path (finish worker -> ring ->
 reader process -> SpecForge file) for every reader way, writes its CSVs, and its peak-memory figures show what
 it measures: the reader holds the record's ring pages (views) or a copy of it besides (copy), or about two chunks
-of them (chunked: the CLI with --part-mb; spill: the live dataset's long records)."""
+of them (chunked: the CLI with --part-mb; spill: the live dataset's long records; parts: the record published in
+parts through a ring of a few parts, read the chunked way)."""
 import csv
 import os
 import sys
@@ -19,7 +20,7 @@ def test_small_run_writes_its_figures(tmp_path):
                                    "--disk-dir", str(tmp_path), "--part-mb", str(PART_MB)]) == 0
     with open(tmp_path / "bench_long_record_summary.csv") as f:
         rows = {r["reader"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"view", "chunked", "spill", "copy"}
+    assert set(rows) == {"view", "chunked", "spill", "copy", "parts"}
     record = TOKENS * bench_long_record.ROW_BYTES / 1e9
     part = PART_MB * (1 << 20) / 1e9
     for way, r in rows.items():
@@ -32,4 +33,6 @@ def test_small_run_writes_its_figures(tmp_path):
             # spill: a chunk's aux rows and final states made contiguous for the file, kept in the heap for the next
             assert float(r["consumer_anon_GB_median"]) < float(rows["view"]["consumer_anon_GB_median"]) + 4 * part
     assert float(rows["copy"]["consumer_anon_GB_median"]) - float(rows["view"]["consumer_anon_GB_median"]) > record / 2
+    # records in parts: the ring holds a few parts, not the record (the others' ring is one record)
+    assert float(rows["parts"]["ring_GB"]) < 5 * part < record <= float(rows["view"]["ring_GB"])
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".bench-long-record-")]  # its files removed

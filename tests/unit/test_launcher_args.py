@@ -316,6 +316,50 @@ def test_max_record_tokens_lowers_the_rings_floor(tmp_path, clean_env, capsys):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-max-record-tokens", "10"])
 
 
+def test_record_part_size_lets_a_ring_smaller_than_a_record_serve_and_needs_attention_tp_1(tmp_path, clean_env):
+    """--hs-record-part-size: a long record leaves the ring in parts, so the ring need hold one part of a record at
+    the maximal context (all its token ids), twice; refused in one line where a writer's attention group has more
+    than one rank (holding a request's KV on one rank alone is not built), and without --hs-dump-dir."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    model = _model_dir(tmp_path, max_position_embeddings=163840)
+
+    def base(n, *more):
+        return ["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / f"hs{n}"), "--hs-last", *more]
+
+    with pytest.raises(CaptureConfigError, match="cannot hold one record at the server's maximal context"):
+        launch_server.prepare(base(1, "--hs-ring-size", "16MiB"))  # whole records: 163840 x 4 x 64 x 2 x 2 > 16 MiB
+    launch_server.prepare(base(2, "--hs-ring-size", "16MiB", "--hs-record-part-size", "1MiB"))
+    assert envs.SGLANG_HS_RING_SIZE == 16 << 20 and envs.SGLANG_HS_RECORD_PART_BYTES == 1 << 20
+    part_rows = (1 << 20) // (4 * 64 * 2)
+    launch_server.prepare(base(3, "--hs-record-part-size", "1MiB", "--context-length", "400000"))  # a default ring
+    assert envs.SGLANG_HS_RING_SIZE == 256 << 20  # the CPU default holds a part (and all ids) of a 400000-token record
+    assert 2 * record_bytes(part_rows, 4, 64, 2, 256, n_ids=400000) < 256 << 20 < 2 * record_bytes(400000, 4, 64, 2, 256)
+    launch_server.prepare(base(4, "--hs-record-part-size", "1MiB", "--tp", "2", "--dp", "2", "--enable-dp-attention"))
+    launch_server.prepare(base(10, "--hs-record-part-size", "1MiB", "--tp", "2", "--attn-dp-size", "2"))
+    for n, tp in enumerate((["--tp", "2"], ["--tp", "4", "--dp", "2", "--enable-dp-attention"], ["--tp", "2", "--dp", "2"],
+                            ["--tp", "4", "--attn-dp-size", "2"])):
+        with pytest.raises(CaptureConfigError, match=r"^--hs-record-part-size with --tp \d.*: attention TP 2; records in "
+                                                     r"parts need attention TP 1 .*not built$"):
+            launch_server.prepare(base(11 + n, "--hs-record-part-size", "1MiB", *tp))
+    for n, flag in enumerate(("--enable-streaming-session", "--enable-memory-saver")):
+        with pytest.raises(CaptureConfigError, match=rf"^--hs-record-part-size with {flag}: .*; drop one of them$"):
+            launch_server.prepare(base(15 + n, "--hs-record-part-size", "1MiB", flag))
+    os.environ["SGLANG_HS_SYNC_FINISH"] = "1"
+    try:
+        with pytest.raises(CaptureConfigError, match=r"^--hs-record-part-size with SGLANG_HS_SYNC_FINISH=1: "):
+            launch_server.prepare(base(17, "--hs-record-part-size", "1MiB"))
+    finally:
+        del os.environ["SGLANG_HS_SYNC_FINISH"]
+    with pytest.raises(CaptureConfigError, match=r"^--hs-record-part-size: 100 bytes is less than one token's rows "
+                                                 r"\(4 x 64 x 2 = 512 bytes\)"):
+        launch_server.prepare(base(18, "--hs-record-part-size", "100"))
+    with pytest.raises(CaptureConfigError, match=r"^--hs-record-part-size: must be more than 0 bytes, got '0'$"):
+        launch_server.prepare(base(9, "--hs-record-part-size", "0"))
+    with pytest.raises(CaptureConfigError, match=r"--hs-record-part-size/.* need --hs-dump-dir"):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-record-part-size", "1MiB"])
+
+
 def test_a_speculative_servers_ring_holds_the_drafts_metadata_too(tmp_path, clean_env):
     """A speculative server's records also hold each verify step's accepted drafts (admission.meta_bound): the
     ring's floor counts them, so a request at the maximal context is never refused as oversized (issue 47)."""

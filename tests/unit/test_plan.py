@@ -59,6 +59,19 @@ def test_max_record_tokens_lowers_the_rings_floor_as_the_launchers(tmp_path, cap
     assert rc == 0 and f["ring_floor_tokens"] == 163840  # above the context: no cap
 
 
+def test_records_in_parts_plan_a_ring_of_one_part_per_record_as_the_launchers(tmp_path, capsys):
+    """--hs-record-part-size: the ring need hold twice one part of a maximal record (all its token ids), and each of
+    --concurrent N long requests reserves twice its first part, as the launcher and admission size them."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    part_rows = (256 << 20) // 57344
+    rc, f = _plan(tmp_path, capsys, "--samples", "10", "--mean-tokens", "2048", "--hs-record-part-size", "256MiB",
+                  "--concurrent", "8", "--request-tokens", "131072")
+    assert rc == 0 and f["ring_needed_for_one_record"] == 2 * record_bytes(part_rows, 4, 7168, 2, 256, n_ids=163840)
+    assert f["concurrent"]["ring_bytes_each"] == 2 * record_bytes(part_rows, 4, 7168, 2, 256, n_ids=131071)
+    assert f["concurrent"]["ring_bytes"] < 5 << 30 < 8 * 131072 * 57344  # 8 x 128K: ~4.3 GB of ring, not 60 GB
+
+
 def test_the_checkpoints_drafter_layers_are_planned_as_the_launcher_captures_them(tmp_path, capsys):
     """A V4-Flash-DSpark config (dspark_target_layer_ids [40, 41, 42] of 43): plan sizes our ids 41, 42, 43, as the
     launcher captures them (server/layer_source.py); --hs-layers still wins."""

@@ -80,6 +80,12 @@ Ledger (what / why / upstream status / removal plan):
 | cpu_inplace_all_  | registers SGLang's sglang::inplace_all_reduce| CPU mode only    |
 | reduce            | op for the CPU dispatch key (its own         |                  |
 |                   | function): integer DP-attention gathers      |                  |
+| hold_finished_kv  | wraps batch_result_processor.release_kv_     | capture on, with |
+|                   | cache: a finished request whose record is    | --hs-record-part-|
+|                   | published in parts (or behind one) gives its | size             |
+|                   | KV back once gathered; Scheduler.is_fully_   |                  |
+|                   | idle, SchedulerInvariantChecker._requests_   |                  |
+|                   | owning_rows count what is held               |                  |
 | hc_full_streams   | rebinds deepseek_v4.AuxHiddenStatePacker to  | the V4 overlay   |
 |                   | hc_mult x H wide slots and mhc.mhc_stream_   | built with       |
 |                   | mean to write the streams into such a slot   | --hs-hc-streams  |
@@ -124,6 +130,17 @@ capture_hooks
             direct copy a stream wait issued in the ModelRunner.forward hook). Scheduler.
             get_next_batch_to_run, Scheduler.on_idle and _pull_raw_reqs take the worker's results
             without waiting for it.
+hold_finished_kv
+  why:      a record in parts (--hs-record-part-size) leaves the ring as the reader makes room, so its gather
+            may wait for the reader; SGLang frees a finished request's KV slots at once, and a forward step that
+            reused one would then wait for the reader too. Holding SGLang's own release call (whole: radix insert,
+            frees, unlock, req_to_token row) until the gather is done keeps the slots allocated, so SGLang
+            schedules around them instead (its module docstring says what else it patches and why).
+  upstream: none: SGLang 0.5.23 frees at once (batch_result_processor.py, both release_kv_cache calls after
+            _maybe_collect_routed_experts); only disaggregation defers releases, its own way.
+  removal:  if SGLang grows a hook to delay a finished request's KV release; tests/e2e/test_record_parts.py's
+            stalled-reader test shows forward copies waiting for gathers (store_write_waits) without it.
+
 warmup_rid
   why:      SGLang's own warm-up request has no rid, so its record would reach readers like a user's.
   upstream: no way to name the warm-up request in 0.5.23.
@@ -388,6 +405,10 @@ def apply() -> dict:
             from sglang_hs.server.patches import capture_hooks
 
             _applied["capture_hooks"] = capture_hooks.apply()
+        if envs.SGLANG_HS_DUMP_DIR and envs.SGLANG_HS_RECORD_PART_BYTES and "hold_finished_kv" not in _applied:
+            from sglang_hs.server.patches import hold_finished_kv
+
+            _applied["hold_finished_kv"] = hold_finished_kv.apply()
         return dict(_applied)
 
 

@@ -28,11 +28,12 @@ _scheduler = None  # the Scheduler of this process, for reconciling reservations
 _reserved = None  # (rows, device tensor): the staging buffers' memory, held while SGLang sizes the KV pool
 _finisher = None  # its FinishWorker once the first request finished; False: the synchronous path
 _selection = None  # DraftSelection (store/draft_selection.py): --hs-capture-accept-below / -lowest
+_part_bytes = 0  # --hs-record-part-size where this writer publishes records in parts (parts_here); 0: whole records
 
 
 def _after_init_capturers(self) -> None:
     ORIGINALS["init_routed_experts_capturer"](self)
-    global _writer, _admission, _reserved, _selection
+    global _writer, _admission, _reserved, _selection, _part_bytes
     from sglang.srt.runtime_context import get_parallel
 
     model, par = self.model, get_parallel()
@@ -70,13 +71,17 @@ def _after_init_capturers(self) -> None:
         check_stream_wait()  # the finish worker orders the store's writes with it: refused now, not mid-serving
     from sglang_hs.server.store.admission import AdmissionControl
 
+    _part_bytes = parts_here(par, self)
+    row_bytes = _writer.P * model.hs_spec.hidden_size * _writer.store.element_size()
     _admission = AdmissionControl(_writer.ring, _writer.P, model.hs_spec.hidden_size, _writer.store.element_size(),
                                   self.model_config.context_len, timeout=envs.SGLANG_HS_ADMISSION_TIMEOUT,
                                   mode=envs.SGLANG_HS_CAPTURE, sample=envs.SGLANG_HS_CAPTURE_SAMPLE,
                                   when_behind=envs.SGLANG_HS_WHEN_BEHIND, recorded_prompt_len=_recorded_prompt_len,
                                   sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
                                   max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES,
-                                  speculative=bool(getattr(args, "speculative_algorithm", None)))
+                                  speculative=bool(getattr(args, "speculative_algorithm", None)),
+                                  part_rows=max(1, _part_bytes // row_bytes) if _part_bytes else 0,
+                                  hold_budget=hold_budget(self) if _part_bytes else 0)
     from sglang_hs.server.store.draft_selection import DraftSelection
 
     _selection = DraftSelection(below=envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW, lowest=envs.SGLANG_HS_CAPTURE_ACCEPT_LOWEST,
@@ -91,6 +96,38 @@ def _after_init_capturers(self) -> None:
 
         if metrics.enabled():
             status.listeners.append(metrics.CaptureMetrics(writer_id).refresh)
+
+
+def hold_budget(runner) -> int:
+    """Tokens of KV the captured requests in flight may hold after they finish (records in parts): the pool less one
+    full-context request, so one can always run (at least half the pool)."""
+    pool = int(getattr(runner, "max_total_num_tokens", 0) or runner.max_token_pool_size)
+    return max(pool - int(runner.model_config.context_len), pool // 2)
+
+
+def parts_here(par, runner) -> int:
+    """--hs-record-part-size's bytes (0: not asked for). Start-up stops in one line where this writer cannot publish
+    records in parts: the finish worker must run (not SGLANG_HS_SYNC_FINISH) on an allocator it follows, and the
+    writer must be its attention group's only rank (holding slots on one rank alone would make the ranks'
+    allocators diverge; the launcher refuses those flags, this is the server's own check). Records whole instead
+    would not fit a ring sized for parts."""
+    from sglang_hs import envs
+
+    part_bytes = envs.SGLANG_HS_RECORD_PART_BYTES
+    if not part_bytes:
+        return 0
+    from sglang_hs.server.store.finisher import check_allocator
+
+    allocator = getattr(runner, "token_to_kv_pool_allocator", None)
+    why = ("SGLANG_HS_SYNC_FINISH is set" if envs.SGLANG_HS_SYNC_FINISH else
+           f"attention TP size {par.attn_tp_size} (holding slots needs every rank's consent)"
+           if getattr(par, "attn_tp_size", 1) != 1 else
+           check_allocator(allocator) if allocator is not None else "no KV allocator")
+    if why is not None:
+        raise RuntimeError(f"sglang-hs: --hs-record-part-size: records cannot leave the ring in parts here: {why}")
+    logger.info("sglang-hs: records of more than %d row bytes leave the output ring in parts; their requests' KV "
+                "slots are held until gathered (--hs-record-part-size)", part_bytes)
+    return part_bytes
 
 
 def follow_kv_moves(pool, writer) -> None:
@@ -270,7 +307,15 @@ def _after_collect(self, req) -> None:
     said = dict(prompt_len=len(req.origin_input_ids), next_token=int(tokens[T]), meta=record_meta(req))
     worker = _finish_worker(self)
     if worker is not None:  # the worker gathers and publishes; the reservation goes when it is done
-        worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket)
+        # a record in parts, or any behind one: its KV slots held until gathered (hold_finished_kv); never a
+        # streaming session's request, whose row SGLang keeps for the next turn
+        streaming = getattr(getattr(req, "session", None), "streaming", False)
+        held = bool(_part_bytes) and not streaming and worker.holds(T)
+        seq = worker.submit(str(req.rid), tokens[:T], slots, **said, ticket=ticket, held=held)
+        if held:
+            from sglang_hs.server.patches import hold_finished_kv
+
+            hold_finished_kv.hold(req, seq, worker, _writer.stats)
         return
     try:
         _writer.finish(str(req.rid), tokens[:T], slots, **said)
@@ -374,6 +419,9 @@ def _finish_worker(processor):
     import atexit
 
     worker = FinishWorker(_writer, on_done=_admission.release_reservation)
+    if _part_bytes:
+        worker.enable_parts(_part_bytes)
+        worker.part_room, worker.part_room_done = _admission.part_room, _admission.part_room_done
     allocator = processor.token_to_kv_pool_allocator
     if str(getattr(allocator, "device", "cpu")).startswith("cuda"):
         worker.watch_allocator(allocator)  # the GPU's waits narrowed to the gathers a step's slots may need
@@ -393,10 +441,22 @@ def _get_next_batch_to_run(self, *args, **kwargs):
 def _on_idle(self, *args, **kwargs):
     """Scheduler.on_idle: take the worker's results without waiting for it. Nothing of the KV pool is
     held (finisher.py), so SGLang's idle leak check (available + evictable == total) sees its own pool
-    as it is; a gather still running only delays its own record, not the intake of new requests."""
+    as it is; a gather still running only delays its own record, not the intake of new requests. With
+    records in parts (--hs-record-part-size) the KV of requests whose records are not gathered yet is held
+    (hold_finished_kv: the scheduler is not idle then, and no leak check runs): the releases now due are made,
+    and while some are left a turn waits up to 5 ms for the worker instead of spinning."""
     if _finisher:
         _finisher.poll()
+        if _part_bytes and _release_held():  # waiting for the reader: a short wait for the worker, not a spin
+            _finisher.wait_progress(0.005)
     return ORIGINALS["on_idle"](self, *args, **kwargs)
+
+
+def _release_held() -> int:
+    """SGLang's KV releases held for records now gathered, made (hold_finished_kv); returns how many are left."""
+    from sglang_hs.server.patches import hold_finished_kv
+
+    return hold_finished_kv.release_done()
 
 
 def _ingest_requests(self, *args, **kwargs):
@@ -442,6 +502,8 @@ def _known_rids():
 def _pull_raw_reqs(self):
     if _finisher:  # reservations of records published meanwhile go back before admission decides
         _finisher.poll()
+        if _part_bytes:  # and the KV slots of requests whose records are gathered now, before scheduling
+            _release_held()
     pulled = ORIGINALS["_pull_raw_reqs"](self)
     if _admission is None or pulled is None:
         return pulled

@@ -71,6 +71,7 @@ import collections
 import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional
@@ -139,11 +140,15 @@ def meta_bound(max_new: int) -> int:
 SIZED_RID_BYTES = 256  # the request id a ring is sized for (the launcher's floor, the planner): longer ones fit if room
 
 
-def ring_floor(tokens: int, P: int, H: int, elem: int, speculative: bool = False) -> int:
+def ring_floor(tokens: int, P: int, H: int, elem: int, speculative: bool = False, part_bytes: int = 0) -> int:
     """The smallest output ring that admits a record of `tokens` tokens (a request id of SIZED_RID_BYTES and, on a
     speculative server, every verify step's accepted drafts): twice the record, since admission reserves room to
-    wrap. The launcher grows a default ring to it (or refuses a given one) and the planner sizes with it."""
+    wrap; with records in parts of `part_bytes` row bytes (--hs-record-part-size), twice its first part (all its
+    token ids). The launcher grows a default ring to it (or refuses a given one) and the planner sizes with it."""
     meta = meta_bound(tokens) if speculative else 0
+    part_rows = max(1, part_bytes // (P * H * elem)) if part_bytes else 0
+    if part_rows and tokens > part_rows:
+        return 2 * record_bytes(part_rows, P, H, elem, SIZED_RID_BYTES, meta, n_ids=tokens)
     return 2 * record_bytes(tokens, P, H, elem, SIZED_RID_BYTES, meta)
 
 
@@ -157,6 +162,7 @@ class Ticket:
     # to the Req it finishes (Scheduler.handle_generate_request), and while the ticket holds it no other
     # object can be made at its address. Compared by identity only.
     params: Any = None
+    tokens: int = 0  # its worst-case tokens charged to the KV hold budget (records in parts; 0: none)
 
 
 def _rid_message(why: str) -> str:
@@ -168,7 +174,8 @@ class AdmissionControl:
     def __init__(self, ring, rows_per_token: int, hidden: int, elem: int, context_len: int,
                  timeout: float = 0.0, mode: str = "all", sample: Optional[float] = None,
                  when_behind: str = "hold", recorded_prompt_len: Optional[Callable[[object], Optional[int]]] = None,
-                 sample_key: bytes = b"", max_bytes: Optional[int] = None, speculative: bool = False) -> None:
+                 sample_key: bytes = b"", max_bytes: Optional[int] = None, speculative: bool = False,
+                 part_rows: int = 0, hold_budget: int = 0) -> None:
         self.ring, self.P, self.H, self.elem, self.context_len = ring, rows_per_token, hidden, elem, context_len
         # the prompt length a request's record will have when it is not len(input_ids) (a session turn's
         # record holds the session's context: sglang_hs/server/store/session_turns.py); None: len(input_ids)
@@ -177,6 +184,18 @@ class AdmissionControl:
         self.mode, self.sample, self.when_behind = mode, sample, when_behind
         self.sample_key, self.max_bytes = sample_key, max_bytes
         self.speculative = speculative  # records carry each verify step's accepted drafts (meta_bound)
+        # --hs-record-part-size: a record of more rows leaves the ring in parts of this many (0: whole records);
+        # such a request reserves room for its first part (all its token ids and part_rows rows): the finish worker
+        # publishes each later part as the reader makes room, the request's KV slots held meanwhile (finisher.py)
+        self.part_rows = part_rows
+        # With records in parts a captured request's KV may be held after it finishes (until its record is gathered,
+        # as the reader makes room): the worst-case tokens of the captured requests in flight are charged to
+        # `hold_budget` (the KV pool less one full-context request), so a stalled reader can never hold the whole
+        # pool (SGLang would retract, then abort the last request, and its health check would find no slot). A
+        # request over the budget waits here like one the ring has no room for (skip: served without capture);
+        # one alone is always let in.
+        self.hold_budget = hold_budget
+        self._hold_charged = 0  # tokens charged (scheduler thread)
         # Every admitted request has a ticket until it finishes and its record or marker is published. A rid
         # used again (a retry while the old request's record is still being published, a duplicate) has one
         # ticket per request: a finish finds its own (_find) and hands it to the finish worker with the
@@ -184,25 +203,64 @@ class AdmissionControl:
         self._tickets: Dict[str, List[Ticket]] = {}  # rid -> tickets, in admission order
         self._finishing: Dict[str, Deque[Ticket]] = {}  # rid -> tickets finished and not released, in that order
         self._n_tickets = 0  # tickets alive (one int: the status thread reads it, unaccounted())
+        self._reserved = 0  # ring bytes the tickets reserve (one int: the finish worker reads it, part_room)
+        # Records in parts: a later part's room is taken by the finish worker (part_room) beyond every other
+        # request's reservation; the lock orders that against admission's decisions (filter)
+        self._room_lock = threading.RLock()
+        self._in_flight = 0  # a part's room taken and not yet published
         region = getattr(ring, "r", None)  # a SharedRegion; unit tests may pass a stand-in ring
         self.ring_name = os.path.join(region.dir_path, region.name) if region is not None else "the output ring"
         self.held: "collections.deque" = collections.deque()  # requests waiting, in arrival order
         self.held_since: Dict[str, float] = {}
         self._batch_of: Dict[int, object] = {}  # id(held member of a batch) -> its batch message
         self.stats = {"admission_waits": 0, "held_now": 0, "oversized": 0, "failed": 0, "markers_dropped": 0,
-                      "capture_bytes": 0}  # worst-case record bytes of the requests admitted with capture
+                      "capture_bytes": 0,  # worst-case record bytes of the requests admitted with capture
+                      "hold_charged_tokens": 0}  # records in parts: worst-case tokens charged to the hold budget
         self.stats.update({f"skipped_{r}": 0 for r in REASON_CODE})
         self._last_reconcile = self._last_log = self._last_skip_log = 0.0
 
+    def worst_record(self, req) -> int:
+        """Bytes of `req`'s worst-case record, whole (what --hs-capture-max-bytes charges)."""
+        n_in, max_new = self.worst_tokens(req)
+        meta = meta_bound(max_new) if self.speculative else 0
+        return record_bytes(max(0, n_in + max_new - 1), self.P, self.H, self.elem, len(str(req.rid).encode()), meta)
+
     def need(self, req) -> int:
+        """The ring bytes `req` reserves: twice its worst-case record (room to wrap), or for a record that will
+        leave in parts, twice its first part (every token id, part_rows rows)."""
         n_in, max_new = self.worst_tokens(req)
         rows = max(0, n_in + max_new - 1)
         meta = meta_bound(max_new) if self.speculative else 0
+        if self.part_rows and rows > self.part_rows:
+            return 2 * record_bytes(self.part_rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta,
+                                    n_ids=rows)
         return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta)
+
+    def part_room(self, nbytes: int, ticket: Optional[Ticket]) -> bool:
+        """The finish worker, before a later part of a record in parts (its first has the request's reservation):
+        True, the room taken (until part_room_done), when the ring has `nbytes` free beyond every OTHER request's
+        reservation, so parts never take room a request was admitted on; else False (the worker asks again as the
+        reader frees room; once it has caught up, the part's own reservation, twice a first part, is free)."""
+        own = ticket.nbytes if ticket is not None else 0
+        with self._room_lock:
+            if self.ring.free_bytes() - (self._reserved - own) - self._in_flight < nbytes:
+                return False
+            self._in_flight = nbytes
+            return True
+
+    def part_room_done(self) -> None:
+        """The part taken with part_room is published (the ring's free bytes count it now)."""
+        with self._room_lock:
+            self._in_flight = 0
 
     def filter(self, pulled: Optional[List], known_rids: Optional[Callable[[], Optional[set]]] = None) -> Optional[List]:
         """Called with what the writer rank pulled this iteration; returns what may enter now.
-        `known_rids()` (the scheduler's request ids) is only called when a reconcile is due."""
+        `known_rids()` (the scheduler's request ids) is only called when a reconcile is due. Under the room lock:
+        a record in parts takes room (part_room) before or after, never between a decision and its reservation."""
+        with self._room_lock:
+            return self._filter(pulled, known_rids)
+
+    def _filter(self, pulled: Optional[List], known_rids: Optional[Callable[[], Optional[set]]]) -> Optional[List]:
         if pulled is None:
             return None
         from sglang.srt.managers import io_struct
@@ -251,7 +309,7 @@ class AdmissionControl:
                 out.append(msg)
             else:
                 out.append(msg)
-        free = self.ring.free_bytes() - self.reserved_bytes()
+        free = self.ring.free_bytes() - self.reserved_bytes() - self._in_flight
         keep: "collections.deque" = collections.deque()
         blocked = False  # a captured request is waiting for room: captured ones behind it wait too (FIFO)
         for req in self.held:
@@ -270,7 +328,7 @@ class AdmissionControl:
             never = unrecordable(req)  # served without capture, its marker reserved like a record (FIFO)
             reason = None if never else select(req, self.mode, self.sample, self.sample_key)
             if reason is None and not never and self.max_bytes is not None \
-                    and self.stats["capture_bytes"] + self.need(req) // 2 > self.max_bytes:
+                    and self.stats["capture_bytes"] + self.worst_record(req) > self.max_bytes:
                 reason = "over_budget"  # --hs-capture-max-bytes is spent
             if reason is not None:  # not captured: goes in at once, whatever waits ahead of it
                 free = self._skip(req, reason, free, now)
@@ -292,7 +350,8 @@ class AdmissionControl:
             if blocked:
                 keep.append(req)
                 continue
-            if need > free:
+            tokens = sum(self.worst_tokens(req)) if self.hold_budget and not never else 0
+            if need > free or (tokens and self._hold_charged and self._hold_charged + tokens > self.hold_budget):
                 if self.when_behind == "skip":  # serve it now, without capture
                     free = self._skip(req, never or "reader_behind", free, now)
                     out.append(self._admit(req))
@@ -302,10 +361,10 @@ class AdmissionControl:
                 continue
             if never:
                 self.stats[f"skipped_{never}"] += 1
-            self._add(req, need, (never, True) if never else None)
+            self._add(req, need, (never, True) if never else None, tokens)
             free -= need
             if not never:
-                self.stats["capture_bytes"] += need // 2  # its worst-case record (need reserves it twice)
+                self.stats["capture_bytes"] += self.worst_record(req)
             out.append(self._admit(req))
         self.held = keep
         if self.held and self.timeout > 0:
@@ -398,10 +457,13 @@ class AdmissionControl:
         return self._n_tickets + len(self.held)
 
     # --- tickets -------------------------------------------------------------------------------------
-    def _add(self, req, nbytes: int, decision: Optional[tuple]) -> None:
-        ticket = Ticket(str(req.rid), nbytes, decision, getattr(req, "sampling_params", None))
+    def _add(self, req, nbytes: int, decision: Optional[tuple], tokens: int = 0) -> None:
+        ticket = Ticket(str(req.rid), nbytes, decision, getattr(req, "sampling_params", None), tokens)
         self._tickets.setdefault(ticket.rid, []).append(ticket)
         self._n_tickets += 1
+        self._reserved += nbytes
+        self._hold_charged += tokens
+        self.stats["hold_charged_tokens"] = self._hold_charged
 
     def _find(self, rid: str, req=None, finishing_too: bool = True) -> Optional[Ticket]:
         """The ticket of `req` (rid `rid`): the one holding its very sampling params object; else its rid's
@@ -446,13 +508,16 @@ class AdmissionControl:
                 kept = [t for t in entries if t is not ticket]
                 if table is self._tickets:
                     self._n_tickets -= len(entries) - len(kept)
+                    self._reserved -= sum(t.nbytes for t in entries if t is ticket)
+                    self._hold_charged -= sum(t.tokens for t in entries if t is ticket)
+                    self.stats["hold_charged_tokens"] = self._hold_charged
                 if not kept:
                     del table[ticket.rid]
                 elif len(kept) != len(entries):
                     table[ticket.rid] = kept if table is self._tickets else collections.deque(kept)
 
     def reserved_bytes(self) -> int:
-        return sum(t.nbytes for tickets in self._tickets.values() for t in tickets)
+        return self._reserved
 
     @property
     def reserved(self) -> Dict[str, int]:

@@ -14,7 +14,8 @@ SGLang's KV allocator, its radix cache and every scheduling decision are left ex
         the overlap scheduler just launched)
       add the job to this step's batch; return
     release_kv_cache -> allocator frees: SGLang's     done = seq (and on CUDA into a pinned counter
-      own, at once                                      the GPU can wait on); report (seq, rid, error)
+      own, at once (records in parts: held until      the GPU can wait on); report (seq, rid, error)
+      done, below)
     next iteration (intake, get_next_batch_to_run),
       idle, a check: poll(): flush (the batch to the
       worker: one queue put), then results ->
@@ -68,6 +69,14 @@ are SGLang's own. The scheduler thread waits only where the CPU engine's forward
 a gather still reads (counted: `write_wait_s`, `write_waits`), and, with staging, when both host
 buffers are full (`stage_wait_s`).
 
+The one exception, records in parts (--hs-record-part-size, `enable_parts`, attention TP 1 only): a record of
+more row bytes than the bound is published a part at a time as the reader makes ring room (writer.publish_parts),
+so its gather may wait for the reader; its request's KV release is then held (`submit(held=True)`, applied by
+patches/hold_finished_kv.py: SGLang's own release call, made once the job is done), and so is that of every
+request handed over while such a record is unfinished (the worker runs jobs in order). A held job never enters
+the bound later writes wait for (`_gathered`, the free-list tags): its slots cannot be written before its gather,
+so no forward step waits for the reader; SGLang sees the held slots as used and queues new requests instead.
+
 Counters (the writer's stats dict, read by the status thread, /metrics and the log line): each key is
 written by ONE thread, so `+=` never loses an update (a read from another thread may be a moment old):
   scheduler thread   finish_pending, finish_failed, dropped; write_waits / write_wait_s (the CPU engine's
@@ -107,6 +116,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
+PART_GIVE_UP_S = 60.0  # at shutdown, how long a record in parts still waits for the reader to make ring room
 
 
 @dataclass
@@ -123,6 +133,7 @@ class _Job:
     meta: bytes = b""  # the record's metadata (ring.encode_meta)
     ticket: Any = None  # the request's admission ticket, handed back to on_done: its reservation, exactly
     shipped: int = 0  # staging: the last chunk shipped at hand-over (the gather needs none after it)
+    part_rows: int = 0  # > 0: a long record, published in parts of at most this many rows (publish_parts)
 
 
 class FinishWorker:
@@ -157,6 +168,18 @@ class FinishWorker:
         self._order = None  # CUDA: the KV allocator's free-list order (watch_allocator)
         self._fatal: Optional[BaseException] = None
         self._closed = False
+        self._closing = 0.0  # monotonic time close() began (a record in parts then waits at most PART_GIVE_UP_S)
+        # Records in parts (--hs-record-part-size; enable_parts): rows of more bytes than part_bytes leave in parts,
+        # and the KV slots of the request, and of every request handed over while such a record is not yet
+        # published, are held until its job is done (submit's `held`; patches/hold_finished_kv.py)
+        self.part_bytes = 0
+        self._row_bytes = 0
+        self._parted = 0  # seq of the last job in parts handed over
+        self._cut_short: Optional[str] = None  # rid of a record whose parts stopped (shutdown, an error): nothing after
+        # admission's part_room(nbytes, ticket) / part_room_done (capture_hooks sets them): a later part takes room
+        # beyond the other requests' reservations; None (unit tests without admission): the ring's free room
+        self.part_room: Optional[Callable[..., bool]] = None
+        self.part_room_done: Callable[[], None] = lambda: None
         self._device = None
         from sglang_hs import envs
 
@@ -190,8 +213,23 @@ class FinishWorker:
             writer.staging.finisher = self
 
     # --- the scheduler's side --------------------------------------------------------------------
+    def enable_parts(self, part_bytes: int) -> None:
+        """Publish a record of more than `part_bytes` row bytes in parts (--hs-record-part-size). The caller holds
+        the KV slots of every job submit() says is held until that job is done (patches/hold_finished_kv.py)."""
+        assert part_bytes >= 1
+        self.part_bytes = part_bytes
+        store = self.writer.store
+        self._row_bytes = store[0].numel() * store.element_size()
+
+    def holds(self, T: int) -> bool:
+        """Whether a job of T rows submitted now must have its KV slots held until it is done: a record in parts
+        (its parts wait for ring room as the reader consumes, so a forward writing its slots meanwhile would
+        wait for the reader), or any job behind one not done yet (the worker runs jobs in order)."""
+        return bool(self.part_bytes) and T > 0 and (T * self._row_bytes > self.part_bytes
+                                                   or self._parted > self._done_now())
+
     def submit(self, rid: str, token_ids, slots: torch.Tensor, prompt_len: Optional[int] = None,
-               next_token: int = -1, ticket=None, meta: bytes = b"") -> None:
+               next_token: int = -1, ticket=None, meta: bytes = b"", held: bool = False) -> int:
         """Hand over a finished request: its token ids (a list or an int64 array.array the caller no
         longer changes, or a tensor) and its KV slots in position order (a view of req_to_token is fine:
         the slot ids are copied here, before SGLang reuses the row), its prompt length and the token after
@@ -205,7 +243,13 @@ class FinishWorker:
         The job reaches the worker at the next flush: every poll (each scheduler iteration: the next one
         follows this step's result processing), and before anything that waits on it (a write into the
         store, a staging ship, the GPU's stream wait, drain): one queue put and one wake-up of the worker
-        per step instead of one per request."""
+        per step instead of one per request.
+
+        `held` (holds(T), asked just before): the caller holds the request's KV slots until this job is done, so
+        no write into them can happen before its gather and the bound that later writes wait for (`_gathered`,
+        and on CUDA the free-list tags) does not count it: a write never waits for a record in parts, which
+        waits for the reader. A long record (more than part_bytes of rows) is published in parts only when held.
+        Returns the job's seq."""
         T = len(token_ids)
         if slots.shape[0] != T:
             raise RuntimeError(f"sglang-hs: request {rid}: {slots.shape[0]} KV slots for {T} forwarded tokens")
@@ -229,12 +273,21 @@ class FinishWorker:
         staging = self.writer.staging
         shipped = staging.shipped if staging is not None else 0
         self._handed = seq
-        if T:
+        if T and not held:
             self._gathered = seq
+        part_rows = 0
+        if held and T * self._row_bytes > self.part_bytes:
+            part_rows = max(1, self.part_bytes // self._row_bytes)
+            self._parted = seq
         self._pending[seq] = rid
         self.untracked += ticket is None
         self._enqueue(_Job(seq, rid, ids, host, ready, errors, prompt_len=prompt_len, next_token=next_token,
-                           ticket=ticket, shipped=shipped, meta=meta))
+                           ticket=ticket, shipped=shipped, meta=meta, part_rows=part_rows))
+        return seq
+
+    def done(self, seq: int) -> bool:
+        """Whether job `seq` is done (published, refused or failed)."""
+        return self._done_now() >= seq
 
     def submit_marker(self, rid: str, reason: str, ticket=None) -> None:
         """Hand over the marker record of a request served without capture (no rows, nothing to gather):
@@ -427,10 +480,18 @@ class FinishWorker:
     def idle(self) -> bool:
         return not self._pending
 
+    def wait_progress(self, timeout: float) -> None:
+        """Wait at most `timeout` seconds for the worker to finish a job (the scheduler's idle turn while KV
+        releases wait for records in parts: a short wait instead of a spin that takes the reader's core)."""
+        with self._cv:
+            done = self._done
+            self._cv.wait_for(lambda: self._done != done, timeout=timeout)
+
     def close(self) -> None:
         """Publish what was handed over, stop the worker."""
         if self._closed:
             return
+        self._closing = time.monotonic()
         try:
             self.drain()
         finally:
@@ -476,6 +537,8 @@ class FinishWorker:
         try:
             if self._stuck is not None:  # the watchdog released the forward: the store may not hold this job's rows
                 raise RuntimeError(self._stuck)
+            if self._cut_short is not None:  # a record's parts stopped: a reader would take what follows as torn
+                raise TimeoutError(f"not published after record {self._cut_short!r}, whose parts were cut short")
             self._publish(job)
         except (TimeoutError, ValueError) as e:  # the ring refused the record: counted and logged
             err = e
@@ -521,8 +584,24 @@ class FinishWorker:
             ids = torch.frombuffer(ids, dtype=torch.int64).to(torch.int32)
         elif not torch.is_tensor(ids):  # array.array from a list: ~10x faster than torch.tensor
             ids = torch.frombuffer(array.array("i", ids), dtype=torch.int32)
+        if job.part_rows:
+            published = w.stats["parts"]
+            try:
+                room = None if self.part_room is None else functools.partial(self.part_room, ticket=job.ticket)
+                w.publish_parts(job.rid, ids, job.slots, job.part_rows, prompt_len=job.prompt_len,
+                                next_token=job.next_token, meta=job.meta, give_up=self._give_up_parts,
+                                room=room, room_done=self.part_room_done)
+            except BaseException:
+                if w.stats["parts"] > published:  # some of its parts are out: nothing may follow them
+                    self._cut_short = job.rid
+                raise
+            return
         w.publish_gathered(job.rid, ids, job.slots, prompt_len=job.prompt_len, next_token=job.next_token,
                            meta=job.meta)
+
+    def _give_up_parts(self) -> bool:
+        """A record in parts waits for ring room as long as the reader takes, except at shutdown (close)."""
+        return bool(self._closing) and time.monotonic() - self._closing > PART_GIVE_UP_S
 
 
 def _lower_priority(tid: int, nice: int) -> None:

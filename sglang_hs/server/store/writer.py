@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -122,7 +122,11 @@ class CaptureWriter:
         self.stats = {"records": 0, "rows": 0, "bytes": 0, "gather_s": 0.0, "dropped": 0, "markers": 0,
                       "reader_offsets_refused": 0,  # read offsets the ring refused (ring.py)
                       "moved_rows": 0,  # rows that followed SGLang's KV moves (move())
-                      "move_wait_s": 0.0}  # the scheduler's wait in move() for the step's staged rows
+                      "move_wait_s": 0.0,  # the scheduler's wait in move() for the step's staged rows
+                      "parts": 0,  # parts published of records in parts (--hs-record-part-size; publish_parts)
+                      # requests whose KV slots are held until their record is gathered, and their slots
+                      # (patches/hold_finished_kv.py; the scheduler thread's)
+                      "held_requests": 0, "held_tokens": 0}
         self.ring.stats = self.stats
         # The finish worker's (sglang_hs/server/store/finisher.py), here from the start: the status thread
         # reads this dict
@@ -328,6 +332,63 @@ class CaptureWriter:
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
         self.stats["gather_s"] += time.perf_counter() - t0
+
+    def publish_parts(self, rid: str, ids: torch.Tensor, slots: torch.Tensor, part_rows: int, *,
+                      prompt_len: Optional[int] = None, next_token: int = -1, meta: bytes = b"",
+                      give_up: Callable[[], bool] = lambda: False, wait_s: float = 1.0,
+                      room: Optional[Callable[[int], bool]] = None, room_done: Callable[[], None] = lambda: None) -> int:
+        """Publish a long record in parts of at most `part_rows` rows (ring format 9: the first part holds every
+        token id, each part its rows [first_row, first_row + T) of the whole), each gathered into the ring as soon
+        as the ring has room for it: only the finish worker calls this, for a request whose KV slots are held
+        until it returns (patches/hold_finished_kv.py), so waiting here for a slow reader stalls no forward step.
+        `give_up()` is asked every `wait_s` while the ring has no room (shutdown): True raises TimeoutError, the
+        parts published so far stay in the ring (a reader drops a record whose parts stop). The first part goes into
+        the room admission reserved for the request; each later one first takes room beyond every other request's
+        reservation with `room(bytes)` (admission's part_room: twice the part, room to wrap), released by
+        `room_done()` once published. Returns the parts."""
+        from sglang_hs.server.store.ring import record_bytes
+
+        N = int(slots.shape[0])
+        assert part_rows >= 1 and ids.shape == (N,), (part_rows, ids.shape, N)
+        no_ids = ids[:0]
+        parts = 0
+        for first in range(0, N, part_rows):
+            t0 = time.perf_counter()
+            part = slots[first : first + part_rows]
+            taken = False
+            if first and room is not None:
+                need = 2 * record_bytes(int(part.shape[0]), self.P, self.spec.hidden_size, self.store.element_size(),
+                                        len(rid.encode()), len(meta), n_ids=0)
+                deadline = time.monotonic() + wait_s
+                while not room(need):
+                    if time.monotonic() > deadline:
+                        if give_up():
+                            raise TimeoutError(f"record of request {rid[:200]!r}: no ring room for its part at row "
+                                               f"{first} of {N} (the reader is not reading)")
+                        deadline = time.monotonic() + wait_s
+                    time.sleep(0.001)
+                taken = True
+            try:
+                while True:
+                    try:
+                        self.ring.publish(rid, ids if first == 0 else no_ids, gather_from=self.store, slots=part,
+                                          prompt_len=prompt_len, next_token=next_token, meta=meta, timeout=wait_s,
+                                          first_row=first, total_rows=N)
+                        break
+                    except TimeoutError:
+                        if give_up():
+                            raise
+            finally:
+                if taken:
+                    room_done()
+            parts += 1
+            T = int(part.shape[0])
+            self.stats["rows"] += T
+            self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
+            self.stats["gather_s"] += time.perf_counter() - t0
+            self.stats["parts"] += 1
+        self.stats["records"] += 1
+        return parts
 
     def publish_marker(self, rid: str, reason: str) -> None:
         """Publish the marker record of a request served without capture (ring.SKIP_REASONS): no rows."""
