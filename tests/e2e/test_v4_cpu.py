@@ -108,13 +108,17 @@ def hf_reference(variant):
 
 # (checkpoint, --hs-hc-streams, --chunked-prefill-size, --hs-layers): sliding-only under both conventions with chunks
 # below the window and the layers the checkpoint names (None: no --hs-layers); the HCA checkpoint with chunks of 50
-# (blocks of 128 close inside chunks and in decode)
+# (blocks of 128 close inside chunks and in decode) served under DP attention (each group attention TP 1, SGLang gives
+# each group --chunked-prefill-size / dp: 100 / 2 = 50)
 CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "swa-full": ("v4-swa", "full", 5, None),
-           "hca-mean": ("v4-hca", "mean", 50, LAYERS), "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
+           "hca-dp2": ("v4-hca", "mean", 100, LAYERS), "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
 # the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
 # kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
 POOL = 320
-EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"]}
+EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"],
+         "hca-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
+# the configurations served under DP attention: two groups, each its own radix cache and writer (num_writers 2)
+DP_ATTENTION = {"hca-dp2"}
 # per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
 # concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
 SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270)),
@@ -144,7 +148,7 @@ def v4(request, tmp_path_factory):
     try:
         want = layers or CHECKPOINT_LAYERS
         m = reader.manifest
-        assert m["layer_ids"] == want
+        assert m["layer_ids"] == want and m.get("num_writers", 1) == (2 if request.param in DP_ATTENTION else 1)
         if layers is None:  # the checkpoint's DSpark ids, translated, and where they came from (layer_source.py)
             src = m["layer_source"]
             assert (src["key"], src["ids"], src["layers"]) == ("dspark_target_layer_ids", [1, 2, 3], want), src
@@ -330,15 +334,17 @@ def test_prompt_and_decode_rows_across_the_window(v4):
 def test_radix_hits_and_concurrent_requests(v4):
     """Rows the server did not forward come from the store, and keys (and HCA sources) a hit's first new token attends
     over come from the KV pool: the same prompt again (all but its last token cached) and a prompt sharing a prefix;
-    then three requests of different lengths at once (prefill and decode steps shared)."""
+    then three requests of different lengths at once (prefill and decode steps shared). Under DP attention the three
+    go to group 0 (routed_dp_rank: each group has its own radix cache), the three at once to either group."""
     server, reader, streams, hf = v4
     _, n_a, n_shared, together_lens = SIZES[hf.variant]
     tag = f"{hf.variant}-{streams}"
     a = _prompt(n_a, 5)
     b = a[:n_shared] + _prompt(14, 6)
     sp = {"max_new_tokens": 4, **GREEDY}
+    route = {"routed_dp_rank": 0} if v4.config in DP_ATTENTION else {}
     jobs = [(f"{tag}-a", a), (f"{tag}-b", b), (f"{tag}-a-again", a)]
-    outs = {rid: (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp)) for rid, ids in jobs}
+    outs = {rid: (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp, **route)) for rid, ids in jobs}
     assert outs[f"{tag}-b"][1]["meta_info"]["cached_tokens"] >= n_shared - 3
     assert outs[f"{tag}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1
     together = [(f"{tag}-c{i}", _prompt(n, 10 + i)) for i, n in enumerate(together_lens)]
@@ -634,52 +640,43 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
     assert any(c > 0 for c in cached) and any(c == 0 for c in cached[3:]), cached  # hits, and misses of repeats
 
 
-def test_dp_attention_rows_of_both_groups(tmp_path):
-    """v4-csa under `--tp 2 --dp 2 --enable-dp-attention`: two attention groups of one rank each (attention TP 1:
-    every query head on its rank, no attention all-reduce), the MoE over both ranks (TP 2, both groups' tokens
-    gathered, the token ids too: the hash-routed layer reads them; runtime patch cpu_inplace_all_reduce), each
-    group its own writer. A long prompt alone (the other group runs IDLE batches) and 7 greedy tokens, HF's; a prompt
-    routed (routed_dp_rank) to group 0 twice (a radix hit) and once to group 1 (none: each group its own cache), each
-    record from its group's writer; then three requests at once (both groups busy, one group's batch padded to the
-    other's). Every row of every record judged against HF
-    float32. Chunks: SGLang gives each DP group --chunked-prefill-size / dp (14 / 2 = 7)."""
-    hf = _Captured(hf_reference("v4-csa"), LAYERS)
-    gen = _serve(tmp_path / "dump", ["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--dtype",
-                                     "float32", "--skip-tokenizer-init", "--hs-layers", "1,2,3", "--hs-last", "both",
-                                     "--chunked-prefill-size", "14", "--tp", "2", "--dp", "2",
-                                     "--enable-dp-attention"])
-    server = next(gen)
-    try:
-        with HiddenStateReader(str(server.dump)) as reader:
-            assert reader.manifest["num_writers"] == 2
-            ids = _prompt(150, 3)
-            out = server.generate(input_ids=ids, rid="dp-long", sampling_params={"max_new_tokens": 7, **GREEDY})
-            with torch.no_grad():
-                logits = hf.model(torch.tensor([(ids + out["output_ids"])[:-1]])).logits[0]
-            assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"]
-            outs = {"dp-long": (ids, out)}
-            a, routed = _prompt(100, 5), {"dp-a": 0, "dp-a-again": 0, "dp-a-other-group": 1}
-            for rid, group in routed.items():  # a radix hit in group 0's cache, none in group 1's
-                outs[rid] = (a, server.generate(input_ids=a, rid=rid, routed_dp_rank=group, sampling_params={
-                    "max_new_tokens": 4, **GREEDY}))
-            cached = [outs[r][1]["meta_info"]["cached_tokens"] for r in routed]
-            assert cached[0] == 0 and cached[1] >= len(a) - 1 and cached[2] == 0, cached
-            together = [(f"dp-c{i}", _prompt(n, 10 + i)) for i, n in enumerate((61, 9, 130))]
-            with cf.ThreadPoolExecutor(3) as pool:
-                for (rid, p), o in zip(together, pool.map(lambda j: server.generate(
-                        input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": 5, **GREEDY}), together)):
-                    outs[rid] = (p, o)
-            worst, writers = 0.0, set()
-            for rid, (p, o) in outs.items():
-                rec = reader.take(rid, timeout=120)
-                assert rid not in routed or rec.writer == routed[rid], (rid, rec.writer)  # the group's own writer
-                writers.add(rec.writer)
-                worst = max(worst, judge(rec, hf, (p + o["output_ids"])[:-1], "mean"))
-            assert writers == {0, 1}, writers
-            print(f"v4-csa dp2 attention: {len(outs)} records from writers {sorted(writers)}, cached {cached}, "
-                  f"worst {worst:.2e}")
-    finally:
-        next(gen, None)
+def test_dp_attention_rows_of_both_groups(v4):
+    """The hca-dp2 server, v4-hca under `--tp 2 --dp 2 --enable-dp-attention`: two attention groups of one rank each
+    (attention TP 1: every query head on its rank, no attention all-reduce), the MoE over both ranks (TP 2, both
+    groups' tokens gathered, the token ids too: the hash-routed layer reads them; runtime patch
+    cpu_inplace_all_reduce), each group its own writer. A prompt past the first 128-token block routed
+    (routed_dp_rank) to group 0 twice (a radix hit: the HCA sources of the cached tokens from group 0's pool) and once
+    to group 1 (none: each group its own cache), each record from its group's writer, the other group running IDLE
+    batches meanwhile; then three requests at once (both groups busy, one group's batch padded to the other's). Every
+    row of every record judged against HF float32. Chunks: SGLang gives each DP group --chunked-prefill-size / dp
+    (100 / 2 = 50), so the 140-token prompt is prefilled in three chunks in either group. The long prompt alone with
+    HF's greedy tokens, on one group while the other idles, is test_prompt_and_decode_rows_across_the_window on this
+    server."""
+    server, reader, streams, hf = v4
+    if getattr(v4, "config", None) not in DP_ATTENTION:
+        pytest.skip("DP attention runs on the hca-dp2 server")
+    assert reader.manifest["num_writers"] == 2
+    outs = {}
+    a, routed = _prompt(140, 80), {"dp-a": 0, "dp-a-again": 0, "dp-a-other-group": 1}
+    for rid, group in routed.items():  # a radix hit in group 0's cache, none in group 1's
+        outs[rid] = (a, server.generate(input_ids=a, rid=rid, routed_dp_rank=group, sampling_params={
+            "max_new_tokens": 4, **GREEDY}))
+    cached = [outs[r][1]["meta_info"]["cached_tokens"] for r in routed]
+    assert cached[0] == 0 and cached[1] >= len(a) - 1 and cached[2] == 0, cached
+    together = [(f"dp-c{i}", _prompt(n, 81 + i)) for i, n in enumerate((61, 9, 150))]
+    with cf.ThreadPoolExecutor(3) as pool:
+        for (rid, p), o in zip(together, pool.map(lambda j: server.generate(
+                input_ids=j[1], rid=j[0], sampling_params={"max_new_tokens": 5, **GREEDY}), together)):
+            outs[rid] = (p, o)
+    worst, writers = 0.0, set()
+    for rid, (p, o) in outs.items():
+        rec = reader.take(rid, timeout=120)
+        assert rid not in routed or rec.writer == routed[rid], (rid, rec.writer)  # the group's own writer
+        writers.add(rec.writer)
+        worst = max(worst, judge(rec, hf, (p + o["output_ids"])[:-1], streams))
+    assert writers == {0, 1}, writers
+    print(f"v4-hca dp2 attention: {len(outs)} records from writers {sorted(writers)}, cached {cached}, "
+          f"worst {worst:.2e}")
 
 
 # bf16, what users run: judged statistically as test_capture.py judges the bf16 V3 server (a row's error against HF
