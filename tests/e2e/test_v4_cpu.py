@@ -13,12 +13,16 @@ layer 2 heavily compressed. One server
 per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
 and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
 keys) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3] pick ids 2, 3 and 4: id 4 = n, the
-streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean with chunks of 50, v4-csa
+streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean served
+--tp 2 --dp 2 --enable-dp-attention ("hca-dp2": two attention groups of one rank each, attention TP 1, the MoE over
+both ranks; --chunked-prefill-size 100, which SGLang gives each group as 100 / 2 = 50), v4-csa
 under mean with chunks of 7 and --tp 2 ("csa-tp2": attention tensor parallel, each rank 2 of the 4 query heads, their
 sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the MoE
 split over both), both with --hs-layers 1,2,3; all with both final states and the radix cache on. TP 1 attention is
-the sliding and HCA servers'. test_dp_attention_rows_of_both_groups serves v4-csa under --tp 2 --dp 2
---enable-dp-attention (its own server). Downstream,
+the sliding servers' and each hca-dp2 group's. test_dp_attention_rows_of_both_groups runs on the hca-dp2 server (no
+server of its own: both groups' writers, a radix hit routed to group 0 twice and once to group 1, three at once); its
+radix test routes its hits to group 0 (routed_dp_rank: each group has its own radix cache), its other requests land
+on either group. Downstream,
 the extraction CLI writes DeepSpec's target cache from each mean server, judged row by row against HF the same way;
 on the swa-mean server (issue 45 item 4) it also writes --format specforge (bf16) and --format safetensors
 (float32, as served), every row of every file judged (measured worst 2.2e-03, bf16's rounding, and 5.8e-07), the live
@@ -32,16 +36,19 @@ special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
 to the neighbouring tokens' and layers' rows. Measured: worst row 7.2e-07 (every configuration; csa-tp2 7.9e-07,
-DP attention 7.5e-07). Planted bugs (scratch
+hca-dp2 6.6e-07). Planted bugs (scratch
 copies of the patches, the long-prompt test): v4-swa: the window one key wider -> rows 8 on (the first past the
 window) off by up to 0.7; the attention sink dropped -> every row off, up to 0.92; the routed experts' SwiGLU clamp
-dropped (dsv4_cpu_moe) -> every row off, up to 0.14. v4-hca: a block visible one position early -> rows 126 on off
+dropped (dsv4_cpu_moe) -> every row off, up to 0.14. v4-hca (measured on its TP 1 server before it moved under DP
+attention): a block visible one position early -> rows 126 on off
 by up to 0.24; the compressor's ape ignored -> rows 127 on (the first closed block) off by up to 0.14. v4-csa: the
 indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34 (measured
-at TP 1). csa-tp2: wo_b without its all-reduce (each rank its partial output) -> the pre-norm final rows off from row
+at TP 1). hca-dp2: cpu_inplace_all_reduce's all-reduce skipped (the token ids the hash-routed layer reads not
+gathered across the groups) -> test_dp_attention_rows_of_both_groups fails on group 1's record (dp-a-other-group),
+pre-norm rows from row 0 off by up to 0.092. csa-tp2: wo_b without its all-reduce (each rank its partial output) -> the pre-norm final rows off from row
 0, up to 0.98; every rank using rank 0's attention sinks -> from row 0, up to 0.41. Issue 45's three: a compression
 window closed one token late (a block visible from `q_pos // ratio`, not `(q_pos + 1) // ratio`) -> the long prompt's
-pre-norm rows off from each checkpoint's first block end on: v4-hca rows 127 on, up to 0.16; csa-tp2 rows 3 on, up
+pre-norm rows off from each checkpoint's first block end on: v4-hca (TP 1) rows 127 on, up to 0.16; csa-tp2 rows 3 on, up
 to 0.46. The stream mean taken before the post-mix (the capture handed the streams the last hc_post mixed into, not
 its output; in hc_full_streams too) -> swa-mean: every row of id 2 off, up to 0.047; swa-full: up to 0.15 (stream 0).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
