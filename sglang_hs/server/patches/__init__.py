@@ -214,7 +214,9 @@ dsa_torch_native
             slots, so prefix-cache hits, later chunks and decode see them), and the MLA attention masks
             every key the indexer did not select, as HF's DeepseekV32Attention does. Without a
             `topk_indices` the backend runs unchanged. Only the CPU engine's float32 path: the Hadamard
-            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too).
+            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too). Under DP
+            attention a group's IDLE batch (padded rows, no requests, no extend lengths: upstream's fields are
+            None) selects nothing and attends to nothing (zeros), as dsv4_torch_native does.
   upstream: present in sglang 0.5.23 (srt/layers/attention/dsa/dsa_indexer.py forward_native;
             torch_native_backend.py forward_extend/forward_decode have no **kwargs); not reported upstream.
   removal:  when SGLang gives the indexer a native path and the torch_native backend a sparse one;
