@@ -41,7 +41,7 @@ copies of the patches, the long-prompt test): v4-swa: the window one key wider -
 window) off by up to 0.7; the attention sink dropped -> every row off, up to 0.92; the routed experts' SwiGLU clamp
 dropped (dsv4_cpu_moe) -> every row off, up to 0.14. v4-hca (measured on its TP 1 server before it moved under DP
 attention): a block visible one position early -> rows 126 on off
-by up to 0.24; the compressor's ape ignored -> rows 127 on (the first closed block) off by up to 0.14. v4-csa: the
+by up to 0.24 (again on hca-dp2: the same, 0.235); the compressor's ape ignored -> rows 127 on (the first closed block) off by up to 0.14. v4-csa: the
 indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34 (measured
 at TP 1). hca-dp2: cpu_inplace_all_reduce's all-reduce skipped (the token ids the hash-routed layer reads not
 gathered across the groups) -> test_dp_attention_rows_of_both_groups fails on group 1's record (dp-a-other-group),
