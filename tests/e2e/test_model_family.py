@@ -17,14 +17,17 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   SGLang's vision-language wrapper, served with language_model_only (set by the launcher), so a chat
   request with an image is refused with a one-line error. Reference: HF DeepseekV3 on the text config and the
   "language_model."-prefixed weights.
-- "v32": DeepseekV32ForCausalLM (DeepSeek-V3.2: the V3 shape plus the DSA indexer), index_topk 11, below
+- "v32-tp2" and "v32-dp2": DeepseekV32ForCausalLM (DeepSeek-V3.2: the V3 shape plus the DSA indexer), index_topk 11, below
   the prompts' lengths, so every query past the 11th position attends over the indexer's 11 keys only.
   Served by the CPU engine through sglang_hs/server/patches/dsa_torch_native.py (SGLang's indexer has no CPU
   path); reference: HF transformers' DeepseekV32ForCausalLM float32. Also judged under concurrency
   (requests of several lengths sharing prefill and decode steps), since the indexer and the sparse
-  attention select keys per request.
-- "v32-tp2": the same V3.2 checkpoint served with `--tp 2` (one server, every test above against the same
-  HF float32 rows; the checkpoint test checks both ranks built the overlay and rank 0 alone writes).
+  attention select keys per request. Served with `--tp 2` ("v32-tp2": attention heads split; the checkpoint test
+  checks both ranks built the overlay and rank 0 alone writes) and `--tp 2 --dp 2 --enable-dp-attention`
+  ("v32-dp2": each group attention TP 1, the path a single-rank server runs, so no TP 1 server of its own; a group
+  without requests runs IDLE batches padded to the other's; chunks of CHUNK per group; the radix test routed to
+  group 0 with `routed_dp_rank`, each group having its own cache; both groups write), every test against the same HF
+  float32 rows. What no V3.2 server here runs: a single rank's MoE without all-reduce (the V3 servers' path).
 
 See sglang_hs/tools/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module
 scope, one at a time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
@@ -36,9 +39,10 @@ Each row is judged on its own (see test_exact_rows.py for the measurements behin
 TOL of its own HF row, and closer to it than to the neighbouring tokens' and layers' rows. Measured
 here: worst row 8.4e-07 (v2) and 1.3e-06 (kimi-k2); a judge given swapped or shifted layer ids fails on
 every row (0.78 off), and with the tolerance loosened to 10 the neighbour rule still catches the shift.
-V3.2: worst row 1.2e-06; with the patch's top-k planted one short (10 keys) the chunked-prefill test fails
-from row 10 on (0.23 off), with dense attention planted (the indexer's selection ignored) from row 11 on
-(0.70 off): the first rows with more keys than selected.
+V3.2: worst row 1.2e-06 (v32-dp2 1.14e-06); with the patch's top-k planted one short (10 keys) the chunked-prefill
+test fails from row 10 on (0.23 off), with dense attention planted (the indexer's selection ignored) from row 11 on
+(0.70 off): the first rows with more keys than selected (measured on the TP 1 server this module had before v32-dp2;
+the top-k plant again on v32-dp2: from row 10 on, up to 1.08 off).
 """
 import os
 import time
@@ -65,13 +69,15 @@ FAMILIES = {
     "mistral-large-3": [],
     # The launcher serves Kimi-K2.5 text only (language_model_only); its text model has Kimi-K2's context.
     "kimi-k25": ["--context-length", "4096"],
-    # DeepSeek-V3.2: SGLang's DSA on the CPU engine through the dsa_torch_native patch (torch_native, token pages).
-    "v32": [],
-    # The same V3.2 checkpoint on two ranks (--tp 2: attention heads and experts split over both, each rank's
-    # indexer over its own copy of the indexer weights), judged by the same tests against the same HF rows.
+    # DeepSeek-V3.2: SGLang's DSA on the CPU engine through the dsa_torch_native patch (torch_native, token pages),
+    # on two ranks (--tp 2: attention heads and experts split over both, each rank's indexer over its own copy of
+    # the indexer weights), judged by the same tests against the same HF rows.
     "v32-tp2": ["--tp", "2"],
+    # ... and under DP attention: two groups of attention TP 1 (every head, the whole indexer on its rank: the TP 1
+    # attention path), the experts over both ranks; each group its own radix cache and writer.
+    "v32-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"],
 }
-CHECKPOINT_OF = {"v32-tp2": "v32"}  # a configuration of another family's checkpoint: its tests and HF reference
+CHECKPOINT_OF = {"v32-tp2": "v32", "v32-dp2": "v32"}  # a configuration of another family's checkpoint: its tests and HF reference
 BF16_SERVED = {"mistral-large-3"}  # see judge_bf16
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "
         "proposes several tokens ahead, the large target model checks all of them in one forward pass, and "
@@ -87,7 +93,7 @@ def family(request, tmp_path_factory):
     t0 = time.monotonic()
     gen = _serve(tmp_path_factory.mktemp(f"hs-{config}") / "dump",
                  ["--model-path", ckpt, *FAMILIES[config], "--dtype", "float32", "--hs-last", "both",
-                  "--hs-layers", ",".join(map(str, LAYERS)), "--chunked-prefill-size", str(CHUNK)])
+                  "--hs-layers", ",".join(map(str, LAYERS)), "--chunked-prefill-size", str(CHUNK * _dp(config))])
     server = next(gen)
     server.parallel = FAMILIES[config]
     print(f"{config}: server ready in {time.monotonic() - t0:.1f}s")
@@ -97,6 +103,13 @@ def family(request, tmp_path_factory):
     finally:
         reader.close()
         next(gen, None)  # stop the server, then _serve's checks that nothing is left behind
+
+
+def _dp(config):
+    """The DP-attention groups of a configuration (1 without DP attention): SGLang gives each group
+    --chunked-prefill-size / dp, so such a server is given CHUNK * dp (CHUNK per group)."""
+    args = FAMILIES[config]
+    return int(args[args.index("--dp") + 1]) if "--enable-dp-attention" in args else 1
 
 
 def _hf_reference(ckpt, variant):
@@ -192,7 +205,13 @@ def test_checkpoint_has_the_family_shape(family):
             "kimi-k25": "KimiK25ForConditionalGeneration", "v32": "DeepseekV32ForCausalLM"}.get(
         variant, "DeepseekV3ForCausalLM")
     assert reader.manifest["architecture"] == arch
-    if "--tp" in server.parallel:  # both ranks built the overlay (each reports its status); rank 0 alone writes
+    if "--enable-dp-attention" in server.parallel:  # both ranks built the overlay; each group's rank writes
+        from helpers import settled
+
+        status = settled(server)["files"]
+        assert len(status) == 2 and sum("writer" in st for st in status) == 2, status
+        assert sorted(w["id"] for w in reader.manifest["writers"]) == [0, 1]
+    elif "--tp" in server.parallel:  # both ranks built the overlay (each reports its status); rank 0 alone writes
         from helpers import settled
 
         status = settled(server)["files"]
@@ -241,14 +260,17 @@ def test_radix_repeat_and_shared_prefix(family):
     a = prefix + row_judge.prompt_ids(hf, " first ending about batches")[1:]
     b = prefix + row_judge.prompt_ids(hf, " a different ending entirely, longer than the first one")[1:]
     sp = {"max_new_tokens": 5, **GREEDY}
+    route = {"routed_dp_rank": 0} if "--enable-dp-attention" in server.parallel else {}  # one group's radix cache
     outs = {}
     for rid, ids in ((f"{variant}-a", a), (f"{variant}-b", b), (f"{variant}-a-again", a)):
-        outs[rid] = (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp))
+        outs[rid] = (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp, **route))
     assert outs[f"{variant}-b"][1]["meta_info"]["cached_tokens"] >= 30
     assert outs[f"{variant}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1
     worst = 0.0
     for rid, (ids, out) in outs.items():
-        worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1]))
+        rec = reader.take(rid, timeout=60)
+        assert not route or rec.writer == 0, (rid, rec.writer)  # group 0's writer
+        worst = max(worst, judge(rec, hf, (ids + out["output_ids"])[:-1]))
     print(f"{variant}: 3 records, worst {worst:.2e}")
 
 

@@ -149,7 +149,9 @@ class _CapturingDeepseekModel(OriginalDeepseekV2Model):
         """The final pre-norm state of the step just run, [T, H] in the model's dtype."""
         pre, self.norm.hs_pre_norm = self.norm.hs_pre_norm, None
         if pre is None:
-            if hidden.shape[0] == 0:
+            # upstream skips the final norm in an IDLE batch (DP attention: this group has no requests); its rows,
+            # none or padding (DeepSeek-V3.2's IDLE batches carry a padded row), are never captured
+            if hidden.shape[0] == 0 or mode == "IDLE":
                 return hidden
             raise RuntimeError(f"sglang-hs: the final norm did not run in a {hidden.shape[0]}-row {mode} batch, "
                                "so there is no pre-norm final state (--hs-last pre-norm/both)")

@@ -14,7 +14,7 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, span
     if save_kv_cache and k is not None and v is not None:
         pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
     q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+    o = q.new_zeros((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))  # rows no span covers (padding): zeros
     k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     req_to_token = backend.req_to_token_pool.req_to_token
     for req, length, rows, mask in spans:

@@ -231,13 +231,16 @@ dsa_torch_native
             slots, so prefix-cache hits, later chunks and decode see them), and the MLA attention masks
             every key the indexer did not select, as HF's DeepseekV32Attention does. Without a
             `topk_indices` the backend runs unchanged. Only the CPU engine's float32 path: the Hadamard
-            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too).
+            rotation and FP8 index keys of the CUDA kernels are not reproduced (HF skips them too). Under DP
+            attention a group's IDLE batch (padded rows, no requests, no extend lengths: upstream's fields are
+            None) selects nothing and attends to nothing (zeros), as dsv4_torch_native does.
   upstream: present in sglang 0.5.23 (srt/layers/attention/dsa/dsa_indexer.py forward_native;
             torch_native_backend.py forward_extend/forward_decode have no **kwargs); not reported upstream.
   removal:  when SGLang gives the indexer a native path and the torch_native backend a sparse one;
-            tests/e2e/test_model_family.py serves the tiny V3.2 ("v32", index_topk 11 below its prompts'
-            lengths) and judges every row against HF float32, which fails without it (the server does
-            not start) and with a planted top-k or dense-attention bug.
+            tests/e2e/test_model_family.py serves the tiny V3.2 (index_topk 11 below its prompts' lengths;
+            "v32-tp2", and "v32-dp2" under DP attention) and judges every row against HF float32, which fails
+            without it (the server does not start) and with a planted top-k or dense-attention bug;
+            tests/unit/test_dsa_dp_idle.py, the IDLE batch.
 
 dsa_cpu_server_args
   why:      SGLang 0.5.23 resolves a DSA config (srt/arg_groups/model_hook.py, handle_model_specific_adjustments;

@@ -17,6 +17,11 @@ See the ledger in sglang_hs/server/patches/__init__.py. Two pieces, both applied
   `is_deepseek_dsa` says no), with one-token pages (sglang_hs/server/patches/dsa_cpu_server_args.py) so prefix-cache
   hits are token-exact as for V3; the index keys live in this patch's own per-layer store.
 
+DP attention (`--enable-dp-attention`): a group with no requests runs IDLE batches padded to the other group's size
+(no prefix or extend lengths): no request, so every padded row's selection stays -1 and its attention output zero;
+a padded decode batch's extra requests (request 0, length 1) read and write slot 0 only, which SGLang reserves, and
+are never captured.
+
 Not done here: Hadamard rotation and FP8 quantisation of the index keys (the CUDA path's; the rotation is
 orthogonal, HF skips both), the index-cache variant (IndexerKPool) and RMS-normed index keys.
 """
@@ -51,7 +56,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> 
 
 
 def _requests(forward_batch):
-    """Per request of the batch: (request pool index, keys before this step, new tokens)."""
+    """Per request of the batch: (request pool index, keys before this step, new tokens). None in an IDLE batch
+    (DP attention: this group has no requests while the other runs; its rows only pad the batch)."""
+    if forward_batch.forward_mode.is_idle():
+        return []
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     reqs = forward_batch.req_pool_indices.tolist()
     if forward_batch.forward_mode.is_decode():
