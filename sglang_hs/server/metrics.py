@@ -26,6 +26,7 @@ later one (sglang_hs/status.py: metrics_after):
     sglang_hs:device_write_waits_total    CUDA, --hs-copy direct: steps whose forward stream was made to wait
                                           on the GPU for gathers their KV slots may still be read by
     sglang_hs:record_parts_published_total  parts published of records in parts (--hs-record-part-size)
+    sglang_hs:record_part_wait_seconds_total  finish-worker time waiting for ring room for those parts
     sglang_hs:records_dropped_total       records refused (should stay 0; each one is logged)
     sglang_hs:rows_moved_total            rows moved with SGLang's KV after speculative verify steps (accepted
                                           drafts to the front of their window; CaptureWriter.move)
@@ -65,6 +66,8 @@ COUNTERS = {  # metric name -> (source, key, help)
     "device_write_waits": ("writer", "device_write_waits",
                            "CUDA direct: steps whose forward stream waited on the GPU for gathers of their slots."),
     "record_parts_published": ("writer", "parts", "Parts published of records in parts (--hs-record-part-size)."),
+    "record_part_wait_seconds": ("writer", "part_wait_s",
+                                 "Finish-worker time waiting for ring room for records in parts (the reader's pace)."),
     "records_dropped": ("writer", "dropped", "Records refused; each one is logged."),
     "rows_moved": ("writer", "moved_rows", "Rows moved with SGLang's KV after speculative verify steps."),
     "staged_rows": ("writer", "staged_rows", "Rows shipped through the staging buffer (--hs-copy staging)."),

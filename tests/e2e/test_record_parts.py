@@ -94,6 +94,7 @@ def test_a_stalled_reader_holds_kv_slots_not_forward_steps(parts_server, hf):
     assert after["write_waits"] == before["write_waits"], (before, after)  # no forward ever waited for a gather
     assert after["records"] == before["records"] + len(jobs) and after["dropped"] == before["dropped"], after
     assert after["parts"] - before["parts"] >= 3 * len(jobs) and after["held_tokens"] == 0, after
+    assert after["part_wait_s"] > before["part_wait_s"], after  # the parts waited for the reader, not the forwards
     print(f"\n{len(jobs)} records in {after['parts'] - before['parts']} parts through a {RING}-byte ring, "
           f"{stalled['held_requests']} requests ({stalled['held_tokens']} slots) held while the reader stalled; "
           f"worst row {worst:.2e}")

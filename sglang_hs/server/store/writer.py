@@ -124,6 +124,7 @@ class CaptureWriter:
                       "moved_rows": 0,  # rows that followed SGLang's KV moves (move())
                       "move_wait_s": 0.0,  # the scheduler's wait in move() for the step's staged rows
                       "parts": 0,  # parts published of records in parts (--hs-record-part-size; publish_parts)
+                      "part_wait_s": 0.0,  # the finish worker's wait for ring room for those parts (the reader)
                       # requests whose KV slots are held until their record is gathered, and their slots
                       # (patches/hold_finished_kv.py; the scheduler thread's)
                       "held_requests": 0, "held_tokens": 0}
@@ -353,7 +354,7 @@ class CaptureWriter:
         no_ids = ids[:0]
         parts = 0
         for first in range(0, N, part_rows):
-            t0 = time.perf_counter()
+            w0 = time.perf_counter()
             part = slots[first : first + part_rows]
             taken = False
             if first and room is not None:
@@ -368,6 +369,7 @@ class CaptureWriter:
                         deadline = time.monotonic() + wait_s
                     time.sleep(0.001)
                 taken = True
+            t0 = time.perf_counter()  # gather_s: the gather, not the wait for the reader's room (part_wait_s)
             try:
                 while True:
                     try:
@@ -386,6 +388,7 @@ class CaptureWriter:
             self.stats["rows"] += T
             self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
             self.stats["gather_s"] += time.perf_counter() - t0
+            self.stats["part_wait_s"] += t0 - w0
             self.stats["parts"] += 1
         self.stats["records"] += 1
         return parts
