@@ -278,6 +278,26 @@ def specforge_losses(run_config, epochs: int = 3) -> list:
     return json.loads(proc.stdout.split("LOSSES", 1)[1])
 
 
+def speculators_losses(model, batch: dict, train_kwargs: dict, steps: int = 6) -> list:
+    """The loss of each of `steps` of speculators' own training step (its Eagle3DraftModel forward, AdamW at 1e-3,
+    clipped gradients, bf16 autocast on the CPU) on one collated `batch`, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, _ = model(**batch, **train_kwargs)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 class ProgressLines:
     """A stand-in for the extraction's progress bar (tqdm's write and update): keeps the lines written."""
 

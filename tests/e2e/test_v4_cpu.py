@@ -568,18 +568,9 @@ def test_speculators_trains_on_v4_server_files(v4, v4_files):
     batch = CollateFn(sum(len(x["input_ids"]) for x in items), hf.config.hidden_size, len(hf.layers),
                       dtype=torch.bfloat16)(items)
     assert batch["error_records"] == 0
-    torch.manual_seed(0)
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for _ in range(6):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss, _ = model(**batch, **train_kwargs)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+    from helpers import speculators_losses
+
+    losses = speculators_losses(model, batch, train_kwargs)
     print(f"speculators on v4-swa server files: teacher worst row {worst:.2e}, losses {losses}")
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0], losses
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import readers_path, specforge_losses, trainer_env
+from helpers import readers_path, specforge_losses, speculators_losses, trainer_env
 from sglang_hs.tools import tiny_model
 from sglang_hs.extract import output
 from sglang_hs.extract.sinks import SafetensorsSink, SpecForgeSink
@@ -176,18 +176,7 @@ def test_speculators_training_steps_on_our_files_lower_the_loss(hf_rows, tmp_pat
     batch = CollateFn(sum(len(r["ids"]) for r in rows), H, len(LAYERS), dtype=torch.bfloat16)(
         [ds[i] for i in range(len(ds))])
     assert batch["error_records"] == 0
-    torch.manual_seed(0)
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for _ in range(6):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss, _ = model(**batch, **train_kwargs)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+    losses = speculators_losses(model, batch, train_kwargs)
     print("speculators losses", losses)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0], losses
 
