@@ -153,3 +153,29 @@ def test_the_hold_patch_keeps_sglangs_release_until_the_job_is_done(monkeypatch)
     fin.finished.add(3)
     hold._release_kv_cache(c, "tree", checkpoint=True)  # its job already done: released at once
     assert calls[-1] == ("c", "tree", True) and hold.held() == 0
+
+
+def test_a_failure_after_a_part_is_out_gives_its_room_back_and_cuts_the_record_short(writer, tmp_path, monkeypatch):
+    """Any failure while a later part is published (not only shutdown's timeout) gives back the room the part took
+    (admission's part_room_done: else admission would see that room taken for good) and cuts the record short: the
+    next job is refused, since a reader would take a record after an unfinished one as torn."""
+    worker = _worker(writer)
+    taken, given_back = [], []
+    worker.part_room = lambda nbytes, ticket: taken.append(nbytes) or True
+    worker.part_room_done = lambda: given_back.append(True)
+    inner = writer.ring.publish
+
+    def publish(rid, *args, first_row=0, **kwargs):
+        if first_row == PART_ROWS:  # the second part
+            raise OSError("the ring's file went away")
+        return inner(rid, *args, first_row=first_row, **kwargs)
+
+    monkeypatch.setattr(writer.ring, "publish", publish)
+    worker.submit("long", list(range(N)), torch.arange(1, N + 1), held=True)
+    worker.submit("after", [1, 2], torch.tensor([50, 51]), held=True)
+    worker.flush()
+    with pytest.raises(RuntimeError, match="the finish worker failed"):
+        worker.drain()
+    assert len(taken) == 1 and given_back == [True]  # the second part's room, taken and given back
+    assert worker._cut_short == "long" and writer.stats["parts"] == 1 and writer.stats["records"] == 0
+    assert writer.stats["dropped"] == 2  # "after" refused: nothing follows the cut-short record
