@@ -11,9 +11,10 @@ experts in two groups (SGLang's grouped top-k over 2 groups, both kept: HF's V4 
 compressed sparse (ratio 4: overlapping 8-token blocks, an indexer of 16 heads keeping 8 blocks per query) and
 layer 2 heavily compressed. One server
 per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
-and full (hc_mult rows per id) with chunked prefill of 5 tokens (each chunk's window reaches into earlier chunks'
-keys) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3] pick ids 2, 3 and 4: id 4 = n, the
-streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean served
+and v4-csa (its layer 0 sliding, 1 and 3 CSA, 2 HCA) under full ("csa-full": hc_mult rows per id), both with chunked
+prefill of 5 tokens (each chunk's window reaches into earlier chunks' keys; v4-csa's 8-token compression blocks split
+across chunks) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3], v4-csa's too, pick ids 2, 3 and
+4: id 4 = n, the streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean served
 --tp 2 --dp 2 --enable-dp-attention ("hca-dp2": two attention groups of one rank each, attention TP 1, the MoE over
 both ranks; --chunked-prefill-size 100, which SGLang gives each group as 100 / 2 = 50), v4-csa
 under mean with chunks of 7 and --tp 2 ("csa-tp2": attention tensor parallel, each rank 2 of the 4 query heads, their
@@ -50,7 +51,8 @@ pre-norm rows from row 0 off by up to 0.092. csa-tp2: wo_b without its all-reduc
 window closed one token late (a block visible from `q_pos // ratio`, not `(q_pos + 1) // ratio`) -> the long prompt's
 pre-norm rows off from each checkpoint's first block end on: v4-hca (TP 1) rows 127 on, up to 0.16; csa-tp2 rows 3 on, up
 to 0.46. The stream mean taken before the post-mix (the capture handed the streams the last hc_post mixed into, not
-its output; in hc_full_streams too) -> swa-mean: every row of id 2 off, up to 0.047; swa-full: up to 0.15 (stream 0).
+its output; in hc_full_streams too) -> swa-mean: every row of id 2 off, up to 0.047; swa-full (the full configuration
+before it became csa-full): up to 0.15 (stream 0).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
@@ -113,11 +115,12 @@ def hf_reference(variant):
     return states
 
 
-# (checkpoint, --hs-hc-streams, --chunked-prefill-size, --hs-layers): sliding-only under both conventions with chunks
-# below the window and the layers the checkpoint names (None: no --hs-layers); the HCA checkpoint with chunks of 50
+# (checkpoint, --hs-hc-streams, --chunked-prefill-size, --hs-layers): sliding-only under mean and the CSA checkpoint (a
+# sliding, two CSA and an HCA layer) under full, with chunks below the window and the layers the checkpoint names (None:
+# no --hs-layers); the HCA checkpoint with chunks of 50
 # (blocks of 128 close inside chunks and in decode) served under DP attention (each group attention TP 1, SGLang gives
 # each group --chunked-prefill-size / dp: 100 / 2 = 50)
-CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "swa-full": ("v4-swa", "full", 5, None),
+CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "csa-full": ("v4-csa", "full", 5, None),
            "hca-dp2": ("v4-hca", "mean", 100, LAYERS), "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
 # the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
 # kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
