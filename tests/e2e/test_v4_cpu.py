@@ -52,7 +52,8 @@ window closed one token late (a block visible from `q_pos // ratio`, not `(q_pos
 pre-norm rows off from each checkpoint's first block end on: v4-hca (TP 1) rows 127 on, up to 0.16; csa-tp2 rows 3 on, up
 to 0.46. The stream mean taken before the post-mix (the capture handed the streams the last hc_post mixed into, not
 its output; in hc_full_streams too) -> swa-mean: every row of id 2 off, up to 0.047; swa-full (the full configuration
-before it became csa-full): up to 0.15 (stream 0).
+before it became csa-full): up to 0.15 (stream 0). On csa-full, the window closed one token late -> stream 0's
+pre-norm rows 3 on off by up to 0.46.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
