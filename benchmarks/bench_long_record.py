@@ -277,6 +277,7 @@ def main(argv=None) -> int:
         if value < 1:
             ap.error(f"{flag}: a number >= 1, got {value}")
     from sglang_hs.server.capture_spec import CaptureSpec
+    from sglang_hs.server.store.admission import part_rows_of
     from sglang_hs.server.store.finisher import FinishWorker
     from sglang_hs.server.store.ring import record_bytes
     from sglang_hs.server.store.writer import CaptureWriter
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
     where = f"store and ring in {args.shm_dir}, files in {disk}"
     try:
         part = int(args.part_mb * (1 << 20))
-        part_rows = max(1, part // ROW_BYTES)
+        part_rows = part_rows_of(part, ROW_BYTES)
         for T in lengths:
             for mode in modes:
                 # one record (each lands at offset 0); in parts: twice a first part (all ids) and two more parts

@@ -69,7 +69,7 @@ def _after_init_capturers(self) -> None:
         from sglang_hs.server.store.finisher import check_stream_wait
 
         check_stream_wait()  # the finish worker orders the store's writes with it: refused now, not mid-serving
-    from sglang_hs.server.store.admission import AdmissionControl
+    from sglang_hs.server.store.admission import AdmissionControl, part_rows_of
 
     _part_bytes = parts_here(par, self)
     row_bytes = _writer.P * model.hs_spec.hidden_size * _writer.store.element_size()
@@ -80,7 +80,7 @@ def _after_init_capturers(self) -> None:
                                   sample_key=envs.SGLANG_HS_CAPTURE_SAMPLE_KEY or os.urandom(32),
                                   max_bytes=envs.SGLANG_HS_CAPTURE_MAX_BYTES,
                                   speculative=bool(getattr(args, "speculative_algorithm", None)),
-                                  part_rows=max(1, _part_bytes // row_bytes) if _part_bytes else 0,
+                                  part_rows=part_rows_of(_part_bytes, row_bytes),
                                   hold_budget=hold_budget(self) if _part_bytes else 0)
     from sglang_hs.server.store.draft_selection import DraftSelection
 

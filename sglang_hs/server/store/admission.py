@@ -140,16 +140,27 @@ def meta_bound(max_new: int) -> int:
 SIZED_RID_BYTES = 256  # the request id a ring is sized for (the launcher's floor, the planner): longer ones fit if room
 
 
+def part_rows_of(part_bytes: int, row_bytes: int) -> int:
+    """Rows of one part of a record in parts (--hs-record-part-size `part_bytes`, rows of `row_bytes` each): at least
+    one; 0 without parts (every record whole)."""
+    return max(1, part_bytes // row_bytes) if part_bytes else 0
+
+
+def share(rows: int, P: int, H: int, elem: int, rid_len: int, meta_len: int = 0, part_rows: int = 0) -> int:
+    """The ring bytes admission reserves for a record of `rows` rows: twice the record (room to wrap), or for one
+    that leaves in parts of `part_rows` rows, twice its first part (which holds all its token ids)."""
+    if part_rows and rows > part_rows:
+        return 2 * record_bytes(part_rows, P, H, elem, rid_len, meta_len, n_ids=rows)
+    return 2 * record_bytes(rows, P, H, elem, rid_len, meta_len)
+
+
 def ring_floor(tokens: int, P: int, H: int, elem: int, speculative: bool = False, part_bytes: int = 0) -> int:
     """The smallest output ring that admits a record of `tokens` tokens (a request id of SIZED_RID_BYTES and, on a
-    speculative server, every verify step's accepted drafts): twice the record, since admission reserves room to
-    wrap; with records in parts of `part_bytes` row bytes (--hs-record-part-size), twice its first part (all its
-    token ids). The launcher grows a default ring to it (or refuses a given one) and the planner sizes with it."""
+    speculative server, every verify step's accepted drafts): its share (twice the record, since admission reserves
+    room to wrap; with records in parts of `part_bytes` row bytes, --hs-record-part-size, twice its first part). The
+    launcher grows a default ring to it (or refuses a given one) and the planner sizes with it."""
     meta = meta_bound(tokens) if speculative else 0
-    part_rows = max(1, part_bytes // (P * H * elem)) if part_bytes else 0
-    if part_rows and tokens > part_rows:
-        return 2 * record_bytes(part_rows, P, H, elem, SIZED_RID_BYTES, meta, n_ids=tokens)
-    return 2 * record_bytes(tokens, P, H, elem, SIZED_RID_BYTES, meta)
+    return share(tokens, P, H, elem, SIZED_RID_BYTES, meta, part_rows_of(part_bytes, P * H * elem))
 
 
 @dataclass(eq=False)
@@ -231,10 +242,7 @@ class AdmissionControl:
         n_in, max_new = self.worst_tokens(req)
         rows = max(0, n_in + max_new - 1)
         meta = meta_bound(max_new) if self.speculative else 0
-        if self.part_rows and rows > self.part_rows:
-            return 2 * record_bytes(self.part_rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta,
-                                    n_ids=rows)
-        return 2 * record_bytes(rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta)
+        return share(rows, self.P, self.H, self.elem, len(str(req.rid).encode()), meta, self.part_rows)
 
     def part_room(self, nbytes: int, ticket: Optional[Ticket]) -> bool:
         """The finish worker, before a later part of a record in parts (its first has the request's reservation):

@@ -173,7 +173,7 @@ class FinishWorker:
         # and the KV slots of the request, and of every request handed over while such a record is not yet
         # published, are held until its job is done (submit's `held`; patches/hold_finished_kv.py)
         self.part_bytes = 0
-        self._row_bytes = 0
+        self._row_bytes = self._part_rows = 0
         self._parted = 0  # seq of the last job in parts handed over
         self._cut_short: Optional[str] = None  # rid of a record whose parts stopped (shutdown, an error): nothing after
         # admission's part_room(nbytes, ticket) / part_room_done (capture_hooks sets them): a later part takes room
@@ -216,10 +216,13 @@ class FinishWorker:
     def enable_parts(self, part_bytes: int) -> None:
         """Publish a record of more than `part_bytes` row bytes in parts (--hs-record-part-size). The caller holds
         the KV slots of every job submit() says is held until that job is done (patches/hold_finished_kv.py)."""
+        from sglang_hs.server.store.admission import part_rows_of
+
         assert part_bytes >= 1
         self.part_bytes = part_bytes
         store = self.writer.store
         self._row_bytes = store[0].numel() * store.element_size()
+        self._part_rows = part_rows_of(part_bytes, self._row_bytes)  # as admission sizes their reservations
 
     def holds(self, T: int) -> bool:
         """Whether a job of T rows submitted now must have its KV slots held until it is done: a record in parts
@@ -277,7 +280,7 @@ class FinishWorker:
             self._gathered = seq
         part_rows = 0
         if held and T * self._row_bytes > self.part_bytes:
-            part_rows = max(1, self.part_bytes // self._row_bytes)
+            part_rows = self._part_rows
             self._parted = seq
         self._pending[seq] = rid
         self.untracked += ticket is None
