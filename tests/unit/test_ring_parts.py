@@ -184,6 +184,11 @@ def dump(tmp_path):
     return w
 
 
+def _streaming_reader(dump):
+    """An acknowledging reader that streams the parted record (its rows are more than CHUNK bytes)."""
+    return HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+
+
 class Publisher(threading.Thread):
     """Publishes from a thread, as the server's finish worker does: whole records, a marker, and a record in parts
     (each part waits for ring room the reader gives back); `error` holds what it raised."""
@@ -230,7 +235,7 @@ def test_a_streamed_record_from_a_writer_thread_through_a_ring_smaller_than_it(d
     the whole record never in the ring (its capacity holds ~2 parts) nor mapped in the reader (pagemap: about a
     part of ring pages at a time); a marker and whole records before and after it as usual."""
     pub = Publisher(dump, ITEMS)
-    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    reader = _streaming_reader(dump)
     pub.start()
     try:
         before = reader.take("before", timeout=20)
@@ -297,7 +302,7 @@ def test_an_assembling_reader_gets_the_identical_whole_record(dump, kw):
 
 def test_ack_before_reading_all_parts_releases_the_rest_as_they_arrive(dump):
     pub = Publisher(dump, ITEMS)
-    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    reader = _streaming_reader(dump)
     pub.start()
     try:
         reader.ack(reader.take("before", timeout=20))
@@ -356,7 +361,7 @@ MANIFEST = {"layer_ids": [1], "rows_per_layer": 1, "model_path": "/m"}
 def _streamed(dump, items=(("parts", "long", 4, N),)):
     """A publisher thread of `items` and a streaming reader holding the parted record "long" (taken)."""
     pub = Publisher(dump, list(items))
-    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    reader = _streaming_reader(dump)
     pub.start()
     rec = reader.take("long", timeout=20)
     assert rec.streamed
@@ -570,7 +575,7 @@ def test_a_reader_after_one_that_stopped_mid_record_skips_its_orphan_parts(dump)
     """A reader closed after reading (and releasing) the first part of a streamed record: the next reader starts
     after that part, skips the record's remaining parts (lost: counted in orphan_parts) and reads on."""
     pub = Publisher(dump, ITEMS)
-    first = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    first = _streaming_reader(dump)
     pub.start()
     try:
         first.ack(first.take("before", timeout=20))
@@ -579,7 +584,7 @@ def test_a_reader_after_one_that_stopped_mid_record_skips_its_orphan_parts(dump)
             next(it)
     finally:
         first.close()
-    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    reader = _streaming_reader(dump)
     try:
         _check_whole(reader.take("after", timeout=20), "after", 3)
         assert reader.orphan_parts == N // PART - 1 and "long" not in reader.ready_rids()
@@ -592,7 +597,7 @@ def test_take_of_a_record_behind_an_unread_streamed_one_says_why_it_waits(dump):
     """A record published after a streamed one comes only once the streamed one's parts were read (they fill the
     ring before it): take() of it times out saying so."""
     pub = Publisher(dump, ITEMS)
-    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    reader = _streaming_reader(dump)
     pub.start()
     try:
         reader.ack(reader.take("before", timeout=20))
@@ -681,7 +686,7 @@ def test_chunks_of_a_streamed_record_after_close_refuse(dump):
     """close() hands the ring to the next reader: a streamed record's chunks() stops there (its parts may be
     written over once that reader acknowledges them), and the record comes again whole to the next reader."""
     pub = Publisher(dump, ITEMS)
-    first = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    first = _streaming_reader(dump)
     pub.start()
     try:
         first.ack(first.take("before", timeout=20))
@@ -691,7 +696,7 @@ def test_chunks_of_a_streamed_record_after_close_refuse(dump):
         first.close()
     with pytest.raises(RuntimeError, match="closed"):
         next(it)
-    reader = HiddenStateReader(str(dump.dir), wait=1, ack=True, part_bytes=CHUNK, part_wait=20)
+    reader = _streaming_reader(dump)
     try:
         rec = reader.take("long", timeout=20)  # its first part was never released: it comes again, whole
         assert sum(c.num_tokens for c in reader.chunks(rec)) == N and reader.orphan_parts == 0

@@ -330,6 +330,10 @@ class CaptureWriter:
         self.ring.publish(rid, ids, gather_from=self.store, slots=slots,  # gathered straight into the ring
                           prompt_len=prompt_len, next_token=next_token, meta=meta)
         self.stats["records"] += 1
+        self._count_gathered(T, t0)
+
+    def _count_gathered(self, T: int, t0: float) -> None:
+        """T rows gathered into the ring since t0 (perf_counter): the rows, bytes and gather_s counters."""
         self.stats["rows"] += T
         self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
         self.stats["gather_s"] += time.perf_counter() - t0
@@ -384,10 +388,7 @@ class CaptureWriter:
                 if taken:
                     room_done()
             parts += 1
-            T = int(part.shape[0])
-            self.stats["rows"] += T
-            self.stats["bytes"] += T * self.P * self.spec.hidden_size * self.store.element_size()
-            self.stats["gather_s"] += time.perf_counter() - t0
+            self._count_gathered(int(part.shape[0]), t0)
             self.stats["part_wait_s"] += t0 - w0
             self.stats["parts"] += 1
         self.stats["records"] += 1
