@@ -145,3 +145,16 @@ def test_records_in_parts_charge_their_worst_case_tokens_to_the_kv_hold_budget()
     skip = _adm(part_rows=part_rows, hold_budget=100000, when_behind="skip")
     assert skip.filter([a, b]) == [a, b] and skip.stats["skipped_reader_behind"] == 1  # b served without capture
     assert skip.stats["hold_charged_tokens"] == 68000
+
+
+def test_with_records_in_parts_the_most_tokens_that_fit_counts_the_first_part():
+    """The refusal's "at most N tokens fit" under --hs-record-part-size: the limit is the first part's (every token
+    id and part_rows rows), far beyond a whole record's; before, it named the whole record's limit."""
+    part_rows = (64 << 20) // (P * H * ELEM)
+    ring = 1 << 28
+    adm = AdmissionControl(Ring(ring), P, H, ELEM, context_len=1 << 26, part_rows=part_rows)
+    fit = adm.max_tokens(len("r"))
+    assert fit > 8 * (ring // (2 * P * H * ELEM))  # many times what a whole record allows
+    assert adm.need(_req("r", fit - 8, 8)) <= ring < adm.need(_req("r", fit - 7, 8))
+    out = adm.filter([_req("r", fit - 7, 8)])
+    assert type(out[1]).__name__ == "AbortReq" and f"at most {fit} tokens fit" in out[1].abort_message

@@ -416,13 +416,19 @@ class AdmissionControl:
         return n_in, max(1, self.context_len - n_in) if max_new is None else max_new
 
     def max_tokens(self, rid_len: int, meta_len: int = 0) -> int:
-        """The most tokens (prompt + max_new_tokens) a request's record may hold for this ring to take it:
-        twice its worst-case record fits the capacity."""
-        per_row = self.P * self.H * self.elem + 4
-        rows = max(0, (self.ring.capacity // 2) // per_row)
-        while rows > 0 and 2 * record_bytes(rows, self.P, self.H, self.elem, rid_len, meta_len) > self.ring.capacity:
-            rows -= 1
-        return rows + 1 if rows else 0  # a record holds prompt + max_new_tokens - 1 rows
+        """The most tokens (prompt + max_new_tokens) a request's record may hold for this ring to take it: its
+        share (twice the record, or with records in parts twice its first part, which holds every token id)
+        fits the capacity. A record holds prompt + max_new_tokens - 1 rows."""
+        def fits(rows):
+            return share(rows, self.P, self.H, self.elem, rid_len, meta_len, self.part_rows) <= self.ring.capacity
+
+        lo, hi = 0, self.ring.capacity // 4 + 1  # each row of a record holds at least its 4-byte token id
+        if not fits(lo):
+            return 0
+        while lo < hi:  # the share grows with the rows: the largest that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo + 1 if lo else 0
 
     def oversized_message(self, req, need: int) -> str:
         """One line: why `req` (whose ring share `need` exceeds the ring) is refused, and what would take it."""
