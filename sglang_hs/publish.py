@@ -87,7 +87,8 @@ def segment_warning(largest: int, segment: int) -> Optional[str]:
     if largest <= segment:
         return None
     mb = 1 << 20
-    return (f"[publish] warning: the server's ring admits records of up to {largest / mb:.0f} MB (half its ring), "
+    return (f"[publish] warning: the server admits records of up to {largest / mb:.0f} MB (half its ring, or its "
+            "context's in parts), "
             f"more than the {segment / mb:g} MB Mooncake segment holds (--segment-mb): such a record would stop this "
             f"publisher (it stays in the ring); raise --segment-mb to at least {-(-largest // mb)} or cap the "
             "server's records (--hs-max-record-tokens)")

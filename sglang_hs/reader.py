@@ -125,7 +125,8 @@ import torch
 from sglang_hs.envs import DEFAULT_PART_BYTES
 from sglang_hs.server.capture_spec import final_states
 from sglang_hs.fsutil import NO_WRITER, check_private_file, owner_uid
-from sglang_hs.server.store.ring import SKIP_REASONS, RingReader
+from sglang_hs.server.store.admission import SIZED_RID_BYTES
+from sglang_hs.server.store.ring import SKIP_REASONS, RingReader, record_bytes
 from sglang_hs.server.store.writer import FORMAT_VERSION, MANIFEST
 
 logger = logging.getLogger(__name__)
@@ -1048,11 +1049,20 @@ class HiddenStateReader:
         return sum(ring.unread_bytes() for ring in self._rings)
 
     def largest_record_bytes(self) -> int:
-        """An upper bound on the bytes of any record this server can write: half its largest ring (admission takes a
-        request only if twice its worst-case record fits the ring), so what a consumer must be able to hold. A
-        record the server publishes in parts (ring format 9) is not bounded by it: an assembling reader holds it
-        whole, a streaming one (part_bytes) a part at a time."""
-        return max((ring.capacity // 2 for ring in self._rings), default=0)
+        """An upper bound on the bytes of any record this server can write, so what a consumer that holds records
+        whole (an assembling reader, the Mooncake publisher) must be able to hold: half its largest ring (admission
+        takes a request only if twice its worst-case record fits the ring); on a server that publishes long
+        records in parts (manifest `record_part_bytes`, --hs-record-part-size), a record of the whole context.
+        A streaming reader (part_bytes) holds a part at a time instead."""
+        half = max((ring.capacity // 2 for ring in self._rings), default=0)
+        m = self.manifest
+        if not m.get("record_part_bytes"):
+            return half
+        P, H, elem = int(m.get("rows_per_token", 1)), int(m["hidden_size"]), getattr(torch, m["dtype"]).itemsize
+        rows = int(m["context_len"])
+        # a speculative record's metadata: at most ~6 bytes per token (admission.meta_bound), plus the request id
+        whole = record_bytes(rows, P, H, elem, SIZED_RID_BYTES, 8 * rows + 64)
+        return max(half, whole)
 
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:
         """That request's record, waiting for it; raises NotCaptured once its marker says it has none. A rid

@@ -724,3 +724,25 @@ def test_a_streamed_records_state_stand_in_refuses_every_read(use):
     with pytest.raises(StreamedRecordError, match=r"last_hidden_state of the record of 'r-1' is streamed in parts .*"
                                                   r"read its rows with reader.chunks\(record\)"):
         use(s)
+
+
+@pytest.mark.parametrize("parts", [False, True])
+def test_the_largest_record_a_consumer_must_hold_counts_records_in_parts(tmp_path, monkeypatch, parts):
+    """reader.largest_record_bytes (the Mooncake publisher's segment warning): half the ring when every record is
+    whole (admission's bound); a record of the whole context when the server publishes long records in parts
+    (the manifest's record_part_bytes, --hs-record-part-size), far more than the ring. Before: half the ring
+    either way, so a publisher whose segment held half the ring was never warned of a 2.4 MB record."""
+    if parts:
+        monkeypatch.setenv("SGLANG_HS_RECORD_PART_BYTES", str(PART * ROW))
+    cap = 4 * ring.record_bytes(PART, RP, RH, 2, 8, 0, N)
+    w = CaptureWriter(str(tmp_path), CaptureSpec.resolve([1], True, 4, RH), 8, torch.bfloat16, cap, context_len=N)
+    try:
+        with HiddenStateReader(str(tmp_path), wait=1) as reader:
+            assert reader.manifest["record_part_bytes"] == (PART * ROW if parts else 0)
+            largest = reader.largest_record_bytes()
+            if parts:
+                assert largest >= ring.record_bytes(N, RP, RH, 2, 1) > N * ROW > cap
+            else:
+                assert largest == w.ring.capacity // 2
+    finally:
+        w.close()

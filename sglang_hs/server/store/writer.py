@@ -148,6 +148,9 @@ class CaptureWriter:
             "rows_per_token": self.P,
             "copy": copy,  # how rows reach the store: direct (the kernel writes it), staging or deferred
             "context_len": context_len,
+            # --hs-record-part-size's row bytes (0: every record whole, at most half the ring): a record of more
+            # leaves the ring in parts, so it may be as long as the context (reader.largest_record_bytes)
+            "record_part_bytes": envs.SGLANG_HS_RECORD_PART_BYTES,
             "page_size": page_size,  # the KV pool's: the store holds a page of slots more than SGLang's pool
             "share_gid": share_gid,  # the group readers of other users belong to (--hs-share-group); None: private
             "served": served,  # what served the records: target, draft, speculative settings, chat template
