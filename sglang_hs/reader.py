@@ -951,7 +951,7 @@ class HiddenStateReader:
     def _part_timeout(self, record: HiddenStateRecord, st: _Parted) -> TimeoutError:
         """No next part of a streamed record came: say what was read, and what holds the ring's TAIL back."""
         first_seq = record.seq
-        held = sorted(q for q in st.ring._unreleased if q < first_seq)
+        held = st.ring.unreleased_before(first_seq)
         msg = (f"no part of the streamed record of {record.rid!r} (seq {first_seq}) after {self.part_wait}s: "
                f"{st.received} of its {st.total_rows} rows arrived, {st.read} read")
         if held:

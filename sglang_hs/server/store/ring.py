@@ -593,6 +593,11 @@ class RingReader:
         """Records read ahead and not released yet."""
         return len(self._unreleased)
 
+    def unreleased_before(self, seq: int) -> list:
+        """The sequence numbers, ascending, of the records read ahead, not released yet and older than `seq`:
+        what holds the TAIL back behind record `seq`."""
+        return sorted(q for q in self._unreleased if q < seq)
+
     def _store_tail(self, tail: int, last_seq: int) -> None:
         """Tell the writer the records up to `tail` are consumed (it checks the value, and takes it when it
         needs room)."""
