@@ -27,6 +27,7 @@ import xml.etree.ElementTree as ET
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from parts import SECONDS_FILE, load_seconds  # noqa: E402
+from helpers import STARTS_LEDGER  # noqa: E402
 
 NO_TESTS = 5  # pytest's exit status when a part selected nothing
 
@@ -68,6 +69,16 @@ def _summary(log: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def _starts(ledger: str) -> str:
+    """One line from a part's ledger of server starts (tests/helpers.py: test, seconds to ready, flags)."""
+    try:
+        with open(ledger) as f:
+            seconds = [float(line.split("\t")[1]) for line in f if line.strip()]
+    except (OSError, ValueError, IndexError):
+        return "no ledger of server starts"
+    return f"{len(seconds)} servers started, {sum(seconds):.0f} s from launch to ready in all"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", type=int, default=2, help="pytest processes at once (default 2)")
@@ -86,10 +97,14 @@ def main(argv=None) -> int:
     for k in range(1, ns.parts + 1):
         log = os.path.join(ns.log_dir, f"part-{k}-of-{ns.parts}.log")
         junit = os.path.join(ns.log_dir, f"part-{k}-of-{ns.parts}.xml")
+        starts = os.path.join(ns.log_dir, f"part-{k}-of-{ns.parts}.starts.tsv")
+        if os.path.exists(starts):
+            os.unlink(starts)
         with open(log, "wb") as out:
             procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "--part", f"{k}/{ns.parts}",
                                            f"--junitxml={junit}", *args],
-                                          stdout=out, stderr=subprocess.STDOUT))
+                                          stdout=out, stderr=subprocess.STDOUT,
+                                          env={**os.environ, STARTS_LEDGER: starts}))
         logs.append(log)
         junits.append(junit)
     print(f"[run_tests] {ns.parts} parts of `pytest {' '.join(args)}`; logs in {ns.log_dir}", flush=True)
@@ -116,6 +131,8 @@ def main(argv=None) -> int:
             sys.stdout.write(f.read())
     rcs = [proc.returncode for proc in procs]
     print(f"\n[run_tests] {wall:.1f} s wall for {ns.parts} parts")
+    for k in range(1, ns.parts + 1):
+        print(f"[run_tests] part {k}: {_starts(os.path.join(ns.log_dir, f'part-{k}-of-{ns.parts}.starts.tsv'))}")
     for k, (rc, log) in enumerate(zip(rcs, logs), 1):
         print(f"[run_tests] part {k}: exit {rc}: {_summary(log)}")
     if ns.update_seconds:

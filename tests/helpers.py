@@ -18,6 +18,8 @@ import requests
 from sglang_hs.tools.server_process import free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# scripts/run_tests.py: a file each part appends a line to per server started (test, seconds to ready, flags)
+STARTS_LEDGER = "SGLANG_HS_TEST_STARTS_LEDGER"
 
 
 def processes_matching(marker: str) -> List[int]:
@@ -54,6 +56,7 @@ class Launcher:
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [python, "-m", "sglang_hs.launch_server", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=tempfile.gettempdir(),
@@ -75,12 +78,20 @@ class Launcher:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if "[sglang-hs] server ready" in self.output:
+                self._ledger()
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.tail()}")
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.tail()}")
+
+    def _ledger(self) -> None:
+        ledger = os.environ.get(STARTS_LEDGER)
+        if ledger:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+            with open(ledger, "a") as f:
+                f.write(f"{test}\t{time.monotonic() - self._t0:.1f}\t{' '.join(self.args)}\n")
 
     def wait_exit(self, timeout: float) -> int:
         try:
