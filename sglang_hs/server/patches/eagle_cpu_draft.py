@@ -100,12 +100,12 @@ class TorchNativeMultiStepDraftBackend:
     TritonMultiStepDraftBackend: num_steps - 1 step backends, page size 1."""
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):
-        from sglang.srt.runtime_context import get_schedule
         from sglang.srt.speculative.spec_utils import resolve_draft_decode_window
 
-        if get_schedule().page_size != 1:
+        page_size = model_runner.token_to_kv_pool.page_size
+        if page_size != 1:
             raise NotImplementedError(f"sglang-hs: a multi-step EAGLE draft on the CPU engine needs --page-size 1 "
-                                      f"(got {get_schedule().page_size})")
+                                      f"(got {page_size})")
         if resolve_draft_decode_window(model_runner) != (0, 0):
             raise NotImplementedError("sglang-hs: --speculative-draft-window-size has no CPU path")
         self.topk, self.speculative_num_steps = topk, speculative_num_steps
