@@ -147,10 +147,11 @@ def contract_server(tmp_path_factory):
 # server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
 # Each also samples half of the requests that do not opt in (HARVEST_SAMPLE_KEY) and keeps of those only the
 # ones its draft did poorly on (--hs-capture-accept-below SPEC_ACCEPT_BELOW; NGRAM: the lowest half of the last 8).
-# (--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens) of each EAGLE-family server:
-# DeepSeek's production MTP setting, a chain of 3 drafts verified with the last token (4 tokens), which runs the
-# draft's multi-step decode backend (patches/eagle_cpu_draft.py) for its steps 1 and 2
-SPEC_DRAFT = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 1, 4)}
+# (--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens) of each EAGLE-family server,
+# both running the draft's multi-step decode backend (patches/eagle_cpu_draft.py) for their steps 1 and 2. EAGLE:
+# DeepSeek's production MTP setting, a chain of 3 drafts verified with the last token (4 tokens). EAGLE3: a tree,
+# two branches per step, of which the best 4 drafts are verified with the last token
+SPEC_DRAFT = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 2, 5)}
 
 
 def _spec_step(steps, topk, tokens):

@@ -1,12 +1,13 @@
 """The CPU engine's multi-step EAGLE draft decode backend (sglang_hs/server/patches/eagle_cpu_draft.py,
 TorchNativeMultiStepDraftBackend) against a plain-torch reference, on SGLang's own pools: the draft's slots
-laid out by SGLang's CPU cache-location op and split per step by its per_step_draft_out_cache_loc, as
-eagle_worker_common.prepare_for_draft / EagleWorkerV2.draft_forward do on the CPU engine; then each step's queries attended over the request's
-prefix and, of the drafts, only their own branch's steps 0..i (its own token last). The reference keeps each
-branch's keys in a list of its own, never reading the pool's layout. Every other slot of the pool holds
-garbage, so a query that reads one draft too many, a sibling branch's draft or another request's slot
-differs. Odd sizes: head dims 24/20 (GQA 5 query heads over 1 KV head; 3 over 3), prefixes 1..13, top-k 1..3,
-steps 2..5."""
+laid out by the CPU cache-location op SGLang calls there and split per step by its per_step_draft_out_cache_loc,
+as eagle_worker_common.prepare_for_draft and EagleWorkerV2.draft_forward do; then each step's queries attended
+over the request's prefix and, of the drafts, only their own branch's steps 0..i (its own token last). The
+reference keeps each branch's keys in a list of its own, never reading the pool's layout. Every other slot of
+the pool holds garbage, so a query that reads one draft too many, a sibling branch's draft or another
+request's slot differs. Odd sizes: head dims 24/20 (GQA 5 query heads over 1 KV head; 3 over 3), prefixes
+1..13, top-k 1..3, steps 2..5. Planted: a step that reads one draft too many, or misses its own, fails all
+four cases (0.75 to 9.5 off); a branch that sees its siblings' drafts fails the two trees (7.2, 7.6)."""
 import types
 
 import pytest

@@ -4,15 +4,16 @@
 memory pool is made, eagle_worker_v2.init_lm_head) ends with `torch.cuda.empty_cache()` and
 `torch.cuda.synchronize()`, which raise on a machine without a CUDA driver: on a CPU device the same
 rebinding runs without them. `DraftBackendFactory._create_backend` knows no torch_native backend for the
-draft's extend pass (the pass over each request's accepted tokens after a verify): the one-step draft
-(--speculative-num-steps 1, DeepSeek's MTP setting, which needs no multi-step decode backend) gets SGLang's
-own TorchNativeAttnBackend there, as the target has. Nor does it know a torch_native multi-step draft
-decode backend (--speculative-num-steps > 1: the draft's steps 0..num_steps-2 run the draft model over
-topk tokens per request each): `TorchNativeMultiStepDraftBackend` is one, laid out as SGLang's Triton and
-FlashInfer ones read the draft KV (speculative/eagle_utils.per_step_draft_out_cache_loc and
+draft's extend pass (the pass over each request's accepted tokens after a verify): it gets SGLang's own
+TorchNativeAttnBackend there, as the target has. Nor does it know a torch_native multi-step draft decode
+backend (--speculative-num-steps > 1: the draft's steps 0..num_steps-2 run the draft model over topk tokens
+per request each; one step needs none): `TorchNativeMultiStepDraftBackend` is one, reading the draft KV as
+SGLang's Triton and FlashInfer ones do (speculative/eagle_utils.per_step_draft_out_cache_loc and
 kernels/ops/speculative/cache_locs.generate_draft_decode_kv_indices, page size 1): branch t of request b
 writes its step-s token at req_to_token[b, seq_len + t * num_steps + s], and its step-i query attends the
-prefix req_to_token[b, :seq_len] and its own column's slots seq_len + t * num_steps + 0..i. See the ledger
+prefix req_to_token[b, :seq_len] and its own column's slots seq_len + t * num_steps + 0..i. As upstream: with
+top-k > 1 the column is the branch's slot, not its ancestry (select_top_k_tokens may re-parent a column at a
+later step); the drafts are only proposals, the target's verify pass judges them over the true tree. See the ledger
 in sglang_hs/server/patches/__init__.py.
 """
 from __future__ import annotations
