@@ -291,8 +291,11 @@ eagle_cpu_draft
             torch_native entry in either backend map; the CPU multi-step backend it has is Intel AMX's);
             not reported upstream by us yet.
   removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server (MTP, 3 steps) does not
-            start without it; tests/unit/test_eagle_cpu_draft.py checks each step's attention against a
-            plain-torch reference.
+            start without it ("EAGLE is not supported in decode attention backend torch_native");
+            tests/unit/test_eagle_cpu_draft.py checks each step's attention against a plain-torch reference,
+            and is the only guard of it: the tiny test drafts propose the same tokens whatever their attention
+            reads (MTP: o_proj zero; EAGLE-3: one-hot on keys of the same token), so a step reading one draft
+            too many still passes test_speculative's EAGLE3 tests with the same accept counts.
 
 dsv4_torch_native
   why:      SGLang 0.5.23 serves DeepSeek-V4 on CUDA only: its attention is the FlashMLA "dsv4" backend over
