@@ -8,7 +8,7 @@
                      draft did worst on), driven like c_spec_plain: what selection on the draft costs users
 
 ALGO (--algorithm): NGRAM (no draft model), or EAGLE3 with the tiny EAGLE-3 draft (sglang_hs/tools/tiny_eagle3.py:
-its aux layers captured beside ours; one step, top-1, the CPU engine's setting).
+its aux layers captured beside ours; one step, top-1, the setting its published figures were measured with).
 
 Same tiny checkpoint, bf16, greedy, the same conversations (repetitive text, so n-gram drafts get
 accepted) with a 96-token reply each; every server sees each prompt set once per rep (fresh prompts each

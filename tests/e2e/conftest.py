@@ -147,14 +147,25 @@ def contract_server(tmp_path_factory):
 # server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
 # Each also samples half of the requests that do not opt in (HARVEST_SAMPLE_KEY) and keeps of those only the
 # ones its draft did poorly on (--hs-capture-accept-below SPEC_ACCEPT_BELOW; NGRAM: the lowest half of the last 8).
-SPEC_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+# (--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens) of each EAGLE-family server,
+# both running the draft's multi-step decode backend (patches/eagle_cpu_draft.py) for their steps 1 and 2. EAGLE:
+# DeepSeek's production MTP setting, a chain of 3 drafts verified with the last token (4 tokens). EAGLE3: a tree,
+# two branches per step, of which the best 4 drafts are verified with the last token
+SPEC_DRAFT = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 2, 5)}
+
+
+def _spec_step(steps, topk, tokens):
+    return ["--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", str(tokens)]
+
+
 SPEC_SAMPLE, SPEC_ACCEPT_BELOW = 0.5, 1.25
 # NGRAM selects on a fraction of recent traffic instead (--hs-capture-accept-lowest, over a window of 8 requests)
 SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW = 0.5, 8
 SPECULATIVE = {
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
-    "EAGLE": ["--speculative-algorithm", "EAGLE", *SPEC_STEP],
-    "EAGLE3": ["--speculative-algorithm", "EAGLE3", *SPEC_STEP],
+    "EAGLE": ["--speculative-algorithm", "EAGLE", *_spec_step(*SPEC_DRAFT["EAGLE"])],
+    "EAGLE3": ["--speculative-algorithm", "EAGLE3", *_spec_step(*SPEC_DRAFT["EAGLE3"])],
 }
 SPEC_TP = {"EAGLE": 2}  # ranks (--tp) of each speculative server; 1 where not named
 

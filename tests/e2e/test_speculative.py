@@ -10,7 +10,8 @@ a verify that leaves a rejected draft's row at its slot (the next verify's first
 fails the concurrent test at the first position whose draft was rejected.
 
 Each decode step of such a server is a verify pass: one forward of the target over the draft tokens of each
-request (NGRAM: a tree of 12; MTP: the last token and one draft), written at KV slots of the request's draft
+request (NGRAM: a tree of 12; MTP: the last token and a chain of 3 drafts; EAGLE3: the last token and the best
+4 drafts of a top-2 tree, 3 steps deep: conftest SPEC_DRAFT), written at KV slots of the request's draft
 window, rows included; then the accepted drafts' KV is moved to the front of the window and the rest
 dropped. A record must hold exactly the rows of the tokens the request ends with, each the row a plain
 forward of that sequence gives: every row is judged against HF transformers float32 (tests/e2e/row_judge.py)
@@ -23,7 +24,10 @@ the overlay's status that rows followed KV moves (`moved_rows`: accepted drafts 
 The MTP draft is built to propose the target's last token again (tiny_model._add_mtp_layer: it reads the
 target's final hidden state, which the overlay hands over while capturing): accepted where the target's
 greedy output repeats a token, so SGLang's accepted count must equal what that rule predicts from the
-output, which also shows the draft got the target's hidden states intact with capture on.
+output, which also shows the draft got the target's hidden states intact with capture on. Each later draft
+step (the CPU engine's multi-step draft backend, patches/eagle_cpu_draft.py) proposes it again, so a verify
+accepts as many drafts as the next tokens repeat it, up to 3 (worst row 1.17e-6 at --tp 2; EAGLE3's tree
+1.07e-6, 24 rows moved off the tree's front in the concurrent test).
 
 The EAGLE-3 draft (tiny_eagle3) is built the same way, proposing the token it is given again, but reads the
 target's aux states too, which overrule some of its guesses: accepted at most where the output repeats, and
@@ -45,7 +49,8 @@ import types
 from safetensors.torch import load_file
 
 import row_judge
-from conftest import HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_SAMPLE
+from conftest import (HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_DRAFT,
+                      SPEC_SAMPLE)
 from helpers import metrics_of, settled
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
@@ -91,7 +96,9 @@ def _check_served(served, algorithm):
     else:  # EAGLE: the MTP layer of the target's own checkpoint; EAGLE3: the draft generated at test time
         draft = target if algorithm == "EAGLE" else tiny_eagle3.ensure()
         assert served["draft"]["path"] == draft and served["draft"]["config_sha256"] == sha(f"{draft}/config.json")
-        assert served["speculative"]["num_steps"] == 1 and served["speculative"]["eagle_topk"] == 1, served
+        steps, topk, tokens = SPEC_DRAFT[algorithm]
+        assert (served["speculative"]["num_steps"], served["speculative"]["eagle_topk"],
+                served["speculative"]["num_draft_tokens"]) == (steps, topk, tokens), served
     with open(f"{target}/tokenizer_config.json") as f:
         template = json.load(f).get("chat_template")
     assert template and served["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
@@ -106,18 +113,20 @@ def _drafts(meta):
     return meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]
 
 
-def _repeat_draft_accepts(output_ids):
-    """Drafts a one-step draft that proposes the last token again gets accepted, for this greedy output:
-    each verify after the prefill's token either accepts (the next token repeats the last: two tokens
-    emitted) or not (one)."""
-    i, accepted = 0, 0
+def _repeat_draft_accepts(output_ids, steps):
+    """(least, most) drafts a chain of `steps` drafts that each propose the last token again gets accepted, for
+    this greedy output: each verify after the prefill's token accepts as many drafts as the next tokens repeat
+    the last (at most `steps`), and emits them and one token more. Exact (least == most) unless the output ends
+    inside the last verify's run: SGLang counts the drafts that verify accepted past max_new_tokens too."""
+    i, accepted, run = 0, 0, 0
     while i + 1 < len(output_ids):
-        if output_ids[i + 1] == output_ids[i]:
-            accepted += 1
-            i += 2
-        else:
-            i += 1
-    return accepted
+        run = 0
+        while run < steps and i + run + 1 < len(output_ids) and output_ids[i + run + 1] == output_ids[i]:
+            run += 1
+        accepted += run
+        i += run + 1
+    open_end = i == len(output_ids) and run < steps  # the last run reached the end before `steps`
+    return accepted, accepted + (steps - run if open_end else 0)
 
 
 def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
@@ -129,7 +138,7 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
             "max_new_tokens": 48, **GREEDY}), jobs))
-    total = worst = 0
+    total = worst = deepest = 0
     for (rid, ids), out in zip(jobs, outs):
         verifies, accepted, proposed = _drafts(out["meta_info"])
         print(f"{server.algorithm} tp{server.tp} {rid}: {verifies} verify passes, {accepted} of {proposed} drafts "
@@ -137,22 +146,29 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
         assert verifies > 0 and accepted < proposed, (rid, out["meta_info"])  # drafts rejected in every record
         if server.algorithm == "NGRAM":
             assert accepted > 0, (rid, out["meta_info"])  # and accepted in every record
-        elif server.algorithm == "EAGLE":  # the MTP draft repeats the last token: accepted where the output does
-            assert 0 < accepted == _repeat_draft_accepts(out["output_ids"]), (rid, out["output_ids"],
-                                                                              out["meta_info"])
-        else:  # the EAGLE-3 draft repeats it too, unless the target's aux states overrule it
-            assert accepted <= _repeat_draft_accepts(out["output_ids"]), (rid, out["output_ids"], out["meta_info"])
+        else:
+            least, most = _repeat_draft_accepts(out["output_ids"], SPEC_DRAFT[server.algorithm][0])
+            print(f"  the repeat rule: {least}..{most}")
+        if server.algorithm == "EAGLE":  # the MTP draft repeats the last token: accepted where the output does
+            assert 0 < accepted and least <= accepted <= most, (rid, out["output_ids"], out["meta_info"])
+        elif server.algorithm == "EAGLE3" and SPEC_DRAFT["EAGLE3"][1] == 1:  # a chain of EAGLE-3 drafts repeats
+            assert accepted <= most, (rid, out["output_ids"], out["meta_info"])  # it too, unless aux states overrule
         total += accepted
         rec = reader.take(rid, timeout=60)
         assert rec.prompt_len == len(ids)
         # the record's steps are SGLang's: as many as its verify passes, their accepted drafts summing to its count
         steps = rec.meta["speculative"]["accepted_drafts"]
         assert (len(steps), sum(steps), rec.meta["speculative"]["verify_steps"]) == (verifies, accepted, verifies)
+        deepest = max(deepest, *steps)
         worst = max(worst, _exact(rec, hf, (ids + out["output_ids"])[:-1]))
-    print(f"{server.algorithm} tp{server.tp}: worst row {worst:.3g} of HF float32, {total} drafts accepted")
+    print(f"{server.algorithm} tp{server.tp}: worst row {worst:.3g} of HF float32, {total} drafts accepted, "
+          f"at most {deepest} in one verify")
     assert total > 0
+    if server.algorithm != "NGRAM":  # drafts of the multi-step draft's later steps accepted too
+        assert deepest > 1 and deepest <= SPEC_DRAFT[server.algorithm][0], deepest
     after = settled(server)
-    if server.algorithm == "NGRAM":  # accepted drafts off the tree's front: their rows moved with their KV
+    print(f"moved rows: {after['writer']['moved_rows'] - before['writer']['moved_rows']}")
+    if server.algorithm == "NGRAM" or SPEC_DRAFT[server.algorithm][1] > 1:  # accepted drafts off the tree's front:
         assert after["writer"]["moved_rows"] > before["writer"]["moved_rows"], (before["writer"], after["writer"])
     else:  # a chain's accepted drafts are at the window's front already
         assert after["writer"]["moved_rows"] == before["writer"]["moved_rows"], (before["writer"], after["writer"])
@@ -194,7 +210,8 @@ def test_eagle3_draft_fares_the_same_with_capture_on(served, hf):
         assert _drafts(a["meta_info"]) == _drafts(b["meta_info"]), (i, a["meta_info"], b["meta_info"])
         _exact(reader.take(f"e3-on-{i}", timeout=60), hf, (ids + a["output_ids"])[:-1])
     accepted = [_drafts(a["meta_info"])[1] for a in on]
-    assert sum(accepted) > 0 and sum(accepted) < sum(_repeat_draft_accepts(a["output_ids"]) for a in on), accepted
+    repeats = [_repeat_draft_accepts(a["output_ids"], SPEC_DRAFT["EAGLE3"][0])[1] for a in on]
+    assert sum(accepted) > 0 and sum(accepted) < sum(repeats), (accepted, repeats)
 
 
 def test_radix_hit_stop_string_stream_and_logprobs(served, hf):

@@ -55,8 +55,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | request's prefix and its draft tree          |                  |
 | eagle_cpu_draft   | DeepseekV2ForCausalLM.set_embed_and_head     | CPU mode only    |
 |                   | without CUDA calls on a CPU device; a        |                  |
-|                   | torch_native draft-extend backend in         |                  |
-|                   | DraftBackendFactory._create_backend          |                  |
+|                   | torch_native draft-extend backend and a      |                  |
+|                   | torch_native multi-step draft decode backend |                  |
+|                   | in DraftBackendFactory._create_backend       |                  |
 | dsv4_torch_native | DeepSeek-V4 sliding-window, CSA (ratio 4)    | CPU mode only    |
 |                   | and HCA (ratio 128) layers: plain MHA        |                  |
 |                   | pool (kv_cache_configurator.is_deepseek_v4   |                  |
@@ -276,11 +277,25 @@ eagle_cpu_draft
             rebinding runs without them. The draft's extend pass needs an attention backend from
             DraftBackendFactory, whose map has none for torch_native ("EAGLE is not supported in attention
             backend torch_native"): the single (non-container) backend it builds gets SGLang's own
-            TorchNativeAttnBackend for the draft runner. The multi-step draft decode backend is left
-            alone: only --speculative-num-steps 1 (DeepSeek's MTP setting) runs on the CPU engine.
-  upstream: present in sglang 0.5.23 (deepseek_v2.py set_embed_and_head; speculative/draft_utils.py); not
-            reported upstream by us yet.
-  removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server does not start without it.
+            TorchNativeAttnBackend for the draft runner. With --speculative-num-steps > 1 the draft also
+            needs a multi-step decode backend (create_decode_backend: "EAGLE is not supported in decode
+            attention backend torch_native"); the container it builds (stamps_children) gets
+            TorchNativeMultiStepDraftBackend: one TorchNativeAttnBackend subclass per draft step, whose
+            decode writes the step's KV at the slots EagleWorkerV2.draft_forward hands it and attends each
+            branch's query (request b, branch t, step i) over the prefix and the slots seq_len + t * steps
+            + 0..i, the layout SGLang's Triton/FlashInfer multi-step backends read
+            (cache_locs.generate_draft_decode_kv_indices, page size 1; per_step_draft_out_cache_loc). Page
+            sizes > 1, sliding-window drafts, --speculative-draft-window-size and DSA drafts are refused
+            (NotImplementedError at start-up or at the first draft step).
+  upstream: present in sglang 0.5.23 (deepseek_v2.py set_embed_and_head; speculative/draft_utils.py: no
+            torch_native entry in either backend map; the CPU multi-step backend it has is Intel AMX's);
+            not reported upstream by us yet.
+  removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server (MTP, 3 steps) does not
+            start without it ("EAGLE is not supported in decode attention backend torch_native");
+            tests/unit/test_eagle_cpu_draft.py checks each step's attention against a plain-torch reference,
+            and is the only guard of it: the tiny test drafts propose the same tokens whatever their attention
+            reads (MTP: o_proj zero; EAGLE-3: one-hot on keys of the same token), so a step reading one draft
+            too many still passes test_speculative's EAGLE3 tests with the same accept counts.
 
 dsv4_torch_native
   why:      SGLang 0.5.23 serves DeepSeek-V4 on CUDA only: its attention is the FlashMLA "dsv4" backend over
