@@ -106,6 +106,23 @@ def _drafts(meta):
     return meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]
 
 
+def _acceptance(meta):
+    """SGLang's per-request speculative figures (meta_info): verify passes, accept length (completion tokens per
+    verify pass), drafts accepted and proposed, and the histogram of verify passes by drafts accepted."""
+    return (*_drafts(meta), meta["spec_accept_length"], meta["completion_tokens"],
+            meta.get("spec_correct_drafts_histogram"))
+
+
+def _check_steps(rec, meta):
+    """The record's drafts accepted at each verify step are SGLang's for that request: as many steps as its verify
+    passes, their sum its accepted drafts, their histogram its spec_correct_drafts_histogram."""
+    steps = rec.meta["speculative"]["accepted_drafts"]
+    histogram = [steps.count(k) for k in range(max(steps) + 1)] if steps else None
+    assert (len(steps), sum(steps), histogram, rec.meta["speculative"]["verify_steps"]) == (
+        meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta.get("spec_correct_drafts_histogram"),
+        meta["spec_verify_ct"]), (rec.rid, steps, meta)
+
+
 def _repeat_draft_accepts(output_ids):
     """Drafts a one-step draft that proposes the last token again gets accepted, for this greedy output:
     each verify after the prefill's token either accepts (the next token repeats the last: two tokens
@@ -171,11 +188,12 @@ ACCEPT_TEXTS = (*TEXTS, "x x x x x x x x", "Hello world. " * 6, "1 2 3 4 5 6 7 8
 @pytest.mark.parametrize("speculative_server", ["EAGLE3"], indirect=True)
 def test_eagle3_draft_fares_the_same_with_capture_on(served, hf):
     """The target captures the EAGLE-3 draft's layers (SGLang's ids 2, 5, 7) beside ours (2, 4, 5), once each,
-    and hands the draft its own: the same prompts, greedy, one at a time, give the same tokens and the same
-    drafts accepted per request as on the same server without capture (`.plain`), and every row of every
-    record is exact. The draft's proposals hang on those aux states (tiny_eagle3: they overrule about a third
-    of its guesses), so a draft handed our layers instead is accepted differently in several of these
-    requests (4 of 10 when planted)."""
+    and hands the draft its own: the same prompts, greedy, one at a time, give the same tokens and, request by
+    request, the same verify passes, accept length, drafts accepted and histogram of drafts accepted per verify
+    pass (SGLang's meta_info) as on the same server without capture (`.plain`); each record's accepted drafts per
+    verify step are SGLang's figures for its request, and every row of every record is exact. The draft's
+    proposals hang on those aux states (tiny_eagle3: they overrule about a third of its guesses), so a draft
+    handed our layers instead is accepted differently in several of these requests (4 of 10 when planted)."""
     server, reader = served
     assert ("EAGLE-3 draft reads the target's layers [2, 5, 7] (SGLang's ids); capturing [2, 4, 5, 7] once: "
             "ours [2, 4, 5]") in server.output
@@ -191,8 +209,12 @@ def test_eagle3_draft_fares_the_same_with_capture_on(served, hf):
         on, off = on.result(), off.result()
     for i, (ids, a, b) in enumerate(zip(prompts, on, off)):
         assert a["output_ids"] == b["output_ids"], i
-        assert _drafts(a["meta_info"]) == _drafts(b["meta_info"]), (i, a["meta_info"], b["meta_info"])
-        _exact(reader.take(f"e3-on-{i}", timeout=60), hf, (ids + a["output_ids"])[:-1])
+        # per request, SGLang's own figures: verify passes, accept length, drafts accepted and proposed, and how
+        # many verify passes accepted each number of drafts
+        assert _acceptance(a["meta_info"]) == _acceptance(b["meta_info"]), (i, a["meta_info"], b["meta_info"])
+        rec = reader.take(f"e3-on-{i}", timeout=60)
+        _check_steps(rec, a["meta_info"])
+        _exact(rec, hf, (ids + a["output_ids"])[:-1])
     accepted = [_drafts(a["meta_info"])[1] for a in on]
     assert sum(accepted) > 0 and sum(accepted) < sum(_repeat_draft_accepts(a["output_ids"]) for a in on), accepted
 
