@@ -31,11 +31,14 @@ exactly as often as on the same server without capture (the overlay captures the
 and hands it its own).
 
 The servers harvest as a production one would (--hs-capture opt-in): the tests' requests opt in, one that
-does not leaves a marker; and the extraction CLI's --regenerate runs against each server.
+does not leaves a marker; and the extraction CLI's --regenerate runs against each server. The NGRAM server
+never holds a request for its reader either (--hs-when-behind skip, a 24 MiB ring: conftest SPEC_WHEN_BEHIND):
+with nobody reading, the requests that find no room are served without capture and marked.
 """
 import concurrent.futures as cf
 import hashlib
 import json
+import time
 
 import pytest
 import requests
@@ -46,7 +49,7 @@ from safetensors.torch import load_file
 
 import row_judge
 from conftest import HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_SAMPLE
-from helpers import metrics_of, settled
+from helpers import metrics_of, settled, status_when
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
 
@@ -379,6 +382,109 @@ def test_n_choices_and_an_over_long_rid(served, hf):
     settled(server)  # every request answered is published: one poll is an absence check
     reader.poll()
     assert reader.ready_rids() == [], "a record of the prefix request or of the refused rid"
+
+
+@pytest.mark.parametrize("speculative_server", ["NGRAM"], indirect=True)
+def test_with_nobody_reading_requests_are_served_without_capture_and_records_stay_whole(served, hf):
+    """--hs-when-behind skip on the NGRAM server (conftest SPEC_WHEN_BEHIND, a 24 MiB ring): 24 opted-in requests,
+    4 at a time (4 prompts in turn), while the reader does not poll; their records (~240 rows of a shared prefix,
+    from the radix cache, then 24 speculative tokens each) cannot all fit the ring, so some must be skipped. Every
+    request is served and none is ever held (no admission wait in any status snapshot); those that found no room
+    count as skipped (reader_behind: status and /metrics) and leave a marker or count as unmarked; the ring is more
+    than half full. Then the reader drains: each request has exactly one outcome, its record (every row exact
+    against HF float32, its verify steps' accepted drafts SGLang's) or its marker or an unmarked count, the captured
+    ones numbering the records the server published, nothing left over; and the next opted-in request is captured
+    again."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    server, reader = served
+    N, NEW = 24, 24
+    sp = {"max_new_tokens": NEW, "ignore_eos": True, **GREEDY}
+    prefix = TEXTS[0] * 3
+    warm = row_judge.prompt_ids(hf, prefix)  # puts the shared prefix in the radix cache
+    server.generate(input_ids=warm, rid="behind-warm", sampling_params=sp)
+    assert reader.take("behind-warm", timeout=60).prompt_len == len(warm)
+    rids = [f"behind-{i}" for i in range(N)]
+    # 4 prompts in turn (requests sent together differ), so the judge's HF forwards are mostly of sequences it ran
+    prompts = {rid: row_judge.prompt_ids(hf, f"{prefix}Request {i % 4}.") for i, rid in enumerate(rids)}
+    states = {}
+
+    def hf_once(ids):
+        return states[tuple(ids)] if tuple(ids) in states else states.setdefault(tuple(ids), hf(ids))
+
+    smallest = min(record_bytes(len(ids) + NEW - 1, 5, H, 4, len(rid)) for rid, ids in prompts.items())
+    assert N * smallest > 2 * reader.largest_record_bytes() + 1, "the records must not all fit the ring"
+    reader.poll()
+    assert reader.ready_rids() == []
+    status0 = settled(server, until=lambda s: s["output_ring_fill"] == 0)  # everything earlier drained: baseline
+    a0 = status0["admission"]
+
+    def delta(s, part, key):
+        return s[part][key] - status0[part][key]
+
+    pool = cf.ThreadPoolExecutor(4)  # nobody polls the reader meanwhile
+    try:
+        futures = {rid: pool.submit(server.generate, input_ids=prompts[rid], rid=rid, sampling_params=sp)
+                   for rid in rids}
+        # none is ever held for the reader: every snapshot until the last reply says so (the first that does not
+        # ends the wait)
+        seen = status_when(server, lambda s: s["admission"]["held_now"] or s["admission"]["admission_waits"]
+                           != a0["admission_waits"] or all(f.done() for f in futures.values()), timeout=300)
+        assert seen["admission"]["held_now"] == 0 and seen["admission"]["admission_waits"] == a0["admission_waits"], \
+            seen["admission"]
+        outs = {rid: f.result(timeout=60) for rid, f in futures.items()}  # every one served
+    finally:  # a failure above does not wait for requests held for good (they end with the server)
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert all(len(o["output_ids"]) == NEW for o in outs.values())
+    status = settled(server)  # every reply is in: each outcome is counted, its record or marker in the ring
+    a = status["admission"]
+    skipped = delta(status, "admission", "skipped_reader_behind")
+    unmarked = delta(status, "admission", "markers_dropped")
+    print(f"NGRAM, nobody reading: {N - skipped} of {N} captured, {skipped} skipped ({unmarked} unmarked), ring "
+          f"{status['output_ring_fill']:.2f} full")
+    assert 0 < skipped < N and a["admission_waits"] == a0["admission_waits"] and a["held_now"] == 0, a
+    assert status["output_ring_fill"] > 0.5, status
+    # each request counted once: a record, a marker, or a skip that found no room for its marker
+    assert (delta(status, "writer", "records"), delta(status, "writer", "markers") + unmarked,
+            delta(status, "writer", "dropped")) == (N - skipped, skipped, 0), status
+    assert "served without capture (--hs-when-behind skip)" in server.output
+    exported = metrics_of(server, status, by=("reason",))  # /metrics once it shows this snapshot's figures
+    assert exported[("sglang_hs:requests_not_captured_total", "reader_behind")] == a["skipped_reader_behind"]
+
+    # Now the reader drains: each request's one outcome, whichever it was
+    got, marked, deadline = {}, set(), time.monotonic() + 120
+    while len(got) + len(marked) + unmarked < N and time.monotonic() < deadline:
+        reader.poll()
+        for rid in rids:
+            if rid not in got and rid not in marked:
+                if reader.not_captured(rid):
+                    marked.add(rid)
+                else:
+                    rec = reader.pop_ready(rid)
+                    if rec is not None:
+                        got[rid] = rec
+        time.sleep(0.02)
+    assert (len(got), len(marked) + unmarked) == (N - skipped, skipped), (sorted(got), sorted(marked), unmarked)
+    for rid in marked:
+        with pytest.raises(NotCaptured, match="reader_behind"):
+            reader.take(rid, timeout=60)
+    worst = 0.0
+    for rid, rec in got.items():
+        verifies, accepted, _ = _drafts(outs[rid]["meta_info"])
+        steps = rec.meta["speculative"]["accepted_drafts"]
+        assert (len(steps), sum(steps)) == (verifies, accepted), (rid, steps, outs[rid]["meta_info"])
+        worst = max(worst, _exact(rec, hf_once, (prompts[rid] + outs[rid]["output_ids"])[:-1]))
+    print(f"NGRAM, nobody reading: worst row {worst:.3g} of HF float32 ({len(states)} sequences)")
+    # nothing more comes: no second outcome of any request, the ring empty, no record dropped
+    after = settled(server, until=lambda s: s["output_ring_fill"] == 0)
+    reader.poll()
+    assert reader.ready_rids() == [] and not [r for r in rids if reader.not_captured(r)]
+    assert (delta(after, "writer", "records"), delta(after, "writer", "markers"), delta(after, "writer", "dropped")) \
+        == (N - skipped, len(marked), 0), after["writer"]
+    # the reader caught up: an opted-in request is captured again
+    ids = prompts[rids[0]]
+    out = server.generate(input_ids=ids, rid="behind-caught-up", sampling_params=sp)
+    _exact(reader.take("behind-caught-up", timeout=60), hf_once, (ids + out["output_ids"])[:-1])
 
 
 def test_regenerate_extraction_from_a_speculative_server(served, hf, tmp_path):
