@@ -168,6 +168,12 @@ SPECULATIVE = {
     "EAGLE3": ["--speculative-algorithm", "EAGLE3", *_spec_step(*SPEC_DRAFT["EAGLE3"])],
 }
 SPEC_TP = {"EAGLE": 2}  # ranks (--tp) of each speculative server; 1 where not named
+# NGRAM also never holds a request for its reader (--hs-when-behind skip: test_speculative's skip test), on a ring
+# of SPEC_RING that a reader not draining fills: room for the module's longest request (the aborted one, 51 + 2,000
+# tokens) with SPEC_RECORD_TOKENS, and for about twenty of the skip test's records, not its 24
+SPEC_RING, SPEC_RECORD_TOKENS = "24MiB", 2100
+SPEC_WHEN_BEHIND = {"NGRAM": ["--hs-when-behind", "skip", "--hs-ring-size", SPEC_RING,
+                              "--hs-max-record-tokens", str(SPEC_RECORD_TOKENS)]}
 
 
 @pytest.fixture(scope="module", params=sorted(SPECULATIVE))
@@ -189,7 +195,8 @@ def speculative_server(request, tmp_path_factory):
                   str(SPEC_ACCEPT_WINDOW)] if request.param == "NGRAM" else \
             ["--hs-capture-accept-below", str(SPEC_ACCEPT_BELOW)]
         gen = _serve(dump, [*flags, *ours, "--hs-last", "both", "--hs-capture", "opt-in", "--hs-capture-sample",
-                            str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY, *select])
+                            str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY, *select,
+                            *SPEC_WHEN_BEHIND.get(request.param, [])])
         server = next(gen)
         server.algorithm, server.tp = request.param, tp
         try:

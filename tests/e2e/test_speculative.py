@@ -35,11 +35,14 @@ exactly as often as on the same server without capture (the overlay captures the
 and hands it its own).
 
 The servers harvest as a production one would (--hs-capture opt-in): the tests' requests opt in, one that
-does not leaves a marker; and the extraction CLI's --regenerate runs against each server.
+does not leaves a marker; and the extraction CLI's --regenerate runs against each server. The NGRAM server
+never holds a request for its reader either (--hs-when-behind skip, a 24 MiB ring: conftest SPEC_WHEN_BEHIND):
+with nobody reading, the requests that find no room are served without capture and marked.
 """
 import concurrent.futures as cf
 import hashlib
 import json
+import time
 
 import pytest
 import requests
@@ -51,7 +54,7 @@ from safetensors.torch import load_file
 import row_judge
 from conftest import (HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_DRAFT,
                       SPEC_SAMPLE)
-from helpers import metrics_of, settled
+from helpers import metrics_of, settled, status_when
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
 
@@ -111,6 +114,23 @@ def _exact(rec, hf, want):
 def _drafts(meta):
     """(verify passes, drafts accepted, drafts proposed) of one request, from SGLang's own counters."""
     return meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]
+
+
+def _acceptance(meta):
+    """SGLang's per-request speculative figures (meta_info): verify passes, accept length (completion tokens per
+    verify pass), drafts accepted and proposed, and the histogram of verify passes by drafts accepted."""
+    return (*_drafts(meta), meta["spec_accept_length"], meta["completion_tokens"],
+            meta.get("spec_correct_drafts_histogram"))
+
+
+def _check_steps(rec, meta):
+    """The record's drafts accepted at each verify step are SGLang's for that request: as many steps as its verify
+    passes, their sum its accepted drafts, their histogram its spec_correct_drafts_histogram."""
+    steps = rec.meta["speculative"]["accepted_drafts"]
+    histogram = [steps.count(k) for k in range(max(steps) + 1)] if steps else None
+    assert (len(steps), sum(steps), histogram, rec.meta["speculative"]["verify_steps"]) == (
+        meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta.get("spec_correct_drafts_histogram"),
+        meta["spec_verify_ct"]), (rec.rid, steps, meta)
 
 
 def _repeat_draft_accepts(output_ids, steps):
@@ -187,11 +207,12 @@ ACCEPT_TEXTS = (*TEXTS, "x x x x x x x x", "Hello world. " * 6, "1 2 3 4 5 6 7 8
 @pytest.mark.parametrize("speculative_server", ["EAGLE3"], indirect=True)
 def test_eagle3_draft_fares_the_same_with_capture_on(served, hf):
     """The target captures the EAGLE-3 draft's layers (SGLang's ids 2, 5, 7) beside ours (2, 4, 5), once each,
-    and hands the draft its own: the same prompts, greedy, one at a time, give the same tokens and the same
-    drafts accepted per request as on the same server without capture (`.plain`), and every row of every
-    record is exact. The draft's proposals hang on those aux states (tiny_eagle3: they overrule about a third
-    of its guesses), so a draft handed our layers instead is accepted differently in several of these
-    requests (4 of 10 when planted)."""
+    and hands the draft its own: the same prompts, greedy, one at a time, give the same tokens and, request by
+    request, the same verify passes, accept length, drafts accepted and histogram of drafts accepted per verify
+    pass (SGLang's meta_info) as on the same server without capture (`.plain`); each record's accepted drafts per
+    verify step are SGLang's figures for its request, and every row of every record is exact. The draft's
+    proposals hang on those aux states (tiny_eagle3: they overrule about a third of its guesses), so a draft
+    handed our layers instead is accepted differently in several of these requests (4 of 10 when planted)."""
     server, reader = served
     assert ("EAGLE-3 draft reads the target's layers [2, 5, 7] (SGLang's ids); capturing [2, 4, 5, 7] once: "
             "ours [2, 4, 5]") in server.output
@@ -207,8 +228,12 @@ def test_eagle3_draft_fares_the_same_with_capture_on(served, hf):
         on, off = on.result(), off.result()
     for i, (ids, a, b) in enumerate(zip(prompts, on, off)):
         assert a["output_ids"] == b["output_ids"], i
-        assert _drafts(a["meta_info"]) == _drafts(b["meta_info"]), (i, a["meta_info"], b["meta_info"])
-        _exact(reader.take(f"e3-on-{i}", timeout=60), hf, (ids + a["output_ids"])[:-1])
+        # per request, SGLang's own figures: verify passes, accept length, drafts accepted and proposed, and how
+        # many verify passes accepted each number of drafts
+        assert _acceptance(a["meta_info"]) == _acceptance(b["meta_info"]), (i, a["meta_info"], b["meta_info"])
+        rec = reader.take(f"e3-on-{i}", timeout=60)
+        _check_steps(rec, a["meta_info"])
+        _exact(rec, hf, (ids + a["output_ids"])[:-1])
     accepted = [_drafts(a["meta_info"])[1] for a in on]
     repeats = [_repeat_draft_accepts(a["output_ids"], SPEC_DRAFT["EAGLE3"][0])[1] for a in on]
     assert sum(accepted) > 0 and sum(accepted) < sum(repeats), (accepted, repeats)
@@ -268,6 +293,7 @@ def test_session_turns_and_an_aborted_request(served, hf):
     request aborted (/abort_request) while it decodes leaves nothing, not even a marker (an aborted request
     is no sample, docs/reading.md), and the request after it is exact."""
     server, reader = served
+    before = settled(server)["admission"].get("skipped_reader_behind", 0)
     r = requests.post(f"{server.url}/open_session", json={"capacity_of_str_len": 4096}, timeout=60)
     assert r.status_code == 200, r.text
     sid = r.json()
@@ -302,9 +328,12 @@ def test_session_turns_and_an_aborted_request(served, hf):
     out = server.generate(input_ids=ids[:25], rid="spec-after-abort", sampling_params={"max_new_tokens": 16,
                                                                                         **GREEDY})
     _exact(reader.take("spec-after-abort", timeout=60), hf, (ids[:25] + out["output_ids"])[:-1])
-    settled(server)  # every request answered is published: one poll is an absence check
+    status = settled(server)  # every request answered is published: one poll is an absence check
     reader.poll()
     assert reader.ready_rids() == [], "a record or marker of the aborted request"
+    # on a server that skips when behind (NGRAM), none of these was served uncaptured for want of ring room: the
+    # aborted request ran captured, so leaving nothing is the abort's doing
+    assert status["admission"].get("skipped_reader_behind", 0) == before, status["admission"]
 
 
 def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
@@ -374,6 +403,109 @@ def test_n_choices_and_an_over_long_rid(served, hf):
     settled(server)  # every request answered is published: one poll is an absence check
     reader.poll()
     assert reader.ready_rids() == [], "a record of the prefix request or of the refused rid"
+
+
+@pytest.mark.parametrize("speculative_server", ["NGRAM"], indirect=True)
+def test_with_nobody_reading_requests_are_served_without_capture_and_records_stay_whole(served, hf):
+    """--hs-when-behind skip on the NGRAM server (conftest SPEC_WHEN_BEHIND, a 24 MiB ring): 24 opted-in requests,
+    4 at a time (4 prompts in turn), while the reader does not poll; their records (~240 rows of a shared prefix,
+    from the radix cache, then 24 speculative tokens each) cannot all fit the ring, so some must be skipped. Every
+    request is served and none is ever held (no admission wait in any status snapshot); those that found no room
+    count as skipped (reader_behind: status and /metrics) and leave a marker or count as unmarked; the ring is more
+    than half full. Then the reader drains: each request has exactly one outcome, its record (every row exact
+    against HF float32, its verify steps' accepted drafts SGLang's) or its marker or an unmarked count, the captured
+    ones numbering the records the server published, nothing left over; and the next opted-in request is captured
+    again."""
+    from sglang_hs.server.store.ring import record_bytes
+
+    server, reader = served
+    N, NEW = 24, 24
+    sp = {"max_new_tokens": NEW, "ignore_eos": True, **GREEDY}
+    prefix = TEXTS[0] * 3
+    warm = row_judge.prompt_ids(hf, prefix)  # puts the shared prefix in the radix cache
+    server.generate(input_ids=warm, rid="behind-warm", sampling_params=sp)
+    assert reader.take("behind-warm", timeout=60).prompt_len == len(warm)
+    rids = [f"behind-{i}" for i in range(N)]
+    # 4 prompts in turn (requests sent together differ), so the judge's HF forwards are mostly of sequences it ran
+    prompts = {rid: row_judge.prompt_ids(hf, f"{prefix}Request {i % 4}.") for i, rid in enumerate(rids)}
+    states = {}
+
+    def hf_once(ids):
+        return states[tuple(ids)] if tuple(ids) in states else states.setdefault(tuple(ids), hf(ids))
+
+    smallest = min(record_bytes(len(ids) + NEW - 1, 5, H, 4, len(rid)) for rid, ids in prompts.items())
+    assert N * smallest > 2 * reader.largest_record_bytes() + 1, "the records must not all fit the ring"
+    reader.poll()
+    assert reader.ready_rids() == []
+    status0 = settled(server, until=lambda s: s["output_ring_fill"] == 0)  # everything earlier drained: baseline
+    a0 = status0["admission"]
+
+    def delta(s, part, key):
+        return s[part][key] - status0[part][key]
+
+    pool = cf.ThreadPoolExecutor(4)  # nobody polls the reader meanwhile
+    try:
+        futures = {rid: pool.submit(server.generate, input_ids=prompts[rid], rid=rid, sampling_params=sp)
+                   for rid in rids}
+        # none is ever held for the reader: every snapshot until the last reply says so (the first that does not
+        # ends the wait)
+        seen = status_when(server, lambda s: s["admission"]["held_now"] or s["admission"]["admission_waits"]
+                           != a0["admission_waits"] or all(f.done() for f in futures.values()), timeout=300)
+        assert seen["admission"]["held_now"] == 0 and seen["admission"]["admission_waits"] == a0["admission_waits"], \
+            seen["admission"]
+        outs = {rid: f.result(timeout=60) for rid, f in futures.items()}  # every one served
+    finally:  # a failure above does not wait for requests held for good (they end with the server)
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert all(len(o["output_ids"]) == NEW for o in outs.values())
+    status = settled(server)  # every reply is in: each outcome is counted, its record or marker in the ring
+    a = status["admission"]
+    skipped = delta(status, "admission", "skipped_reader_behind")
+    unmarked = delta(status, "admission", "markers_dropped")
+    print(f"NGRAM, nobody reading: {N - skipped} of {N} captured, {skipped} skipped ({unmarked} unmarked), ring "
+          f"{status['output_ring_fill']:.2f} full")
+    assert 0 < skipped < N and a["admission_waits"] == a0["admission_waits"] and a["held_now"] == 0, a
+    assert status["output_ring_fill"] > 0.5, status
+    # each request counted once: a record, a marker, or a skip that found no room for its marker
+    assert (delta(status, "writer", "records"), delta(status, "writer", "markers") + unmarked,
+            delta(status, "writer", "dropped")) == (N - skipped, skipped, 0), status
+    assert "served without capture (--hs-when-behind skip)" in server.output
+    exported = metrics_of(server, status, by=("reason",))  # /metrics once it shows this snapshot's figures
+    assert exported[("sglang_hs:requests_not_captured_total", "reader_behind")] == a["skipped_reader_behind"]
+
+    # Now the reader drains: each request's one outcome, whichever it was
+    got, marked, deadline = {}, set(), time.monotonic() + 120
+    while len(got) + len(marked) + unmarked < N and time.monotonic() < deadline:
+        reader.poll()
+        for rid in rids:
+            if rid not in got and rid not in marked:
+                if reader.not_captured(rid):
+                    marked.add(rid)
+                else:
+                    rec = reader.pop_ready(rid)
+                    if rec is not None:
+                        got[rid] = rec
+        time.sleep(0.02)
+    assert (len(got), len(marked) + unmarked) == (N - skipped, skipped), (sorted(got), sorted(marked), unmarked)
+    for rid in marked:
+        with pytest.raises(NotCaptured, match="reader_behind"):
+            reader.take(rid, timeout=60)
+    worst = 0.0
+    for rid, rec in got.items():
+        verifies, accepted, _ = _drafts(outs[rid]["meta_info"])
+        steps = rec.meta["speculative"]["accepted_drafts"]
+        assert (len(steps), sum(steps)) == (verifies, accepted), (rid, steps, outs[rid]["meta_info"])
+        worst = max(worst, _exact(rec, hf_once, (prompts[rid] + outs[rid]["output_ids"])[:-1]))
+    print(f"NGRAM, nobody reading: worst row {worst:.3g} of HF float32 ({len(states)} sequences)")
+    # nothing more comes: no second outcome of any request, the ring empty, no record dropped
+    after = settled(server, until=lambda s: s["output_ring_fill"] == 0)
+    reader.poll()
+    assert reader.ready_rids() == [] and not [r for r in rids if reader.not_captured(r)]
+    assert (delta(after, "writer", "records"), delta(after, "writer", "markers"), delta(after, "writer", "dropped")) \
+        == (N - skipped, len(marked), 0), after["writer"]
+    # the reader caught up: an opted-in request is captured again
+    ids = prompts[rids[0]]
+    out = server.generate(input_ids=ids, rid="behind-caught-up", sampling_params=sp)
+    _exact(reader.take("behind-caught-up", timeout=60), hf_once, (ids + out["output_ids"])[:-1])
 
 
 def test_regenerate_extraction_from_a_speculative_server(served, hf, tmp_path):
