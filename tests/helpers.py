@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import requests
 
-from sglang_hs.tools.server_process import free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
+from sglang_hs.tools.server_process import STOP_GRACE_S, free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # scripts/run_tests.py: a file each part appends a line to per server started (test, seconds to ready, flags)
@@ -106,7 +106,10 @@ class Launcher:
         with self._lock:
             return "\n".join(self.lines[-n:])
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_GRACE_S) -> int:
+        """Send `sig` and wait up to `timeout` for the launcher (by default longer than its own stop path: SGLang's
+        grace, then its escalation to SIGKILL); past it kill the launcher and every process of its server session,
+        so a server stuck in its shutdown (e.g. requests held for a reader) never outlives the test."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -114,6 +117,11 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+                for pid in leftover_server_processes(self.output):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
         self._reader.join(timeout=5)
         return self.proc.returncode
 
