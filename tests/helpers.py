@@ -401,3 +401,21 @@ def verify_case(T=12, V=50, H=16, seed=0):
     tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
     logp = torch.log_softmax(last @ head.T, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
     return head, last, tokens, [None] + logp.tolist()
+
+
+def drain_outcomes(reader, rids, outcomes: int, timeout: float = 120):
+    """Poll `reader` until `outcomes` of `rids` have one (a record, popped, or a marker), or `timeout` s pass:
+    ({rid: record}, {rids whose marker came}). The caller asserts the counts."""
+    got, marked, deadline = {}, set(), time.monotonic() + timeout
+    while len(got) + len(marked) < outcomes and time.monotonic() < deadline:
+        reader.poll()
+        for rid in rids:
+            if rid not in got and rid not in marked:
+                if reader.not_captured(rid):
+                    marked.add(rid)
+                else:
+                    rec = reader.pop_ready(rid)
+                    if rec is not None:
+                        got[rid] = rec
+        time.sleep(0.02)
+    return got, marked

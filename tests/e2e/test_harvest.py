@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 
 import row_judge
-from helpers import metrics_of, settled
+from helpers import drain_outcomes, metrics_of, settled
 from sglang_hs import HiddenStateReader
 from sglang_hs.reader import NotCaptured
 from conftest import HARVEST_SAMPLE_KEY
@@ -291,18 +291,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
     assert "served without capture (--hs-when-behind skip)" in server.output
     assert _not_captured(server, status, "reader_behind") == a["skipped_reader_behind"], status
     # Now a reader drains: each request has its whole, exact record, or a marker, or is counted as unmarked.
-    got, marked, deadline = {}, set(), time.monotonic() + 120
-    while len(got) + len(marked) + unmarked < N and time.monotonic() < deadline:
-        reader.poll()
-        for rid in rids:
-            if rid not in got and rid not in marked:
-                if reader.not_captured(rid):
-                    marked.add(rid)
-                else:
-                    rec = reader.pop_ready(rid)
-                    if rec is not None:
-                        got[rid] = rec
-        time.sleep(0.02)
+    got, marked = drain_outcomes(reader, rids, N - unmarked)
     assert len(got) + len(marked) + unmarked == N, (len(got), len(marked), unmarked)
     assert len(marked) + unmarked == skipped and len(got) == N - skipped and got
     assert all(reader.not_captured(r) == "reader_behind" for r in marked)

@@ -42,7 +42,6 @@ with nobody reading, the requests that find no room are served without capture a
 import concurrent.futures as cf
 import hashlib
 import json
-import time
 
 import pytest
 import requests
@@ -54,7 +53,7 @@ from safetensors.torch import load_file
 import row_judge
 from conftest import (HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_DRAFT,
                       SPEC_SAMPLE)
-from helpers import metrics_of, settled, status_when
+from helpers import drain_outcomes, metrics_of, settled, status_when
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
 
@@ -473,18 +472,7 @@ def test_with_nobody_reading_requests_are_served_without_capture_and_records_sta
     assert exported[("sglang_hs:requests_not_captured_total", "reader_behind")] == a["skipped_reader_behind"]
 
     # Now the reader drains: each request's one outcome, whichever it was
-    got, marked, deadline = {}, set(), time.monotonic() + 120
-    while len(got) + len(marked) + unmarked < N and time.monotonic() < deadline:
-        reader.poll()
-        for rid in rids:
-            if rid not in got and rid not in marked:
-                if reader.not_captured(rid):
-                    marked.add(rid)
-                else:
-                    rec = reader.pop_ready(rid)
-                    if rec is not None:
-                        got[rid] = rec
-        time.sleep(0.02)
+    got, marked = drain_outcomes(reader, rids, N - unmarked)
     assert (len(got), len(marked) + unmarked) == (N - skipped, skipped), (sorted(got), sorted(marked), unmarked)
     for rid in marked:
         with pytest.raises(NotCaptured, match="reader_behind"):
