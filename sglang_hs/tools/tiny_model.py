@@ -49,9 +49,8 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   swiglu_limit that acts (V4_SWA); saved with the released weight names SGLang loads (_v4_released_name). HF
   transformers' DeepseekV4ForCausalLM is the reference; served on the CPU engine (tests/e2e/test_v4_cpu.py).
 - "v4-csa": v4-swa with layers 1 and 3 compressed sparse (ratio 4, HF's compressed_sparse_attention: overlapping
-  blocks, an indexer of 16 heads keeping index_topk 8 blocks per query) and layer 2 heavily compressed.
-- "v4-hca": v4-swa with layers 1 and 3 heavily compressed (ratio 128, HF's heavily_compressed_attention: one
-  compressed key per closed 128-token block on top of the window), their compressors' position biases random.
+  blocks, an indexer of 16 heads keeping index_topk 8 blocks per query), layer 2 heavily compressed, and its
+  experts in two groups (SGLang's grouped top-k, both groups kept).
 - "v3-mtp": the V3 checkpoint plus DeepSeek-V3's MTP layer (num_nextn_predict_layers 1, weights under
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
   propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
@@ -220,23 +219,17 @@ def _v4_csa(cfg: dict) -> dict:
     """v4-swa with layers 1 and 3 compressed sparse (ratio 4: overlapping 8-token blocks, the indexer keeping each
     query's 8 best closed blocks) and layer 2 heavily compressed; 16 index heads (with 4, every head's ReLU score is
     0 for about one block in 16: exact ties for the last kept place, which HF's top-k and a per-chunk one may break
-    differently)."""
-    return dict(_v4_swa(cfg), compress_ratios=[0, 4, 128, 4], index_n_heads=16)
-
-
-def _v4_hca(cfg: dict) -> dict:
-    """v4-swa with layers 1 and 3 heavily compressed (ratio 128: one compressed key per closed 128-token block), and
-    its experts in two groups of two (n_group 2, topk_group 2): SGLang's grouped top-k runs; every group is kept, so
-    the choice is HF's (its V4 router has no groups)."""
-    return dict(_v4_swa(cfg), compress_ratios=[0, 128, 0, 128], n_group=2, topk_group=2)
+    differently); its experts in two groups of two (n_group 2, topk_group 2): SGLang's grouped top-k runs; every group
+    is kept, so the choice is HF's (its V4 router has no groups)."""
+    return dict(_v4_swa(cfg), compress_ratios=[0, 4, 128, 4], index_n_heads=16, n_group=2, topk_group=2)
 
 
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32, "v3-mtp": _v3_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa, "v4-hca": _v4_hca, "v4-csa": _v4_csa}
+            "v32": _v32, "v3-mtp": _v3_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa, "v4-csa": _v4_csa}
 MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
-V4 = ("v4-swa", "v4-hca", "v4-csa")  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
+V4 = ("v4-swa", "v4-csa")  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
 

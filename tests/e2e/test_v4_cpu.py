@@ -1,63 +1,74 @@
-"""DeepSeek-V4 on the CPU engine (issue 45): tiny V4s whose layers are sliding-window (compress ratio 0) or heavily
-compressed (ratio 128, HCA), served float32 by SGLang's own DeepseekV4ForCausalLM through the CPU-engine patches
-(sglang_hs/server/patches/dsv4_cpu_server_args.py, dsv4_torch_native.py, dsv4_cpu_moe.py; on several ranks
-dsv4_cpu_tp.py and cpu_inplace_all_reduce.py), every captured row judged
+"""DeepSeek-V4 on the CPU engine (issue 45): tiny V4s whose layers are sliding-window (compress ratio 0), compressed
+sparse (ratio 4, CSA) or heavily compressed (ratio 128, HCA), served float32 by SGLang's own DeepseekV4ForCausalLM
+through the CPU-engine patches (sglang_hs/server/patches/dsv4_cpu_server_args.py, dsv4_torch_native.py,
+dsv4_cpu_moe.py; on several ranks dsv4_cpu_tp.py and cpu_inplace_all_reduce.py), every captured row judged
 against HF transformers' DeepseekV4ForCausalLM float32 (eager attention: the sinks) on the same weights.
 
 The checkpoints are tiny_model's "v4-swa": 4 layers, hc_mult 4, a window of 8 keys, random attention sinks and
-hyper-connection biases, the first layer hash-routed, sqrtsoftplus routing over one expert group, a SwiGLU limit that
-clamps; and "v4-hca": the same with layers 1 and 3 heavily compressed (a key per closed 128-token block) and its
-experts in two groups (SGLang's grouped top-k over 2 groups, both kept: HF's V4 router has none); "v4-csa": layers 1 and 3
-compressed sparse (ratio 4: overlapping 8-token blocks, an indexer of 16 heads keeping 8 blocks per query) and
-layer 2 heavily compressed. One server
-per configuration (module scope, CONFIGS): v4-swa under --hs-hc-streams mean (a row per layer id: the streams' mean)
-and v4-csa (its layer 0 sliding, 1 and 3 CSA, 2 HCA) under full ("csa-full": hc_mult rows per id), both with chunked
-prefill of 5 tokens (each chunk's window reaches into earlier chunks' keys; v4-csa's 8-token compression blocks split
-across chunks) and no --hs-layers (the checkpoint's dspark_target_layer_ids [1, 2, 3], v4-csa's too, pick ids 2, 3 and
-4: id 4 = n, the streams leaving the last layer, judged against the input of HF's hc_head), v4-hca under mean served
---tp 2 --dp 2 --enable-dp-attention ("hca-dp2": two attention groups of one rank each, attention TP 1, the MoE over
-both ranks; --chunked-prefill-size 100, which SGLang gives each group as 100 / 2 = 50), v4-csa
-under mean with chunks of 7 and --tp 2 ("csa-tp2": attention tensor parallel, each rank 2 of the 4 query heads, their
-sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the MoE
-split over both), both with --hs-layers 1,2,3; all with both final states and the radix cache on. TP 1 attention is
-the sliding servers' and each hca-dp2 group's. test_dp_attention_rows_of_both_groups runs on the hca-dp2 server (no
-server of its own: both groups' writers, a radix hit routed to group 0 twice and once to group 1, three at once); its
-radix test routes its hits to group 0 (routed_dp_rank: each group has its own radix cache), its other requests land
-on either group. Downstream,
-the extraction CLI writes DeepSpec's target cache from each mean server, judged row by row against HF the same way;
-on the swa-mean server (issue 45 item 4) it also writes --format specforge (bf16) and --format safetensors
-(float32, as served), every row of every file judged (measured worst 2.2e-03, bf16's rounding, and 5.8e-07), the live
-dataset (LiveHiddenStates, float32) over its records likewise (9.9e-07), and both trainers run their own steps on
-those files: speculators' teacher within TOL of HF float32's logits (6.6e-07) and six steps' loss falling (0.075 ->
-0.046), SpecForge's TargetHead within bf16 precision (2.8e-03) and three epochs' summed loss falling (36.73 -> 36.66).
-Planted: the sinks storing the other final state (post-norm <-> pre-norm) -> the files off by 0.93 and both teachers
-(SpecForge's 0.93, speculators' 0.35); the live dataset handing out the pre-norm state -> off by 0.93. Each fails.
---skip-tokenizer-init: SGLang's V4 chat encoder needs DeepSeek-V4's
-special tokens, which the embedded tokenizer lacks; requests send token ids.
+hyper-connection biases, the first layer hash-routed, sqrtsoftplus routing, a SwiGLU limit that clamps; and "v4-csa":
+the same with layers 1 and 3 compressed sparse (ratio 4: overlapping 8-token blocks, an indexer of 16 heads keeping 8
+blocks per query), layer 2 heavily compressed (a key per closed 128-token block) and its experts in two groups
+(SGLang's grouped top-k over 2 groups, both kept: HF's V4 router has none). Every layer kind also attends over its
+8-key window. One float32 server per configuration (module scope, CONFIGS), all on v4-csa, all with both final states
+and the radix cache on:
+- csa-dp2: under --hs-hc-streams mean (a row per layer id: the streams' mean), served --tp 2 --dp 2
+  --enable-dp-attention (two attention groups of one rank each, attention TP 1, the MoE over both ranks;
+  --chunked-prefill-size 100, which SGLang gives each group as 100 / 2 = 50), no --hs-layers (the checkpoint's
+  dspark_target_layer_ids [1, 2, 3] pick ids 2, 3 and 4: id 4 = n, the streams leaving the last layer, judged
+  against the input of HF's hc_head). Its long prompt (124 tokens + 7 decode rows) closes the HCA block in decode
+  (position 127); its 140-token prompts close it inside a prefill chunk (100-139).
+  test_dp_attention_rows_of_both_groups runs here (both groups' writers, a radix hit routed to group 0 twice and
+  once to group 1, three at once); its radix test routes its hits to group 0 (routed_dp_rank: each group has its
+  own radix cache), its other requests land on either group.
+- csa-full: under full (hc_mult rows per id), chunks of 5 (each chunk's window reaches into earlier chunks' keys,
+  the 8-token compression blocks split across chunks, the HCA block closing inside the 125-129 chunk), no
+  --hs-layers.
+- csa-tp2: under mean with chunks of 7 and --tp 2 (attention tensor parallel, each rank 2 of the 4 query heads, their
+  sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the
+  MoE split over both), --hs-layers 1,2,3, and a KV pool of POOL tokens (test_a_full_pool_evicts_and_reuses_slots).
+TP 1 attention is csa-full's and each csa-dp2 group's. v4-swa is served in bf16 only
+(test_bf16_rows_of_the_checkpoints_layers, its own server, judged statistically): its float32 server (swa-mean) and the
+HCA checkpoint's (hca-dp2, v4-hca under DP attention, prompts of up to 290 tokens) were folded into csa-dp2, whose
+checkpoint has all three layer kinds. Downstream, the extraction CLI writes DeepSpec's target cache from each mean
+server, judged row by row against HF the same way; on the csa-dp2 server (issue 45 item 4) it also writes --format
+specforge (bf16) and --format safetensors (float32, as served), every row of every file judged (measured worst
+2.2e-03, bf16's rounding, and 4.9e-07), the live dataset (LiveHiddenStates, float32) over its records likewise
+(5.4e-07), and both trainers run their own steps on those files: speculators' teacher within TOL of HF float32's
+logits (5.2e-07) and six steps' loss falling (0.082 -> 0.050), SpecForge's TargetHead within bf16 precision (2.7e-03)
+and three epochs' summed loss falling (36.72 -> 36.66). --skip-tokenizer-init: SGLang's V4 chat encoder needs
+DeepSeek-V4's special tokens, which the embedded tokenizer lacks; requests send token ids.
 
 Judged per row as every float32 family (tests/e2e/row_judge.py): within TOL of its own HF row and closer to it than
-to the neighbouring tokens' and layers' rows. Measured: worst row 7.2e-07 (every configuration; csa-tp2 7.9e-07,
-hca-dp2 6.6e-07). Planted bugs (scratch
-copies of the patches, the long-prompt test): v4-swa: the window one key wider -> rows 8 on (the first past the
-window) off by up to 0.7; the attention sink dropped -> every row off, up to 0.92; the routed experts' SwiGLU clamp
-dropped (dsv4_cpu_moe) -> every row off, up to 0.14. v4-hca (measured on its TP 1 server before it moved under DP
-attention): a block visible one position early -> rows 126 on off
-by up to 0.24 (again on hca-dp2: the same, 0.235); the compressor's ape ignored -> rows 127 on (the first closed block) off by up to 0.14. v4-csa: the
-indexer keeping one block fewer (7) -> rows 31 on (the first query with 8 closed blocks) off by up to 0.34 (measured
-at TP 1). hca-dp2: cpu_inplace_all_reduce's all-reduce skipped (the token ids the hash-routed layer reads not
-gathered across the groups) -> test_dp_attention_rows_of_both_groups fails on group 1's record (dp-a-other-group),
-pre-norm rows from row 0 off by up to 0.092. csa-tp2: wo_b without its all-reduce (each rank its partial output) -> the pre-norm final rows off from row
-0, up to 0.98; every rank using rank 0's attention sinks -> from row 0, up to 0.41. Issue 45's three: a compression
-window closed one token late (a block visible from `q_pos // ratio`, not `(q_pos + 1) // ratio`) -> the long prompt's
-pre-norm rows off from each checkpoint's first block end on: v4-hca (TP 1) rows 127 on, up to 0.16; csa-tp2 rows 3 on, up
-to 0.46. The stream mean taken before the post-mix (the capture handed the streams the last hc_post mixed into, not
-its output; in hc_full_streams too) -> swa-mean: every row of id 2 off, up to 0.047; swa-full (the full configuration
-before it became csa-full): up to 0.15 (stream 0). On csa-full, the window closed one token late -> stream 0's
-pre-norm rows 3 on off by up to 0.46.
+to the neighbouring tokens' and layers' rows. Measured: worst row 7.9e-07 (csa-tp2; csa-dp2 6.7e-07, csa-full
+7.1e-07).
+Planted bugs (scratch copies of the patches; each fails):
+- csa-dp2 (re-run when it replaced swa-mean and hca-dp2): the window one key wider -> the long prompt's pre-norm rows
+  8 on (the first past the window) off by up to 0.63; an HCA block visible one position early -> the long prompt
+  passes (its block closes in decode, where the block's last source is not there yet a step early), the 140-token
+  prompts of the radix and DP-attention tests fail (rows 126 on off by up to 0.13 and 0.14); the HCA block visible
+  one position late -> the long prompt's rows 127 on (127 is a decode step) off by up to 0.13;
+  cpu_inplace_all_reduce's all-reduce skipped (the token ids the hash-routed layer reads not gathered across the
+  groups) -> test_dp_attention_rows_of_both_groups
+  fails on group 1's record (dp-a-other-group), pre-norm rows from row 0 off by up to 0.27; the sinks storing the
+  other final state (post-norm <-> pre-norm) and the live dataset handing out the pre-norm state -> the files off by
+  up to 0.97 (specforge-0), both teachers (SpecForge's 0.97, speculators' 0.30) and the live dataset (0.96).
+- csa-full (re-run on v4-csa with two expert groups): the attention sink dropped -> every row off from row 0, up to
+  0.74; the routed experts' SwiGLU clamp dropped (dsv4_cpu_moe) -> from row 0, up to 0.32; the HCA compressor's ape
+  ignored -> rows 127 on (the first closed block) off by up to 0.18; the indexer keeping one block fewer (7) -> rows
+  31 on (the first query with 8 closed blocks) off by up to 0.34.
+- Measured before the fold (not re-run): on csa-tp2, wo_b without its all-reduce (each rank its partial output) ->
+  the pre-norm final rows off from row 0, up to 0.98; every rank using rank 0's attention sinks -> from row 0, up to
+  0.41. Issue 45's: a compression window closed one token late (a block visible from `q_pos // ratio`, not
+  `(q_pos + 1) // ratio`) -> csa-tp2's long prompt pre-norm rows 3 on off, up to 0.46, csa-full's stream 0 rows 3 on,
+  up to 0.46 (on the HCA checkpoint at TP 1: rows 127 on, up to 0.16); the stream mean taken before the post-mix
+  (the capture handed the streams the last hc_post mixed into, not its output; in hc_full_streams too) -> on the
+  folded swa-mean server every row of id 2 off, up to 0.047, on swa-full (full before it became csa-full) up to 0.15
+  (stream 0).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
-(test_a_full_pool_evicts_and_reuses_slots, v4-pool-1-3) pre-norm rows 67 on off by up to 0.64. Each fails.
+(test_a_full_pool_evicts_and_reuses_slots, v4-pool-1-3) pre-norm rows 67 on off by up to 0.64 (before v4-csa's two
+expert groups).
 """
 import concurrent.futures as cf
 import contextlib
@@ -75,9 +86,9 @@ from sglang_hs.tools import tiny_model
 
 pytestmark = pytest.mark.e2e
 LAYERS = [1, 2, 3]
-# v4-swa carries DSpark's dspark_target_layer_ids [1, 2, 3] (the last three layers' outputs, as DeepSeek-V4-Flash-DSpark's
-# [40, 41, 42] of 43): served with no --hs-layers, its servers capture our ids [2, 3, 4], id 4 = n the streams leaving
-# the last layer (hc_head's input)
+# v4-swa and v4-csa carry DSpark's dspark_target_layer_ids [1, 2, 3] (the last three layers' outputs, as
+# DeepSeek-V4-Flash-DSpark's [40, 41, 42] of 43): served with no --hs-layers, their servers capture our ids [2, 3, 4],
+# id 4 = n the streams leaving the last layer (hc_head's input)
 CHECKPOINT_LAYERS = [2, 3, 4]
 GREEDY = {"temperature": 0}
 VARIANT = "v4-swa"
@@ -116,24 +127,25 @@ def hf_reference(variant):
     return states
 
 
-# (checkpoint, --hs-hc-streams, --chunked-prefill-size, --hs-layers): sliding-only under mean and the CSA checkpoint (a
-# sliding, two CSA and an HCA layer) under full, with chunks below the window and the layers the checkpoint names (None:
-# no --hs-layers); the HCA checkpoint with chunks of 50
-# (blocks of 128 close inside chunks and in decode) served under DP attention (each group attention TP 1, SGLang gives
-# each group --chunked-prefill-size / dp: 100 / 2 = 50)
-CONFIGS = {"swa-mean": ("v4-swa", "mean", 5, None), "csa-full": ("v4-csa", "full", 5, None),
-           "hca-dp2": ("v4-hca", "mean", 100, LAYERS), "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
+# (checkpoint, --hs-hc-streams, --chunked-prefill-size, --hs-layers), all on the CSA checkpoint (a sliding, two CSA and
+# an HCA layer): under mean served under DP attention (each group attention TP 1, SGLang gives each group
+# --chunked-prefill-size / dp: 100 / 2 = 50; the HCA block of 128 closes inside a chunk and, in the long prompt, in
+# decode) with the layers the checkpoint names (None: no --hs-layers); under full with chunks below the window; under
+# mean at attention TP 2 with chunks below the window and --hs-layers
+CONFIGS = {"csa-dp2": ("v4-csa", "mean", 100, None), "csa-full": ("v4-csa", "full", 5, None),
+           "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
 # the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
 # kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
 POOL = 320
 EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"],
-         "hca-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
+         "csa-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
 # the configurations served under DP attention: two groups, each its own radix cache and writer (num_writers 2)
-DP_ATTENTION = {"hca-dp2"}
-# per checkpoint: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
-# concurrent prompts' lengths. v4-hca: 251 + 7 closes block 1 in decode (position 255); the shared prefix ends past it.
-SIZES = {"v4-swa": (50, 37, 23, (31, 9, 44)), "v4-hca": (251, 290, 260, (131, 9, 270)),
-         "v4-csa": (150, 140, 100, (61, 9, 130))}
+DP_ATTENTION = {"csa-dp2"}
+# per configuration: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
+# concurrent prompts' lengths. csa-dp2: 124 + 7 closes the HCA layer's first block in decode (position 127); the
+# others' 150 inside a prefill chunk (chunks of 5 and 7: 125-129, 126-132)
+SIZES = {"csa-dp2": (124, 140, 100, (61, 9, 130)), "csa-full": (150, 140, 100, (61, 9, 130)),
+         "csa-tp2": (150, 140, 100, (61, 9, 130))}
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +294,18 @@ def test_the_window_the_sinks_and_the_clamp_matter(hf):
 
 
 def test_hca_blocks_matter():
-    """v4-hca's compressed keys change HF's rows from the first closed block on (position 127) and not before: with
-    the compressors' position biases (`ape`) zeroed, every row from 127 on moves by 3% or more (measured), the rows
-    before it not at all. (Scaling the compressor's kv would not do: its keys are RMS-normed.)"""
-    ref = hf_reference("v4-hca")
-    assert ref.config.layer_types == ["sliding_attention", "heavily_compressed_attention"] * 2
+    """v4-csa's HCA layer (layer 2): its compressed keys change HF's rows from the first closed block on (position
+    127) and not before: with that compressor's position bias (`ape`) zeroed, every row from 127 on moves by 1.5% or
+    more (measured), the rows before it not at all. (Scaling the compressor's kv would not do: its keys are
+    RMS-normed.)"""
+    ref = hf_reference("v4-csa")
+    types = ref.config.layer_types
+    assert types == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"]
     ids = _prompt(200, 2)
     base = ref(ids)
-    comps = [layer.self_attn.compressor for layer in ref.model.model.layers if layer.self_attn.compressor is not None]
+    comps = [layer.self_attn.compressor for layer, t in zip(ref.model.model.layers, types)
+             if t == "heavily_compressed_attention"]
     saved = [c.position_bias.detach().clone() for c in comps]
     try:
         for c in comps:
@@ -299,7 +315,7 @@ def test_hca_blocks_matter():
         for c, w in zip(comps, saved):
             c.position_bias.data.copy_(w)
     n = ref.config.num_hidden_layers
-    assert len(comps) == 2 and row_judge.rel(other[n][:127], base[n][:127]).max() < 1e-6
+    assert len(comps) == 1 and row_judge.rel(other[n][:127], base[n][:127]).max() < 1e-6
     assert row_judge.rel(other[n][127:], base[n][127:]).min() > 1e-2
 
 
@@ -325,11 +341,12 @@ def test_the_csa_indexer_drops_blocks():
 
 
 def test_prompt_and_decode_rows_across_the_window(v4):
-    """A long prompt (v4-swa: 50 tokens, ten 5-token chunks over six windows; v4-hca: 251 tokens in chunks of 50) and
-    7 greedy tokens: every prompt and decode row of every layer id and both final states; the generated tokens are
-    HF's greedy ones."""
+    """A long prompt (SIZES: csa-dp2 124 tokens in chunks of 50, its HCA block closing in decode; csa-full and csa-tp2
+    150 tokens in 5- and 7-token chunks, 30 and 22 of them across the 8-key window, the block closing inside a chunk)
+    and 7 greedy tokens: every prompt and decode row of every layer id and both final states; the generated tokens
+    are HF's greedy ones."""
     server, reader, streams, hf = v4
-    n_long = SIZES[hf.variant][0]
+    n_long = SIZES[v4.config][0]
     ids = _prompt(n_long, 3)
     rid = f"{hf.variant}-{streams}-long"
     out = server.generate(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 7, **GREEDY})
@@ -348,7 +365,7 @@ def test_radix_hits_and_concurrent_requests(v4):
     then three requests of different lengths at once (prefill and decode steps shared). Under DP attention the three
     go to group 0 (routed_dp_rank: each group has its own radix cache), the three at once to either group."""
     server, reader, streams, hf = v4
-    _, n_a, n_shared, together_lens = SIZES[hf.variant]
+    _, n_a, n_shared, together_lens = SIZES[v4.config]
     tag = f"{hf.variant}-{streams}"
     a = _prompt(n_a, 5)
     b = a[:n_shared] + _prompt(14, 6)
@@ -372,7 +389,7 @@ def test_radix_hits_and_concurrent_requests(v4):
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):
     """V4 downstream: the extraction CLI (--format deepspec, bf16) on the V4 server, token-id records with loss masks;
     every row of DeepSpec's target cache (read by tests/deepspec_reader.py) judged against HF float32 within bf16's
-    rounding, and its target_layer_ids are the checkpoint's own DSpark ids (v4-swa: [1, 2, 3], the last one
+    rounding, and its target_layer_ids are the checkpoint's own DSpark ids (v4-csa's [1, 2, 3], the last one
     hc_head's input) where the capture took them from the checkpoint. One row per layer id (--hs-hc-streams mean)."""
     from deepspec_reader import read_cache
 
@@ -408,16 +425,16 @@ def test_deepspec_cache_from_a_v4_server(v4, tmp_path):
         assert err.max() < row_judge.BF16_TOL, err.max()
 
 
-# Downstream on real V4 records (issue 45, item 4), on the swa-mean server: the extraction CLI's files of both formats,
-# the live dataset, and both trainers' own training steps on those files. Pre-tokenized samples (the server has no
-# tokenizer), a loss mask on all but their first 4 tokens.
+# Downstream on real V4 records (issue 45, item 4), on the csa-dp2 server (both groups' writers): the extraction CLI's
+# files of both formats, the live dataset, and both trainers' own training steps on those files. Pre-tokenized
+# samples (the server has no tokenizer), a loss mask on all but their first 4 tokens.
 DOWNSTREAM = [_prompt(n, 50 + i) for i, n in enumerate((23, 9, 41, 30))]
 BF16_ROW_TOL = 0.02  # a teacher's logits from bf16 states and weights (2^-8 each), per row (test_trainer_teachers)
 
 
 def _downstream_only(v4):
-    if getattr(v4, "config", None) != "swa-mean":
-        pytest.skip("downstream runs on the swa-mean server")
+    if getattr(v4, "config", None) != "csa-dp2":
+        pytest.skip("downstream runs on the csa-dp2 server")
 
 
 def _mask(ids):
@@ -435,7 +452,7 @@ def _file_record(rid, ids, aux, post=None, pre=None):
 @pytest.fixture(scope="module")
 def v4_files(v4, tmp_path_factory):
     """The extraction CLI's --format specforge (bf16) and --format safetensors (the server's float32) files of
-    DOWNSTREAM from the swa-mean server: {format: (output dir, manifest)}."""
+    DOWNSTREAM from the csa-dp2 server: {format: (output dir, manifest)}."""
     _downstream_only(v4)
     server = v4.server
     root = tmp_path_factory.mktemp("v4-files")
@@ -457,7 +474,7 @@ def v4_files(v4, tmp_path_factory):
 
 def test_v4_server_files_of_both_formats_hold_hfs_rows(v4, v4_files):
     """--format specforge (bf16: the streams' mean at ids 2, 3, 4 side by side, the post-norm final state) and
-    --format safetensors (float32 as served: the same ids, then the pre-norm final state) from the swa-mean server:
+    --format safetensors (float32 as served: the same ids, then the pre-norm final state) from the csa-dp2 server:
     every row of every file within bf16's rounding (specforge) or TOL (safetensors) of its own HF float32 row and
     closer to it than to its neighbours'; the manifests carry the V4 convention and the DSpark ids SGLang serves the
     drafter with."""
@@ -485,12 +502,13 @@ def test_v4_server_files_of_both_formats_hold_hfs_rows(v4, v4_files):
                                    pre=f["hidden_states"][:, K])
                 tol = row_judge.TOL
             worst[fmt] = max(worst.get(fmt, 0.0), judge(rec, hf, ids, streams, tol))
-    print(f"v4-swa mean, extraction CLI files: worst row {worst}")
+    print(f"{hf.variant} {v4.config}, extraction CLI files: worst row {worst}")
 
 
 def test_live_dataset_over_a_v4_server(v4):
-    """sglang_hs.live.LiveHiddenStates over the swa-mean server (the server's float32, dtype=None): fresh prompts and
-    one the server has cached (a radix hit); every row of every sample against HF float32."""
+    """sglang_hs.live.LiveHiddenStates over the csa-dp2 server (the server's float32, dtype=None; records from both
+    groups' writers): fresh prompts and one extending a prompt the server has served (a radix hit where it lands on
+    the group that served it); every row of every sample against HF float32."""
     from sglang_hs.live import LiveHiddenStates
 
     _downstream_only(v4)
@@ -508,7 +526,7 @@ def test_live_dataset_over_a_v4_server(v4):
         assert s["loss_mask"].tolist() == _mask(ids) and s["hidden_state"].dtype == torch.float32
         rec = _file_record("live", ids, s["aux_hidden_state"][0].view(T, K, H), post=s["hidden_state"][0])
         worst = max(worst, judge(rec, hf, ids, streams))
-    print(f"v4-swa mean, live dataset: {len(got)} samples, worst row {worst:.2e}")
+    print(f"{hf.variant} {v4.config}, live dataset: {len(got)} samples, worst row {worst:.2e}")
 
 
 def _hf_logits(hf, ids):
@@ -527,7 +545,7 @@ def _readers():
 
 
 def test_speculators_trains_on_v4_server_files(v4, v4_files):
-    """speculators 0.9.0 on the swa-mean server's --format safetensors files: its ArrowDataset, the draft its printed
+    """speculators 0.9.0 on the csa-dp2 server's --format safetensors files: its ArrowDataset, the draft its printed
     command builds (TrainConfig of that command, the verifier the extraction wrote with V4's head and norm renamed),
     its teacher (verifier_lm_head(verifier_norm(pre-norm state)), float32 files) within TOL of HF float32's logits row
     by row, then six
@@ -575,12 +593,12 @@ def test_speculators_trains_on_v4_server_files(v4, v4_files):
     from helpers import speculators_losses
 
     losses = speculators_losses(model, batch, train_kwargs)
-    print(f"speculators on v4-swa server files: teacher worst row {worst:.2e}, losses {losses}")
+    print(f"speculators on {v4.config} server files: teacher worst row {worst:.2e}, losses {losses}")
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0], losses
 
 
 def test_specforge_trains_on_v4_server_files(v4, v4_files):
-    """SpecForge 0.2.0 on the swa-mean server's --format specforge files: its offline reader and TargetHead (the run
+    """SpecForge 0.2.0 on the csa-dp2 server's --format specforge files: its offline reader and TargetHead (the run
     config's lm_head_key, V4's head.weight) give HF float32's logits row by row within bf16 precision; three epochs
     of its own EAGLE-3 step (helpers.specforge_losses: the run config the CLI wrote) lower the loss."""
     from helpers import specforge_losses
@@ -608,7 +626,7 @@ def test_specforge_trains_on_v4_server_files(v4, v4_files):
         worst = max(worst, err.max().item())
         assert (err < BF16_ROW_TOL).all(), (j, err)
     losses = specforge_losses(out / output.SPECFORGE_CONFIG)
-    print(f"SpecForge on v4-swa server files: teacher worst row {worst:.2e}, losses per epoch {losses}")
+    print(f"SpecForge on {v4.config} server files: teacher worst row {worst:.2e}, losses per epoch {losses}")
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
 
 
@@ -643,11 +661,12 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
 
 
 def test_dp_attention_rows_of_both_groups(v4):
-    """The hca-dp2 server, v4-hca under `--tp 2 --dp 2 --enable-dp-attention`: two attention groups of one rank each
+    """The csa-dp2 server, v4-csa under `--tp 2 --dp 2 --enable-dp-attention`: two attention groups of one rank each
     (attention TP 1: every query head on its rank, no attention all-reduce), the MoE over both ranks (TP 2, both
     groups' tokens gathered, the token ids too: the hash-routed layer reads them; runtime patch
     cpu_inplace_all_reduce), each group its own writer. A prompt past the first 128-token block routed
-    (routed_dp_rank) to group 0 twice (a radix hit: the HCA sources of the cached tokens from group 0's pool) and once
+    (routed_dp_rank) to group 0 twice (a radix hit: the CSA, indexer and HCA sources of the cached tokens from group
+    0's pool) and once
     to group 1 (none: each group its own cache), each record from its group's writer, the other group running IDLE
     batches meanwhile; then three requests at once (both groups busy, one group's batch padded to the other's). Every
     row of every record judged against HF float32. Chunks: SGLang gives each DP group --chunked-prefill-size / dp
@@ -656,7 +675,7 @@ def test_dp_attention_rows_of_both_groups(v4):
     server."""
     server, reader, streams, hf = v4
     if getattr(v4, "config", None) not in DP_ATTENTION:
-        pytest.skip("DP attention runs on the hca-dp2 server")
+        pytest.skip("DP attention runs on the csa-dp2 server")
     assert reader.manifest["num_writers"] == 2
     outs = {}
     a, routed = _prompt(140, 80), {"dp-a": 0, "dp-a-again": 0, "dp-a-other-group": 1}
@@ -677,7 +696,7 @@ def test_dp_attention_rows_of_both_groups(v4):
         writers.add(rec.writer)
         worst = max(worst, judge(rec, hf, (p + o["output_ids"])[:-1], streams))
     assert writers == {0, 1}, writers
-    print(f"v4-hca dp2 attention: {len(outs)} records from writers {sorted(writers)}, cached {cached}, "
+    print(f"{hf.variant} dp2 attention: {len(outs)} records from writers {sorted(writers)}, cached {cached}, "
           f"worst {worst:.2e}")
 
 

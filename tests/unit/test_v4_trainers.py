@@ -1,6 +1,6 @@
 """SpecForge 0.2.0 and speculators 0.9.0 train on files extracted from a DeepSeek-V4 dump (issue 34, item 4).
 
-The same path runs end to end on a real V4 server in tests/e2e/test_v4_cpu.py (the swa-mean server's records: the
+The same path runs end to end on a real V4 server in tests/e2e/test_v4_cpu.py (the csa-dp2 server's records: the
 extraction CLI's files of both formats, both trainers' teachers against HF and their loss falling). This unit test
 keeps a faster, server-free check on another checkpoint (6 layers, CSA's index settings, LAYERS [1, 3, 5]) and the
 --from-dump extraction: the dump is written as the V4 overlay writes it

@@ -316,7 +316,7 @@ dsv4_torch_native
   upstream: present in sglang 0.5.23 (srt/models/deepseek_v4.py MQALayer.forward, DeepseekV4DecoderLayerBase.hc_pre,
             DeepseekV4Model.hc_head; mem_cache/kv_cache_configurator.py _build_dsv4_kv_pool); not reported upstream.
   removal:  when SGLang serves V4 on its CPU engine; tests/e2e/test_v4_cpu.py serves tiny_model's "v4-swa" and
-            "v4-hca" and "v4-csa" and judges every row against HF float32 (the server does not start without it; a
+            "v4-csa" and judges every row against HF float32 (the server does not start without it; a
             window one key wider, a dropped sink, an HCA block visible one position early, its ape ignored or the
             CSA indexer keeping one block fewer fails the judge);
             tests/unit/test_dsv4_cpu_patches.py checks each piece against HF.
