@@ -26,8 +26,7 @@ import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from parts import SECONDS_FILE, load_seconds  # noqa: E402
-from helpers import STARTS_LEDGER  # noqa: E402
+from parts import SECONDS_FILE, STARTS_LEDGER, load_seconds  # noqa: E402
 
 NO_TESTS = 5  # pytest's exit status when a part selected nothing
 
@@ -74,8 +73,10 @@ def _starts(ledger: str) -> str:
     try:
         with open(ledger) as f:
             seconds = [float(line.split("\t")[1]) for line in f if line.strip()]
-    except (OSError, ValueError, IndexError):
-        return "no ledger of server starts"
+    except FileNotFoundError:
+        return "0 servers started"
+    except (OSError, ValueError, IndexError) as e:
+        return f"the ledger of server starts is unreadable ({e})"
     return f"{len(seconds)} servers started, {sum(seconds):.0f} s from launch to ready in all"
 
 

@@ -80,18 +80,20 @@ def check_args(args) -> None:
         raise PublishError(f"--mooncake-metadata: expected http://HOST:PORT/metadata or P2PHANDSHAKE, got {meta!r}")
 
 
-def segment_warning(largest: int, segment: int) -> Optional[str]:
+def segment_warning(largest: int, segment: int, parts: bool = False) -> Optional[str]:
     """One line when a record the server may write (`largest` bytes: reader.largest_record_bytes) cannot fit this
     process's Mooncake segment: such a record stops the publisher when it comes (it stays in the ring, nothing is
-    lost), so say so at start, with what would take it. None when every record fits."""
+    lost), so say so at start, with what would take it. `parts`: the server publishes long records in parts
+    (--hs-record-part-size), so its records are bounded by its context, not its ring. None when every record fits."""
     if largest <= segment:
         return None
     mb = 1 << 20
-    return (f"[publish] warning: the server admits records of up to {largest / mb:.0f} MB (half its ring, or its "
-            "context's in parts), "
-            f"more than the {segment / mb:g} MB Mooncake segment holds (--segment-mb): such a record would stop this "
-            f"publisher (it stays in the ring); raise --segment-mb to at least {-(-largest // mb)} or cap the "
-            "server's records (--hs-max-record-tokens)")
+    bound, cap = (("its context's, in parts", "a shorter --context-length") if parts else
+                  ("half its ring", "--hs-max-record-tokens"))
+    return (f"[publish] warning: the server admits records of up to {largest / mb:.0f} MB ({bound}), more than the "
+            f"{segment / mb:g} MB Mooncake segment holds (--segment-mb): such a record would stop this publisher (it "
+            f"stays in the ring); raise --segment-mb to at least {-(-largest // mb)} or cap the server's records "
+            f"({cap})")
 
 
 class Publisher:
@@ -354,7 +356,7 @@ def main(argv: Optional[list] = None) -> int:
     bound = listener.address
     print(f"[publish] {reader.dump_dir} -> Mooncake (master {args.mooncake_master}, {args.mooncake_protocol}, this "
           f"host {local}); consumers connect to {bound[0]}:{bound[1]}; window {args.window_mb:g} MB", flush=True)
-    warning = segment_warning(reader.largest_record_bytes(), segment)
+    warning = segment_warning(reader.largest_record_bytes(), segment, bool(reader.manifest.get("record_part_bytes")))
     if warning:
         print(warning, flush=True)
     try:

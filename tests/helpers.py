@@ -15,11 +15,12 @@ from typing import List, Optional
 
 import requests
 
-from sglang_hs.tools.server_process import STOP_GRACE_S, free_port, processes_in_session, server_session  # noqa: F401 (re-exported)
+from parts import STARTS_LEDGER
+
+from sglang_hs.tools.server_process import (CLEANUP_WAIT_S, KILL_WAIT_S, STOP_GRACE_S, free_port,  # noqa: F401 (re-exported)
+                                            processes_in_session, server_session, start_time)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# scripts/run_tests.py: a file each part appends a line to per server started (test, seconds to ready, flags)
-STARTS_LEDGER = "SGLANG_HS_TEST_STARTS_LEDGER"
 
 
 def processes_matching(marker: str) -> List[int]:
@@ -61,6 +62,7 @@ class Launcher:
             [python, "-m", "sglang_hs.launch_server", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=tempfile.gettempdir(),
         )
+        self._launched = start_time(self.proc.pid)  # our child, not yet waited for: this very launcher
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -108,22 +110,38 @@ class Launcher:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_GRACE_S) -> int:
         """Send `sig` and wait up to `timeout` for the launcher (by default longer than its own stop path: SGLang's
-        grace, then its escalation to SIGKILL); past it kill the launcher and every process of its server session,
-        so a server stuck in its shutdown (e.g. requests held for a reader) never outlives the test."""
+        grace, then its escalation to SIGKILL); past it, as server_process.ServerProcess.stop: kill every process of
+        its server session, give the launcher its clean-up of the dump dir, then kill it. A server stuck in its
+        shutdown (e.g. requests held for a reader) never outlives the test."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                for pid in leftover_server_processes(self.output):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                killed = self._kill_session()
+                try:
+                    self.proc.wait(CLEANUP_WAIT_S if killed else 0)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+                self._kill_session()  # what the killed launcher left (after a clean exit, tests check there is none)
         self._reader.join(timeout=5)
         return self.proc.returncode
+
+    def _kill_session(self) -> List[int]:
+        """SIGKILL the live processes of the server session this launcher reported (those started after it) and
+        wait up to KILL_WAIT_S for them to be gone; the pids killed."""
+        sid = server_session(self.output)
+        pids = processes_in_session(sid, since=self._launched) if sid else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + KILL_WAIT_S
+        while pids and processes_in_session(sid, since=self._launched) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return pids
 
     # -- HTTP --
     def generate(self, **payload) -> dict:

@@ -17,6 +17,9 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SECONDS_FILE = os.path.join(TESTS, "module_seconds.json")
 UNMEASURED_SECONDS = 60.0  # a module with no measurement yet (a new one) weighs this much
+# scripts/run_tests.py: the file each part appends a line to per server started (tests/helpers.py Launcher:
+# test, seconds to ready, flags)
+STARTS_LEDGER = "SGLANG_HS_TEST_STARTS_LEDGER"
 
 
 def pytest_addoption(parser):

@@ -143,8 +143,10 @@ EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-met
 DP_ATTENTION = {"csa-dp2"}
 # per configuration: the long prompt's length (+ 7 decode rows), the radix test's prompt and shared prefix, the
 # concurrent prompts' lengths. csa-dp2: 124 + 7 closes the HCA layer's first block in decode (position 127); the
-# others' 150 inside a prefill chunk (chunks of 5 and 7: 125-129, 126-132)
-SIZES = {"csa-dp2": (124, 140, 100, (61, 9, 130)), "csa-full": (150, 140, 100, (61, 9, 130)),
+# others' 150 inside a prefill chunk (chunks of 5 and 7: 125-129, 126-132). csa-dp2's radix prompt of 262 closes
+# its second block too (position 255, in the chunk 250-299), and the prefix its hit shares ends past it (258): the
+# only rows that attend two HCA keys, one of them from sources the hit took from the pool
+SIZES = {"csa-dp2": (124, 262, 258, (61, 9, 130)), "csa-full": (150, 140, 100, (61, 9, 130)),
          "csa-tp2": (150, 140, 100, (61, 9, 130))}
 
 

@@ -158,3 +158,4 @@ def test_with_records_in_parts_the_most_tokens_that_fit_counts_the_first_part():
     assert adm.need(_req("r", fit - 8, 8)) <= ring < adm.need(_req("r", fit - 7, 8))
     out = adm.filter([_req("r", fit - 7, 8)])
     assert type(out[1]).__name__ == "AbortReq" and f"at most {fit} tokens fit" in out[1].abort_message
+    assert "(twice its first part, which holds every token id)" in out[1].abort_message

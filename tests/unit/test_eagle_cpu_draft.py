@@ -37,13 +37,16 @@ def _reference(q, keys, values, scale):
     return (w.unsqueeze(1) @ v).squeeze(1)
 
 
-@pytest.mark.parametrize("heads,kv_heads,topk,steps,prefixes", [
-    (5, 1, 1, 3, [7, 1, 13]),  # DeepSeek's MTP chain
-    (3, 3, 3, 4, [5, 11]),  # a tree draft: three branches per request
-    (5, 1, 2, 5, [1, 9, 4, 2]),
-    (3, 3, 1, 2, [6]),  # one step backend
+@pytest.mark.parametrize("heads,kv_heads,topk,steps,prefixes,pad", [
+    (5, 1, 1, 3, [7, 1, 13], 0),  # DeepSeek's MTP chain
+    (3, 3, 3, 4, [5, 11], 0),  # a tree draft: three branches per request
+    (5, 1, 2, 5, [1, 9, 4, 2], 0),
+    (3, 3, 1, 2, [6], 0),  # one step backend
+    # DP attention: the group's draft batch padded (after the spans were built) to a larger group's, rows at the
+    # end writing the padding slot 0
+    (3, 1, 2, 3, [4, 9], 3),
 ])
-def test_each_step_attends_the_prefix_and_its_own_branch(sgl, heads, kv_heads, topk, steps, prefixes):
+def test_each_step_attends_the_prefix_and_its_own_branch(sgl, heads, kv_heads, topk, steps, prefixes, pad):
     torch.manual_seed(steps * 10 + topk)
     dim, v_dim, scale = 24, 20, 0.21
     bs, width = len(prefixes), 40
@@ -80,11 +83,12 @@ def test_each_step_attends_the_prefix_and_its_own_branch(sgl, heads, kv_heads, t
     drafts = [([], []) for _ in range(bs * topk)]  # the reference: each branch's own draft keys, in step order
     worst = 0.0
     for i in range(steps - 1):
-        batch.out_cache_loc = per_step[i]
+        batch.out_cache_loc = torch.cat([per_step[i], torch.zeros(pad, dtype=torch.int64)])
         rows = bs * topk
-        q = torch.randn(rows, heads * dim)
-        k, v = torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, v_dim)
-        got = backend.attn_backends[i].forward_decode(q, k, v, layer, batch).view(rows, heads, v_dim)
+        q = torch.randn(rows + pad, heads * dim)
+        k, v = torch.randn(rows + pad, kv_heads, dim), torch.randn(rows + pad, kv_heads, v_dim)
+        got = backend.attn_backends[i].forward_decode(q, k, v, layer, batch).view(rows + pad, heads, v_dim)
+        assert not got[rows:].any()  # the padding's rows: zeros
         for r in range(rows):
             drafts[r][0].append(k[r])
             drafts[r][1].append(v[r])
@@ -108,3 +112,14 @@ def test_refusals(sgl):
     runner.sliding_window_size = 8
     with pytest.raises(NotImplementedError, match="sliding-window"):
         sgl.eagle_cpu_draft.TorchNativeMultiStepDraftBackend(runner, 1, 3)
+    runner.sliding_window_size = None
+    step = sgl.eagle_cpu_draft.TorchNativeMultiStepDraftBackend(runner, 1, 3).attn_backends[0]
+    step.init_forward_metadata(types.SimpleNamespace(seq_lens=torch.tensor([2]), req_pool_indices=torch.tensor([1])))
+    q, k = torch.randn(1, 8), torch.randn(1, 1, 8)
+    batch = types.SimpleNamespace(out_cache_loc=torch.tensor([5]))
+    with pytest.raises(NotImplementedError, match="q_rope has no CPU path"):  # a keyword it would ignore
+        step.forward_decode(q, k, k, sgl.RadixAttention(1, 8, 0.3, 1, 0), batch, q_rope=q)
+    with pytest.raises(NotImplementedError, match="sliding-window"):  # a layer of its own window
+        step.forward_decode(q, k, k, sgl.RadixAttention(1, 8, 0.3, 1, 0, sliding_window_size=4), batch)
+    with pytest.raises(RuntimeError, match="got 0 query rows for 1 branches"):
+        step.forward_decode(q[:0], k[:0], k[:0], sgl.RadixAttention(1, 8, 0.3, 1, 0), batch)

@@ -288,3 +288,7 @@ def test_a_segment_smaller_than_the_largest_record_is_named_at_start(master, tmp
         pub.stop()
         w.close()
     assert segment_warning(32 << 20, 32 << 20) is None  # a record that fits exactly: nothing to say
+    # a server with records in parts: bounded by its context, which --hs-max-record-tokens does not cap
+    parted = segment_warning(300 << 20, 32 << 20, parts=True)
+    assert "(its context's, in parts)" in parted and "(a shorter --context-length)" in parted, parted
+    assert "--hs-max-record-tokens" not in parted

@@ -80,11 +80,21 @@ def _step_backend_class():
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             from sglang_hs.server.ops.masked_attention import masked_attention
 
-            if kwargs.get("topk_indices") is not None:
+            extra = sorted(name for name, value in kwargs.items() if value is not None)
+            if "topk_indices" in extra:
                 raise NotImplementedError("sglang-hs: a multi-step EAGLE draft with DSA's sparse attention "
                                           "(DeepSeek-V3.2) has no CPU path yet")
+            if extra:  # upstream's torch_native forward_decode takes none: refuse what this one would ignore
+                raise NotImplementedError(f"sglang-hs eagle_cpu_draft: a draft decode step with {', '.join(extra)} "
+                                          "has no CPU path")
+            if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
+                raise NotImplementedError("sglang-hs: a multi-step EAGLE draft with sliding-window layers has no "
+                                          "CPU path (--speculative-num-steps 1 has)")
             rows = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim).shape[0]
-            if rows != len(self.spans):
+            # DP attention pads a group's batch to its peers' after the spans were built (ModelRunner's
+            # prepare_mlp_sync_batch, speculative: to the largest group's): rows past the spans are that padding,
+            # and masked_attention leaves them zero
+            if rows < len(self.spans):
                 raise RuntimeError(f"sglang-hs eagle_cpu_draft: draft step {self.step} got {rows} query rows for "
                                    f"{len(self.spans)} branches")
             return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, self.spans)

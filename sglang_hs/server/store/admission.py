@@ -435,8 +435,10 @@ class AdmissionControl:
         n_in, max_new = self.worst_tokens(req)
         meta = meta_bound(max_new) if self.speculative else 0
         fit = self.max_tokens(len(str(req.rid).encode()), meta)
+        parted = self.part_rows and n_in + max_new - 1 > self.part_rows
+        share_of = "twice its first part, which holds every token id" if parted else "twice the record's worst case"
         return (f"sglang-hs: request refused: {n_in} prompt + {max_new} max_new_tokens = {n_in + max_new} tokens "
-                f"need {need} bytes of hidden-state output ring (twice the record's worst case), more than its "
+                f"need {need} bytes of hidden-state output ring ({share_of}), more than its "
                 f"capacity of {self.ring.capacity} bytes; at most {fit} tokens fit: send fewer tokens or raise "
                 "--hs-ring-size on the server")
 
