@@ -45,8 +45,10 @@ Planted bugs (scratch copies of the patches; each fails):
 - csa-dp2 (re-run when it replaced swa-mean and hca-dp2): the window one key wider -> the long prompt's pre-norm rows
   8 on (the first past the window) off by up to 0.63; an HCA block visible one position early -> the long prompt
   passes (its block closes in decode, where the block's last source is not there yet a step early), the 140-token
-  prompts of the radix and DP-attention tests fail (rows 126 on off by up to 0.13 and 0.14); the HCA block visible
-  one position late -> the long prompt's rows 127 on (127 is a decode step) off by up to 0.13;
+  prompts of the radix (before it grew to 262) and DP-attention tests fail (rows 126 on off by up to 0.13 and 0.14);
+  the HCA block visible one position late -> the long prompt's rows 127 on (127 is a decode step) off by up to 0.13;
+  only the latest closed HCA block visible (the first one dropped once the second closes) -> the radix test's
+  262-token prompt, rows 255 on off by up to 0.28 (no other V4 prompt closes a second block);
   cpu_inplace_all_reduce's all-reduce skipped (the token ids the hash-routed layer reads not gathered across the
   groups) -> test_dp_attention_rows_of_both_groups
   fails on group 1's record (dp-a-other-group), pre-norm rows from row 0 off by up to 0.27; the sinks storing the
