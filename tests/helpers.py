@@ -17,8 +17,8 @@ import requests
 
 from parts import STARTS_LEDGER
 
-from sglang_hs.tools.server_process import (CLEANUP_WAIT_S, KILL_WAIT_S, STOP_GRACE_S, free_port,  # noqa: F401 (re-exported)
-                                            processes_in_session, server_session, start_time)
+from sglang_hs.tools.server_process import (CLEANUP_WAIT_S, STOP_GRACE_S, free_port,  # noqa: F401 (re-exported)
+                                            kill_and_wait, processes_in_session, server_session, start_time)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,18 +130,9 @@ class Launcher:
 
     def _kill_session(self) -> List[int]:
         """SIGKILL the live processes of the server session this launcher reported (those started after it) and
-        wait up to KILL_WAIT_S for them to be gone; the pids killed."""
+        wait up to server_process.KILL_WAIT_S for them to be gone; the pids killed."""
         sid = server_session(self.output)
-        pids = processes_in_session(sid, since=self._launched) if sid else []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + KILL_WAIT_S
-        while pids and processes_in_session(sid, since=self._launched) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return pids
+        return kill_and_wait(lambda: processes_in_session(sid, since=self._launched) if sid else [])
 
     # -- HTTP --
     def generate(self, **payload) -> dict:

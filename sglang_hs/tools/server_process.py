@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from sglang_hs.tools.supervisor import LAUNCHER_EXIT_AFTER_STOP_S
 
@@ -131,6 +131,21 @@ def processes_in_session(sid: int, since: Optional[int] = None) -> List[int]:
     return pids
 
 
+def kill_and_wait(live: Callable[[], List[int]], wait: float = KILL_WAIT_S) -> List[int]:
+    """SIGKILL the processes `live()` lists and wait (at most `wait` s) until it lists none; returns the pids
+    killed."""
+    pids = live()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + wait
+    while pids and live() and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILLed: gone at their next scheduling (one in disk sleep, later)
+    return pids
+
+
 def scheduler_pid(pids: List[int]) -> int:
     """The one of `pids` that is SGLang's scheduler (it renames itself sglang::scheduler...)."""
     for pid in pids:
@@ -227,16 +242,7 @@ class ServerProcess:
         """SIGKILL every live process of the server's session and wait (at most KILL_WAIT_S) until none is
         left; returns the pids killed. Only the server's: _server_processes tells them from a later session
         that got the same id after every process of the server's was gone."""
-        pids = self._server_processes()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + KILL_WAIT_S
-        while pids and self._server_processes() and time.monotonic() < deadline:
-            time.sleep(0.05)  # SIGKILLed: gone at their next scheduling (one in disk sleep, later)
-        return pids
+        return kill_and_wait(self._server_processes)
 
     def stop(self, grace: float = STOP_GRACE_S) -> int:
         """SIGTERM the launcher and wait `grace` s for it; then kill the server's session, wait for the
