@@ -17,8 +17,8 @@ import requests
 
 from parts import STARTS_LEDGER
 
-from sglang_hs.tools.server_process import (CLEANUP_WAIT_S, STOP_GRACE_S, free_port,  # noqa: F401 (re-exported)
-                                            kill_and_wait, processes_in_session, server_session, start_time)
+from sglang_hs.tools.server_process import (STOP_GRACE_S, free_port, kill_and_wait,  # noqa: F401 (re-exported)
+                                            processes_in_session, server_session, start_time, stop_launcher)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,18 +113,8 @@ class Launcher:
         grace, then its escalation to SIGKILL); past it, as server_process.ServerProcess.stop: kill every process of
         its server session, give the launcher its clean-up of the dump dir, then kill it. A server stuck in its
         shutdown (e.g. requests held for a reader) never outlives the test."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                killed = self._kill_session()
-                try:
-                    self.proc.wait(CLEANUP_WAIT_S if killed else 0)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-                self._kill_session()  # what the killed launcher left (after a clean exit, tests check there is none)
+        if stop_launcher(self.proc, self._kill_session, timeout, sig):
+            self._kill_session()  # what the killed launcher left (after an exit in time, tests check there is none)
         self._reader.join(timeout=5)
         return self.proc.returncode
 

@@ -146,6 +146,29 @@ def kill_and_wait(live: Callable[[], List[int]], wait: float = KILL_WAIT_S) -> L
     return pids
 
 
+def stop_launcher(proc: "subprocess.Popen", kill_session: Callable[[], List[int]], grace: float,
+                  sig: int = signal.SIGTERM) -> bool:
+    """Send the launcher `proc` `sig` and wait `grace` s for it; past that, kill its server's session
+    (`kill_session`, which returns the pids it killed), wait for the launcher's clean-up, kill the launcher.
+    True when it came to that (the launcher did not exit within `grace`)."""
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace)
+        return False
+    except subprocess.TimeoutExpired:
+        killed = kill_session()  # the launcher sees its server gone and cleans up
+        try:
+            proc.wait(CLEANUP_WAIT_S if killed else 0)
+        except subprocess.TimeoutExpired:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        return True
+
+
 def scheduler_pid(pids: List[int]) -> int:
     """The one of `pids` that is SGLang's scheduler (it renames itself sglang::scheduler...)."""
     for pid in pids:
@@ -248,19 +271,7 @@ class ServerProcess:
         """SIGTERM the launcher and wait `grace` s for it; then kill the server's session, wait for the
         launcher's clean-up, kill the launcher. Either way, no process of the server's session survives."""
         self.session()  # read now: the log may be gone once the launcher is
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                killed = self._kill_session()  # the launcher sees its server gone and cleans up
-                try:
-                    self.proc.wait(CLEANUP_WAIT_S if killed else 0)
-                except subprocess.TimeoutExpired:
-                    pass
-                if self.proc.poll() is None:
-                    self.proc.kill()
-                    self.proc.wait(10)
+        stop_launcher(self.proc, self._kill_session, grace)
         self._kill_session()  # what a launcher killed (here, or from outside) left running
         return self.proc.returncode
 
