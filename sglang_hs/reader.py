@@ -125,8 +125,8 @@ import torch
 from sglang_hs.envs import DEFAULT_PART_BYTES
 from sglang_hs.server.capture_spec import final_states
 from sglang_hs.fsutil import NO_WRITER, check_private_file, owner_uid
-from sglang_hs.server.store.admission import SIZED_RID_BYTES, meta_bound
-from sglang_hs.server.store.ring import SKIP_REASONS, RingReader, record_bytes
+from sglang_hs.server.store.admission import meta_bound
+from sglang_hs.server.store.ring import MAX_RID_BYTES, SKIP_REASONS, RingReader, record_bytes
 from sglang_hs.server.store.writer import FORMAT_VERSION, MANIFEST
 
 logger = logging.getLogger(__name__)
@@ -1060,8 +1060,9 @@ class HiddenStateReader:
             return half
         P, H, elem = int(m.get("rows_per_token", 1)), int(m["hidden_size"]), getattr(torch, m["dtype"]).itemsize
         rows = int(m["context_len"])
-        # with a speculative record's metadata (each verify step's accepted drafts) at its bound
-        whole = record_bytes(rows, P, H, elem, SIZED_RID_BYTES, meta_bound(rows))
+        # with the longest request id a record can name and a speculative record's metadata (each verify step's
+        # accepted drafts) at its bound: admission sizes parted records by their first part, not by these
+        whole = record_bytes(rows, P, H, elem, MAX_RID_BYTES, meta_bound(rows))
         return max(half, whole)
 
     def take(self, rid: str, timeout: Optional[float] = None) -> HiddenStateRecord:

@@ -18,7 +18,7 @@ try:
 except ExtensionNotBuilt as e:  # pragma: no cover
     pytest.skip(f"extension not built: {e}", allow_module_level=True)
 
-from sglang_hs.server.store import ring  # noqa: E402
+from sglang_hs.server.store import admission, ring  # noqa: E402
 
 P, H = 2, 40
 N_IDS_AT = 50  # the byte offset of n_ids in a record header (ring._REC: after meta_len)
@@ -731,7 +731,8 @@ def test_the_largest_record_a_consumer_must_hold_counts_records_in_parts(tmp_pat
     """reader.largest_record_bytes (the Mooncake publisher's segment warning): half the ring when every record is
     whole (admission's bound); a record of the whole context when the server publishes long records in parts
     (the manifest's record_part_bytes, --hs-record-part-size), far more than the ring. Before: half the ring
-    either way, so a publisher whose segment held half the ring was never warned of a 2.4 MB record."""
+    either way, so a publisher whose segment held half the ring was never warned of a 2.4 MB record; and a whole
+    context's record counted with a 256-byte request id, short of one named by the longest id a record holds."""
     if parts:
         monkeypatch.setenv("SGLANG_HS_RECORD_PART_BYTES", str(PART * ROW))
     cap = 4 * ring.record_bytes(PART, RP, RH, 2, 8, 0, N)
@@ -741,7 +742,8 @@ def test_the_largest_record_a_consumer_must_hold_counts_records_in_parts(tmp_pat
             assert reader.manifest["record_part_bytes"] == (PART * ROW if parts else 0)
             largest = reader.largest_record_bytes()
             if parts:
-                assert largest >= ring.record_bytes(N, RP, RH, 2, 1) > N * ROW > cap
+                longest = ring.record_bytes(N, RP, RH, 2, ring.MAX_RID_BYTES, admission.meta_bound(N))
+                assert largest >= longest > N * ROW > cap
             else:
                 assert largest == w.ring.capacity // 2
     finally:
