@@ -146,10 +146,15 @@ def part_rows_of(part_bytes: int, row_bytes: int) -> int:
     return max(1, part_bytes // row_bytes) if part_bytes else 0
 
 
+def in_parts(rows: int, part_rows: int) -> bool:
+    """Whether a record of `rows` rows leaves the ring in parts of `part_rows` rows (0: every record whole)."""
+    return bool(part_rows) and rows > part_rows
+
+
 def share(rows: int, P: int, H: int, elem: int, rid_len: int, meta_len: int = 0, part_rows: int = 0) -> int:
     """The ring bytes admission reserves for a record of `rows` rows: twice the record (room to wrap), or for one
     that leaves in parts of `part_rows` rows, twice its first part (which holds all its token ids)."""
-    if part_rows and rows > part_rows:
+    if in_parts(rows, part_rows):
         return 2 * record_bytes(part_rows, P, H, elem, rid_len, meta_len, n_ids=rows)
     return 2 * record_bytes(rows, P, H, elem, rid_len, meta_len)
 
@@ -435,8 +440,8 @@ class AdmissionControl:
         n_in, max_new = self.worst_tokens(req)
         meta = meta_bound(max_new) if self.speculative else 0
         fit = self.max_tokens(len(str(req.rid).encode()), meta)
-        parted = self.part_rows and n_in + max_new - 1 > self.part_rows
-        share_of = "twice its first part, which holds every token id" if parted else "twice the record's worst case"
+        share_of = ("twice its first part, which holds every token id" if in_parts(n_in + max_new - 1, self.part_rows)
+                    else "twice the record's worst case")
         return (f"sglang-hs: request refused: {n_in} prompt + {max_new} max_new_tokens = {n_in + max_new} tokens "
                 f"need {need} bytes of hidden-state output ring ({share_of}), more than its "
                 f"capacity of {self.ring.capacity} bytes; at most {fit} tokens fit: send fewer tokens or raise "
