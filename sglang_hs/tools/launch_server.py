@@ -490,6 +490,31 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
     return found or layer_source.describe_default(False)
 
 
+# DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain of one token per
+# verify pass, on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py); the flags that must say so
+V4_SPECULATIVE = {"--speculative-num-steps": "1", "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "2"}
+
+
+def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool) -> str:
+    """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
+    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm), DeepSeek-V4 with EAGLE/NEXTN (its MTP
+    layer) and V4_SPECULATIVE's chain of one draft on the CPU engine; V3.2 and the rest of V4's not."""
+    if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
+        return ""
+    if arch in HC_ARCHITECTURES and cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
+        given = {flag: _flag_value(sg_argv, flag) for flag in V4_SPECULATIVE}
+        if given == V4_SPECULATIVE:
+            return ""
+        return (f"--speculative-algorithm {algorithm} with {arch}: capture is served with its MTP draft drafting a "
+                f"chain of one token only ({' '.join(f'{k} {v}' for k, v in V4_SPECULATIVE.items())}; given "
+                f"{' '.join(f'{k} {v}' for k, v in given.items())}; docs/serving.md#speculative-decoding)")
+    where = "" if cpu else " (not yet checked on a GPU: V4's compressed-state pools)"
+    return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
+            "DeepSeek-V2/V3-family MLA models and DeepSeek-V4 with EAGLE/NEXTN on the CPU engine only"
+            f"{where} (docs/serving.md#speculative-decoding); serve this model without a draft, or without "
+            "--hs-dump-dir")
+
+
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
                     v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
@@ -501,11 +526,9 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
         config = config["text_config"]
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
-    if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:  # before a draft's config is read for its layers
-        raise CaptureConfigError(
-            f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
-            "DeepSeek-V2/V3-family MLA models only (docs/serving.md#speculative-decoding); serve this model without "
-            "a draft, or without --hs-dump-dir")
+    refusal = algorithm and speculative_refusal(arch, algorithm, sg_argv, cpu)
+    if refusal:  # before a draft's config is read for its layers
+        raise CaptureConfigError(refusal)
     source = layers_source(ns, sg_argv, model_path, raw_config, config)
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else source.get("layers")
     try:

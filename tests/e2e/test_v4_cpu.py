@@ -106,7 +106,7 @@ def hf_reference(variant):
         return _HF[variant]
     import transformers
 
-    ckpt = tiny_model.ensure(variant)
+    ckpt = tiny_model.ensure(tiny_model.V4_MTP.get(variant, variant))  # an MTP checkpoint's target is its base's
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
         ckpt, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not any(info.values()), info  # every tensor under a name HF reads (as SGLang does)
@@ -134,12 +134,16 @@ def hf_reference(variant):
 # --chunked-prefill-size / dp: 100 / 2 = 50; the HCA block of 128 closes inside a chunk and, in the long prompt, in
 # decode) with the layers the checkpoint names (None: no --hs-layers); under full with chunks below the window; under
 # mean at attention TP 2 with chunks below the window and --hs-layers
-CONFIGS = {"csa-dp2": ("v4-csa", "mean", 100, None), "csa-full": ("v4-csa", "full", 5, None),
+CONFIGS = {"csa-dp2": ("v4-csa", "mean", 100, None), "csa-full": ("v4-mtp", "full", 5, None),
            "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
 # the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
 # kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
 POOL = 320
-EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"],
+# csa-full decodes speculatively: v4-mtp (v4-csa plus an MTP layer that proposes about the last token again) drafts a
+# chain of one token per verify pass (EAGLE, top-k 1), so every decode step of its tests is a verify pass
+SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "2"]
+EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"], "csa-full": SPEC,
          "csa-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
 # the configurations served under DP attention: two groups, each its own radix cache and writer (num_writers 2)
 DP_ATTENTION = {"csa-dp2"}
@@ -388,6 +392,76 @@ def test_radix_hits_and_concurrent_requests(v4):
     for rid, (ids, out) in outs.items():
         worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1], streams))
     print(f"{tag}: {len(outs)} records, worst {worst:.2e}")
+
+
+# the speculative test's prompts (csa-full): lengths just below the HCA block's end (position 127), so that block
+# closes during decode, inside a verify pass, and CSA blocks (every 4 positions) close in most passes
+SPEC_PROMPTS = (118, 121, 123, 125)
+
+
+def _verify_passes(prompt_len, steps, drafts=1):
+    """Per verify pass of a chain of `drafts` drafts: (first position, drafts accepted); pass k forwards its
+    request's last token at its first position and the drafts after it."""
+    first, out = prompt_len, []
+    for accepted in steps:
+        out.append((first, accepted))
+        first += accepted + 1
+    return out
+
+
+def _mtp_proposals(hf, ids):
+    """What v4-mtp's MTP layer proposes after each position of `ids`, from HF float32's states (tiny_model's
+    _add_v4_mtp_layer: the draft's streams are the target's hc_head input, each over its RMS, passed through its
+    decoder layer unchanged, then the target's hc_head, final norm and head): proposals[p] is the token it drafts
+    after the target's row p."""
+    model = hf.model.model
+    x = hf(ids).head_input.float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + hf.config.rms_norm_eps)
+    with torch.no_grad():
+        return hf.model.lm_head(model.norm(model.hc_head(x.unsqueeze(0))))[0].argmax(-1).tolist()
+
+
+def test_speculative_verify_passes_over_the_compressed_blocks(v4):
+    """csa-full decodes speculatively (SPEC: v4-mtp's MTP layer drafting one token per verify pass). Four prompts
+    (SPEC_PROMPTS) at once, 24 greedy tokens each: every row of every record is HF float32's for the tokens the request
+    ends with (prompt and accepted tokens), so no rejected draft's row reached a record and none of their keys or
+    compressor sources reached a later query (a CSA block closed by a rejected draft, the HCA block at 127 closed
+    inside a verify pass); each record's accepted drafts per verify step are SGLang's (spec_verify_ct,
+    spec_num_correct_drafts, the histogram); drafts were both accepted and rejected, and rejected drafts closed CSA
+    blocks; and the draft's accepted counts are the ones its proposals from HF's states give (_mtp_proposals), so
+    capture handed it the target's states intact."""
+    from test_speculative import _check_steps
+
+    if v4.config != "csa-full":
+        pytest.skip("only csa-full decodes speculatively (SPEC)")
+    server, reader, streams, hf = v4
+    jobs = [(f"{hf.variant}-spec-{n}", _prompt(n, 40 + i)) for i, n in enumerate(SPEC_PROMPTS)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+            "max_new_tokens": 24, **GREEDY}), jobs))
+    worst, passes = 0.0, []
+    for (rid, ids), out in zip(jobs, outs):
+        meta = out["meta_info"]
+        rec = reader.take(rid, timeout=60)
+        _check_steps(rec, meta)
+        worst = max(worst, judge(rec, hf, (ids + out["output_ids"])[:-1], streams))
+        steps = rec.meta["speculative"]["accepted_drafts"]
+        # the draft's accepted counts are what it must give with the target's states handed over intact: pass k
+        # (first position f) drafts proposals[f - 1] at f + 1, accepted iff that is the token there (the last pass,
+        # which may draft past max_new_tokens, not judged)
+        full, proposals = ids + out["output_ids"], _mtp_proposals(hf, (ids + out["output_ids"])[:-1])
+        want = [int(proposals[f - 1] == full[f + 1]) for f, _ in _verify_passes(len(ids), steps) if f + 1 < len(full)]
+        assert steps[:len(want)] == want, (rid, steps, want)
+        passes += [(first + 1, accepted) for first, accepted in _verify_passes(len(ids), steps)]
+    accepted = [pos for pos, a in passes if a]
+    rejected = [pos for pos, a in passes if not a]
+    rejected_closing = [pos for pos in rejected if (pos + 1) % 4 == 0]
+    hca = [(pos, a) for pos, a in passes if pos - 1 <= 127 <= pos]
+    print(f"{hf.variant} speculative: {len(passes)} verify passes, {len(accepted)} drafts accepted, {len(rejected)} "
+          f"rejected ({len(rejected_closing)} closing a CSA block), HCA block 127 in passes {hca}, worst {worst:.2e}")
+    assert accepted and rejected_closing, passes
+    # every request crossed position 127 in a verify pass, and a rejected draft closed the HCA block there
+    assert len(hca) >= len(jobs) and (127, 0) in hca, hca
 
 
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):

@@ -411,7 +411,7 @@ _applied: dict = {}
 # TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplace_all_reduce", "torch_native_cpu_pad",
                "torch_native_extend", "moe_native_ep", "dsa_torch_native", "spec_verify_torch_native",
-               "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
+               "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe")
 
 
 def apply() -> dict:
