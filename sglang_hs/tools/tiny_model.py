@@ -672,8 +672,8 @@ def _add_v4_mtp_layer(out: str, variant: str) -> None:
     """DeepSeek-V4's MTP layer under its released names (`mtp.0.*`: a V4 decoder layer of compress ratio 0, not
     hash-routed, with e_proj, h_proj, enorm, hnorm, norm and its own hc_head_*), which SGLang's
     DeepseekV4ForCausalLMNextN loads, in a shard of its own. Like v3-mtp's (_add_mtp_layer), a draft that accepts
-    often enough to test with: e_proj is zero and h_proj the identity, so each stream is the target's stream leaving
-    its last layer (hc_head's input, SGLang's pre_hc_head) over its RMS; the decoder layer adds nothing (wo_b and
+    often enough to test with: e_proj is zero (enorm drawn, like every norm) and h_proj the identity, hnorm ones, so each
+    stream is the target's stream leaving its last layer (hc_head's input, SGLang's pre_hc_head) over its RMS; the decoder layer adds nothing (wo_b and
     every expert's w2 zero) and keeps the streams apart (its hyper-connections' comb mix the identity: zero comb
     weights, a bias of 20 on the diagonal); hc_head and the final norm are the target's. So the draft's logits are
     about the target head's on the state it just chose from: it proposes about the token the target just chose,
@@ -708,6 +708,8 @@ def _add_v4_mtp_layer(out: str, variant: str) -> None:
     if not layer:
         raise RuntimeError("no model.layers.1.* weights in the donor model")
     H, hc = cfg["hidden_size"], cfg["hc_mult"]
+    gen = torch.Generator().manual_seed(SEED + 8)
+    lo, hi = NORM_WEIGHT_RANGE
     for k in sorted(layer):
         if k.endswith(("attn.wo_b.weight", "w2.weight")):
             layer[k] = torch.zeros_like(layer[k])
@@ -724,7 +726,8 @@ def _add_v4_mtp_layer(out: str, variant: str) -> None:
         weights[name] = load_file(os.path.join(out, idx["weight_map"][name]))[name]
     bf16 = torch.bfloat16
     layer.update({"mtp.0.e_proj.weight": torch.zeros(H, H, dtype=bf16), "mtp.0.h_proj.weight": torch.eye(H, dtype=bf16),
-                  "mtp.0.enorm.weight": torch.ones(H, dtype=bf16), "mtp.0.hnorm.weight": torch.ones(H, dtype=bf16),
+                  "mtp.0.enorm.weight": (lo + (hi - lo) * torch.rand(H, generator=gen)).to(bf16),
+                  "mtp.0.hnorm.weight": torch.ones(H, dtype=bf16),
                   "mtp.0.norm.weight": weights["model.norm.weight"].clone(),
                   **{f"mtp.0.{k}": weights[k].clone() for k in ("hc_head_fn", "hc_head_base", "hc_head_scale")}})
     shard = "model-mtp.safetensors"
