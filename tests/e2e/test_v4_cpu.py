@@ -73,6 +73,12 @@ Planted bugs (scratch copies of the patches; each fails):
   (the capture handed the streams the last hc_post mixed into, not its output; in hc_full_streams too) -> on the
   folded swa-mean server every row of id 2 off, up to 0.047, on swa-full (full before it became csa-full) up to 0.15
   (stream 0).
+- csa-full speculative (issue 44; scratch copies, test_speculative_verify_passes_over_the_compressed_blocks): a
+  rejected draft's row kept (the writer keyed by request and position, first write wins: the row a verify pass wrote
+  for a draft that was then rejected stands for the token the next pass forwards there) -> request spec-118's pre-norm
+  rows from 119 (its first rejected draft) on off by up to 1.52; a rejected draft's compressor sources left in the
+  compressed blocks (a block's key kept once computed, as a compressor state not rolled back) -> spec-118's rows 119,
+  123, 126, 127 on (the CSA blocks its rejected drafts closed, then the HCA block at 127) off by up to 0.149.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
