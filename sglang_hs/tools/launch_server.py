@@ -490,24 +490,25 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
     return found or layer_source.describe_default(False)
 
 
-# DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain of one token per
-# verify pass, on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py); the flags that must say so
-V4_SPECULATIVE = {"--speculative-num-steps": "1", "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "2"}
+# DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, one token
+# per step, num_steps + 1 draft tokens per verify pass) on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py)
+V4_SPECULATIVE = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
 
 def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool) -> str:
     """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
     V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm), DeepSeek-V4 with EAGLE/NEXTN (its MTP
-    layer) and V4_SPECULATIVE's chain of one draft on the CPU engine; V3.2 and the rest of V4's not."""
+    layer) drafting a chain (V4_SPECULATIVE given: N steps, top-k 1, N + 1 draft tokens) on the CPU engine; V3.2 and
+    the rest of V4's not."""
     if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
         return ""
     if arch in HC_ARCHITECTURES and cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
-        given = {flag: _flag_value(sg_argv, flag) for flag in V4_SPECULATIVE}
-        if given == V4_SPECULATIVE:
+        steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
+        if topk == "1" and steps and steps.isdigit() and int(steps) >= 1 and tokens == str(int(steps) + 1):
             return ""
         return (f"--speculative-algorithm {algorithm} with {arch}: capture is served with its MTP draft drafting a "
-                f"chain of one token only ({' '.join(f'{k} {v}' for k, v in V4_SPECULATIVE.items())}; given "
-                f"{' '.join(f'{k} {v}' for k, v in given.items())}; docs/serving.md#speculative-decoding)")
+                "chain only (--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1, "
+                f"each given; got {steps}, {topk}, {tokens}; docs/serving.md#speculative-decoding)")
     where = "" if cpu else " (not yet checked on a GPU: V4's compressed-state pools)"
     return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
             "DeepSeek-V2/V3-family MLA models and DeepSeek-V4 with EAGLE/NEXTN on the CPU engine only"

@@ -85,3 +85,21 @@ def test_set_embed_and_head_on_cpu(spec, cpu_engine_imports):
     embed, head = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.zeros(2, 2))
     _cpu_safe(lambda *a: calls.append(a))(model, embed, head)
     assert not calls and model.model.embed_tokens.weight is embed and model.lm_head.weight is head
+
+
+def test_a_draft_decode_step_is_one_token_at_its_position(spec):
+    """The MTP draft's step i (--speculative-num-steps > 1, top-k 1): each request's token at its position (seq_len +
+    i, as EagleWorkerV2.draft_forward advances it), its keys req_to_token[req, :position + 1]; a target's decode
+    (no spec_info) keeps dsv4_torch_native's spans; a tree's rows (top-k per request) are refused."""
+    class Decode(_Mode):
+        def is_decode(self):
+            return True
+
+    step = types.SimpleNamespace(forward_mode=Decode(False), req_pool_indices=torch.tensor([4, 2]),
+                                 positions=torch.tensor([11, 30]), seq_lens_cpu=torch.tensor([10, 29]),
+                                 spec_info=object())
+    wrapped = spec._with_verify(lambda fb: "theirs")
+    assert wrapped(step) == [(4, 11, 1), (2, 30, 1)]
+    assert wrapped(types.SimpleNamespace(**dict(vars(step), spec_info=None))) == "theirs"
+    with pytest.raises(NotImplementedError, match="draft tree"):
+        spec.draft_decode_spans(types.SimpleNamespace(**dict(vars(step), positions=torch.tensor([11, 11, 30, 30]))))

@@ -7,7 +7,9 @@ sources kept at the KV slots), from each request's (prefix, new tokens) span of 
 knows prefill chunks and decode steps but not a verify pass. This patch gives it that: a verify batch of
 `draft_token_num` tokens per request whose drafts form a chain (--speculative-eagle-topk 1: draft i at position
 seq_len + i, written at req_to_token[req, seq_len + i], each seeing the prefix and the drafts before it, as SGLang's
-chain mask says) is the span (seq_len, draft_token_num) of each request, attended causally as a prefill chunk.
+chain mask says) is the span (seq_len, draft_token_num) of each request, attended causally as a prefill chunk. The
+MTP draft's own decode steps (--speculative-num-steps > 1; its layer is sliding-window only) are likewise spans of
+one token at their positions (draft_decode_spans); its extend pass after a verify is an ordinary extend.
 
 Why nothing is undone for rejected drafts: the patch keeps no compressor state. A verify pass writes each draft's
 key and compressor/indexer sources at the draft's KV slot (as it writes its hidden-state row); a compressed block
@@ -50,10 +52,25 @@ def verify_spans(forward_batch):
     return [(req, prefix, n) for req, prefix in zip(reqs, seq_lens)]
 
 
+def draft_decode_spans(forward_batch):
+    """(req, position, 1) per request of an MTP draft's decode step (--speculative-num-steps > 1, top-k 1): step i's
+    token of request b sits at position seq_len + i (EagleWorkerV2.draft_forward advances `positions` after each step)
+    and is written at req_to_token[b, seq_len + i] (its draft slots, page size 1), so its query sees the keys at
+    req_to_token[b, :position + 1]: the prefix, the earlier steps' tokens and its own."""
+    reqs = forward_batch.req_pool_indices.tolist()
+    positions = [int(p) for p in forward_batch.positions.tolist()]
+    if len(positions) != len(reqs):
+        raise NotImplementedError(f"sglang-hs DeepSeek-V4 on the CPU engine: a draft decode step of {len(positions)} "
+                                  f"tokens for {len(reqs)} requests (a draft tree); only chains (top-k 1) are served")
+    return [(req, pos, 1) for req, pos in zip(reqs, positions)]
+
+
 def _with_verify(original):
     def requests_of(forward_batch):
         if forward_batch.forward_mode.is_target_verify():
             return verify_spans(forward_batch)
+        if forward_batch.forward_mode.is_decode() and getattr(forward_batch, "spec_info", None) is not None:
+            return draft_decode_spans(forward_batch)  # a target's decode has none: its steps are verify passes
         return original(forward_batch)
 
     requests_of.__wrapped__ = original
