@@ -24,12 +24,14 @@ and the radix cache on:
   the 8-token compression blocks split across chunks, the HCA block closing inside the 125-129 chunk), no
   --hs-layers, and decoding speculatively (issue 44): served from tiny_model's "v4-mtp" (v4-csa's files plus
   DeepSeek-V4's MTP layer, built to propose about the token the target just chose again; HF's reference is v4-csa's)
-  with SPEC (EAGLE, one draft per verify pass, sglang_hs/server/patches/dsv4_cpu_spec.py), so every decode row of its
-  tests comes from a verify pass and their radix hits cache all but the prompt's last two tokens (EAGLE's draft
-  extend). test_speculative_verify_passes_over_the_compressed_blocks runs here: four prompts of 118-125 tokens whose
-  drafts are rejected where they close CSA blocks and, in every request, the HCA block (position 127); measured 83
-  verify passes, 10 drafts accepted, 73 rejected (18 closing a CSA block), worst row 7.3e-07, every accept count the
-  one the draft's proposals from HF's states give.
+  with SPEC (EAGLE, a chain of DRAFTS = 3 drafts per verify pass, DeepSeek's production MTP setting: its draft's
+  decode steps and the target's verify pass through sglang_hs/server/patches/dsv4_cpu_spec.py), so every decode row
+  of its tests comes from a verify pass and their radix hits cache all but the prompt's last two tokens (EAGLE's
+  draft extend). test_speculative_verify_passes_over_the_compressed_blocks runs here: four prompts of 118-125 tokens
+  whose drafts are rejected where they close CSA blocks and the HCA block (position 127); measured 79 verify passes,
+  15 drafts accepted, 222 rejected (55 closing a CSA block, 11 the HCA block), passes by drafts accepted {0: 72, 1: 2,
+  2: 2, 3: 3}, worst row 7.3e-07, every accept count the one the draft's proposals from HF's states give (with one
+  draft per pass, measured before: 83 passes, 10 accepted, 73 rejected, worst 7.3e-07).
 - csa-tp2: under mean with chunks of 7 and --tp 2 (attention tensor parallel, each rank 2 of the 4 query heads, their
   sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the
   MoE split over both), --hs-layers 1,2,3, and a KV pool of POOL tokens (test_a_full_pool_evicts_and_reuses_slots).
@@ -73,12 +75,13 @@ Planted bugs (scratch copies of the patches; each fails):
   (the capture handed the streams the last hc_post mixed into, not its output; in hc_full_streams too) -> on the
   folded swa-mean server every row of id 2 off, up to 0.047, on swa-full (full before it became csa-full) up to 0.15
   (stream 0).
-- csa-full speculative (issue 44; scratch copies, test_speculative_verify_passes_over_the_compressed_blocks): a
-  rejected draft's row kept (the writer keyed by request and position, first write wins: the row a verify pass wrote
-  for a draft that was then rejected stands for the token the next pass forwards there) -> request spec-118's pre-norm
-  rows from 119 (its first rejected draft) on off by up to 1.52; a rejected draft's compressor sources left in the
-  compressed blocks (a block's key kept once computed, as a compressor state not rolled back) -> spec-118's rows 119,
-  123, 126, 127 on (the CSA blocks its rejected drafts closed, then the HCA block at 127) off by up to 0.149.
+- csa-full speculative (issue 44; scratch copies, test_speculative_verify_passes_over_the_compressed_blocks, a chain
+  of 3 drafts): a rejected draft's row kept (the writer keyed by request and position, first write wins: the row a
+  verify pass wrote for a draft that was then rejected stands for the token the next pass forwards there) -> request
+  spec-118's pre-norm rows from 119 (its first rejected draft) on off by up to 1.86 (1.52 with one draft per pass); a
+  rejected draft's compressor sources left in the compressed blocks (a block's key kept once computed, as a compressor
+  state not rolled back) -> spec-118's rows 119, 123, 126, 127 on (the CSA blocks its rejected drafts closed, then
+  the HCA block at 127) off by up to 0.24 (0.149 with one draft).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave

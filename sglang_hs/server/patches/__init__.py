@@ -72,7 +72,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | of drafts): dsv4_torch_native.requests_of    |                  |
 |                   | gets a TARGET_VERIFY branch (each request's  |                  |
 |                   | drafts a causal span after its prefix; a     |                  |
-|                   | tree refused); DeepseekV4ForCausalLM.set_    |                  |
+|                   | tree refused) and the draft's decode steps   |                  |
+|                   | (a token at its position); DeepseekV4ForCau- |                  |
+|                   | salLM.set_                                   |                  |
 |                   | embed_and_head without CUDA calls on CPU     |                  |
 | dsv4_cpu_moe      | V4's clamped SwiGLU: deepseek_v2.silu_and_   | CPU mode only    |
 |                   | mul_clamp (shared expert) and moe_forward_   |                  |
@@ -340,8 +342,9 @@ dsv4_cpu_spec
             (V4's own, not DeepseekV2's that eagle_cpu_draft wraps) ends with torch.get_device_module().empty_cache()
             and .synchronize(): RuntimeError without a CUDA driver; on a CPU tensor the rebinding runs without them.
             Draft trees raise NotImplementedError at the first verify; the launcher refuses V4 with any other
-            algorithm or shape than EAGLE/NEXTN with 1 step, top-k 1, 2 draft tokens first
-            (launch_server.speculative_refusal).
+            algorithm or shape than EAGLE/NEXTN with N steps, top-k 1, N + 1 draft tokens first
+            (launch_server.speculative_refusal). The draft's decode steps (N > 1) are one-token spans at their
+            positions (its draft slots req_to_token[req, seq_len + i]; its layer is sliding-window only).
   upstream: present in sglang 0.5.23 (deepseek_v4.py set_embed_and_head; V4's verify runs only in the CUDA "dsv4"
             backends over DeepSeekV4TokenToKVPool's compress-state pools); not reported upstream.
   removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's csa-full server (speculative) does not start without
