@@ -504,6 +504,12 @@ def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool
         return ""
     if arch in HC_ARCHITECTURES and cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
         steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
+        ranks = [_flag_value(sg_argv, *flags) or "1" for flags in (("--tp-size", "--tp", "--tensor-parallel-size"),
+                                                                   ("--dp-size", "--dp", "--data-parallel-size"))]
+        if ranks != ["1", "1"]:
+            return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is served on "
+                    f"one rank only (--tp {ranks[0]} --dp {ranks[1]}: not yet tested; "
+                    "docs/serving.md#speculative-decoding)")
         if topk == "1" and steps and steps.isdigit() and int(steps) >= 1 and tokens == str(int(steps) + 1):
             return ""
         return (f"--speculative-algorithm {algorithm} with {arch}: capture is served with its MTP draft drafting a "

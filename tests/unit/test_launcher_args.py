@@ -549,6 +549,9 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
     assert launch_server.speculative_refusal("DeepseekV3ForCausalLM", "NGRAM", [], cpu=True) == ""
     longer = chain[:1] + ["3"] + chain[2:5] + ["4"]  # DeepSeek's production MTP setting: a chain of 3
     assert launch_server.speculative_refusal(arch, "EAGLE", longer, cpu=True) == ""
+    for ranks in (["--tp", "2"], ["--dp-size", "2", "--enable-dp-attention"]):
+        line = launch_server.speculative_refusal(arch, "EAGLE", chain + ranks, cpu=True)
+        assert "served on one rank only" in line and "\n" not in line, line
     for argv in (chain[2:], chain[:3] + ["2"] + chain[4:], longer[:5] + ["3"], chain[:1] + ["0"] + chain[2:5] + ["1"]):
         line = launch_server.speculative_refusal(arch, "EAGLE", argv, cpu=True)
         assert line.startswith("--speculative-algorithm EAGLE with DeepseekV4ForCausalLM: capture is served with its "
