@@ -490,6 +490,38 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
     return found or layer_source.describe_default(False)
 
 
+# DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, one token
+# per step, num_steps + 1 draft tokens per verify pass) on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py)
+V4_SPECULATIVE = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+
+
+def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool) -> str:
+    """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
+    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm), DeepSeek-V4 with EAGLE/NEXTN (its MTP
+    layer) drafting a chain (V4_SPECULATIVE given: N steps, top-k 1, N + 1 draft tokens) on the CPU engine; V3.2 and
+    the rest of V4's not."""
+    if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
+        return ""
+    if arch in HC_ARCHITECTURES and cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
+        steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
+        ranks = [_flag_value(sg_argv, *flags) or "1" for flags in (("--tp-size", "--tp", "--tensor-parallel-size"),
+                                                                   ("--dp-size", "--dp", "--data-parallel-size"))]
+        if ranks != ["1", "1"]:
+            return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is served on "
+                    f"one rank only (--tp {ranks[0]} --dp {ranks[1]}: not yet tested; "
+                    "docs/serving.md#speculative-decoding)")
+        if topk == "1" and steps and steps.isdigit() and int(steps) >= 1 and tokens == str(int(steps) + 1):
+            return ""
+        return (f"--speculative-algorithm {algorithm} with {arch}: capture is served with its MTP draft drafting a "
+                "chain only (--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1, "
+                f"each given; got {steps}, {topk}, {tokens}; docs/serving.md#speculative-decoding)")
+    where = "" if cpu else " (not yet checked on a GPU: V4's compressed-state pools)"
+    return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
+            "DeepSeek-V2/V3-family MLA models and DeepSeek-V4 with EAGLE/NEXTN on the CPU engine only"
+            f"{where} (docs/serving.md#speculative-decoding); serve this model without a draft, or without "
+            "--hs-dump-dir")
+
+
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
                     v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
@@ -501,11 +533,9 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
         config = config["text_config"]
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
-    if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:  # before a draft's config is read for its layers
-        raise CaptureConfigError(
-            f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
-            "DeepSeek-V2/V3-family MLA models only (docs/serving.md#speculative-decoding); serve this model without "
-            "a draft, or without --hs-dump-dir")
+    refusal = algorithm and speculative_refusal(arch, algorithm, sg_argv, cpu)
+    if refusal:  # before a draft's config is read for its layers
+        raise CaptureConfigError(refusal)
     source = layers_source(ns, sg_argv, model_path, raw_config, config)
     ids = parse_layer_ids(ns.hs_layers) if ns.hs_layers is not None else source.get("layers")
     try:

@@ -58,6 +58,11 @@ config.json, which is derived from the shipped one in code (`variant_config`):
 - "v3-long": the V3 shape and weights' generator with YaRN factor 64 (max_position_embeddings 65536): SGLang's
   rotary cache ends at original length x factor, 4096 positions for the shipped config; served with long
   prompts (tests/e2e/test_long_context.py).
+- "v4-mtp": v4-csa's checkpoint (the same files and weights: HF's reference is v4-csa's) plus DeepSeek-V4's MTP
+  layer in its released names (`mtp.0.*`, num_nextn_predict_layers 1), which SGLang serves as the draft of
+  --speculative-algorithm EAGLE/NEXTN (DeepseekV4ForCausalLMNextN); built like v3-mtp's to propose about the token
+  the target just chose again (_add_v4_mtp_layer), so drafts are accepted where the greedy output repeats a token
+  and rejected elsewhere.
 """
 from __future__ import annotations
 
@@ -225,10 +230,12 @@ def _v4_csa(cfg: dict) -> dict:
 
 
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32, "v3-mtp": _v3_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa, "v4-csa": _v4_csa}
+            "v32": _v32, "v3-mtp": _v3_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa, "v4-csa": _v4_csa,
+            "v4-mtp": lambda cfg: dict(_v4_csa(cfg), num_nextn_predict_layers=1)}
 MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
+V4_MTP = {"v4-mtp": "v4-csa"}  # a V4 checkpoint with an MTP layer: the base variant's files plus _add_v4_mtp_layer
 V4 = ("v4-swa", "v4-csa")  # DeepSeek-V4 variants: HF's init leaves sinks, hc biases and hash tables trivial (_v4_weights)
 _EXTRA_FILES = {"kimi-k2": {"configuration_deepseek.py": _KIMI_CONFIGURATION_PY}}
 
@@ -251,11 +258,15 @@ def path(variant: str = "v3") -> str:
         h.update(name.encode() + b"\0" + text.encode())
     if variant in MTP:
         h.update(inspect.getsource(_add_mtp_layer).encode())
+    if variant in V4_MTP:
+        h.update(f"base={path(V4_MTP[variant])};".encode() + inspect.getsource(_add_v4_mtp_layer).encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{variant}-{h.hexdigest()[:16]}")
 
 
 def ensure(variant: str = "v3") -> str:
     """Return the checkpoint folder, generating it once (a few seconds) if missing."""
+    if variant in V4_MTP:
+        return build_once(path(variant), lambda tmp: _generate_v4_mtp(tmp, variant))
     return build_once(path(variant), lambda tmp: _generate(tmp, variant))
 
 
@@ -643,6 +654,86 @@ def _add_mtp_layer(out: str, cfg) -> None:
         idx = json.load(f)
     idx["weight_map"].update({k: shard for k in layer})
     with open(index, "w") as f:
+        json.dump(idx, f, indent=2)
+
+
+def _generate_v4_mtp(out: str, variant: str) -> None:
+    """The base V4 variant's files, byte for byte (so its HF reference holds), its config with
+    num_nextn_predict_layers 1, and the MTP layer (_add_v4_mtp_layer)."""
+    base = ensure(V4_MTP[variant])
+    for name in os.listdir(base):
+        if not name.startswith("."):
+            shutil.copy(os.path.join(base, name), os.path.join(out, name))
+    _write_config(out, variant)
+    _add_v4_mtp_layer(out, variant)
+
+
+def _add_v4_mtp_layer(out: str, variant: str) -> None:
+    """DeepSeek-V4's MTP layer under its released names (`mtp.0.*`: a V4 decoder layer of compress ratio 0, not
+    hash-routed, with e_proj, h_proj, enorm, hnorm, norm and its own hc_head_*), which SGLang's
+    DeepseekV4ForCausalLMNextN loads, in a shard of its own. Like v3-mtp's (_add_mtp_layer), a draft that accepts
+    often enough to test with: e_proj is zero (enorm drawn, like every norm) and h_proj the identity, hnorm ones, so each
+    stream is the target's stream leaving its last layer (hc_head's input, SGLang's pre_hc_head) over its RMS; the decoder layer adds nothing (wo_b and
+    every expert's w2 zero) and keeps the streams apart (its hyper-connections' comb mix the identity: zero comb
+    weights, a bias of 20 on the diagonal); hc_head and the final norm are the target's. So the draft's logits are
+    about the target head's on the state it just chose from: it proposes about the token the target just chose,
+    again. The layer's other weights (query/KV projections, sinks, router, up projections) are a normally
+    initialised HF V4 layer's, so the draft runs all of SGLang's V4 MTP path."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    cfg = variant_config(variant)
+    donor_cfg = dict(cfg, num_hidden_layers=2, compress_ratios=[0, 0], num_nextn_predict_layers=0)
+    donor_cfg.pop("layer_types", None)
+    tmp = tempfile.mkdtemp(prefix=".mtp-", dir=out)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(donor_cfg, f)
+        torch.manual_seed(SEED + 5)
+        donor = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp),
+                                                              dtype=torch.float32)
+        randomise_norms(donor, SEED + 6)
+        _v4_weights(donor, SEED + 7)
+        donor.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        layer = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                for k, v in load_file(os.path.join(tmp, name)).items():
+                    k = _v4_released_name(k)
+                    if k.startswith("model.layers.1."):
+                        layer["mtp.0." + k[len("model.layers.1."):]] = v
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not layer:
+        raise RuntimeError("no model.layers.1.* weights in the donor model")
+    H, hc = cfg["hidden_size"], cfg["hc_mult"]
+    gen = torch.Generator().manual_seed(SEED + 8)
+    lo, hi = NORM_WEIGHT_RANGE
+    for k in sorted(layer):
+        if k.endswith(("attn.wo_b.weight", "w2.weight")):
+            layer[k] = torch.zeros_like(layer[k])
+        elif re.search(r"\.hc_(attn|ffn)_fn$", k):
+            layer[k] = layer[k].clone()
+            layer[k][2 * hc:] = 0
+        elif re.search(r"\.hc_(attn|ffn)_base$", k):
+            layer[k] = layer[k].clone()
+            layer[k][2 * hc:] = (20 * torch.eye(hc)).flatten().to(layer[k].dtype)
+    weights = {}
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        idx = json.load(f)
+    for name in ("model.norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
+        weights[name] = load_file(os.path.join(out, idx["weight_map"][name]))[name]
+    bf16 = torch.bfloat16
+    layer.update({"mtp.0.e_proj.weight": torch.zeros(H, H, dtype=bf16), "mtp.0.h_proj.weight": torch.eye(H, dtype=bf16),
+                  "mtp.0.enorm.weight": (lo + (hi - lo) * torch.rand(H, generator=gen)).to(bf16),
+                  "mtp.0.hnorm.weight": torch.ones(H, dtype=bf16),
+                  "mtp.0.norm.weight": weights["model.norm.weight"].clone(),
+                  **{f"mtp.0.{k}": weights[k].clone() for k in ("hc_head_fn", "hc_head_base", "hc_head_scale")}})
+    shard = "model-mtp.safetensors"
+    save_file(layer, os.path.join(out, shard), metadata={"format": "pt"})
+    idx["weight_map"].update({k: shard for k in layer})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump(idx, f, indent=2)
 
 

@@ -22,7 +22,16 @@ and the radix cache on:
   own radix cache), its other requests land on either group.
 - csa-full: under full (hc_mult rows per id), chunks of 5 (each chunk's window reaches into earlier chunks' keys,
   the 8-token compression blocks split across chunks, the HCA block closing inside the 125-129 chunk), no
-  --hs-layers.
+  --hs-layers, and decoding speculatively (issue 44): served from tiny_model's "v4-mtp" (v4-csa's files plus
+  DeepSeek-V4's MTP layer, built to propose about the token the target just chose again; HF's reference is v4-csa's)
+  with SPEC (EAGLE, a chain of DRAFTS = 3 drafts per verify pass, DeepSeek's production MTP setting: its draft's
+  decode steps and the target's verify pass through sglang_hs/server/patches/dsv4_cpu_spec.py), so every decode row
+  of its tests comes from a verify pass and their radix hits cache all but the prompt's last two tokens (EAGLE's
+  draft extend). test_speculative_verify_passes_over_the_compressed_blocks runs here: four prompts of 118-125 tokens
+  whose drafts are rejected where they close CSA blocks and the HCA block (position 127); measured 79 verify passes,
+  15 drafts accepted, 222 rejected (55 closing a CSA block, 11 the HCA block), passes by drafts accepted {0: 72, 1: 2,
+  2: 2, 3: 3}, worst row 7.3e-07, every accept count the one the draft's proposals from HF's states give (with one
+  draft per pass, measured before: 83 passes, 10 accepted, 73 rejected, worst 7.3e-07).
 - csa-tp2: under mean with chunks of 7 and --tp 2 (attention tensor parallel, each rank 2 of the 4 query heads, their
   sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the
   MoE split over both), --hs-layers 1,2,3, and a KV pool of POOL tokens (test_a_full_pool_evicts_and_reuses_slots).
@@ -66,12 +75,20 @@ Planted bugs (scratch copies of the patches; each fails):
   (the capture handed the streams the last hc_post mixed into, not its output; in hc_full_streams too) -> on the
   folded swa-mean server every row of id 2 off, up to 0.047, on swa-full (full before it became csa-full) up to 0.15
   (stream 0).
+- csa-full speculative (issue 44; scratch copies, test_speculative_verify_passes_over_the_compressed_blocks, a chain
+  of 3 drafts): a rejected draft's row kept (the writer keyed by request and position, first write wins: the row a
+  verify pass wrote for a draft that was then rejected stands for the token the next pass forwards there) -> request
+  spec-118's pre-norm rows from 119 (its first rejected draft) on off by up to 1.86 (1.52 with one draft per pass); a
+  rejected draft's compressor sources left in the compressed blocks (a block's key kept once computed, as a compressor
+  state not rolled back) -> spec-118's rows 119, 123, 126, 127 on (the CSA blocks its rejected drafts closed, then
+  the HCA block at 127) off by up to 0.24 (0.149 with one draft).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
 (test_a_full_pool_evicts_and_reuses_slots, v4-pool-1-3) pre-norm rows 67 on off by up to 0.64 (before v4-csa's two
 expert groups).
 """
+import collections
 import concurrent.futures as cf
 import contextlib
 import json
@@ -106,7 +123,7 @@ def hf_reference(variant):
         return _HF[variant]
     import transformers
 
-    ckpt = tiny_model.ensure(variant)
+    ckpt = tiny_model.ensure(tiny_model.V4_MTP.get(variant, variant))  # an MTP checkpoint's target is its base's
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
         ckpt, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not any(info.values()), info  # every tensor under a name HF reads (as SGLang does)
@@ -134,12 +151,18 @@ def hf_reference(variant):
 # --chunked-prefill-size / dp: 100 / 2 = 50; the HCA block of 128 closes inside a chunk and, in the long prompt, in
 # decode) with the layers the checkpoint names (None: no --hs-layers); under full with chunks below the window; under
 # mean at attention TP 2 with chunks below the window and --hs-layers
-CONFIGS = {"csa-dp2": ("v4-csa", "mean", 100, None), "csa-full": ("v4-csa", "full", 5, None),
+CONFIGS = {"csa-dp2": ("v4-csa", "mean", 100, None), "csa-full": ("v4-mtp", "full", 5, None),
            "csa-tp2": ("v4-csa", "mean", 7, LAYERS)}
 # the CSA server's KV pool: POOL tokens, so its radix cache evicts and slots (and the compressor and indexer sources
 # kept at them) are handed out again (test_a_full_pool_evicts_and_reuses_slots)
 POOL = 320
-EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"],
+# csa-full decodes speculatively: v4-mtp (v4-csa plus an MTP layer that proposes about the last token again) drafts a
+# chain of DRAFTS tokens per verify pass (EAGLE, top-k 1), so every decode step of its tests is a verify pass
+DRAFTS = 3  # DeepSeek's production MTP setting: a chain of 3 drafts per verify pass
+SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(DRAFTS), "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", str(DRAFTS + 1)]
+SPECULATIVE = {"csa-full"}
+EXTRA = {"csa-tp2": ["--tp", "2", "--max-total-tokens", str(POOL), "--enable-metrics"], "csa-full": SPEC,
          "csa-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
 # the configurations served under DP attention: two groups, each its own radix cache and writer (num_writers 2)
 DP_ATTENTION = {"csa-dp2"}
@@ -378,7 +401,9 @@ def test_radix_hits_and_concurrent_requests(v4):
     jobs = [(f"{tag}-a", a), (f"{tag}-b", b), (f"{tag}-a-again", a)]
     outs = {rid: (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp, **route)) for rid, ids in jobs}
     assert outs[f"{tag}-b"][1]["meta_info"]["cached_tokens"] >= n_shared - 3
-    assert outs[f"{tag}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1
+    # all but the last token (csa-full, speculative: the last two; SGLang's EAGLE computes one more for its draft's
+    # extend pass)
+    assert outs[f"{tag}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - (2 if v4.config in SPECULATIVE else 1)
     together = [(f"{tag}-c{i}", _prompt(n, 10 + i)) for i, n in enumerate(together_lens)]
     with cf.ThreadPoolExecutor(3) as pool:
         for (rid, ids), out in zip(together, pool.map(lambda j: server.generate(
@@ -388,6 +413,80 @@ def test_radix_hits_and_concurrent_requests(v4):
     for rid, (ids, out) in outs.items():
         worst = max(worst, judge(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1], streams))
     print(f"{tag}: {len(outs)} records, worst {worst:.2e}")
+
+
+# the speculative test's prompts (csa-full): lengths just below the HCA block's end (position 127), so that block
+# closes during decode, inside a verify pass, and CSA blocks (every 4 positions) close in most passes
+SPEC_PROMPTS = (118, 121, 123, 125)
+
+
+def _verify_passes(prompt_len, steps):
+    """Per verify pass: (first position, drafts accepted); pass k forwards its request's last token at its first
+    position and its drafts after it."""
+    first, out = prompt_len, []
+    for accepted in steps:
+        out.append((first, accepted))
+        first += accepted + 1
+    return out
+
+
+def _mtp_proposals(hf, ids):
+    """What v4-mtp's MTP layer proposes after each position of `ids`, from HF float32's states (tiny_model's
+    _add_v4_mtp_layer: the draft's streams are the target's hc_head input, each over its RMS, passed through its
+    decoder layer unchanged, then the target's hc_head, final norm and head): proposals[p] is the token it drafts
+    after the target's row p."""
+    model = hf.model.model
+    x = hf(ids).head_input.float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + hf.config.rms_norm_eps)
+    with torch.no_grad():
+        return hf.model.lm_head(model.norm(model.hc_head(x.unsqueeze(0))))[0].argmax(-1).tolist()
+
+
+def test_speculative_verify_passes_over_the_compressed_blocks(v4):
+    """csa-full decodes speculatively (SPEC: v4-mtp's MTP layer drafting a chain of DRAFTS). Four prompts
+    (SPEC_PROMPTS) at once, 24 greedy tokens each: every row of every record is HF float32's for the tokens the request
+    ends with (prompt and accepted tokens), so no rejected draft's row reached a record and none of their keys or
+    compressor sources reached a later query (a CSA block closed by a rejected draft, the HCA block at 127 closed
+    inside a verify pass); each record's accepted drafts per verify step are SGLang's (spec_verify_ct,
+    spec_num_correct_drafts, the histogram); drafts were both accepted and rejected, and rejected drafts closed CSA
+    blocks; and the draft's accepted counts are the ones its proposals from HF's states give (_mtp_proposals), so
+    capture handed it the target's states intact."""
+    from test_speculative import _check_steps
+
+    if v4.config not in SPECULATIVE:
+        pytest.skip("only csa-full decodes speculatively (SPEC)")
+    server, reader, streams, hf = v4
+    jobs = [(f"{hf.variant}-spec-{n}", _prompt(n, 40 + i)) for i, n in enumerate(SPEC_PROMPTS)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+            "max_new_tokens": 24, **GREEDY}), jobs))
+    worst, passes, drafts = 0.0, [], []
+    for (rid, ids), out in zip(jobs, outs):
+        meta = out["meta_info"]
+        rec = reader.take(rid, timeout=60)
+        _check_steps(rec, meta)
+        worst = max(worst, judge(rec, hf, (ids + out["output_ids"])[:-1], streams))
+        steps = rec.meta["speculative"]["accepted_drafts"]
+        # the draft's accepted counts are what it must give with the target's states handed over intact: pass k
+        # (first position f) drafts proposals[f - 1] at f + 1 .. f + DRAFTS (each step the same: its layer passes
+        # the normalised streams through), accepted while that is the token there (a pass drafting past the
+        # output's end, whose count SGLang may take past max_new_tokens, not judged)
+        full, proposals = ids + out["output_ids"], _mtp_proposals(hf, (ids + out["output_ids"])[:-1])
+        for f, got in _verify_passes(len(ids), steps):
+            if f + DRAFTS < len(full):
+                want = next((j for j in range(DRAFTS) if full[f + 1 + j] != proposals[f - 1]), DRAFTS)
+                assert got == want, (rid, f, steps)
+            passes.append((f, got))
+            drafts += [(f + j, j <= got) for j in range(1, DRAFTS + 1)]
+    rejected = [pos for pos, kept in drafts if not kept]
+    closing = {"CSA": [pos for pos in rejected if (pos + 1) % 4 == 0], "HCA": [pos for pos in rejected if pos == 127]}
+    print(f"{hf.variant} speculative: {len(passes)} verify passes of {DRAFTS} drafts, {len(drafts) - len(rejected)} "
+          f"drafts accepted, {len(rejected)} rejected ({len(closing['CSA'])} closing a CSA block, {len(closing['HCA'])} "
+          f"the HCA block at 127), accepted per pass {sorted(collections.Counter(a for _, a in passes).items())}, "
+          f"worst {worst:.2e}")
+    assert len(rejected) < len(drafts) and closing["CSA"] and closing["HCA"], passes
+    # every request crossed position 127 in a verify pass (a row or a draft)
+    assert sum(f <= 127 <= f + DRAFTS for f, _ in passes) >= len(jobs), passes
 
 
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):

@@ -538,6 +538,32 @@ def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(t
     assert "\n" not in str(e.value)
 
 
+def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
+    """DeepSeek-V4 decodes speculatively with capture with its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, N
+    steps, N + 1 draft tokens) on the CPU engine only (dsv4_cpu_spec); every other algorithm, shape or device is
+    refused in one line."""
+    chain = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+    arch = "DeepseekV4ForCausalLM"
+    for algorithm in ("EAGLE", "NEXTN"):
+        assert launch_server.speculative_refusal(arch, algorithm, chain, cpu=True) == ""
+    assert launch_server.speculative_refusal("DeepseekV3ForCausalLM", "NGRAM", [], cpu=True) == ""
+    longer = chain[:1] + ["3"] + chain[2:5] + ["4"]  # DeepSeek's production MTP setting: a chain of 3
+    assert launch_server.speculative_refusal(arch, "EAGLE", longer, cpu=True) == ""
+    for ranks in (["--tp", "2"], ["--dp-size", "2", "--enable-dp-attention"]):
+        line = launch_server.speculative_refusal(arch, "EAGLE", chain + ranks, cpu=True)
+        assert "served on one rank only" in line and "\n" not in line, line
+    for argv in (chain[2:], chain[:3] + ["2"] + chain[4:], longer[:5] + ["3"], chain[:1] + ["0"] + chain[2:5] + ["1"]):
+        line = launch_server.speculative_refusal(arch, "EAGLE", argv, cpu=True)
+        assert line.startswith("--speculative-algorithm EAGLE with DeepseekV4ForCausalLM: capture is served with its "
+                               "MTP draft drafting a chain only") and "\n" not in line, line
+    for algorithm, cpu in (("EAGLE", False), ("NGRAM", True), ("DSPARK", True), ("EAGLE3", True)):
+        line = launch_server.speculative_refusal(arch, algorithm, chain, cpu=cpu)
+        assert line.startswith(f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding "
+                               "is proven for") and "\n" not in line, line
+        assert ("not yet checked on a GPU" in line) == (not cpu)
+    assert "DeepSeek-V4 with EAGLE" in launch_server.speculative_refusal("DeepseekV32ForCausalLM", "EAGLE", chain, True)
+
+
 @pytest.mark.parametrize("streams, rows", [(None, 3), ("full", 9)])
 def test_prepare_deepseek_v4_streams_reach_the_overlay(tmp_path, clean_env, streams, rows):
     from sglang_hs.server.capture_spec import CaptureSpec

@@ -154,6 +154,12 @@ def test_every_norm_weight_is_drawn_not_one(variant):
         assert sorted(mtp) == ["enorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
                                "self_attn.kv_a_layernorm.weight", "self_attn.q_a_layernorm.weight"]
         norms.update({f"mtp.{k}": w for k, w in mtp.items()})  # checked below with the others
+    if variant in tiny_model.V4_MTP:  # the MTP layer: hnorm ones by design, its final norm the target's, the rest drawn
+        mtp = {k[len("mtp.0."):]: norms.pop(k) for k in list(norms) if k.startswith("mtp.0.")}
+        assert (mtp.pop("hnorm.weight") == 1).all() and torch.equal(mtp.pop("norm.weight"), norms["model.norm.weight"])
+        assert sorted(mtp) == ["attn.kv_norm.weight", "attn.q_norm.weight", "attn_norm.weight", "enorm.weight",
+                               "ffn_norm.weight"], sorted(mtp)
+        norms.update({f"mtp.{k}": w for k, w in mtp.items()})  # checked below with the others
     # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms (V3.2: and its DSA
     # indexer's key norm); and the final norm
     per_layer = {"v2": 3, "v32": 5}.get(variant, 4)
@@ -161,7 +167,8 @@ def test_every_norm_weight_is_drawn_not_one(variant):
     config = os.path.join(ckpt, "config.json")  # Mistral's native checkpoint has params.json instead
     ratios = json.load(open(config)).get("compress_ratios") or [] if os.path.exists(config) else []
     compressors = sum(1 for r in ratios if r) + sum(1 for r in ratios if r == 4)
-    assert len(norms) == layers * per_layer + 1 + (5 if variant in tiny_model.MTP else 0) + compressors, sorted(norms)
+    mtp_norms = 5 if variant in tiny_model.MTP or variant in tiny_model.V4_MTP else 0
+    assert len(norms) == layers * per_layer + 1 + mtp_norms + compressors, sorted(norms)
     final = norms["norm.weight" if variant in tiny_model.MISTRAL_NATIVE else
                   "language_model.model.norm.weight" if variant in tiny_model.WRAPPED else "model.norm.weight"]
     x = torch.randn(4, final.shape[0])

@@ -116,7 +116,10 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
             loc = getattr(forward_batch, "out_cache_loc_virtual", None)
             rows, last = self.hs_spec.pack(aux, hidden, pre)
             self.hs_writer.copy(rows, last, forward_batch.out_cache_loc if loc is None else loc)
-        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None)
+        # the streams leaving the last layer (hc_head's input) are what SGLang hands a V4 MTP draft
+        # (DeepseekV4ModelNextN reads spec_info.hidden_states as [T, hc_mult * H]), as upstream's forward does
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None,
+                                     hidden_states_before_norm=_pre_hc_head)
 
 
 EntryClass = [DeepseekV4ForCausalLM]

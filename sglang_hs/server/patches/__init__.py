@@ -68,6 +68,14 @@ Ledger (what / why / upstream status / removal plan):
 |                   | hc_pre/hc_post/hc_head                       |                  |
 |                   | in torch; MQALayer.__init__ without the CPU  |                  |
 |                   | rope factory's YaRN assertion                |                  |
+| dsv4_cpu_spec     | V4 with its MTP draft (EAGLE/NEXTN, a chain  | CPU mode only    |
+|                   | of drafts): dsv4_torch_native.requests_of    |                  |
+|                   | gets a TARGET_VERIFY branch (each request's  |                  |
+|                   | drafts a causal span after its prefix; a     |                  |
+|                   | tree refused) and the draft's decode steps   |                  |
+|                   | (a token at its position); DeepseekV4ForCau- |                  |
+|                   | salLM.set_                                   |                  |
+|                   | embed_and_head without CUDA calls on CPU     |                  |
 | dsv4_cpu_moe      | V4's clamped SwiGLU: deepseek_v2.silu_and_   | CPU mode only    |
 |                   | mul_clamp (shared expert) and moe_forward_   |                  |
 |                   | native's activation (routed experts)         |                  |
@@ -321,6 +329,28 @@ dsv4_torch_native
             CSA indexer keeping one block fewer fails the judge);
             tests/unit/test_dsv4_cpu_patches.py checks each piece against HF.
 
+dsv4_cpu_spec
+  why:      DeepSeek-V4 decodes speculatively with its MTP layer (EAGLE/NEXTN, DeepseekV4ForCausalLMNextN). On the CPU
+            engine V4's attention is dsv4_torch_native's, which enumerates each request's (prefix, new tokens) span
+            from extend_prefix_lens / decode seq_lens: a TARGET_VERIFY batch has neither (AttributeError at the
+            warm-up's first verify). A chain of drafts (--speculative-eagle-topk 1: draft i at position seq_len + i,
+            seeing the prefix and the drafts before it, which the patch checks against SGLang's custom mask, QLEN or
+            FULL layout) is the span (seq_len, draft_token_num), attended causally with the window, the CSA/HCA
+            blocks and the indexer as a prefill chunk. Nothing is rolled back for rejected drafts: the patch keeps no
+            compressor state (a block is recomputed per step from per-token sources at req_to_token[req, :position],
+            and positions past the accepted length are written anew by the next pass). The draft's set_embed_and_head
+            (V4's own, not DeepseekV2's that eagle_cpu_draft wraps) ends with torch.get_device_module().empty_cache()
+            and .synchronize(): RuntimeError without a CUDA driver; on a CPU tensor the rebinding runs without them.
+            Draft trees raise NotImplementedError at the first verify; the launcher refuses V4 with any other
+            algorithm or shape than EAGLE/NEXTN with N steps, top-k 1, N + 1 draft tokens first
+            (launch_server.speculative_refusal). The draft's decode steps (N > 1) are one-token spans at their
+            positions (its draft slots req_to_token[req, seq_len + i]; its layer is sliding-window only).
+  upstream: present in sglang 0.5.23 (deepseek_v4.py set_embed_and_head; V4's verify runs only in the CUDA "dsv4"
+            backends over DeepSeekV4TokenToKVPool's compress-state pools); not reported upstream.
+  removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's csa-full server (speculative) does not start without
+            it, and test_speculative_verify_passes_over_the_compressed_blocks judges every verify row against HF
+            float32 with drafts rejected over closing CSA and HCA blocks; tests/unit/test_dsv4_cpu_spec.py.
+
 dsv4_cpu_moe
   why:      DeepSeek-V4's experts clamp their SwiGLU (swiglu_limit). The shared expert's clamp is a JIT CUDA kernel
             (kernels/ops/activation/silu_and_mul_clamp.py: the build fails on the CPU engine at the first
@@ -411,7 +441,7 @@ _applied: dict = {}
 # TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplace_all_reduce", "torch_native_cpu_pad",
                "torch_native_extend", "moe_native_ep", "dsa_torch_native", "spec_verify_torch_native",
-               "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_moe")
+               "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe")
 
 
 def apply() -> dict:

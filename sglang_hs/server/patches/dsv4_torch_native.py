@@ -108,6 +108,16 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink
     return torch.einsum("nhl,ld->nhd", probs, keys)
 
 
+def requests_of(forward_batch):
+    """Per request of a batch: (request pool index, keys before this step, new tokens at positions prefix ..
+    prefix + n - 1). A speculative verify pass's requests are sglang_hs/server/patches/dsv4_cpu_spec.py's, which
+    rebinds this function while it is applied."""
+    if forward_batch.forward_mode.is_target_verify():
+        raise NotImplementedError("sglang-hs DeepSeek-V4 on the CPU engine: a speculative verify pass without the "
+                                  "dsv4_cpu_spec patch")
+    return _requests(forward_batch)
+
+
 _SOURCES = "_hs_dsv4_compressor_sources"  # per-layer store of the HCA compressor's per-token kv and gate
 
 
@@ -217,7 +227,7 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
     o = torch.zeros((T, H, D), dtype=x.dtype, device=x.device)  # rows past the requests' pad the batch (DP attention)
     sink = local_heads(self.attn_sink, self.attn_tp_rank, H)
     start = 0
-    for req, prefix, n in ([] if forward_batch.forward_mode.is_idle() else _requests(forward_batch)):
+    for req, prefix, n in ([] if forward_batch.forward_mode.is_idle() else requests_of(forward_batch)):
         length = prefix + n
         first = max(0, prefix - window + 1)  # no query of this step sees a key before it
         keys = cache[req_to_token[req, first:length].long()].view(length - first, D).to(x.dtype)
