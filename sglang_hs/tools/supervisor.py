@@ -445,7 +445,9 @@ class Supervisor:
             time.sleep(0.2)
         self._signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace / 2
-        while self._group_pids() and time.monotonic() < deadline:
+        # live ones: a dead child of the server's main process (SGLang SIGKILLs its resource tracker as it exits)
+        # stays a zombie until init reaps it, which holds nothing and may take init a while
+        while self._live_group_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
         deadline = time.monotonic() + KILL_WAIT_S
