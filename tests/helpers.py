@@ -44,6 +44,9 @@ def leftover_server_processes(output: str) -> List[int]:
     return processes_in_session(sid) if sid else []
 
 
+READY = "[sglang-hs] server ready"  # the launcher's line once its server serves (sglang_hs/tools/supervisor.py)
+
+
 class Launcher:
     """`python -m sglang_hs.launch_server ARGS` as a child, its output collected in `self.output`."""
 
@@ -54,6 +57,8 @@ class Launcher:
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: List[str] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a line read (the ready one?) or the end of the output
+        self._ready = self._eof = False
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -67,9 +72,18 @@ class Launcher:
         self._reader.start()
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            with self._lock:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+        try:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                with self._changed:
+                    self.lines.append(line)
+                    if READY in line:
+                        self._ready = True
+                        self._changed.notify_all()
+        finally:
+            with self._changed:
+                self._eof = True
+                self._changed.notify_all()
 
     @property
     def output(self) -> str:
@@ -77,14 +91,22 @@ class Launcher:
             return "\n".join(self.lines)
 
     def wait_ready(self, timeout: float = 600) -> "Launcher":
+        """Returns as the launcher's ready line is read (woken by the reader thread, no polling interval); raises
+        when the launcher exits first, or after `timeout` (the launcher stopped)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if "[sglang-hs] server ready" in self.output:
+            with self._changed:
+                self._changed.wait_for(lambda: self._ready or self._eof, timeout=max(0.0, deadline - time.monotonic()))
+                ready, eof = self._ready, self._eof
+            if ready:
                 self._ledger()
                 return self
-            if self.proc.poll() is not None:
+            if eof:  # its output closed: it exits (or has)
+                try:
+                    self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
                 raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.tail()}")
-            time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.tail()}")
 

@@ -245,6 +245,7 @@ class Supervisor:
         self._server_sems: Dict[Tuple[int, int], str] = {}  # those the server's processes were seen to map
         self._sems_lock = threading.Lock()  # _server_sems: noted by the noter and at signals, read by cleanup
         self._stop_noting = threading.Event()
+        self._wake = threading.Event()  # the main loop's nap ends early: the server is ready (the relay saw it)
         self._server_started_ticks: Optional[int] = None
         self.node0_lost: Optional[str] = None  # why node 0 is gone (a node of rank > 0 watching it), set by _watch_node0
 
@@ -289,6 +290,7 @@ class Supervisor:
         self.phase, self.phase_since = phase, now
         if phase == "ready":
             self.ready = True
+            self._wake.set()  # say "server ready" now, not at the main loop's next look
 
     # -- signals --
     def _on_signal(self, signum, frame) -> None:
@@ -443,7 +445,9 @@ class Supervisor:
             time.sleep(0.2)
         self._signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace / 2
-        while self._group_pids() and time.monotonic() < deadline:
+        # live ones: a dead child of the server's main process (SGLang SIGKILLs its resource tracker as it exits)
+        # stays a zombie until init reaps it, which holds nothing and may take init a while
+        while self._live_group_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
         deadline = time.monotonic() + KILL_WAIT_S
@@ -532,7 +536,8 @@ class Supervisor:
         code = 0
         try:
             while self.proc.poll() is None:
-                time.sleep(0.2)
+                self._wake.wait(0.2)
+                self._wake.clear()
                 if self.stop_signal is not None:
                     if time.monotonic() - self.stop_at > self.stop_grace:
                         log(f"the server did not stop within {self.stop_grace:.0f}s of "

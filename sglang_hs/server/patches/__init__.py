@@ -30,6 +30,10 @@ Ledger (what / why / upstream status / removal plan):
 |                   | and ._send_one_request: the max_new_tokens=0 | server process   |
 |                   | prefix request of an n > 1 request is tagged | (serve.py)       |
 |                   | (custom_params): no record                   |                  |
+| sigterm_watchdog  | wraps TokenizerManager.sigterm_watchdog and  | every server,    |
+|                   | SignalHandler.sigterm_handler: the shutdown  | HTTP server      |
+|                   | starts when SIGTERM arrives (an event), not  | process          |
+|                   | at the watchdog's next 5 s look at the flag  | (serve.py)       |
 | cpu_gloo_groups   | wraps GroupCoordinator.__init__: no PyNccl   | CPU mode, every  |
 |                   | communicator for a group on the CPU device;  | spawned process  |
 |                   | and .reduce_scatterv: without PyNccl, a CPU  |                  |
@@ -166,6 +170,17 @@ parallel_sampling
             prefix for parallel sampling"); nothing to report (the prefix request is SGLang's business).
   removal:  if SGLang marks the prefix request itself; tests/e2e/test_request_contract.py's n > 1 test
             fails (an extra prompt-only record) without it.
+
+sigterm_watchdog
+  why:      SGLang's SIGTERM handler only sets TokenizerManager.gracefully_exit, and the task that drains and
+            stops the server looks at it every 5 s: each stop (a user's Ctrl-C of the launcher, every test
+            server's teardown) idled 0 to 5 s, 2.5 s on average, before the drain began. The handler also sets an
+            asyncio event the watchdog waits on (upstream's 5 s look stays as the fallback); the original
+            watchdog then runs unchanged (drain, ShutdownReq, kill of the process tree).
+  upstream: present in sglang 0.5.23 (tokenizer_manager.py, sigterm_watchdog: `await asyncio.sleep(5)`);
+            not reported upstream.
+  removal:  when SGLang wakes its watchdog on the signal; SGLANG_HS_DISABLE_PATCHES=sigterm_watchdog turns it
+            off (tests/unit/test_sigterm_watchdog.py compares the two).
 
 cpu_gloo_groups
   why:      with --tp > 1 on the CPU engine every parallel group asks for a PyNccl communicator, whose
@@ -418,8 +433,8 @@ kimi_k25_language_model
             constructor and tests/e2e/test_model_family.py serves Kimi-K2.5 with capture.
 
 Who applies them: the overlay model's constructor (sglang_hs/server/models/deepseek_v2.py), i.e. exactly the
-processes that build the model, before any forward; warmup_rid and parallel_sampling, which concern the
-HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_args, needed before that process resolves the
+processes that build the model, before any forward; warmup_rid, parallel_sampling and sigterm_watchdog, which
+concern the HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_args, needed before that process resolves the
 server arguments, are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__` (with dsv4_cpu_tp, needed before the scheduler loads the

@@ -76,7 +76,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-from sglang_hs.server.store.ring import MAX_RID_BYTES, SKIP_REASONS, record_bytes
+from sglang_hs.server.store.layout import MAX_RID_BYTES, SKIP_REASONS, record_bytes
 
 logger = logging.getLogger(__name__)
 RECONCILE_EVERY_S = 0.5

@@ -87,6 +87,8 @@ import torch
 
 from sglang_hs._ext import ext
 from sglang_hs.server.store.shm import SharedRegion
+from sglang_hs.server.store.layout import (ALIGN, MAX_RID_BYTES, SKIP_REASONS, _align,  # noqa: F401 (re-exported)
+                                         record_bytes)
 
 MAGIC = b"SGLHSRNG"
 VERSION = 9  # 2: the trailer holds a CRC-32 of the record header and request id; 3: marker records (flags);
@@ -107,17 +109,8 @@ REC_MAGIC, SKIP_MAGIC = 0x52534748, 0x50494B53  # "HGSR", "SKIP"
 # total_rows (62 of the header's 64 bytes)
 _REC = struct.Struct("<IIQQIHIBxHIiIIII")
 _TRAIL = struct.Struct("<IIQQ")  # magic, crc32(header + rid + meta), seq, total
-ALIGN = 64
 DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
-# flags of a marker record (T = 0): why that request has no record
-SKIP_REASONS = {1: "not_opted_in", 2: "not_sampled", 3: "reader_behind", 4: "beam_search", 5: "input_embeds",
-                6: "over_budget", 7: "draft_accepted", 8: "oversized"}
-MAX_RID_BYTES = 0xFFFF  # the record header holds the request id's utf-8 length in 16 bits
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _valid_skip(pos: int, total: int, published: int, capacity: int) -> bool:
@@ -167,14 +160,6 @@ def _create_offset_file(dir_path: str, name: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def record_bytes(T: int, P: int, H: int, elem: int, rid_len: int, meta_len: int = 0,
-                 n_ids: Optional[int] = None) -> int:
-    """Bytes of a record of T rows [P, H] holding `n_ids` token ids (default T: a whole record; a part holds
-    its record's N ids when it is the first one, none after)."""
-    ids = T if n_ids is None else n_ids
-    return ALIGN + _align(rid_len) + _align(meta_len) + _align(4 * ids) + _align(T * P * H * elem) + ALIGN
 
 
 def part_fields_valid(T: int, n_ids: int, first_row: int, total_rows: int, prompt_len: int, flags: int) -> bool:
