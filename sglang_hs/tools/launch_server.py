@@ -490,6 +490,20 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
     return found or layer_source.describe_default(False)
 
 
+def dsa_speculative_served(sg_argv: List[str], algorithm: str, model_path: str) -> bool:
+    """Whether a DSA model (DeepSeek-V3.2) is served with capture under this speculative setting: its MTP draft
+    (EAGLE / NEXTN, no other draft model) proposing one token per verify (num steps 1, top-k 1, 2 draft tokens),
+    the chain the CPU engine's verify (patches/dsa_spec_verify.py) and draft extend attend sparsely; its
+    multi-step draft decode and trees have no CPU path (SGLang's GPU DSA verify attends a tree causally by
+    position, not by the tree). Each flag spelled out, so SGLang's defaults never pick another setting."""
+    def value(flag):
+        return _flag_value(sg_argv, flag)
+
+    return (algorithm.upper() in ("EAGLE", "NEXTN") and value("--speculative-draft-model-path") in (None, model_path)
+            and value("--speculative-num-steps") == "1" and value("--speculative-eagle-topk") == "1"
+            and value("--speculative-num-draft-tokens") == "2")
+
+
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
                     v4_hint: str = "") -> Tuple[str, dict, CaptureSpec]:
     """The model's architecture, its (language model's) config and the capture the --hs-* flags give for it,
@@ -501,7 +515,13 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
         config = config["text_config"]
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
-    if algorithm and arch in HC_ARCHITECTURES + DSA_ARCHITECTURES:  # before a draft's config is read for its layers
+    if algorithm and arch in DSA_ARCHITECTURES and not dsa_speculative_served(sg_argv, algorithm, model_path):
+        raise CaptureConfigError(
+            f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding with DSA's sparse "
+            "attention is served for the model's MTP draft as one chain step only (--speculative-algorithm EAGLE or "
+            "NEXTN with --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2; "
+            "docs/serving.md#speculative-decoding); serve it so, without a draft, or without --hs-dump-dir")
+    if algorithm and arch in HC_ARCHITECTURES:  # before a draft's config is read for its layers
         raise CaptureConfigError(
             f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
             "DeepSeek-V2/V3-family MLA models only (docs/serving.md#speculative-decoding); serve this model without "

@@ -152,16 +152,17 @@ def test_every_norm_weight_is_drawn_not_one(variant):
                if k.startswith(f"model.layers.{layers}.")}
         assert all((mtp.pop(k) == 1).all() for k in ("hnorm.weight", "shared_head.norm.weight")), sorted(mtp)
         assert sorted(mtp) == ["enorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                               *(["self_attn.indexer.k_norm.weight"] if variant == "v32-mtp" else []),
                                "self_attn.kv_a_layernorm.weight", "self_attn.q_a_layernorm.weight"]
         norms.update({f"mtp.{k}": w for k, w in mtp.items()})  # checked below with the others
     # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms (V3.2: and its DSA
     # indexer's key norm); and the final norm
-    per_layer = {"v2": 3, "v32": 5}.get(variant, 4)
+    per_layer = {"v2": 3, "v32": 5, "v32-mtp": 5}.get(variant, 4)
     # DeepSeek-V4: a compressed layer's compressor has a norm, and a ratio-4 layer's indexer its own compressor's
     config = os.path.join(ckpt, "config.json")  # Mistral's native checkpoint has params.json instead
     ratios = json.load(open(config)).get("compress_ratios") or [] if os.path.exists(config) else []
     compressors = sum(1 for r in ratios if r) + sum(1 for r in ratios if r == 4)
-    assert len(norms) == layers * per_layer + 1 + (5 if variant in tiny_model.MTP else 0) + compressors, sorted(norms)
+    assert len(norms) == layers * per_layer + 1 + {"v3-mtp": 5, "v32-mtp": 6}.get(variant, 0) + compressors, sorted(norms)
     final = norms["norm.weight" if variant in tiny_model.MISTRAL_NATIVE else
                   "language_model.model.norm.weight" if variant in tiny_model.WRAPPED else "model.norm.weight"]
     x = torch.randn(4, final.shape[0])
