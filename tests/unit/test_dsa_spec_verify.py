@@ -5,7 +5,10 @@ each request's keys in lists of its own (prefix, then drafts), never reading the
 pool and the index-key store that no one wrote holds garbage, and requests sit in pool rows out of order at shuffled
 slots, so a row that sees a sibling's or a later draft, another request's slot or one key too few differs. Odd sizes:
 3 index heads of 24 dims (8 rotary), index_topk 5 below most rows' visible keys, prefixes 1..13, chains of 2 and 3
-(the served MTP setting is a chain of 2) and a tree of 5, both custom-mask layouts SGLang's CPU workers produce."""
+(the served MTP setting is a chain of 2) and a tree of 5, both custom-mask layouts SGLang's CPU workers produce.
+Measured: worst attention row 7.2e-07 off the reference. Planted: the verify's indexer ignoring the tree mask (a draft
+row may select a later or sibling draft's key) fails all four cases (e.g. row 0 selecting position 8 of 7 + 2 keys);
+its top-k one short fails all four (4 keys of 5)."""
 import types
 
 import pytest
