@@ -49,7 +49,10 @@ test fails from row 10 on (0.23 off), with dense attention planted (the indexer'
 (0.70 off): the first rows with more keys than selected (measured on the TP 1 server this module had before v32-dp2;
 the top-k plant again on v32-dp2: from row 10 on, up to 1.08 off). Under the MTP draft ("v32-tp2"): worst row
 1.22e-06; 18 drafts accepted and 57 rejected in the three judged requests, exactly where the greedy output repeats;
-the server starts in 132 s (194 s on a loaded machine).
+the server starts in 102-132 s (up to 246 s on a loaded machine). Planted in the verify path, each fails the chunked-prefill
+test and the MTP test from row 54 (the first verify row) on: the indexer ignoring the tree mask (a row may select the
+draft after it) 0.89 and 1.12 off, its top-k one short 0.84 and 1.08, a verify's first row not written (its slot
+keeps a freed slot's old row, as a rejected draft's) 1.37 and 1.4.
 """
 import concurrent.futures as cf
 import os

@@ -291,9 +291,10 @@ dsa_spec_verify
             forward_native raises); not reported upstream.
   removal:  with dsa_torch_native and spec_verify_torch_native (when SGLang's torch_native backend verifies DSA);
             tests/e2e/test_model_family.py's "v32-tp2" server (V3.2 with its MTP draft) does not start without it,
-            and its rows fail the judge with a verify row whose indexer sees past its own position, a top-k one
-            short, or a rejected draft's row kept; tests/unit/test_dsa_spec_verify.py checks each draft row's
-            selection and attention against plain torch, trees included.
+            and its rows fail the judge from the first verify row on (0.84 to 1.4 off) with the verify's indexer
+            ignoring the tree mask, its top-k one short, or a verify's first row left unwritten (its slot keeping a
+            freed slot's old row); tests/unit/test_dsa_spec_verify.py checks each draft row's selection and
+            attention against plain torch, trees included.
 
 eagle_cpu_draft
   why:      EAGLE/NEXTN drafts (DeepSeek's MTP layer) on the CPU engine: the draft takes the target's
