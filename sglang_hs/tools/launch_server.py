@@ -498,19 +498,40 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
     return found or layer_source.describe_default(False)
 
 
+def dsa_speculative_served(sg_argv: List[str], algorithm: str, model_path: str) -> bool:
+    """Whether a DSA model (DeepSeek-V3.2) is served with capture under this speculative setting: its MTP draft
+    (EAGLE / NEXTN, no other draft model) proposing one token per verify (num steps 1, top-k 1, 2 draft tokens),
+    the chain the CPU engine's verify (patches/dsa_spec_verify.py) and draft extend attend sparsely; its
+    multi-step draft decode and trees have no CPU path (SGLang's GPU DSA verify attends a tree causally by
+    position, not by the tree). Each flag spelled out, so SGLang's defaults never pick another setting."""
+    def value(flag):
+        return _flag_value(sg_argv, flag)
+
+    return (algorithm.upper() in ("EAGLE", "NEXTN") and value("--speculative-draft-model-path") in (None, model_path)
+            and value("--speculative-num-steps") == "1" and value("--speculative-eagle-topk") == "1"
+            and value("--speculative-num-draft-tokens") == "2")
+
+
 # DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, one token
 # per step, num_steps + 1 draft tokens per verify pass) on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py)
 V4_SPECULATIVE = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
 
-def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool) -> str:
+def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool, model_path: str) -> str:
     """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
-    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm), DeepSeek-V4 with EAGLE/NEXTN (its MTP
-    layer) drafting a chain (V4_SPECULATIVE given: N steps, top-k 1, N + 1 draft tokens) on the CPU engine; V3.2 and
-    the rest of V4's not."""
-    if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
+    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm), DeepSeek-V3.2 with its MTP draft as one
+    chain step (dsa_speculative_served), DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain
+    (V4_SPECULATIVE given: N steps, top-k 1, N + 1 draft tokens) on the CPU engine on one rank; the rest not."""
+    if arch in DSA_ARCHITECTURES:
+        if dsa_speculative_served(sg_argv, algorithm, model_path):
+            return ""
+        return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding with DSA's sparse "
+                "attention is served for the model's MTP draft as one chain step only (--speculative-algorithm EAGLE or "
+                "NEXTN with --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2; "
+                "docs/serving.md#speculative-decoding); serve it so, without a draft, or without --hs-dump-dir")
+    if arch not in HC_ARCHITECTURES:
         return ""
-    if arch in HC_ARCHITECTURES and cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
+    if cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
         steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
         ranks = [_flag_value(sg_argv, *flags) or "1" for flags in (("--tp-size", "--tp", "--tensor-parallel-size"),
                                                                    ("--dp-size", "--dp", "--data-parallel-size"))]
@@ -541,7 +562,7 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
     if arch in TEXT_CONFIG_WRAPPERS:  # Kimi-K2.5: its language model's config
         config = config["text_config"]
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
-    refusal = algorithm and speculative_refusal(arch, algorithm, sg_argv, cpu)
+    refusal = algorithm and speculative_refusal(arch, algorithm, sg_argv, cpu, model_path)
     if refusal:  # before a draft's config is read for its layers
         raise CaptureConfigError(refusal)
     source = layers_source(ns, sg_argv, model_path, raw_config, config)

@@ -55,6 +55,10 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
   propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
   output repeats a token. HF transformers ignores the layer: the target's reference is the V3 model's.
+- "v32-mtp": the "v32" checkpoint (the same weights: the same generator and seed) plus DeepSeek-V3.2's MTP layer,
+  built as v3-mtp's, with its own DSA indexer (as V3.2's released layer 61 has; SGLang's DeepseekV3ForCausalLMNextN
+  builds one for a config with index_topk and runs it in the draft's passes). HF transformers' DeepseekV32ForCausalLM
+  ignores the layer: the target's reference is the v32 model's.
 - "v3-long": the V3 shape and weights' generator with YaRN factor 64 (max_position_embeddings 65536): SGLang's
   rotary cache ends at original length x factor, 4096 positions for the shipped config; served with long
   prompts (tests/e2e/test_long_context.py).
@@ -183,6 +187,10 @@ def _v3_mtp(cfg: dict) -> dict:
     return dict(cfg, num_nextn_predict_layers=1)
 
 
+def _v32_mtp(cfg: dict) -> dict:
+    return dict(_v32(cfg), num_nextn_predict_layers=1)
+
+
 LONG_CONTEXT = 65536  # "v3-long": positions SGLang's rotary cache holds (original length x YaRN factor)
 
 
@@ -230,9 +238,9 @@ def _v4_csa(cfg: dict) -> dict:
 
 
 VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mistral_config, "kimi-k25": _kimi_k25,
-            "v32": _v32, "v3-mtp": _v3_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa, "v4-csa": _v4_csa,
-            "v4-mtp": lambda cfg: dict(_v4_csa(cfg), num_nextn_predict_layers=1)}
-MTP = ("v3-mtp",)  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
+            "v32": _v32, "v3-mtp": _v3_mtp, "v32-mtp": _v32_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa,
+            "v4-csa": _v4_csa, "v4-mtp": lambda cfg: dict(_v4_csa(cfg), num_nextn_predict_layers=1)}
+MTP = ("v3-mtp", "v32-mtp")  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
 V4_MTP = {"v4-mtp": "v4-csa"}  # a V4 checkpoint with an MTP layer: the base variant's files plus _add_v4_mtp_layer
@@ -618,7 +626,9 @@ def _add_mtp_layer(out: str, cfg) -> None:
     from safetensors.torch import load_file, save_file
 
     n = cfg.num_hidden_layers
-    deeper = transformers.DeepseekV3Config.from_dict(dict(cfg.to_dict(), num_hidden_layers=n + 1))
+    # V3.2's config class for "v32-mtp": its layer's indexer too; per-layer type lists derived again for n + 1
+    deeper = type(cfg).from_dict({k: v for k, v in dict(cfg.to_dict(), num_hidden_layers=n + 1).items()
+                                  if k not in ("layer_types", "mlp_layer_types")})
     torch.manual_seed(SEED + 3)
     donor = transformers.AutoModelForCausalLM.from_config(deeper, dtype=torch.float32)
     tmp = tempfile.mkdtemp(prefix=".mtp-", dir=out)

@@ -28,6 +28,11 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   without requests runs IDLE batches padded to the other's; chunks of CHUNK per group; the radix test routed to
   group 0 with `routed_dp_rank`, each group having its own cache; both groups write), every test against the same HF
   float32 rows. What no V3.2 server here runs: a single rank's MoE without all-reduce (the V3 servers' path).
+  "v32-tp2" also decodes speculatively with the checkpoint's MTP layer as the draft ("v32-mtp": v32's weights plus
+  an MTP layer with its own indexer, built like v3-mtp's to propose the last token again; SPEC_MTP: EAGLE, one step,
+  top-1, 2 verify tokens), so its chunked-prefill, radix and concurrency tests judge rows of verify passes
+  (sglang_hs/server/patches/dsa_spec_verify.py: each verify row's index top-k and sparse attention among the keys
+  before it), and test_mtp_drafts_accepted_and_rejected checks SGLang's draft counts against the records'.
 
 See sglang_hs/tools/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module
 scope, one at a time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
@@ -42,8 +47,14 @@ every row (0.78 off), and with the tolerance loosened to 10 the neighbour rule s
 V3.2: worst row 1.2e-06 (v32-dp2 1.14e-06); with the patch's top-k planted one short (10 keys) the chunked-prefill
 test fails from row 10 on (0.23 off), with dense attention planted (the indexer's selection ignored) from row 11 on
 (0.70 off): the first rows with more keys than selected (measured on the TP 1 server this module had before v32-dp2;
-the top-k plant again on v32-dp2: from row 10 on, up to 1.08 off).
+the top-k plant again on v32-dp2: from row 10 on, up to 1.08 off). Under the MTP draft ("v32-tp2"): worst row
+1.22e-06; 18 drafts accepted and 57 rejected in the three judged requests, exactly where the greedy output repeats;
+the server starts in 102-132 s (up to 246 s on a loaded machine). Planted in the verify path, each fails the chunked-prefill
+test and the MTP test from row 54 (the first verify row) on: the indexer ignoring the tree mask (a row may select the
+draft after it) 0.89 and 1.12 off, its top-k one short 0.84 and 1.08, a verify's first row not written (its slot
+keeps a freed slot's old row, as a rejected draft's) 1.37 and 1.4.
 """
+import concurrent.futures as cf
 import os
 import time
 
@@ -58,6 +69,9 @@ from sglang_hs.tools import tiny_model
 pytestmark = pytest.mark.e2e
 LAYERS = [1, 2, 5, 7]
 GREEDY = {"temperature": 0}
+# DeepSeek-V3.2's MTP draft as the CPU engine serves it with DSA: one step, top-1, verified with the last token
+SPEC_MTP = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "2"]
 FAMILIES = {
     "v2": [],
     # Kimi-K2's 131072-token context would need a 1.3 GiB ring for one float32 record: cap it. Served on
@@ -72,12 +86,17 @@ FAMILIES = {
     # DeepSeek-V3.2: SGLang's DSA on the CPU engine through the dsa_torch_native patch (torch_native, token pages),
     # on two ranks (--tp 2: attention heads and experts split over both, each rank's indexer over its own copy of
     # the indexer weights), judged by the same tests against the same HF rows.
-    "v32-tp2": ["--tp", "2"],
+    # It decodes speculatively with its MTP layer as the draft (DeepSeek-V3.2's production setting, one chain step:
+    # SPEC_MTP; patches/dsa_spec_verify.py), so each of its tests runs under verify passes: every decode row a verify
+    # row, drafts accepted and rejected (test_mtp_drafts_accepted_and_rejected).
+    "v32-tp2": ["--tp", "2", *SPEC_MTP],
     # ... and under DP attention: two groups of attention TP 1 (every head, the whole indexer on its rank: the TP 1
     # attention path), the experts over both ranks; each group its own radix cache and writer.
     "v32-dp2": ["--tp", "2", "--dp", "2", "--enable-dp-attention"],
 }
 CHECKPOINT_OF = {"v32-tp2": "v32", "v32-dp2": "v32"}  # a configuration of another family's checkpoint: its tests and HF reference
+# ... served from this checkpoint of it: "v32-mtp" is "v32" (the same target weights) plus the MTP layer
+SERVED_FROM = {"v32-tp2": "v32-mtp"}
 BF16_SERVED = {"mistral-large-3"}  # see judge_bf16
 LONG = ("Speculative decoding makes generation faster without changing its result. A small draft model "
         "proposes several tokens ahead, the large target model checks all of them in one forward pass, and "
@@ -88,14 +107,14 @@ LONG = ("Speculative decoding makes generation faster without changing its resul
 def family(request, tmp_path_factory):
     """(variant, server, reader, hf) for one shape: its float32 capturing server and its HF reference."""
     config, variant = request.param, CHECKPOINT_OF.get(request.param, request.param)
-    ckpt = tiny_model.ensure(variant)
-    hf = _hf_reference(ckpt, variant)
+    hf = _hf_reference(tiny_model.ensure(variant), variant)
+    ckpt = tiny_model.ensure(SERVED_FROM.get(config, variant))
     t0 = time.monotonic()
     gen = _serve(tmp_path_factory.mktemp(f"hs-{config}") / "dump",
                  ["--model-path", ckpt, *FAMILIES[config], "--dtype", "float32", "--hs-last", "both",
                   "--hs-layers", ",".join(map(str, LAYERS)), "--chunked-prefill-size", str(CHUNK * _dp(config))])
     server = next(gen)
-    server.parallel = FAMILIES[config]
+    server.parallel, server.config = FAMILIES[config], config
     print(f"{config}: server ready in {time.monotonic() - t0:.1f}s")
     reader = HiddenStateReader(str(server.dump))
     try:
@@ -265,7 +284,9 @@ def test_radix_repeat_and_shared_prefix(family):
     for rid, ids in ((f"{variant}-a", a), (f"{variant}-b", b), (f"{variant}-a-again", a)):
         outs[rid] = (ids, server.generate(input_ids=ids, rid=rid, sampling_params=sp, **route))
     assert outs[f"{variant}-b"][1]["meta_info"]["cached_tokens"] >= 30
-    assert outs[f"{variant}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1
+    # all but the last prompt token cached (a speculative server's EAGLE computes one more, for its draft's extend)
+    spec = "--speculative-algorithm" in server.parallel
+    assert outs[f"{variant}-a-again"][1]["meta_info"]["cached_tokens"] >= len(a) - 1 - spec
     worst = 0.0
     for rid, (ids, out) in outs.items():
         rec = reader.take(rid, timeout=60)
@@ -305,3 +326,49 @@ def test_concurrent_requests_of_mixed_lengths(family):
     worst = row_judge.concurrent_records(server, reader, hf, [LONG, *row_judge.MIXED_TEXTS], f"{variant}-conc", 8,
                                          lambda i: 5 + (i * 13) % 50, lambda i: 1 + i % 4, judge)
     print(f"{variant}: 8 concurrent records, worst {worst:.2e}")
+
+
+# Prompts whose tiny V3.2's greedy continuations (32 tokens, HF) repeat a token 12 and 22 times (where the MTP
+# draft, proposing the last token again, is accepted) and change it otherwise (rejected); all longer than index_topk.
+# Not "0 0 0 ...": HF's own rows of two of its repeated tokens are 2.6e-7 apart, which the neighbour rule cannot
+# tell. Not "ok ok ok ok ok ok ok" nor "zzzz zzzz zzzz zzzz": their rows from the 37th/40th on are off HF (up to 0.49),
+# on a server without a draft too (a dsa_torch_native discrepancy of its own, not the verify's)
+SPEC_TEXTS = (LONG, "x x x x x x x x", "a a a a a a a a a a a a")
+
+
+def test_mtp_drafts_accepted_and_rejected(family):
+    """V3.2 with its MTP draft ("v32-tp2", SPEC_MTP): three requests at once, 32 greedy tokens each, every row exact
+    (each decode row came from a verify pass over the last token and one draft, with the indexer's selection and the
+    sparse attention per draft row). SGLang's own counters (meta_info): verify passes in each request, drafts accepted
+    exactly where the output repeats its last token (tiny_model._add_mtp_layer), and rejected; each record's
+    accepted drafts per verify step are SGLang's; both ranks ran the verify passes."""
+    variant, server, reader, hf = family
+    if "--speculative-algorithm" not in server.parallel:
+        pytest.skip("served without a draft")
+    from helpers import settled
+    from spec_counts import check_steps, repeat_draft_accepts
+
+    before = settled(server)
+    jobs = [(f"{server.config}-mtp-{i}", row_judge.prompt_ids(hf, text)) for i, text in enumerate(SPEC_TEXTS)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+            "max_new_tokens": 32, **GREEDY}), jobs))
+    worst, accepted_all, rejected_all = 0.0, 0, 0
+    for (rid, ids), out in zip(jobs, outs):
+        meta = out["meta_info"]
+        verifies, accepted, proposed = meta["spec_verify_ct"], meta["spec_num_correct_drafts"], \
+            meta["spec_num_proposed_drafts"]
+        least, most = repeat_draft_accepts(out["output_ids"], 1)
+        print(f"{rid}: {verifies} verify passes, {accepted} of {proposed} drafts accepted (accept length "
+              f"{meta['spec_accept_length']:.2f}; the repeat rule {least}..{most})")
+        assert verifies > 0 and least <= accepted <= most, (rid, out["output_ids"], meta)
+        accepted_all, rejected_all = accepted_all + accepted, rejected_all + proposed - accepted
+        rec = reader.take(rid, timeout=60)
+        check_steps(rec, meta)
+        worst = max(worst, judge(rec, hf, (ids + out["output_ids"])[:-1]))
+    print(f"{server.config}: worst row {worst:.3g}, {accepted_all} drafts accepted, {rejected_all} rejected")
+    assert accepted_all > 0 and rejected_all > 0
+    after = settled(server)
+    verify = [{pid: f["forwards"].get("TARGET_VERIFY", 0) for pid, f in zip(st["pids"], st["files"])}
+              for st in (before, after)]
+    assert len(verify[1]) == 2 and all(n > verify[0].get(pid, 0) for pid, n in verify[1].items()), verify

@@ -54,6 +54,7 @@ import row_judge
 from conftest import (HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_DRAFT,
                       SPEC_SAMPLE)
 from helpers import drain_outcomes, metrics_of, settled, status_when
+from spec_counts import check_steps as _check_steps, repeat_draft_accepts as _repeat_draft_accepts
 from sglang_hs import HiddenStateReader, NotCaptured
 from sglang_hs.server.store.admission import sample_point
 
@@ -120,32 +121,6 @@ def _acceptance(meta):
     verify pass), drafts accepted and proposed, and the histogram of verify passes by drafts accepted."""
     return (*_drafts(meta), meta["spec_accept_length"], meta["completion_tokens"],
             meta.get("spec_correct_drafts_histogram"))
-
-
-def _check_steps(rec, meta):
-    """The record's drafts accepted at each verify step are SGLang's for that request: as many steps as its verify
-    passes, their sum its accepted drafts, their histogram its spec_correct_drafts_histogram."""
-    steps = rec.meta["speculative"]["accepted_drafts"]
-    histogram = [steps.count(k) for k in range(max(steps) + 1)] if steps else None
-    assert (len(steps), sum(steps), histogram, rec.meta["speculative"]["verify_steps"]) == (
-        meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta.get("spec_correct_drafts_histogram"),
-        meta["spec_verify_ct"]), (rec.rid, steps, meta)
-
-
-def _repeat_draft_accepts(output_ids, steps):
-    """(least, most) drafts a chain of `steps` drafts that each propose the last token again gets accepted, for
-    this greedy output: each verify after the prefill's token accepts as many drafts as the next tokens repeat
-    the last (at most `steps`), and emits them and one token more. Exact (least == most) unless the output ends
-    inside the last verify's run: SGLang counts the drafts that verify accepted past max_new_tokens too."""
-    i, accepted, run = 0, 0, 0
-    while i + 1 < len(output_ids):
-        run = 0
-        while run < steps and i + run + 1 < len(output_ids) and output_ids[i + run + 1] == output_ids[i]:
-            run += 1
-        accepted += run
-        i += run + 1
-    open_end = i == len(output_ids) and run < steps  # the last run reached the end before `steps`
-    return accepted, accepted + (steps - run if open_end else 0)
 
 
 def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):

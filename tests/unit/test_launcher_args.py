@@ -525,12 +525,11 @@ def test_prepare_serves_sliding_and_hca_deepseek_v4_on_the_cpu_engine(tmp_path, 
     assert os.environ["SGLANG_HS_CPU_MODE"] == "1" and os.environ["SGLANG_HS_LAYERS"] == "1,3"
 
 
-@pytest.mark.parametrize("arch, extra", [("DeepseekV4ForCausalLM", {"hc_mult": 4, "index_topk": 8}),
-                                         ("DeepseekV32ForCausalLM", {"index_topk": 8})])
-def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(tmp_path, clean_env, arch, extra):
-    """Speculative capture is proven on the V2/V3 family's MLA pools (tests/e2e/test_speculative.py); V4's
-    compressed pools and V3.2's sparse verify are not, so the pair is refused before any model loads."""
-    model = _model_dir(tmp_path, arch=arch, **extra)
+def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(tmp_path, clean_env):
+    """Speculative capture is proven on the V2/V3 family's MLA pools (tests/e2e/test_speculative.py) and V3.2's MTP
+    chain; V4's compressed pools are not, so the pair is refused before any model loads."""
+    arch = "DeepseekV4ForCausalLM"
+    model = _model_dir(tmp_path, arch=arch, hc_mult=4, index_topk=8)
     with pytest.raises(CaptureConfigError, match=rf"^--speculative-algorithm NGRAM with {arch}: capture under "
                                                  r"speculative decoding is proven for DeepSeek-V2/V3") as e:
         launch_server.prepare(["--model-path", model, "--device", "cuda", "--hs-dump-dir", str(tmp_path / "hs"),
@@ -545,23 +544,55 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
     chain = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
     arch = "DeepseekV4ForCausalLM"
     for algorithm in ("EAGLE", "NEXTN"):
-        assert launch_server.speculative_refusal(arch, algorithm, chain, cpu=True) == ""
-    assert launch_server.speculative_refusal("DeepseekV3ForCausalLM", "NGRAM", [], cpu=True) == ""
+        assert launch_server.speculative_refusal(arch, algorithm, chain, cpu=True, model_path="/m") == ""
+    assert launch_server.speculative_refusal("DeepseekV3ForCausalLM", "NGRAM", [], cpu=True, model_path="/m") == ""
     longer = chain[:1] + ["3"] + chain[2:5] + ["4"]  # DeepSeek's production MTP setting: a chain of 3
-    assert launch_server.speculative_refusal(arch, "EAGLE", longer, cpu=True) == ""
+    assert launch_server.speculative_refusal(arch, "EAGLE", longer, cpu=True, model_path="/m") == ""
     for ranks in (["--tp", "2"], ["--dp-size", "2", "--enable-dp-attention"]):
-        line = launch_server.speculative_refusal(arch, "EAGLE", chain + ranks, cpu=True)
+        line = launch_server.speculative_refusal(arch, "EAGLE", chain + ranks, cpu=True, model_path="/m")
         assert "served on one rank only" in line and "\n" not in line, line
     for argv in (chain[2:], chain[:3] + ["2"] + chain[4:], longer[:5] + ["3"], chain[:1] + ["0"] + chain[2:5] + ["1"]):
-        line = launch_server.speculative_refusal(arch, "EAGLE", argv, cpu=True)
+        line = launch_server.speculative_refusal(arch, "EAGLE", argv, cpu=True, model_path="/m")
         assert line.startswith("--speculative-algorithm EAGLE with DeepseekV4ForCausalLM: capture is served with its "
                                "MTP draft drafting a chain only") and "\n" not in line, line
     for algorithm, cpu in (("EAGLE", False), ("NGRAM", True), ("DSPARK", True), ("EAGLE3", True)):
-        line = launch_server.speculative_refusal(arch, algorithm, chain, cpu=cpu)
+        line = launch_server.speculative_refusal(arch, algorithm, chain, cpu=cpu, model_path="/m")
         assert line.startswith(f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding "
                                "is proven for") and "\n" not in line, line
         assert ("not yet checked on a GPU" in line) == (not cpu)
-    assert "DeepSeek-V4 with EAGLE" in launch_server.speculative_refusal("DeepseekV32ForCausalLM", "EAGLE", chain, True)
+    v32 = "DeepseekV32ForCausalLM"  # V3.2: its MTP draft as one chain step (dsa_speculative_served), not V4's rule
+    assert launch_server.speculative_refusal(v32, "EAGLE", chain, True, "/m") == ""
+    assert "one chain step only" in launch_server.speculative_refusal(v32, "EAGLE", longer, True, "/m")
+
+
+MTP_ONE_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+
+
+@pytest.mark.parametrize("spec", [
+    ["--speculative-algorithm", "NGRAM"],
+    ["--speculative-algorithm", "EAGLE3", *MTP_ONE_STEP],
+    ["--speculative-algorithm", "EAGLE"],  # SGLang's defaults would pick the steps
+    ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+     "--speculative-num-draft-tokens", "4"],  # multi-step drafts: no CPU path for a DSA draft's decode
+    ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "2",
+     "--speculative-num-draft-tokens", "3"],  # a tree: SGLang's GPU DSA verify attends it causally by row
+    ["--speculative-algorithm", "EAGLE", *MTP_ONE_STEP, "--speculative-draft-model-path", "/elsewhere"],
+])
+def test_prepare_serves_v32_speculative_capture_for_its_mtp_chain_only(tmp_path, clean_env, spec):
+    """DeepSeek-V3.2 (DSA) under speculative decoding: its MTP draft, one chain step (patches/dsa_spec_verify.py,
+    tests/e2e/test_model_family.py "v32-tp2"); every other setting is refused in one line before any model loads."""
+    arch = "DeepseekV32ForCausalLM"
+    model = _model_dir(tmp_path, arch=arch, index_topk=8)
+    with pytest.raises(CaptureConfigError, match=rf"^--speculative-algorithm {spec[1]} with {arch}: capture under "
+                                                 r"speculative decoding with DSA's sparse attention is served for the "
+                                                 r"model's MTP draft as one chain step only") as e:
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
+                               *spec])
+    assert "\n" not in str(e.value)
+    for algorithm, draft in (("EAGLE", []), ("NEXTN", ["--speculative-draft-model-path", model])):
+        launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / algorithm),
+                               "--hs-ring-size", "64MiB", "--speculative-algorithm", algorithm, *MTP_ONE_STEP,
+                               *draft])
 
 
 @pytest.mark.parametrize("streams, rows", [(None, 3), ("full", 9)])

@@ -152,6 +152,7 @@ def test_every_norm_weight_is_drawn_not_one(variant):
                if k.startswith(f"model.layers.{layers}.")}
         assert all((mtp.pop(k) == 1).all() for k in ("hnorm.weight", "shared_head.norm.weight")), sorted(mtp)
         assert sorted(mtp) == ["enorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                               *(["self_attn.indexer.k_norm.weight"] if variant == "v32-mtp" else []),
                                "self_attn.kv_a_layernorm.weight", "self_attn.q_a_layernorm.weight"]
         norms.update({f"mtp.{k}": w for k, w in mtp.items()})  # checked below with the others
     if variant in tiny_model.V4_MTP:  # the MTP layer: hnorm ones by design, its final norm the target's, the rest drawn
@@ -162,12 +163,12 @@ def test_every_norm_weight_is_drawn_not_one(variant):
         norms.update({f"mtp.{k}": w for k, w in mtp.items()})  # checked below with the others
     # per layer: input, post-attention, query LoRA (none in V2) and kv LoRA norms (V3.2: and its DSA
     # indexer's key norm); and the final norm
-    per_layer = {"v2": 3, "v32": 5}.get(variant, 4)
+    per_layer = {"v2": 3, "v32": 5, "v32-mtp": 5}.get(variant, 4)
     # DeepSeek-V4: a compressed layer's compressor has a norm, and a ratio-4 layer's indexer its own compressor's
     config = os.path.join(ckpt, "config.json")  # Mistral's native checkpoint has params.json instead
     ratios = json.load(open(config)).get("compress_ratios") or [] if os.path.exists(config) else []
     compressors = sum(1 for r in ratios if r) + sum(1 for r in ratios if r == 4)
-    mtp_norms = 5 if variant in tiny_model.MTP or variant in tiny_model.V4_MTP else 0
+    mtp_norms = 6 if variant == "v32-mtp" else 5 if variant in tiny_model.MTP or variant in tiny_model.V4_MTP else 0
     assert len(norms) == layers * per_layer + 1 + mtp_norms + compressors, sorted(norms)
     final = norms["norm.weight" if variant in tiny_model.MISTRAL_NATIVE else
                   "language_model.model.norm.weight" if variant in tiny_model.WRAPPED else "model.norm.weight"]

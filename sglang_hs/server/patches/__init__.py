@@ -57,6 +57,10 @@ Ledger (what / why / upstream status / removal plan):
 | spec_verify_torch_| wraps TorchNativeAttnBackend.forward_extend: | CPU mode only    |
 | native            | a TARGET_VERIFY batch attends over each      |                  |
 |                   | request's prefix and its draft tree          |                  |
+| dsa_spec_verify   | wraps dsa_torch_native's Indexer.forward_    | CPU mode only    |
+|                   | native and TorchNativeAttnBackend.forward_   |                  |
+|                   | extend: in TARGET_VERIFY each draft row's    |                  |
+|                   | top-k and sparse attention within its tree   |                  |
 | eagle_cpu_draft   | DeepseekV2ForCausalLM.set_embed_and_head     | CPU mode only    |
 |                   | without CUDA calls on a CPU device; a        |                  |
 |                   | torch_native draft-extend backend and a      |                  |
@@ -293,6 +297,28 @@ spec_verify_torch_native
   removal:  when TorchNativeAttnBackend verifies trees itself; test_speculative's server fails its
             warm-up without it.
 
+dsa_spec_verify
+  why:      DeepSeek-V3.2 is served with its MTP layer as the draft (EAGLE/NEXTN); every decode step is then a verify
+            pass over draft_token_num rows per request, which carries no extend lengths, so dsa_torch_native's
+            indexer has no request list for it and spec_verify_torch_native refuses its `topk_indices`
+            (NotImplementedError at the warm-up). In TARGET_VERIFY the indexer stores each row's index key at its slot
+            and each draft row selects its index_topk keys among req_to_token[req, :seq_len + n] that the tree mask
+            (spec_info.custom_mask, both layouts) lets it see, and the attention reads only those, within the same
+            mask (dsa_torch_native's indexer and sparse attention, handed the verify's spans). SGLang's GPU DSA backend
+            gives verify row j seq_len + j + 1 keys (dsa_backend.py init_forward_metadata, seqlens_expanded), which
+            is the tree mask for a chain; trees are refused at launch (tools/launch_server.py
+            dsa_speculative_served), as are multi-step drafts (their DSA decode steps: eagle_cpu_draft). The
+            one-step draft's own indexer (V3.2's MTP layer has one; SGLang's DeepseekV3ForCausalLMNextN runs it, no
+            index_share_for_mtp_iteration for V3.2) runs in its draft-extend pass, an extend dsa_torch_native serves.
+  upstream: present in sglang 0.5.23 (torch_native_backend.py: no verify branch, no topk_indices; dsa_indexer.py
+            forward_native raises); not reported upstream.
+  removal:  with dsa_torch_native and spec_verify_torch_native (when SGLang's torch_native backend verifies DSA);
+            tests/e2e/test_model_family.py's "v32-tp2" server (V3.2 with its MTP draft) does not start without it,
+            and its rows fail the judge from the first verify row on (0.84 to 1.4 off) with the verify's indexer
+            ignoring the tree mask, its top-k one short, or a verify's first row left unwritten (its slot keeping a
+            freed slot's old row); tests/unit/test_dsa_spec_verify.py checks each draft row's selection and
+            attention against plain torch, trees included.
+
 eagle_cpu_draft
   why:      EAGLE/NEXTN drafts (DeepSeek's MTP layer) on the CPU engine: the draft takes the target's
             embedding and LM head through set_embed_and_head, which ends with torch.cuda.empty_cache() and
@@ -453,10 +479,11 @@ _applied: dict = {}
 
 
 # The CPU engine's patches, in the order they are applied: spec_verify_torch_native wraps
-# TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first.
+# TorchNativeAttnBackend.forward_extend after dsa_torch_native has, so a verify batch meets it first; dsa_spec_verify
+# wraps both (the indexer and forward_extend) after them, so a DSA verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplace_all_reduce", "torch_native_cpu_pad",
                "torch_native_extend", "moe_native_ep", "dsa_torch_native", "spec_verify_torch_native",
-               "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe")
+               "dsa_spec_verify", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe")
 
 
 def apply() -> dict:

@@ -73,7 +73,20 @@ def _causal(prefix: int, n: int, length: int, device) -> torch.Tensor:
     return torch.arange(length, device=device).unsqueeze(0) <= q_pos
 
 
-def indexer_forward_native(self, x, q_lora, positions, forward_batch, layer_id, return_indices=True, **_):
+def _causal_spans(forward_batch):
+    """Per request: (request pool index, keys, query rows, visible(length) -> [rows, length] bool): causal."""
+    start, spans = 0, []
+    for req, prefix, n in _requests(forward_batch):
+        spans.append((req, prefix + n, slice(start, start + n),
+                      lambda length, prefix=prefix, n=n: _causal(prefix, n, length, None)))
+        start += n
+    return spans
+
+
+def indexer_forward_native(self, x, q_lora, positions, forward_batch, layer_id, return_indices=True, spans=None,
+                           **_):
+    """`spans` (default: each request's new tokens, causal) says which keys each query row may select among:
+    a speculative verify's draft tree (sglang_hs/server/patches/dsa_spec_verify.py) passes its own."""
     from sglang.srt.layers.layernorm import LayerNorm
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
@@ -94,45 +107,45 @@ def indexer_forward_native(self, x, q_lora, positions, forward_batch, layer_id, 
     store = _index_k_store(get_token_to_kv_pool(), layer_id, D, x)
     store[forward_batch.out_cache_loc] = k
     req_to_token = get_req_to_token_pool().req_to_token
-    start = 0
-    for req, prefix, n in _requests(forward_batch):
-        length = prefix + n
+    for req, length, rows, visible in (_causal_spans(forward_batch) if spans is None else spans):
         keys = store[req_to_token[req, :length].long()]  # [length, D]
-        rows = slice(start, start + n)
         scores = F.relu(torch.matmul(q[rows], keys.T) * self.softmax_scale)  # [n, H, length]
         index = torch.matmul(weights[rows].unsqueeze(-2), scores).squeeze(-2)  # [n, length]
-        index = index.masked_fill(~_causal(prefix, n, length, x.device), float("-inf"))
+        index = index.masked_fill(~visible(length).to(x.device), float("-inf"))
         top = index.topk(min(self.index_topk, length), dim=-1)
         out[rows, : top.indices.shape[1]] = torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
-        start += n
     return out if return_indices else None
 
 
-def _sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, topk_indices):
-    """MLA (absorbed) attention of each query over its request's selected keys (and causal)."""
+def selected(sel: torch.Tensor, length: int) -> torch.Tensor:
+    """[rows, length] bool: the keys of `sel` ([rows, index_topk] positions, -1 for none) chosen per row."""
+    sel = sel.long()
+    chosen = torch.zeros((sel.shape[0], length + 1), dtype=torch.bool, device=sel.device)  # last column: the -1s
+    chosen.scatter_(1, torch.where(sel < 0, length, sel), True)
+    return chosen[:, :length]
+
+
+def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, topk_indices, spans=None):
+    """MLA (absorbed) attention of each query over its request's selected keys, among those `spans` lets it see
+    (default: causal over its request's new tokens; a verify's draft tree passes its own)."""
     from sglang_hs.server.ops.masked_attention import masked_attention
 
-    def spans():
-        start = 0
-        for req, prefix, n in _requests(forward_batch):
-            sel = topk_indices[start:start + n].long()
+    def masked():
+        for req, length, rows, visible in (_causal_spans(forward_batch) if spans is None else spans):
+            def mask(length, rows=rows, visible=visible):
+                sel = topk_indices[rows]
+                return selected(sel, length) & visible(length).to(sel.device)
 
-            def mask(length, sel=sel, prefix=prefix, n=n):
-                chosen = torch.zeros((n, length + 1), dtype=torch.bool, device=sel.device)  # last column: the -1s
-                chosen.scatter_(1, torch.where(sel < 0, length, sel), True)
-                return chosen[:, :length] & _causal(prefix, n, length, sel.device)
+            yield req, length, rows, mask
 
-            yield req, prefix + n, slice(start, start + n), mask
-            start += n
-
-    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, spans())
+    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, masked())
 
 
 def _with_topk(original):
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, topk_indices=None, **kwargs):
         if topk_indices is None:
             return original(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        return _sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, topk_indices)
+        return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, topk_indices)
 
     forward.__wrapped__ = original
     return forward

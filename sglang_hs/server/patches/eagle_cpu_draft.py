@@ -83,7 +83,7 @@ def _step_backend_class():
             extra = sorted(name for name, value in kwargs.items() if value is not None)
             if "topk_indices" in extra:
                 raise NotImplementedError("sglang-hs: a multi-step EAGLE draft with DSA's sparse attention "
-                                          "(DeepSeek-V3.2) has no CPU path yet")
+                                          "(DeepSeek-V3.2) has no CPU path yet (--speculative-num-steps 1 has)")
             if extra:  # upstream's torch_native forward_decode takes none: refuse what this one would ignore
                 raise NotImplementedError(f"sglang-hs eagle_cpu_draft: a draft decode step with {', '.join(extra)} "
                                           "has no CPU path")

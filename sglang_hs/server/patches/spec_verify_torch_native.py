@@ -59,7 +59,7 @@ def _with_verify(original):
             return original(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if kwargs.get("topk_indices") is not None:
             raise NotImplementedError("sglang-hs: speculative verify with DSA's sparse attention (DeepSeek-V3.2) "
-                                      "has no CPU path yet")
+                                      "has no CPU path without the dsa_spec_verify patch")
         return verify_attention(self, q, k, v, layer, forward_batch, save_kv_cache)
 
     forward_extend.__wrapped__ = original
