@@ -162,36 +162,52 @@ def metrics(url: str, prefix: str = "sglang_hs:", by: tuple = ()) -> Dict:
     """SGLang's /metrics of the server at `url`: each sample whose name starts with `prefix` (counters keep
     their `_total`), summed over its labels but those named in `by` (then the key is (name, *their
     values)), read by prometheus_client's own text parser."""
+    return _summed(_scrape(url), prefix, by)
+
+
+def _scrape(url: str) -> list:
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
     r = requests.get(f"{url.rstrip('/')}/metrics", timeout=60)
     r.raise_for_status()
+    return [sample for family in text_string_to_metric_families(r.text) for sample in family.samples]
+
+
+def _summed(samples: list, prefix: str, by: tuple) -> Dict:
     out: Dict = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name.startswith(prefix) and not sample.name.endswith("_created"):
-                key = (sample.name, *(sample.labels.get(k) for k in by)) if by else sample.name
-                out[key] = out.get(key, 0.0) + sample.value
+    for sample in samples:
+        if sample.name.startswith(prefix) and not sample.name.endswith("_created"):
+            key = (sample.name, *(sample.labels.get(k) for k in by)) if by else sample.name
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
 def metrics_after(url: str, snap: dict, timeout: float = 60.0, by: tuple = ()) -> Dict:
     """metrics(url, by=by) once /metrics shows the figures of snapshot `snap` (a status file's, or an
-    aggregated one of a single writer) or later ones: the counters' and the gauges' seq
-    (`sglang_hs:status_seq_total`, `sglang_hs:status_gauges_seq`) both >= the writer's seq in `snap`."""
+    aggregated one) or later ones: for each writer in it (one per DP-attention group), the counters' and the
+    gauges' seq of its `writer` label (`sglang_hs:status_seq_total`, `sglang_hs:status_gauges_seq`) both >=
+    that writer's seq in `snap`, in one read of /metrics."""
     writers = [s for s in snap.get("files", [snap]) if "writer" in s]
-    if len(writers) != 1:
-        raise ValueError(f"sglang-hs: metrics_after takes the snapshot of one writer, not {len(writers)}")
-    want = writers[0]["seq"]
+    want = {str(s.get("writer_id", 0)): s["seq"] for s in writers}
+    if not writers or len(want) != len(writers):
+        raise ValueError(f"sglang-hs: metrics_after takes a snapshot of writers with distinct writer ids, got "
+                         f"{sorted(str(s.get('writer_id')) for s in writers)}")
     deadline = time.monotonic() + timeout
     seqs = ("sglang_hs:status_seq_total", "sglang_hs:status_gauges_seq")
     while True:
-        m = metrics(url, by=by)
-        at = [sum(v for k, v in m.items() if (k[0] if by else k) == name) for name in seqs]
-        if min(at) >= want:
-            return m
+        samples = _scrape(url)
+        per_writer = _summed(samples, "sglang_hs:status_", ("writer",))
+        if len(want) == 1:  # one writer: whatever its label (a status file of a single writer names none)
+            at = {next(iter(want)): [sum(v for k, v in per_writer.items() if k[0] == name) for name in seqs]}
+        else:
+            at = {w: [per_writer.get((name, w), 0.0) for name in seqs] for w in want}
+        behind = {w: a for w, a in at.items() if min(a) < want[w]}
+        if not behind:
+            return _summed(samples, "sglang_hs:", by)
         if time.monotonic() > deadline:
-            raise NotSettled(f"sglang-hs: /metrics of {url} did not reach status seq {want} within {timeout:.0f}s "
-                             f"(counters at {at[0]:.0f}, gauges at {at[1]:.0f})", snap)
+            raise NotSettled(f"sglang-hs: /metrics of {url} did not reach status seq "
+                             + ", ".join(f"{want[w]} of writer {w} (counters at {a[0]:.0f}, gauges at {a[1]:.0f})"
+                                         for w, a in sorted(behind.items()))
+                             + f" within {timeout:.0f}s", snap)
         time.sleep(POLL_S)

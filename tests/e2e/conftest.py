@@ -141,8 +141,9 @@ def contract_server(tmp_path_factory):
 # draft tokens per verify (up to 10 branches), so accepted drafts' KV (and rows) are moved within each
 # request's window. EAGLE: the "v3-mtp" checkpoint's MTP layer as the draft, DeepSeek's MTP setting (one
 # step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer);
-# served with `--tp 2` (SPEC_TP: DeepSeek's production pairing, MTP on several ranks; the launcher binds one
-# core per rank, rank 0 alone writes), so every EAGLE test below runs at TP2.
+# served with `--tp 2 --dp 2 --enable-dp-attention` (SPEC_TP, SPEC_DP: DeepSeek's production pairing at scale, MTP
+# under DP attention; the launcher binds one core per rank, each group's rank writes), so every EAGLE test below runs
+# on two attention groups, each verify batch padded to the other group's.
 # EAGLE3: a tiny EAGLE-3 draft (tiny_eagle3) reading target layers of its own beside ours, same setting; its
 # server comes with a twin without capture (`.plain`, started alongside), whose drafts must fare the same.
 # Each also samples half of the requests that do not opt in (HARVEST_SAMPLE_KEY) and keeps of those only the
@@ -168,6 +169,7 @@ SPECULATIVE = {
     "EAGLE3": ["--speculative-algorithm", "EAGLE3", *_spec_step(*SPEC_DRAFT["EAGLE3"])],
 }
 SPEC_TP = {"EAGLE": 2}  # ranks (--tp) of each speculative server; 1 where not named
+SPEC_DP = {"EAGLE": 2}  # DP-attention groups (--dp, --enable-dp-attention) of each; 1 where not named
 # NGRAM also never holds a request for its reader (--hs-when-behind skip: test_speculative's skip test), on a ring
 # of SPEC_RING that a reader not draining fills: room for the module's longest request (the aborted one, 51 + 2,000
 # tokens) with SPEC_RECORD_TOKENS, and for about twenty of the skip test's records, not its 24
@@ -182,9 +184,10 @@ def speculative_server(request, tmp_path_factory):
 
     model = {"EAGLE": ["--model-path", tiny_model.ensure("v3-mtp")],
              "EAGLE3": ["--speculative-draft-model-path", tiny_eagle3.ensure()]}.get(request.param, [])
-    tp = SPEC_TP.get(request.param, 1)
-    flags = [*model, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), *SPECULATIVE[request.param],
-             *(["--tp", str(tp)] if tp > 1 else []), "--enable-metrics"]
+    tp, dp = SPEC_TP.get(request.param, 1), SPEC_DP.get(request.param, 1)
+    flags = [*model, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK * dp), *SPECULATIVE[request.param],
+             *(["--tp", str(tp)] if tp > 1 else []),
+             *(["--dp", str(dp), "--enable-dp-attention"] if dp > 1 else []), "--enable-metrics"]
     plain = Launcher(flags) if request.param == "EAGLE3" else None
     try:
         dump = tmp_path_factory.mktemp(f"hs-{request.param.lower()}") / "dump"
@@ -198,7 +201,7 @@ def speculative_server(request, tmp_path_factory):
                             str(SPEC_SAMPLE), "--hs-capture-sample-key", HARVEST_SAMPLE_KEY, *select,
                             *SPEC_WHEN_BEHIND.get(request.param, [])])
         server = next(gen)
-        server.algorithm, server.tp = request.param, tp
+        server.algorithm, server.tp, server.dp = request.param, tp, dp
         try:
             server.plain = plain and plain.wait_ready()
             yield server

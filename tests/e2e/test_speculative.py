@@ -1,11 +1,17 @@
 """Capture on a server that decodes speculatively (issue 44), on the CPU engine: SGLang's NGRAM drafter,
 EAGLE with DeepSeek's MTP layer as the draft and EAGLE3 with a tiny EAGLE-3 draft (conftest.py
-`speculative_server`, one server per algorithm). The EAGLE (MTP) server runs `--tp 2` (conftest SPEC_TP),
-DeepSeek-V3/R1's production pairing, so each of its tests below runs on two ranks: both ranks build the
-overlay and run every verify pass (their status files count TARGET_VERIFY forwards), rank 0 alone writes,
-and its rows are judged like the others: the same tokens and drafts accepted as at `--tp 1`, worst row
-1.07e-6 of HF float32 (1.03e-6 on one rank; NGRAM and EAGLE3, on one rank, 1.05e-6 and 1.03e-6). Two ranks
-cost the module ~100 s (the EAGLE part 242 s -> 339 s, measured back to back on a loaded machine). Planted:
+`speculative_server`, one server per algorithm). The EAGLE (MTP) server runs `--tp 2 --dp 2
+--enable-dp-attention` (conftest SPEC_TP, SPEC_DP), DeepSeek-V3/R1's production pairing at scale (MTP under DP
+attention), so each of its tests below runs on two ranks, each its own attention group: both ranks build the
+overlay and run verify passes (their status files count TARGET_VERIFY forwards), each group's verify batch padded
+to the other's (SGLang's MLP sync), both groups write, and their rows are judged like the others. (Verify passes
+with attention heads split over two ranks, `--tp 2` alone, run on test_model_family's "v32-tp2", V3.2's MTP.)
+Before the CPU engine's verify and extend paths knew DP padding (patches spec_verify_torch_native and
+torch_native_extend), this server's scheduler died at the first verify of a padded group ("a custom mask of 16
+entries for 2 requests of 4 drafts") and then at the first padded draft extend ("a request of 1 keys extends 4
+tokens"). Measured at `--tp 2` alone: worst row 1.07e-6 of HF float32 (1.03e-6 on one rank; NGRAM and EAGLE3, on
+one rank, 1.05e-6 and 1.03e-6); two ranks cost the module ~100 s (the EAGLE part 242 s -> 339 s, measured back to
+back on a loaded machine). Planted:
 a verify that leaves a rejected draft's row at its slot (the next verify's first token not written there)
 fails the concurrent test at the first position whose draft was rejected.
 
@@ -72,10 +78,11 @@ def served(speculative_server):
     reader = HiddenStateReader(str(speculative_server.dump))
     assert reader.manifest["dtype"] == "float32" and reader.manifest["rows_per_token"] == 5
     _check_served(reader.manifest["served"], speculative_server.algorithm)
-    if speculative_server.tp > 1:  # every rank built the overlay (each reports its status); rank 0 alone writes
-        files = settled(speculative_server)["files"]
-        assert len(files) == speculative_server.tp and sum("writer" in f for f in files) == 1, files
-        assert [w["id"] for w in reader.manifest["writers"]] == [0]
+    if speculative_server.tp > 1:  # every rank built the overlay (each reports its status); rank 0 of each
+        files = settled(speculative_server)["files"]  # DP-attention group alone writes
+        dp = speculative_server.dp
+        assert len(files) == speculative_server.tp and sum("writer" in f for f in files) == dp, files
+        assert [w["id"] for w in reader.manifest["writers"]] == list(range(dp))
     source = reader.manifest["layer_source"]  # NGRAM, EAGLE (MTP): no drafter ids anywhere, the default
     assert reader.manifest["layer_ids"] == LAYERS and source["from"] == (
         "--hs-layers" if speculative_server.algorithm == "EAGLE3" else "default"), source
@@ -216,9 +223,10 @@ def test_radix_hit_stop_string_stream_and_logprobs(served, hf):
     inside a verify's accepted run; a streamed request; prompt and output logprobs."""
     server, reader = served
     ids = row_judge.prompt_ids(hf, TEXTS[0])
-    first = server.generate(input_ids=ids, rid="spec-warm", sampling_params={"max_new_tokens": 24, **GREEDY})
+    route = {"routed_dp_rank": 0} if server.dp > 1 else {}  # one DP-attention group's radix cache
+    first = server.generate(input_ids=ids, rid="spec-warm", sampling_params={"max_new_tokens": 24, **GREEDY}, **route)
     _exact(reader.take("spec-warm", timeout=60), hf, (ids + first["output_ids"])[:-1])
-    again = server.generate(input_ids=ids, rid="spec-hit", sampling_params={"max_new_tokens": 40, **GREEDY})
+    again = server.generate(input_ids=ids, rid="spec-hit", sampling_params={"max_new_tokens": 40, **GREEDY}, **route)
     # the prompt's rows from the radix cache (all but the last token or two: SGLang's EAGLE computes one
     # more for its draft's extend pass)
     assert again["meta_info"]["cached_tokens"] >= len(ids) - 2, again["meta_info"]
@@ -271,10 +279,12 @@ def test_session_turns_and_an_aborted_request(served, hf):
     sid = r.json()
     sp = {"max_new_tokens": 16, "ignore_eos": True, **GREEDY}
     first = row_judge.prompt_ids(hf, TEXTS[1])
-    a = server.generate(input_ids=first, rid="spec-sess-1", sampling_params=sp, session_params={"id": sid})
+    # under DP attention a session's turns go to one group (each group keeps its own sessions' requests)
+    route = {"routed_dp_rank": 0} if server.dp > 1 else {}
+    a = server.generate(input_ids=first, rid="spec-sess-1", sampling_params=sp, session_params={"id": sid}, **route)
     second = row_judge.prompt_ids(hf, " And then the bird sat on the log too.")
     b = server.generate(input_ids=second, rid="spec-sess-2", sampling_params=sp,
-                        session_params={"id": sid, "rid": "spec-sess-1"})
+                        session_params={"id": sid, "rid": "spec-sess-1"}, **route)
     _exact(reader.take("spec-sess-1", timeout=60), hf, (first + a["output_ids"])[:-1])
     context = first + a["output_ids"] + second[1:]  # the BOS of a continuing turn is dropped
     rec = reader.take("spec-sess-2", timeout=60)

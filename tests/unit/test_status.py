@@ -308,3 +308,49 @@ def test_requests_sglang_holds_before_its_waiting_queue_are_known_to_the_reconci
     monkeypatch.setattr(capture_hooks, "_scheduler", s)
     monkeypatch.setattr(capture_hooks, "_finisher", None)
     assert {"w", "blocked", "b1", "b2", "mm"} <= capture_hooks._known_rids()
+
+
+def test_metrics_after_waits_for_each_writer_of_a_dp_attention_server():
+    """Under DP attention each group's writer exports its own seq (label `writer`): metrics_after waits until every
+    writer of the snapshot shows its seq, in one read, and names the ones behind. Before, it refused any snapshot
+    of more than one writer (ValueError), so no test or user could settle /metrics on a DP-attention server."""
+    import http.server
+    import threading
+
+    text = {"body": ""}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = text["body"].encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    def exported(seq0, seq1):
+        return "".join(f'sglang_hs:status_seq_total{{writer="{w}"}} {s}\nsglang_hs:status_gauges_seq{{writer="{w}"}} {s}\n'
+                       f'sglang_hs:records_published_total{{writer="{w}"}} {10 + w}\n'
+                       for w, s in ((0, seq0), (1, seq1)))
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    snap = {"files": [{"seq": 5, "writer_id": 0, "writer": {}}, {"seq": 4, "writer_id": 1, "writer": {}},
+                      {"seq": 9, "pid": 3}]}  # a rank without a writer: not waited for
+    try:
+        text["body"] = exported(5, 3)  # writer 1 behind (its own seq; the sum, 8, would pass both)
+        with pytest.raises(status.NotSettled, match=r"status seq 4 of writer 1 \(counters at 3, gauges at 3\)"):
+            status.metrics_after(url, snap, timeout=0.2)
+        text["body"] = exported(5, 4)
+        got = status.metrics_after(url, snap, timeout=5)
+        assert got["sglang_hs:records_published_total"] == 21  # summed over the writers, as metrics() does
+        assert status.metrics_after(url, snap, timeout=5, by=("writer",))[
+            ("sglang_hs:records_published_total", "1")] == 11
+        with pytest.raises(ValueError, match="distinct writer ids"):
+            status.metrics_after(url, {"files": [{"seq": 1, "writer": {}}, {"seq": 1, "writer": {}}]}, timeout=1)
+    finally:
+        server.shutdown()

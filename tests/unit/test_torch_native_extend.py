@@ -51,3 +51,46 @@ def test_other_paths_go_to_the_original():
     assert patched(None, *args, causal=True, sliding_window_size=8) == "original"
     assert patched(None, *args, encoder_lens=torch.tensor([1]), causal=True) == "original"
     assert len(calls) == 3
+
+
+def test_dp_padding_requests_are_zeros_and_the_batch_rows_unchanged():
+    """Under DP attention a speculative draft's extend pads the batch to a larger group's with requests of a whole
+    draft's tokens after no prefix but the padding seq len 1 (ForwardBatch._pad_inputs_to_size); forward_extend
+    hands the batch's own size (_original_batch_size) to the attention: those requests' rows are zeros, the real
+    ones unchanged. Before, the padded request raised ("a request of 1 keys extends 4 tokens after a prefix of 0")
+    and the scheduler died."""
+    from types import SimpleNamespace
+
+    from sglang_hs.server.patches.torch_native_extend import _with_batch_size
+
+    torch.manual_seed(1)
+    heads, dim, slots, n = 3, 24, 200, 4
+    k, v = torch.randn(slots, heads, dim), torch.randn(slots, heads, dim)
+    req_to_token = torch.randperm(slots).int().view(4, 50)
+    seq, prefix = torch.tensor([30, 9, 1]), torch.tensor([26, 5, 0])  # two drafts' extends, then the padding
+    extend = torch.tensor([n, n, n])
+    pools = torch.tensor([2, 1, 0])
+    q = torch.randn(3 * n, heads, dim)
+    original = _original()
+    chunked = _with_chunk_queries(original)
+    args = (k, v, req_to_token, pools, seq, prefix, extend, None)
+    with pytest.raises(RuntimeError, match="a request of 1 keys extends 4 tokens after a prefix of 0"):
+        chunked(None, q, torch.empty(3 * n, heads, dim), *args, scaling=0.2, causal=True)
+
+    class Backend:  # forward_extend as SGLang's calls _run_sdpa_forward_extend with the batch's fields
+        _run_sdpa_forward_extend = chunked
+
+        def forward_extend(self, q, k_, v_, layer, batch, save_kv_cache=True):
+            out = torch.full_like(q, float("nan"))
+            self._run_sdpa_forward_extend(q, out, k, v, req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                          batch.extend_prefix_lens, batch.extend_seq_lens, None, scaling=0.2,
+                                          causal=True)
+            return out
+
+    batch = SimpleNamespace(req_pool_indices=pools, seq_lens=seq, extend_prefix_lens=prefix, extend_seq_lens=extend,
+                            _original_batch_size=2)
+    got = _with_batch_size(Backend.forward_extend)(Backend(), q, None, None, None, batch)
+    want = torch.zeros(2 * n, heads, dim)
+    chunked(None, q[:2 * n], want, k, v, req_to_token, pools[:2], seq[:2], prefix[:2], extend[:2], None,
+            scaling=0.2, causal=True)
+    assert torch.equal(got[:2 * n], want) and not got[2 * n:].any()

@@ -221,7 +221,10 @@ torch_native_extend
             cubed over the chunk size (8,192 tokens in 512-token chunks: 250 s on 2 cores, the last chunk
             38 s). The chunk's queries attend alone under the causal mask aligned to their positions: the
             same rows (bit-equal on test shapes), extend x seq_len work. Encoder lengths, non-causal and
-            sliding-window attention go to the original.
+            sliding-window attention go to the original. Under DP attention a batch padded to a larger
+            group's (ForwardBatch._original_batch_size) gives its padding requests zeros: an EAGLE draft's
+            extend pads each with a whole draft's tokens after no prefix but seq len 1 ("a request of 1 keys
+            extends 4 tokens", the scheduler dead at the first padded draft extend before).
   upstream: present in sglang 0.5.23 (torch_native_backend.py, _run_sdpa_forward_extend:
             per_req_query_redudant); not reported upstream by us yet.
   removal:  when the backend attends only the new queries; tests/e2e/test_long_context.py (32K-token
@@ -290,8 +293,11 @@ spec_verify_torch_native
             not carry (AttributeError at the server's warm-up), and would attend causally. The wrapper
             handles TARGET_VERIFY only (KV written as upstream, then scaled_dot_product_attention per
             request with the prefix visible and the tree mask, QLEN or FULL layout); every other mode goes
-            to the original. Greedy outputs of an NGRAM server equal HF's and every captured row matches
-            HF float32 (tests/e2e/test_speculative.py).
+            to the original. Under DP attention the verify batch is padded to the largest group's, the mask
+            covering the batch's own requests (ForwardBatch._original_batch_size): the padding's rows are zeros
+            (before: "a custom mask of 16 entries for 2 requests of 4 drafts", the scheduler dead). Greedy outputs
+            of an NGRAM server equal HF's and every captured row matches HF float32
+            (tests/e2e/test_speculative.py, its EAGLE server under DP attention; tests/unit/test_spec_verify_tree.py).
   upstream: present in sglang 0.5.23 (torch_native_backend.py has no target-verify branch; the CPU
             speculative path is written for the Intel AMX backend); not reported upstream by us yet.
   removal:  when TorchNativeAttnBackend verifies trees itself; test_speculative's server fails its

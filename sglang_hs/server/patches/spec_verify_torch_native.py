@@ -47,9 +47,14 @@ def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True)
     if rows != len(reqs) * n:
         raise RuntimeError(f"sglang-hs spec_verify_torch_native: {rows} query rows for {len(reqs)} requests "
                            f"of {n} drafts")
-    masks = _tree_masks(forward_batch.spec_info, prefixes, n)
+    # DP attention pads a group's verify batch to the largest group's (ForwardBatch.prepare_mlp_sync_batch, which
+    # keeps the batch's own size in _original_batch_size): the requests past it are that padding, with no drafts in
+    # the tree mask; their rows stay zeros (masked_attention), their KV goes to the padding slot 0 as upstream's
+    real = getattr(forward_batch, "_original_batch_size", None)
+    real = len(reqs) if real is None else min(int(real), len(reqs))
+    masks = _tree_masks(forward_batch.spec_info, prefixes[:real], n)
     spans = [(req, prefix + n, slice(i * n, (i + 1) * n), lambda length, m=m: m)
-             for i, (req, prefix, m) in enumerate(zip(reqs, prefixes, masks))]
+             for i, (req, prefix, m) in enumerate(zip(reqs[:real], prefixes[:real], masks))]
     return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, spans)
 
 
