@@ -523,6 +523,11 @@ def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool
     chain step (dsa_speculative_served), DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain
     (V4_SPECULATIVE given: N steps, top-k 1, N + 1 draft tokens) on the CPU engine on one rank; the rest not."""
     if arch in DSA_ARCHITECTURES:
+        dp = _flag_value(sg_argv, "--dp-size", "--dp", "--data-parallel-size") or "1"
+        if dp != "1" and dsa_speculative_served(sg_argv, algorithm, model_path):
+            return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding with DSA is "
+                    f"served without DP attention only (--dp {dp}: not yet tested; --tp is; "
+                    "docs/serving.md#speculative-decoding)")
         if dsa_speculative_served(sg_argv, algorithm, model_path):
             return ""
         return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding with DSA's sparse "

@@ -563,6 +563,8 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
     v32 = "DeepseekV32ForCausalLM"  # V3.2: its MTP draft as one chain step (dsa_speculative_served), not V4's rule
     assert launch_server.speculative_refusal(v32, "EAGLE", chain, True, "/m") == ""
     assert "one chain step only" in launch_server.speculative_refusal(v32, "EAGLE", longer, True, "/m")
+    line = launch_server.speculative_refusal(v32, "EAGLE", chain + ["--dp", "2", "--enable-dp-attention"], True, "/m")
+    assert "served without DP attention only (--dp 2: not yet tested" in line and "\n" not in line, line
 
 
 MTP_ONE_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]

@@ -26,18 +26,10 @@ from sglang_hs.version import SGLANG_VERSION
 
 
 def verify_spans(forward_batch, rows: int):
-    """Per request of a verify batch: (request pool index, keys, query rows, visible(length) -> [n, length] bool),
-    the keys req_to_token[req, :seq_len + n] and the mask the draft tree gives (prefix visible)."""
-    from sglang_hs.server.patches.spec_verify_torch_native import _tree_masks
+    """spec_verify_torch_native.verify_spans: per request of the verify batch, its keys and the draft tree's mask."""
+    from sglang_hs.server.patches.spec_verify_torch_native import verify_spans as spans
 
-    n = int(forward_batch.spec_info.draft_token_num)
-    prefixes = [int(x) for x in forward_batch.seq_lens_cpu.tolist()]
-    reqs = forward_batch.req_pool_indices.tolist()
-    if rows != len(reqs) * n:
-        raise RuntimeError(f"sglang-hs dsa_spec_verify: {rows} rows for {len(reqs)} requests of {n} drafts")
-    masks = _tree_masks(forward_batch.spec_info, prefixes, n)
-    return [(req, prefix + n, slice(i * n, (i + 1) * n), lambda length, m=m: m)
-            for i, (req, prefix, m) in enumerate(zip(reqs, prefixes, masks))]
+    return spans(forward_batch, rows, "dsa_spec_verify")
 
 
 def _indexer_with_verify(original):

@@ -37,25 +37,29 @@ def _tree_masks(spec_info, prefixes, n: int):
     return out
 
 
-def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
-    from sglang_hs.server.ops.masked_attention import masked_attention
-
+def verify_spans(forward_batch, rows: int, who: str = "spec_verify_torch_native"):
+    """Per request of a verify batch: (request pool index, keys, query rows, visible(length) -> [n, length] bool),
+    the keys req_to_token[req, :seq_len + n] and the mask the draft tree gives (prefix visible). DP attention pads a
+    group's verify batch to the largest group's (ForwardBatch.prepare_mlp_sync_batch, which keeps the batch's own
+    size in _original_batch_size): the requests past it are that padding, with no drafts in the tree mask, and get
+    no span (their rows stay zeros; their KV goes to the padding slot 0 as upstream's)."""
     n = int(forward_batch.spec_info.draft_token_num)
     prefixes = [int(x) for x in forward_batch.seq_lens_cpu.tolist()]
     reqs = forward_batch.req_pool_indices.tolist()
-    rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).shape[0]
     if rows != len(reqs) * n:
-        raise RuntimeError(f"sglang-hs spec_verify_torch_native: {rows} query rows for {len(reqs)} requests "
-                           f"of {n} drafts")
-    # DP attention pads a group's verify batch to the largest group's (ForwardBatch.prepare_mlp_sync_batch, which
-    # keeps the batch's own size in _original_batch_size): the requests past it are that padding, with no drafts in
-    # the tree mask; their rows stay zeros (masked_attention), their KV goes to the padding slot 0 as upstream's
+        raise RuntimeError(f"sglang-hs {who}: {rows} query rows for {len(reqs)} requests of {n} drafts")
     real = getattr(forward_batch, "_original_batch_size", None)
     real = len(reqs) if real is None else min(int(real), len(reqs))
     masks = _tree_masks(forward_batch.spec_info, prefixes[:real], n)
-    spans = [(req, prefix + n, slice(i * n, (i + 1) * n), lambda length, m=m: m)
-             for i, (req, prefix, m) in enumerate(zip(reqs[:real], prefixes[:real], masks))]
-    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, spans)
+    return [(req, prefix + n, slice(i * n, (i + 1) * n), lambda length, m=m: m)
+            for i, (req, prefix, m) in enumerate(zip(reqs[:real], prefixes[:real], masks))]
+
+
+def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
+    from sglang_hs.server.ops.masked_attention import masked_attention
+
+    rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).shape[0]
+    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, verify_spans(forward_batch, rows))
 
 
 def _with_verify(original):
