@@ -198,10 +198,8 @@ def metrics_after(url: str, snap: dict, timeout: float = 60.0, by: tuple = ()) -
     while True:
         samples = _scrape(url)
         per_writer = _summed(samples, "sglang_hs:status_", ("writer",))
-        if len(want) == 1:  # one writer: whatever its label (a status file of a single writer names none)
-            at = {next(iter(want)): [sum(v for k, v in per_writer.items() if k[0] == name) for name in seqs]}
-        else:
-            at = {w: [per_writer.get((name, w), 0.0) for name in seqs] for w in want}
+        # each writer's own seq (a snapshot without a writer id is writer 0's): another writer's never stands in
+        at = {w: [per_writer.get((name, w), 0.0) for name in seqs] for w in want}
         behind = {w: a for w, a in at.items() if min(a) < want[w]}
         if not behind:
             return _summed(samples, "sglang_hs:", by)

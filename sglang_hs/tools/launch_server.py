@@ -235,14 +235,25 @@ def print_help() -> None:
     parser.print_help()
 
 
-# What a process needs to reach a GPU through torch.cuda: NVIDIA's device nodes or driver, WSL2's GPU
-# paravirtualisation, or (a ROCm build of torch) AMD's compute node. With none of them there is no device, and
-# the launcher need not import torch to learn it (~1.5 s of every CPU-mode start).
-GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+# What a process needs to reach a GPU through torch.cuda: NVIDIA's device nodes or driver (Jetson's nvgpu nodes),
+# WSL2's GPU paravirtualisation, or (a ROCm build of torch) AMD's compute node; and a GPU driver library torch could
+# load (a driver whose module is loaded only at the first cuInit has the library but no node yet). With none of them
+# there is no device, and the launcher need not import torch to learn it (~1.5 s of every CPU-mode start).
+GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/nvhost-ctrl", "/dev/nvgpu", "/dev/dxg",
+             "/dev/kfd")
+GPU_DRIVER_LIBS = ("cuda", "amdhip64")  # libcuda.so.1 (NVIDIA's driver API), libamdhip64.so (ROCm)
+
+
+def no_gpu_driver() -> bool:
+    """True when this machine has no GPU node and no GPU driver library: no device torch could reach."""
+    import ctypes.util
+
+    return not any(os.path.exists(p) for p in GPU_NODES) and not any(
+        ctypes.util.find_library(lib) for lib in GPU_DRIVER_LIBS)
 
 
 def cuda_available() -> bool:
-    if not any(os.path.exists(p) for p in GPU_NODES):
+    if no_gpu_driver():
         return False
     try:
         import torch
@@ -330,9 +341,8 @@ def record_part_bytes(value: Optional[str], argv: List[str]) -> int:
         raise CaptureConfigError("--hs-record-part-size with SGLANG_HS_SYNC_FINISH=1: records in parts are published "
                                  "by the finish worker; unset SGLANG_HS_SYNC_FINISH")
     try:
-        tp = int(_flag_value(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
-        dp = int(_flag_value(argv, "--attn-dp-size") or (_flag_value(argv, "--dp-size", "--dp", "--data-parallel-size")
-                                                         if _has_flag(argv, "--enable-dp-attention") else None) or 1)
+        sizes = parallel_sizes(argv)
+        tp, dp = int(sizes[0]), int(sizes[2])
     except ValueError:  # SGLang's parser refuses it with its own message
         return part
     if tp // max(dp, 1) > 1:
@@ -517,43 +527,61 @@ def dsa_speculative_served(sg_argv: List[str], algorithm: str, model_path: str) 
 V4_SPECULATIVE = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
 
+def parallel_sizes(argv: List[str]) -> Tuple[str, str, str]:
+    """(--tp, --dp, attention DP groups) as spelled ("1" where not given): attention DP groups from --attn-dp-size
+    (--attention-data-parallel-size, SGLang 0.5.23's spelling), or --dp with --enable-dp-attention."""
+    tp = _flag_value(argv, "--tp-size", "--tp", "--tensor-parallel-size") or "1"
+    dp = _flag_value(argv, "--dp-size", "--dp", "--data-parallel-size") or "1"
+    attn = _flag_value(argv, "--attn-dp-size", "--attention-data-parallel-size") or (
+        dp if _has_flag(argv, "--enable-dp-attention") else "1")
+    return tp, dp, attn
+
+
+# Speculative settings that change a proven chain at run time (adaptive steps) or its draft (multi-layer EAGLE):
+# not served with capture for V3.2 or V4, whose CPU draft paths are proven for one fixed chain
+SPECULATIVE_VARIANTS = ("--speculative-adaptive", "--enable-multi-layer-eagle")
+PROVEN = ("DeepSeek-V2/V3-family MLA models, DeepSeek-V3.2's MTP draft as one chain step and DeepSeek-V4's MTP draft "
+          "drafting a chain, V3.2 and V4 on the CPU engine only")
+
+
 def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool, model_path: str) -> str:
     """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
-    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm), DeepSeek-V3.2 with its MTP draft as one
-    chain step (dsa_speculative_served), DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain
-    (V4_SPECULATIVE given: N steps, top-k 1, N + 1 draft tokens) on the CPU engine on one rank; the rest not."""
-    if arch in DSA_ARCHITECTURES:
-        dp = _flag_value(sg_argv, "--dp-size", "--dp", "--data-parallel-size") or "1"
-        if dp != "1" and dsa_speculative_served(sg_argv, algorithm, model_path):
-            return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding with DSA is "
-                    f"served without DP attention only (--dp {dp}: not yet tested; --tp is; "
-                    "docs/serving.md#speculative-decoding)")
-        if dsa_speculative_served(sg_argv, algorithm, model_path):
-            return ""
-        return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding with DSA's sparse "
-                "attention is served for the model's MTP draft as one chain step only (--speculative-algorithm EAGLE or "
-                "NEXTN with --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2; "
-                "docs/serving.md#speculative-decoding); serve it so, without a draft, or without --hs-dump-dir")
-    if arch not in HC_ARCHITECTURES:
+    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm); on the CPU engine, without DP and
+    without the SPECULATIVE_VARIANTS, DeepSeek-V3.2 with its MTP draft as one chain step (dsa_speculative_served,
+    --tp allowed) and DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain (V4_SPECULATIVE given: N steps,
+    top-k 1, N + 1 draft tokens) on one rank; the rest not."""
+    if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
         return ""
-    if cpu and algorithm.upper() in ("EAGLE", "NEXTN"):
+    head = f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding"
+    variant = next((flag for flag in SPECULATIVE_VARIANTS if _has_flag(sg_argv, flag)), None)
+    if not cpu or variant:
+        why = f"with {variant}" if variant else "on a GPU (not yet checked there: SGLang's DSA and compressed-state pools)"
+        return (f"{head} is not served {why}; it is proven for {PROVEN} (docs/serving.md#speculative-decoding); "
+                "serve this model without a draft, or without --hs-dump-dir")
+    tp, dp, attn = parallel_sizes(sg_argv)
+    if arch in DSA_ARCHITECTURES:
+        if not dsa_speculative_served(sg_argv, algorithm, model_path):
+            return (f"{head} with DSA's sparse attention is served for the model's MTP draft as one chain step only "
+                    "(--speculative-algorithm EAGLE or NEXTN with --speculative-num-steps 1 --speculative-eagle-topk 1 "
+                    "--speculative-num-draft-tokens 2; docs/serving.md#speculative-decoding); serve it so, without a "
+                    "draft, or without --hs-dump-dir")
+        if (dp, attn) != ("1", "1"):
+            return (f"{head} with DSA is served without data parallelism only (--dp {dp}, {attn} attention DP groups: "
+                    "not yet tested; --tp is; docs/serving.md#speculative-decoding)")
+        return ""
+    if algorithm.upper() in ("EAGLE", "NEXTN") and _flag_value(sg_argv, "--speculative-draft-model-path") in (
+            None, model_path):
         steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
-        ranks = [_flag_value(sg_argv, *flags) or "1" for flags in (("--tp-size", "--tp", "--tensor-parallel-size"),
-                                                                   ("--dp-size", "--dp", "--data-parallel-size"))]
-        if ranks != ["1", "1"]:
-            return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is served on "
-                    f"one rank only (--tp {ranks[0]} --dp {ranks[1]}: not yet tested; "
-                    "docs/serving.md#speculative-decoding)")
+        if (tp, dp, attn) != ("1", "1", "1"):
+            return (f"{head} is served on one rank only (--tp {tp} --dp {dp}, {attn} attention DP groups: not yet "
+                    "tested; docs/serving.md#speculative-decoding)")
         if topk == "1" and steps and steps.isdigit() and int(steps) >= 1 and tokens == str(int(steps) + 1):
             return ""
         return (f"--speculative-algorithm {algorithm} with {arch}: capture is served with its MTP draft drafting a "
                 "chain only (--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1, "
                 f"each given; got {steps}, {topk}, {tokens}; docs/serving.md#speculative-decoding)")
-    where = "" if cpu else " (not yet checked on a GPU: V4's compressed-state pools)"
-    return (f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding is proven for "
-            "DeepSeek-V2/V3-family MLA models and DeepSeek-V4 with EAGLE/NEXTN on the CPU engine only"
-            f"{where} (docs/serving.md#speculative-decoding); serve this model without a draft, or without "
-            "--hs-dump-dir")
+    return (f"{head} is proven for {PROVEN} (docs/serving.md#speculative-decoding); serve this model without a "
+            "draft, or without --hs-dump-dir")
 
 
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,

@@ -27,7 +27,8 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   ("v32-dp2": each group attention TP 1, the path a single-rank server runs, so no TP 1 server of its own; a group
   without requests runs IDLE batches padded to the other's; chunks of CHUNK per group; the radix test routed to
   group 0 with `routed_dp_rank`, each group having its own cache; both groups write), every test against the same HF
-  float32 rows. What no V3.2 server here runs: a single rank's MoE without all-reduce (the V3 servers' path).
+  float32 rows. What no V3.2 server here runs: a single rank's MoE without all-reduce (the V3 servers' path), and
+  plain decode with the attention heads split over two ranks (v32-tp2 decodes speculatively, v32-dp2 at attention TP 1).
   "v32-tp2" also decodes speculatively with the checkpoint's MTP layer as the draft ("v32-mtp": v32's weights plus
   an MTP layer with its own indexer, built like v3-mtp's to propose the last token again; SPEC_MTP: EAGLE, one step,
   top-1, 2 verify tokens), so its chunked-prefill, radix and concurrency tests judge rows of verify passes

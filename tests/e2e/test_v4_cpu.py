@@ -31,7 +31,8 @@ and the radix cache on:
   whose drafts are rejected where they close CSA blocks and the HCA block (position 127); measured 79 verify passes,
   15 drafts accepted, 222 rejected (55 closing a CSA block, 11 the HCA block), passes by drafts accepted {0: 72, 1: 2,
   2: 2, 3: 3}, worst row 7.3e-07, every accept count the one the draft's proposals from HF's states give (with one
-  draft per pass, measured before: 83 passes, 10 accepted, 73 rejected, worst 7.3e-07).
+  draft per pass, measured before: 83 passes, 10 accepted, 73 rejected, worst 7.3e-07). So no server here decodes
+  without a draft under --hs-hc-streams full any more (csa-dp2 and csa-tp2 decode plainly, under mean).
 - csa-tp2: under mean with chunks of 7 and --tp 2 (attention tensor parallel, each rank 2 of the 4 query heads, their
   sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the
   MoE split over both), --hs-layers 1,2,3, and a KV pool of POOL tokens (test_a_full_pool_evicts_and_reuses_slots).
@@ -451,7 +452,7 @@ def test_speculative_verify_passes_over_the_compressed_blocks(v4):
     spec_num_correct_drafts, the histogram); drafts were both accepted and rejected, and rejected drafts closed CSA
     blocks; and the draft's accepted counts are the ones its proposals from HF's states give (_mtp_proposals), so
     capture handed it the target's states intact."""
-    from test_speculative import _check_steps
+    from spec_counts import check_steps as _check_steps
 
     if v4.config not in SPECULATIVE:
         pytest.skip("only csa-full decodes speculatively (SPEC)")

@@ -526,12 +526,13 @@ def test_prepare_serves_sliding_and_hca_deepseek_v4_on_the_cpu_engine(tmp_path, 
 
 
 def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(tmp_path, clean_env):
-    """Speculative capture is proven on the V2/V3 family's MLA pools (tests/e2e/test_speculative.py) and V3.2's MTP
-    chain; V4's compressed pools are not, so the pair is refused before any model loads."""
+    """Speculative capture is proven on the V2/V3 family's MLA pools (tests/e2e/test_speculative.py), V3.2's MTP
+    chain and V4's on the CPU engine; V4 on a GPU is not, so the pair is refused before any model loads."""
     arch = "DeepseekV4ForCausalLM"
     model = _model_dir(tmp_path, arch=arch, hc_mult=4, index_topk=8)
     with pytest.raises(CaptureConfigError, match=rf"^--speculative-algorithm NGRAM with {arch}: capture under "
-                                                 r"speculative decoding is proven for DeepSeek-V2/V3") as e:
+                                                 r"speculative decoding is not served on a GPU .* it is proven for "
+                                                 r"DeepSeek-V2/V3") as e:
         launch_server.prepare(["--model-path", model, "--device", "cuda", "--hs-dump-dir", str(tmp_path / "hs"),
                                "--speculative-algorithm", "NGRAM"])
     assert "\n" not in str(e.value)
@@ -548,23 +549,33 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
     assert launch_server.speculative_refusal("DeepseekV3ForCausalLM", "NGRAM", [], cpu=True, model_path="/m") == ""
     longer = chain[:1] + ["3"] + chain[2:5] + ["4"]  # DeepSeek's production MTP setting: a chain of 3
     assert launch_server.speculative_refusal(arch, "EAGLE", longer, cpu=True, model_path="/m") == ""
-    for ranks in (["--tp", "2"], ["--dp-size", "2", "--enable-dp-attention"]):
+    for ranks in (["--tp", "2"], ["--dp-size", "2", "--enable-dp-attention"], ["--attn-dp-size", "2"]):
         line = launch_server.speculative_refusal(arch, "EAGLE", chain + ranks, cpu=True, model_path="/m")
         assert "served on one rank only" in line and "\n" not in line, line
     for argv in (chain[2:], chain[:3] + ["2"] + chain[4:], longer[:5] + ["3"], chain[:1] + ["0"] + chain[2:5] + ["1"]):
         line = launch_server.speculative_refusal(arch, "EAGLE", argv, cpu=True, model_path="/m")
         assert line.startswith("--speculative-algorithm EAGLE with DeepseekV4ForCausalLM: capture is served with its "
                                "MTP draft drafting a chain only") and "\n" not in line, line
-    for algorithm, cpu in (("EAGLE", False), ("NGRAM", True), ("DSPARK", True), ("EAGLE3", True)):
-        line = launch_server.speculative_refusal(arch, algorithm, chain, cpu=cpu, model_path="/m")
+    for algorithm, argv in (("NGRAM", chain), ("DSPARK", chain), ("EAGLE3", chain),
+                            ("EAGLE", chain + ["--speculative-draft-model-path", "/another"])):
+        line = launch_server.speculative_refusal(arch, algorithm, argv, cpu=True, model_path="/m")
         assert line.startswith(f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding "
                                "is proven for") and "\n" not in line, line
-        assert ("not yet checked on a GPU" in line) == (not cpu)
     v32 = "DeepseekV32ForCausalLM"  # V3.2: its MTP draft as one chain step (dsa_speculative_served), not V4's rule
     assert launch_server.speculative_refusal(v32, "EAGLE", chain, True, "/m") == ""
+    assert launch_server.speculative_refusal(v32, "EAGLE", chain + ["--tp", "2"], True, "/m") == ""
     assert "one chain step only" in launch_server.speculative_refusal(v32, "EAGLE", longer, True, "/m")
-    line = launch_server.speculative_refusal(v32, "EAGLE", chain + ["--dp", "2", "--enable-dp-attention"], True, "/m")
-    assert "served without DP attention only (--dp 2: not yet tested" in line and "\n" not in line, line
+    # data parallelism, in any spelling (--attn-dp-size is SGLang 0.5.23's own for DP attention)
+    for ranks in (["--dp", "2", "--enable-dp-attention"], ["--tp", "2", "--attn-dp-size", "2"], ["--dp-size", "2"]):
+        line = launch_server.speculative_refusal(v32, "EAGLE", chain + ranks, True, "/m")
+        assert "served without data parallelism only" in line and "\n" not in line, (ranks, line)
+    for model in (arch, v32):  # a GPU, or a setting that changes the proven chain, in one line each
+        for argv, cpu, why in ((chain, False, "is not served on a GPU"),
+                               (chain + ["--speculative-adaptive"], True, "is not served with --speculative-adaptive"),
+                               (chain + ["--enable-multi-layer-eagle"], True,
+                                "is not served with --enable-multi-layer-eagle")):
+            line = launch_server.speculative_refusal(model, "EAGLE", argv, cpu, "/m")
+            assert why in line and "\n" not in line, (model, argv, line)
 
 
 MTP_ONE_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
@@ -620,3 +631,20 @@ def test_prepare_refuses_hc_streams_for_a_model_without_them(tmp_path, clean_env
     with pytest.raises(CaptureConfigError, match="need --hs-dump-dir"):
         launch_server.prepare(["--model-path", _model_dir(tmp_path / "b"), "--device", "cpu", "--hs-hc-streams",
                                "mean"])
+
+
+def test_the_gpu_probe_without_torch_answers_only_where_no_driver_is(monkeypatch):
+    """cuda_available() skips torch's import (~1.5 s a CPU start) only where neither a GPU node nor a GPU driver
+    library exists; a node (a Jetson's nvgpu ones included) or a driver library alone leaves the answer to torch."""
+    import ctypes.util
+
+    asked = []
+    monkeypatch.setattr(os.path, "exists", lambda p: False)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda lib: asked.append(lib) or None)
+    assert launch_server.no_gpu_driver() and asked == ["cuda", "amdhip64"]
+    monkeypatch.setattr(ctypes.util, "find_library", lambda lib: "libcuda.so.1" if lib == "cuda" else None)
+    assert not launch_server.no_gpu_driver()  # a driver whose module loads at the first cuInit: torch decides
+    monkeypatch.setattr(ctypes.util, "find_library", lambda lib: None)
+    for node in ("/dev/nvhost-ctrl", "/dev/kfd", "/dev/nvidiactl"):
+        monkeypatch.setattr(os.path, "exists", lambda p, node=node: p == node)
+        assert not launch_server.no_gpu_driver(), node

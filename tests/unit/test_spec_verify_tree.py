@@ -42,13 +42,15 @@ def _tree(n, gen):
 
 
 @pytest.mark.parametrize("layout", ["qlen", "full"])
-@pytest.mark.parametrize("heads,kv_heads,n,prefixes,pad", [
-    (5, 1, 4, [7, 1, 13], 0),  # DeepSeek's MTP chain of 3 drafts + the last token, as a tree
-    (3, 3, 5, [5, 11], 0),
-    (5, 1, 4, [9], 2),  # DP attention: one request, the batch padded by two to a larger group's
-    (3, 1, 3, [4, 2], 1),
+@pytest.mark.parametrize("heads,kv_heads,n,prefixes,pad,extra", [
+    (5, 1, 4, [7, 1, 13], 0, 0),  # DeepSeek's MTP chain of 3 drafts + the last token, as a tree
+    (3, 3, 5, [5, 11], 0, 0),
+    (5, 1, 4, [9], 2, 0),  # DP attention: one request, the batch padded by two to a larger group's
+    # ... and its tokens rounded up to a multiple of the group's attention TP size (9 -> 10 rows at attention TP 2)
+    (3, 1, 3, [4, 2], 1, 1),
 ])
-def test_each_draft_row_attends_its_prefix_and_its_tree_ancestors(sgl, layout, heads, kv_heads, n, prefixes, pad):
+def test_each_draft_row_attends_its_prefix_and_its_tree_ancestors(sgl, layout, heads, kv_heads, n, prefixes, pad,
+                                                                  extra):
     gen = torch.Generator().manual_seed(n * 10 + len(prefixes) + pad)
     dim, v_dim, scale = 24, 20, 0.19
     bs, width = len(prefixes), 40
@@ -75,14 +77,14 @@ def test_each_draft_row_attends_its_prefix_and_its_tree_ancestors(sgl, layout, h
             visible[n - 1, p // 2] = False
         masks.append(torch.cat([visible, tree], dim=1))
         full_mask.append(torch.cat([visible, tree], dim=1).reshape(-1) if layout == "full" else tree.reshape(-1))
-    rows = (bs + pad) * n
+    rows = (bs + pad) * n + extra
     q = torch.randn(rows, heads * dim, generator=gen)
     k = torch.randn(rows, kv_heads, dim, generator=gen)
     v = torch.randn(rows, kv_heads, v_dim, generator=gen)
     padded = types.SimpleNamespace(
         spec_info=types.SimpleNamespace(draft_token_num=n, custom_mask=torch.cat(full_mask)),
         seq_lens_cpu=torch.tensor(prefixes + [1] * pad), req_pool_indices=torch.tensor(reqs + [0] * pad),
-        out_cache_loc=torch.tensor(out_cache_loc + [0] * (pad * n)), _original_batch_size=bs if pad else None)
+        out_cache_loc=torch.tensor(out_cache_loc + [0] * (pad * n + extra)), _original_batch_size=bs if pad else None)
     backend = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=r2t, swa_out_cache_loc=None)
 
     got = sgl.spec_verify_torch_native.verify_attention(backend, q, k, v, layer, padded).view(rows, heads, v_dim)
@@ -97,7 +99,7 @@ def test_each_draft_row_attends_its_prefix_and_its_tree_ancestors(sgl, layout, h
         w = (query @ key.transpose(1, 2) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
         want = (w @ value).transpose(0, 1)  # [n, heads, v_dim]
         worst = max(worst, (got[drafts] - want).abs().max().item())
-    print(f"{layout} n {n} prefixes {prefixes} pad {pad}: max abs difference {worst:.3g}")
+    print(f"{layout} n {n} prefixes {prefixes} pad {pad} extra {extra}: max abs difference {worst:.3g}")
     assert worst < 1e-5
 
 

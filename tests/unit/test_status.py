@@ -350,6 +350,10 @@ def test_metrics_after_waits_for_each_writer_of_a_dp_attention_server():
         assert got["sglang_hs:records_published_total"] == 21  # summed over the writers, as metrics() does
         assert status.metrics_after(url, snap, timeout=5, by=("writer",))[
             ("sglang_hs:records_published_total", "1")] == 11
+        one = {"files": [{"seq": 4, "writer_id": 1, "writer": {}}]}  # writer 1's file alone: its own seq, not 0's
+        text["body"] = exported(5, 3)
+        with pytest.raises(status.NotSettled, match=r"status seq 4 of writer 1"):
+            status.metrics_after(url, one, timeout=0.2)
         with pytest.raises(ValueError, match="distinct writer ids"):
             status.metrics_after(url, {"files": [{"seq": 1, "writer": {}}, {"seq": 1, "writer": {}}]}, timeout=1)
     finally:

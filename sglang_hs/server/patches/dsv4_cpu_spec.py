@@ -25,7 +25,8 @@ a machine without a CUDA driver: on a CPU device the same rebinding runs without
 DeepseekV2ForCausalLM's).
 
 Tree drafts (top-k > 1: a draft's ancestors are not the drafts before it, positions repeat) raise
-NotImplementedError at the first verify pass; the launcher refuses them for V4 first (sglang_hs/server/serve.py).
+NotImplementedError at the first verify pass; the launcher refuses them for V4 first
+(sglang_hs/tools/launch_server.py speculative_refusal).
 """
 from __future__ import annotations
 

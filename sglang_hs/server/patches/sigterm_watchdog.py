@@ -35,6 +35,8 @@ def apply():
 
     if sglang.__version__ != SGLANG_VERSION:
         raise RuntimeError(f"sglang-hs patch sigterm_watchdog targets sglang {SGLANG_VERSION}, found {sglang.__version__}")
+    if ORIGINALS:  # applied already: wrapping the wrappers would make them call themselves
+        return ORIGINALS["sigterm_watchdog"]
     watchdog = ORIGINALS["sigterm_watchdog"] = TokenizerManager.sigterm_watchdog
     ORIGINALS["sigterm_handler"] = SignalHandler.sigterm_handler
 
@@ -49,7 +51,12 @@ def apply():
 
     def sigterm_handler(self, signum=None, frame=None):
         ORIGINALS["sigterm_handler"](self, signum, frame)
-        _event(self.tokenizer_manager).set()
+        tm = self.tokenizer_manager
+        loop = getattr(tm, "event_loop", None)
+        if loop is not None and loop.is_running():  # installed with loop.add_signal_handler: on the loop already;
+            loop.call_soon_threadsafe(_event(tm).set)  # from any other thread this is the safe way to wake it
+        else:
+            _event(tm).set()
 
     TokenizerManager.sigterm_watchdog = sigterm_watchdog
     SignalHandler.sigterm_handler = sigterm_handler

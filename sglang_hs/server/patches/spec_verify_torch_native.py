@@ -46,9 +46,11 @@ def verify_spans(forward_batch, rows: int, who: str = "spec_verify_torch_native"
     n = int(forward_batch.spec_info.draft_token_num)
     prefixes = [int(x) for x in forward_batch.seq_lens_cpu.tolist()]
     reqs = forward_batch.req_pool_indices.tolist()
-    if rows != len(reqs) * n:
-        raise RuntimeError(f"sglang-hs {who}: {rows} query rows for {len(reqs)} requests of {n} drafts")
     real = getattr(forward_batch, "_original_batch_size", None)
+    # padded for DP attention, a group's tokens are also rounded up to a multiple of its attention TP size (rows past
+    # the last request's: padding too); otherwise exactly n rows a request
+    if not (len(reqs) * n <= rows < (len(reqs) + 1) * n if real is not None else rows == len(reqs) * n):
+        raise RuntimeError(f"sglang-hs {who}: {rows} query rows for {len(reqs)} requests of {n} drafts")
     real = len(reqs) if real is None else min(int(real), len(reqs))
     masks = _tree_masks(forward_batch.spec_info, prefixes[:real], n)
     return [(req, prefix + n, slice(i * n, (i + 1) * n), lambda length, m=m: m)
