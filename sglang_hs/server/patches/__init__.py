@@ -44,7 +44,8 @@ Ledger (what / why / upstream status / removal plan):
 | torch_native_cpu_ | gives TorchNativeAttnBackend the padded seq- | CPU mode only    |
 | pad               | len fill value only the AMX backend defines  |                  |
 | torch_native_     | wraps TorchNativeAttnBackend._run_sdpa_      | CPU mode only    |
-| extend            | forward_extend: a chunk's queries only       |                  |
+| extend            | forward_extend: a chunk's queries only; and  |                  |
+|                   | .forward_extend: DP padding requests zeros   |                  |
 | moe_native_ep     | wraps fused_moe_native.moe_forward_native:   | CPU mode only    |
 |                   | other ranks' experts (id -1) are skipped     |                  |
 | dsa_torch_native  | replaces dsa_indexer.Indexer.forward_native  | CPU mode only    |
