@@ -17,8 +17,9 @@ import requests
 
 from parts import STARTS_LEDGER
 
-from sglang_hs.tools.server_process import (STOP_GRACE_S, free_port, kill_and_wait,  # noqa: F401 (re-exported)
-                                            processes_in_session, server_session, start_time, stop_launcher)
+from sglang_hs.tools.server_process import (READY, STOP_GRACE_S, free_port,  # noqa: F401 (re-exported)
+                                            kill_and_wait, processes_in_session, server_session, start_time,
+                                            stop_launcher)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,9 +43,6 @@ def leftover_server_processes(output: str) -> List[int]:
     """Processes still alive in the server session a launcher reported in `output` ([] if none started)."""
     sid = server_session(output)
     return processes_in_session(sid) if sid else []
-
-
-READY = "[sglang-hs] server ready"  # the launcher's line once its server serves (sglang_hs/tools/supervisor.py)
 
 
 class Launcher:
