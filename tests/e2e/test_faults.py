@@ -1,5 +1,6 @@
-"""Faults: a scheduler killed mid-run emits no partial record and takes the launcher down non-zero;
-a server killed outright leaves files that the next server on the same dump dir replaces."""
+"""Faults: a server killed outright leaves files that the next server on the same dump dir replaces; a
+scheduler killed mid-run emits no partial record and takes the launcher down non-zero (one scenario, so
+the second fault strikes the server that replaced the first one's files)."""
 import os
 import signal
 import time
@@ -26,26 +27,11 @@ def launchers():
         assert not leftover_server_processes(server.output), server.tail()
 
 
-def test_scheduler_killed_mid_generation(tmp_path, launchers):
-    dump = tmp_path / "hs"
-    server = Launcher(["--hs-dump-dir", str(dump), "--hs-last"])
-    launchers.append(server)
-    server.wait_ready()
-    with HiddenStateReader(str(dump)) as reader:
-        server.generate(input_ids=list(range(5, 25)), rid="before", sampling_params={"max_new_tokens": 3})
-        assert reader.take("before", timeout=30).num_tokens == 22
-        victim = scheduler_pid(processes_in_session(server_session(server.output)))
-        rc, errors = killed_mid_generation(server, "killed", 2000, until_decoding(server, str(dump), victim),
-                                           lambda: os.kill(victim, signal.SIGKILL), 120, 60)
-        assert rc != 0, server.tail()
-        assert_connection_lost(errors)  # the client was not told a lie
-        assert not leftover_server_processes(server.output)  # no writer is left: one poll sees all there is
-        assert reader.poll() == 0  # nothing of the killed request, nothing torn
-        assert "killed" not in reader.ready_rids()
-    assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
-
-
-def test_next_server_replaces_files_of_a_server_killed_outright(tmp_path, launchers):
+def test_server_killed_outright_then_its_successors_scheduler_killed_mid_generation(tmp_path, launchers):
+    """Two faults on one dump dir, one after the other (two server starts, not three): a server killed
+    outright leaves its files, which the next server on the same dump dir replaces; then that server's
+    scheduler is killed mid-generation, which emits no partial record and takes the launcher down
+    non-zero, its files removed."""
     dump = tmp_path / "hs"
     first = Launcher(["--hs-dump-dir", str(dump), "--hs-last"])
     launchers.append(first)
@@ -60,14 +46,25 @@ def test_next_server_replaces_files_of_a_server_killed_outright(tmp_path, launch
         assert time.monotonic() < deadline, processes_in_session(sid)
         time.sleep(0.2)
     assert list(dump.glob("store-*.bin")) and list(dump.glob("ring-*.bin"))  # stale files left behind
-    second = Launcher(["--hs-dump-dir", str(dump), "--hs-last"])
-    launchers.append(second)
-    second.wait_ready()
-    assert "replacing stale" in second.output
+
+    server = Launcher(["--hs-dump-dir", str(dump), "--hs-last"])
+    launchers.append(server)
+    server.wait_ready()
+    assert "replacing stale" in server.output
     with HiddenStateReader(str(dump)) as reader:
-        second.generate(input_ids=list(range(5, 25)), rid="second", sampling_params={"max_new_tokens": 2})
-        assert reader.take("second", timeout=30).num_tokens == 21
+        server.generate(input_ids=list(range(5, 25)), rid="second", sampling_params={"max_new_tokens": 3})
+        assert reader.take("second", timeout=30).num_tokens == 22
         assert "first" not in reader.ready_rids()  # the dead server's ring is gone, not mixed in
+
+        victim = scheduler_pid(processes_in_session(server_session(server.output)))
+        rc, errors = killed_mid_generation(server, "killed", 2000, until_decoding(server, str(dump), victim),
+                                           lambda: os.kill(victim, signal.SIGKILL), 120, 60)
+        assert rc != 0, server.tail()
+        assert_connection_lost(errors)  # the client was not told a lie
+        assert not leftover_server_processes(server.output)  # no writer is left: one poll sees all there is
+        assert reader.poll() == 0  # nothing of the killed request, nothing torn
+        assert "killed" not in reader.ready_rids()
+    assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
 
 
 def test_second_server_on_a_busy_dump_dir_is_refused(tmp_path):
