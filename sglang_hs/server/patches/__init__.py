@@ -92,6 +92,9 @@ Ledger (what / why / upstream status / removal plan):
 | args              | torch_native, page 1, no hybrid SWA pools,   | server process   |
 |                   | KV dtype auto; CPU_ENV (mHC kernels off) in  | (serve.py)       |
 |                   | the environment its schedulers inherit       |                  |
+| dp_controller_    | replaces DataParallelController.event_loop   | CPU mode, every  |
+| idle_wait         | with --sleep-on-idle: drained as upstream,   | spawned process  |
+|                   | then a zmq poll instead of spinning a core   |                  |
 | dsv4_cpu_tp       | wraps update_config.adjust_config_with_      | CPU mode, every  |
 |                   | unaligned_cpu_tp: a V4 config keeps its head | spawned process  |
 |                   | counts (one MQA KV head) under --tp > 1      |                  |
@@ -439,6 +442,18 @@ dsv4_cpu_tp
   removal:  when the CPU engine leaves an MQA's single KV head unpadded; tests/e2e/test_v4_cpu.py's csa-tp2 server
             (--tp 2) does not start without it.
 
+dp_controller_idle_wait
+  why:      SGLang's DP controller (every --dp server's sglang::data_parallel_controller process) takes requests off
+            its socket with NOBLOCK receives and loops straight back when none is there: it spins a whole core for
+            the server's life, busy or idle. --sleep-on-idle (which the launcher gives the CPU engine) stops only the
+            schedulers' spinning (IdleSleeper). On this 2-core machine the controller of test_speculative's DP
+            server took 78% of a core for the 514 s it lived, out of the schedulers' and the tests' share. With
+            --sleep-on-idle the loop drains the socket as upstream's does, then waits on a zmq poller over it (as
+            IdleSleeper does: a request wakes it at once, a look every second feeds the soft watchdog).
+  upstream: present in sglang 0.5.23 (managers/data_parallel_controller.py event_loop); not reported upstream.
+  removal:  when SGLang's --sleep-on-idle covers the DP controller; tests/unit/test_dp_controller_idle_wait.py runs
+            the loop on real zmq sockets and counts its passes (a spinning loop makes millions while it waits).
+
 cpu_inplace_all_reduce
   why:      SGLang registers its custom ops for one dispatch key (utils/common.py direct_register_custom_op: CUDA on
             this platform), so `sglang::inplace_all_reduce` has no CPU kernel. DP attention gathers integer tensors
@@ -471,7 +486,7 @@ concern the HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_arg
 server arguments, are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__` (with dsv4_cpu_tp, needed before the scheduler loads the
-model). Not a `sglang.srt.plugins` entry point: SGLang
+model, and dp_controller_idle_wait, for the DP controller, a spawned process that builds no model). Not a `sglang.srt.plugins` entry point: SGLang
 logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
 environment, plain `sglang serve` runs included.
 """
@@ -523,4 +538,5 @@ def apply_spawned() -> dict:
     with _lock:
         _apply_cpu("cpu_gloo_groups")
         _apply_cpu("dsv4_cpu_tp")
+        _apply_cpu("dp_controller_idle_wait")
         return dict(_applied)
