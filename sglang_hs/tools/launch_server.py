@@ -569,6 +569,14 @@ def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool
             return (f"{head} with DSA is served without data parallelism only (--dp {dp}, {attn} attention DP groups: "
                     "not yet tested; --tp is; docs/serving.md#speculative-decoding)")
         return ""
+    if algorithm.upper() == "DSPARK":  # V4's own drafter, SGLang's DSparkWorkerV2 (patches/dsv4_cpu_dspark.py)
+        if (tp, dp, attn) != ("1", "1", "1"):
+            return (f"{head} is served on one rank only (--tp {tp} --dp {dp}, {attn} attention DP groups: not yet "
+                    "tested; docs/serving.md#speculative-decoding)")
+        if not _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model"):
+            return (f"{head} needs the draft checkpoint named with --speculative-draft-model-path (a draft bundled in "
+                    "the target's checkpoint or its dspark/ subfolder is not yet tested)")
+        return ""
     if algorithm.upper() in ("EAGLE", "NEXTN") and _flag_value(sg_argv, "--speculative-draft-model-path") in (
             None, model_path):
         steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
