@@ -490,6 +490,82 @@ def test_speculative_verify_passes_over_the_compressed_blocks(v4):
     assert sum(f <= 127 <= f + DRAFTS for f, _ in passes) >= len(jobs), passes
 
 
+# The DSpark server (issue 44): v4-csa served with SGLang's own DSpark drafter (--speculative-algorithm DSPARK, its
+# DSparkWorkerV2) and tiny_model's DSpark draft of it (ensure_dspark_draft: 3 stages reading the target's layers
+# [1, 2, 3], gamma DSPARK_GAMMA, a markov head biased to the previous token), under --hs-hc-streams full with
+# --hs-layers 1,2 (SGLang's dspark ids [0, 1]: the capture is the union [0, 1, 2, 3], ours and the draft's overlapping
+# at 1; the draft gets each of its layers' streams' mean) and chunks of DSPARK_CHUNK. One rank (the launcher refuses
+# DSPARK on several); its own server, for this one test (every other V4 server is several ranks or csa-full's MTP).
+DSPARK_LAYERS = [1, 2]
+DSPARK_CHUNK = 16
+DSPARK_PROMPTS = (29, 35, 41, 46)
+
+
+@pytest.fixture(scope="module")
+def v4_dspark(tmp_path_factory):
+    draft = tiny_model.ensure_dspark_draft("v4-csa")
+    gen = _serve(tmp_path_factory.mktemp("hs-v4-dspark") / "dump",
+                 ["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--dtype", "float32",
+                  "--skip-tokenizer-init", "--hs-layers", ",".join(map(str, DSPARK_LAYERS)), "--hs-last", "both",
+                  "--hs-hc-streams", "full", "--chunked-prefill-size", str(DSPARK_CHUNK),
+                  "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft])
+    server = next(gen)
+    served = _Served(server, HiddenStateReader(str(server.dump)), "full", _Captured(hf_reference("v4-csa"),
+                                                                                    DSPARK_LAYERS))
+    try:
+        assert served.reader.manifest["layer_ids"] == DSPARK_LAYERS
+        yield served
+    finally:
+        served.reader.close()
+        next(gen, None)
+
+
+def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
+    """SGLang's DSpark drafter on the CPU engine (patches/dsv4_cpu_dspark.py): four prompts at once (DSPARK_PROMPTS),
+    16 greedy tokens each. Every row of every record is HF float32's for the tokens the request ends with (its prompt
+    and emitted tokens but the last), so no rejected draft's row reached a record; the tokens are HF's greedy ones;
+    each record's accepted drafts per verify pass are SGLang's (check_steps: spec_verify_ct, spec_num_correct_drafts,
+    the histogram) and the ones the draft's markov head gives (the target's bigram chain from the pass's anchor);
+    and by SGLang's own counters drafts were both accepted and rejected (each pass verifies DSPARK_GAMMA drafts)."""
+    from spec_counts import check_steps as _check_steps
+
+    server, reader, streams, hf = v4_dspark
+    gamma = tiny_model.DSPARK_GAMMA
+    bigram = tiny_model.dspark_bigram(None, model=hf.model)
+    jobs = [(f"v4-dspark-{n}", _prompt(n, 60 + i)) for i, n in enumerate(DSPARK_PROMPTS)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+            "max_new_tokens": 16, **GREEDY}), jobs))
+    worst, verify, accepted, rows = 0.0, 0, 0, 0
+    for (rid, ids), out in zip(jobs, outs):
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == 16, (rid, meta)
+        rec = reader.take(rid, timeout=60)
+        _check_steps(rec, meta)
+        full = ids + out["output_ids"]
+        worst = max(worst, judge(rec, hf, full[:-1], streams))
+        rows += len(full) - 1
+        with torch.no_grad():
+            logits = hf.model(torch.tensor([full[:-1]])).logits[0]
+        assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"], rid
+        verify += meta["spec_verify_ct"]
+        accepted += meta["spec_num_correct_drafts"]
+        # the draft's accepted counts are what its markov head (the target's bigram, far above the stages' logits)
+        # gives: pass k (first position f) drafts the bigram chain from the anchor full[f], accepted while it is the
+        # token there (a pass drafting past the output's end, whose count SGLang may take past max_new_tokens, not
+        # judged)
+        for f, got in _verify_passes(len(ids), rec.meta["speculative"]["accepted_drafts"]):
+            chain = [bigram[full[f]]]
+            while len(chain) < gamma:
+                chain.append(bigram[chain[-1]])
+            if f + gamma < len(full):
+                assert got == next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma), (rid, f)
+    proposed = verify * gamma
+    print(f"v4-csa dspark: {len(jobs)} records, {rows} rows, worst {worst:.2e}; {verify} verify passes of {gamma} "
+          f"drafts: {accepted} accepted, {proposed - accepted} rejected")
+    assert 0 < accepted < proposed, (verify, accepted)
+
+
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):
     """V4 downstream: the extraction CLI (--format deepspec, bf16) on the V4 server, token-id records with loss masks;
     every row of DeepSpec's target cache (read by tests/deepspec_reader.py) judged against HF float32 within bf16's
