@@ -432,7 +432,9 @@ dsv4_cpu_dspark
             models/deepseek_v4_dspark.py); not reported upstream.
   removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's DSpark server (v4_dspark) does not start without it,
             and test_dspark_verify_passes_keep_only_committed_rows judges every row against HF float32, the tokens
-            against HF's greedy ones and each pass's accepted drafts against the draft's markov chain.
+            against HF's greedy ones and each pass's accepted drafts against the draft's markov chain;
+            tests/unit/test_dsv4_cpu_dspark.py checks the commit gate, the draft attention's reach and the verify
+            window's prefix piece by piece (the e2e test cannot see the draft's KV: its markov head dominates).
 
 dsv4_cpu_moe
   why:      DeepSeek-V4's experts clamp their SwiGLU (swiglu_limit). The shared expert's clamp is a JIT CUDA kernel
