@@ -36,6 +36,11 @@ and the radix cache on:
 - csa-tp2: under mean with chunks of 7 and --tp 2 (attention tensor parallel, each rank 2 of the 4 query heads, their
   sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the
   MoE split over both), --hs-layers 1,2,3, and a KV pool of POOL tokens (test_a_full_pool_evicts_and_reuses_slots).
+- v4-dspark (issue 44, its own module fixture v4_dspark, one test, about 90 s): v4-csa decoding with SGLang's own
+  DSpark drafter (--speculative-algorithm DSPARK, DSparkWorkerV2; patches/dsv4_cpu_dspark.py) and
+  tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
+  the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
+  of 16. A server of its own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP.
 TP 1 attention is csa-full's and each csa-dp2 group's. v4-swa is served in bf16 only
 (test_bf16_rows_of_the_checkpoints_layers, its own server, judged statistically): its float32 server (swa-mean) and the
 HCA checkpoint's (hca-dp2, v4-hca under DP attention, prompts of up to 290 tokens) were folded into csa-dp2, whose
@@ -83,6 +88,13 @@ Planted bugs (scratch copies of the patches; each fails):
   rejected draft's compressor sources left in the compressed blocks (a block's key kept once computed, as a compressor
   state not rolled back) -> spec-118's rows 119, 123, 126, 127 on (the CSA blocks its rejected drafts closed, then
   the HCA block at 127) off by up to 0.24 (0.149 with one draft).
+- v4-dspark (issue 44; scratch copies, test_dspark_verify_passes_keep_only_committed_rows; measured passing: 211 rows,
+  worst 5.6e-07, 56 verify passes, 4 drafts accepted and 164 rejected): a verify pass leaving its anchor's row
+  unwritten (a rejected draft's or stale row kept at that slot) -> v4-dspark-29's pre-norm rows 29 on (its decode) off
+  by up to 1.27; the capture union split taking the draft's layers as ours -> every row of id 1 off by up to 0.72;
+  the verify prefix read from seq_lens_cpu as it comes (the window already added) -> rows 29 on off by up to 0.92.
+  The injection's commit gate removed (rejected drafts' target states in the draft's KV) passes here: the draft's
+  markov head decides its proposals, so its KV is not seen; tests/unit/test_dsv4_cpu_dspark.py fails on it.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
