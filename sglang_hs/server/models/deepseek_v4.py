@@ -46,7 +46,8 @@ class _CapturingDeepseekV4Model(OriginalDeepseekV4Model):
     """The inner model with its output fixed when capture is on (by `__class__` assignment; no state)."""
 
     hs_spec = None
-    hs_captured = None  # SGLang's dspark ids captured: ours, or ours and a DSpark draft's (set_dspark_layers_to_capture)
+    # SGLang's dspark ids captured: ours, or ours and a DSpark draft's (set_dspark_layers_to_capture)
+    hs_captured = None
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
         spec = self.hs_spec

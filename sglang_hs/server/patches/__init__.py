@@ -530,7 +530,8 @@ _applied: dict = {}
 # wraps both (the indexer and forward_extend) after them, so a DSA verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplace_all_reduce", "torch_native_cpu_pad",
                "torch_native_extend", "moe_native_ep", "dsa_torch_native", "spec_verify_torch_native",
-               "dsa_spec_verify", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe", "dsv4_cpu_dspark")
+               "dsa_spec_verify", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe",
+               "dsv4_cpu_dspark")
 
 
 def apply() -> dict:
