@@ -21,7 +21,7 @@ if __name__ == "__mp_main__":  # a spawned SGLang process: patch what its schedu
 
 # Speculative algorithms whose verify pass is the target's own forward over the draft tokens, at KV slots
 # the store follows (docs/serving.md#speculative-decoding); the others are refused in one line.
-SPECULATIVE_SUPPORTED = ("NGRAM", "EAGLE", "NEXTN", "EAGLE3")
+SPECULATIVE_SUPPORTED = ("NGRAM", "EAGLE", "NEXTN", "EAGLE3", "DSPARK")
 
 
 def _speculative_refusal(algorithm):

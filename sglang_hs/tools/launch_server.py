@@ -548,11 +548,16 @@ def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool
     """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
     V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm); on the CPU engine, without DP and
     without the SPECULATIVE_VARIANTS, DeepSeek-V3.2 with its MTP draft as one chain step (dsa_speculative_served,
-    --tp allowed) and DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain (V4_SPECULATIVE given: N steps,
-    top-k 1, N + 1 draft tokens) on one rank; the rest not."""
+    --tp allowed), DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain (V4_SPECULATIVE given: N steps,
+    top-k 1, N + 1 draft tokens) on one rank, and DeepSeek-V4 with DSPARK and a draft named by
+    --speculative-draft-model-path on one rank (patches/dsv4_cpu_dspark.py); the rest not (DSPARK for any other
+    model included)."""
+    head = f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding"
+    if algorithm.upper() == "DSPARK" and arch not in HC_ARCHITECTURES:  # SGLang's DSpark drafts for V4 only here
+        return (f"{head} is served for DeepSeek-V4's DSpark draft only (docs/serving.md#speculative-decoding); serve "
+                "this model without a draft, or without --hs-dump-dir")
     if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
         return ""
-    head = f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding"
     variant = next((flag for flag in SPECULATIVE_VARIANTS if _has_flag(sg_argv, flag)), None)
     if not cpu or variant:
         why = f"with {variant}" if variant else "on a GPU (not yet checked there: SGLang's DSA and compressed-state pools)"
@@ -568,6 +573,14 @@ def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool
         if (dp, attn) != ("1", "1"):
             return (f"{head} with DSA is served without data parallelism only (--dp {dp}, {attn} attention DP groups: "
                     "not yet tested; --tp is; docs/serving.md#speculative-decoding)")
+        return ""
+    if algorithm.upper() == "DSPARK":  # V4's own drafter, SGLang's DSparkWorkerV2 (patches/dsv4_cpu_dspark.py)
+        if (tp, dp, attn) != ("1", "1", "1"):
+            return (f"{head} is served on one rank only (--tp {tp} --dp {dp}, {attn} attention DP groups: not yet "
+                    "tested; docs/serving.md#speculative-decoding)")
+        if not _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model"):
+            return (f"{head} needs the draft checkpoint named with --speculative-draft-model-path (a draft bundled in "
+                    "the target's checkpoint or its dspark/ subfolder is not yet tested)")
         return ""
     if algorithm.upper() in ("EAGLE", "NEXTN") and _flag_value(sg_argv, "--speculative-draft-model-path") in (
             None, model_path):

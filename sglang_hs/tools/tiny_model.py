@@ -747,6 +747,105 @@ def _add_v4_mtp_layer(out: str, variant: str) -> None:
         json.dump(idx, f, indent=2)
 
 
+DSPARK_GAMMA = 3  # drafts per block (dspark_block_size): a verify pass of 4 tokens
+DSPARK_MASK_TOKEN = 2  # the block's mask token (dspark_noise_token_id), inside the tiny vocabulary
+DSPARK_MARKOV_BIAS = 6.0  # the markov head's bias towards the previous token, against the base logits' spread
+
+
+def dspark_draft_path(target: str = "v4-csa") -> str:
+    """Where the DSpark draft of the V4 variant `target` lives (it may not exist yet)."""
+    h = hashlib.sha256(f"target={path(target)};gamma={DSPARK_GAMMA};mask={DSPARK_MASK_TOKEN};"
+                       f"bias={DSPARK_MARKOV_BIAS};".encode() + inspect.getsource(_generate_dspark_draft).encode()
+                       + inspect.getsource(dspark_bigram).encode())
+    return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{target}-dspark-{h.hexdigest()[:16]}")
+
+
+def ensure_dspark_draft(target: str = "v4-csa") -> str:
+    """A DeepSeek-V4 DSpark draft (SGLang's DeepseekV4ForCausalLMDSpark) for the V4 variant `target`, generated
+    once: served with --speculative-algorithm DSPARK --speculative-draft-model-path <it>."""
+    if target not in V4:
+        raise ValueError(f"a DSpark draft is built for a DeepSeek-V4 variant {V4}, not {target!r}")
+    return build_once(dspark_draft_path(target), lambda tmp: _generate_dspark_draft(tmp, target))
+
+
+def dspark_bigram(ckpt: str, model=None) -> list:
+    """For each token v, the token HF float32's model of `ckpt` predicts (argmax) for the one-token text [v]: the
+    markov head of the DSpark draft (_generate_dspark_draft). `model`: that model, already loaded."""
+    import torch
+    import transformers
+
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.arange(model.config.vocab_size).view(-1, 1)).logits[:, 0].argmax(-1).tolist()
+
+
+def _generate_dspark_draft(out: str, target: str) -> None:
+    """The target's config with the prefixed DSpark keys SGLang's parse_dspark_draft_config reads
+    (dspark_block_size, dspark_markov_rank, dspark_noise_token_id; dspark_target_layer_ids as the target's), one
+    stage per target layer id (`mtp.<s>.*`, a V4 decoder layer of compress ratio 0 each, as
+    DeepseekV4ForCausalLMDSpark._remap_dspark_weight_name loads them): stage 0 with main_proj (the target layers'
+    states, side by side, to H) and main_norm, the last with norm and hc_head_*; and the markov head
+    (`markov_head.embed` [V, r] and `.head` [V, r], r = V). Built to be accepted and rejected: the markov head is the
+    target's own bigram (dspark_bigram: after token v it biases, by DSPARK_MARKOV_BIAS, the token HF's target predicts
+    for the one-token text [v]), far above the stages' own logits (the target's head on their output, about 0.2 in
+    spread: drawn weights, attention over the injected context), so each draft is the bigram of the one before it,
+    starting from the anchor; the tiny target's greedy output follows that bigram about one step in eight (measured
+    on test prompts: 12 of 96), so drafts are both accepted and rejected. No confidence head
+    (SGLANG_RAGGED_VERIFY_MODE static, SGLang's default, builds none)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    base = ensure(target)
+    with open(os.path.join(base, "config.json")) as f:
+        cfg = json.load(f)
+    layers = list(cfg["dspark_target_layer_ids"])
+    stages = len(layers)
+    cfg.update(dspark_block_size=DSPARK_GAMMA, dspark_markov_rank=cfg["vocab_size"],
+               dspark_noise_token_id=DSPARK_MASK_TOKEN, num_nextn_predict_layers=stages)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    donor_cfg = dict(cfg, num_hidden_layers=stages + 1, compress_ratios=[0] * (stages + 1), num_nextn_predict_layers=0)
+    for key in [k for k in donor_cfg if k.startswith("dspark_")] + ["layer_types"]:
+        donor_cfg.pop(key, None)
+    tmp = tempfile.mkdtemp(prefix=".dspark-", dir=out)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(donor_cfg, f)
+        torch.manual_seed(SEED + 9)
+        donor = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp),
+                                                              dtype=torch.float32)
+        randomise_norms(donor, SEED + 10)
+        _v4_weights(donor, SEED + 11)
+        donor.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        weights = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                for k, v in load_file(os.path.join(tmp, name)).items():
+                    k = _v4_released_name(k)
+                    for s in range(stages):  # donor layer s + 1 (layer 0 is hash-routed) -> stage s
+                        if k.startswith(f"model.layers.{s + 1}."):
+                            weights[f"mtp.{s}." + k[len(f"model.layers.{s + 1}."):]] = v
+                    if k in ("model.norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
+                        weights[k] = v
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    H, V, last = cfg["hidden_size"], cfg["vocab_size"], stages - 1
+    gen = torch.Generator().manual_seed(SEED + 12)
+    lo, hi = NORM_WEIGHT_RANGE
+    bf16 = torch.bfloat16
+    head = {f"mtp.{last}.norm.weight": weights.pop("model.norm.weight"),
+            **{f"mtp.{last}.{k}": weights.pop(k) for k in ("hc_head_fn", "hc_head_base", "hc_head_scale")}}
+    weights.update(head)
+    weights.update({
+        "mtp.0.main_proj.weight": (torch.randn(H, H * stages, generator=gen) * (H * stages) ** -0.5).to(bf16),
+        "mtp.0.main_norm.weight": (lo + (hi - lo) * torch.rand(H, generator=gen)).to(bf16),
+        "mtp.0.markov_head.embed.weight": (DSPARK_MARKOV_BIAS * torch.eye(V)).to(bf16),
+        "mtp.0.markov_head.head.weight": torch.eye(V)[dspark_bigram(base)].T.contiguous().to(bf16)})
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+
 def _GENERATOR_SOURCES():
     """The functions whose source keys the cache (`_key`): what makes a checkpoint's weights."""
     return (_generate, _generate_mistral, randomise_norms, _v4_weights, _v4_released_name, _rename_weights, _is_norm_weight, _prefix_weights, to_mistral_names,

@@ -36,6 +36,11 @@ and the radix cache on:
 - csa-tp2: under mean with chunks of 7 and --tp 2 (attention tensor parallel, each rank 2 of the 4 query heads, their
   sinks and 1 of the 2 wo_a groups, wo_b all-reduced; the KV head, compressors and indexer whole on both ranks; the
   MoE split over both), --hs-layers 1,2,3, and a KV pool of POOL tokens (test_a_full_pool_evicts_and_reuses_slots).
+- v4-dspark (issue 44, its own module fixture v4_dspark, one test, about 90 s): v4-csa decoding with SGLang's own
+  DSpark drafter (--speculative-algorithm DSPARK, DSparkWorkerV2; patches/dsv4_cpu_dspark.py) and
+  tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
+  the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
+  of 16. A server of its own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP.
 TP 1 attention is csa-full's and each csa-dp2 group's. v4-swa is served in bf16 only
 (test_bf16_rows_of_the_checkpoints_layers, its own server, judged statistically): its float32 server (swa-mean) and the
 HCA checkpoint's (hca-dp2, v4-hca under DP attention, prompts of up to 290 tokens) were folded into csa-dp2, whose
@@ -83,6 +88,13 @@ Planted bugs (scratch copies of the patches; each fails):
   rejected draft's compressor sources left in the compressed blocks (a block's key kept once computed, as a compressor
   state not rolled back) -> spec-118's rows 119, 123, 126, 127 on (the CSA blocks its rejected drafts closed, then
   the HCA block at 127) off by up to 0.24 (0.149 with one draft).
+- v4-dspark (issue 44; scratch copies, test_dspark_verify_passes_keep_only_committed_rows; measured passing: 211 rows,
+  worst 5.6e-07, 56 verify passes, 4 drafts accepted and 164 rejected): a verify pass leaving its anchor's row
+  unwritten (a rejected draft's or stale row kept at that slot) -> v4-dspark-29's pre-norm rows 29 on (its decode) off
+  by up to 1.27; the capture union split taking the draft's layers as ours -> every row of id 1 off by up to 0.72;
+  the verify prefix read from seq_lens_cpu as it comes (the window already added) -> rows 29 on off by up to 0.92.
+  The injection's commit gate removed (rejected drafts' target states in the draft's KV) passes here: the draft's
+  markov head decides its proposals, so its KV is not seen; tests/unit/test_dsv4_cpu_dspark.py fails on it.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
@@ -488,6 +500,82 @@ def test_speculative_verify_passes_over_the_compressed_blocks(v4):
     assert len(rejected) < len(drafts) and closing["CSA"] and closing["HCA"], passes
     # every request crossed position 127 in a verify pass (a row or a draft)
     assert sum(f <= 127 <= f + DRAFTS for f, _ in passes) >= len(jobs), passes
+
+
+# The DSpark server (issue 44): v4-csa served with SGLang's own DSpark drafter (--speculative-algorithm DSPARK, its
+# DSparkWorkerV2) and tiny_model's DSpark draft of it (ensure_dspark_draft: 3 stages reading the target's layers
+# [1, 2, 3], gamma DSPARK_GAMMA, a markov head biased to the previous token), under --hs-hc-streams full with
+# --hs-layers 1,2 (SGLang's dspark ids [0, 1]: the capture is the union [0, 1, 2, 3], ours and the draft's overlapping
+# at 1; the draft gets each of its layers' streams' mean) and chunks of DSPARK_CHUNK. One rank (the launcher refuses
+# DSPARK on several); its own server, for this one test (every other V4 server is several ranks or csa-full's MTP).
+DSPARK_LAYERS = [1, 2]
+DSPARK_CHUNK = 16
+DSPARK_PROMPTS = (29, 35, 41, 46)
+
+
+@pytest.fixture(scope="module")
+def v4_dspark(tmp_path_factory):
+    draft = tiny_model.ensure_dspark_draft("v4-csa")
+    gen = _serve(tmp_path_factory.mktemp("hs-v4-dspark") / "dump",
+                 ["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--dtype", "float32",
+                  "--skip-tokenizer-init", "--hs-layers", ",".join(map(str, DSPARK_LAYERS)), "--hs-last", "both",
+                  "--hs-hc-streams", "full", "--chunked-prefill-size", str(DSPARK_CHUNK),
+                  "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft])
+    server = next(gen)
+    served = _Served(server, HiddenStateReader(str(server.dump)), "full", _Captured(hf_reference("v4-csa"),
+                                                                                    DSPARK_LAYERS))
+    try:
+        assert served.reader.manifest["layer_ids"] == DSPARK_LAYERS
+        yield served
+    finally:
+        served.reader.close()
+        next(gen, None)
+
+
+def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
+    """SGLang's DSpark drafter on the CPU engine (patches/dsv4_cpu_dspark.py): four prompts at once (DSPARK_PROMPTS),
+    16 greedy tokens each. Every row of every record is HF float32's for the tokens the request ends with (its prompt
+    and emitted tokens but the last), so no rejected draft's row reached a record; the tokens are HF's greedy ones;
+    each record's accepted drafts per verify pass are SGLang's (check_steps: spec_verify_ct, spec_num_correct_drafts,
+    the histogram) and the ones the draft's markov head gives (the target's bigram chain from the pass's anchor);
+    and by SGLang's own counters drafts were both accepted and rejected (each pass verifies DSPARK_GAMMA drafts)."""
+    from spec_counts import check_steps as _check_steps
+
+    server, reader, streams, hf = v4_dspark
+    gamma = tiny_model.DSPARK_GAMMA
+    bigram = tiny_model.dspark_bigram(None, model=hf.model)
+    jobs = [(f"v4-dspark-{n}", _prompt(n, 60 + i)) for i, n in enumerate(DSPARK_PROMPTS)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
+            "max_new_tokens": 16, **GREEDY}), jobs))
+    worst, verify, accepted, rows = 0.0, 0, 0, 0
+    for (rid, ids), out in zip(jobs, outs):
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == 16, (rid, meta)
+        rec = reader.take(rid, timeout=60)
+        _check_steps(rec, meta)
+        full = ids + out["output_ids"]
+        worst = max(worst, judge(rec, hf, full[:-1], streams))
+        rows += len(full) - 1
+        with torch.no_grad():
+            logits = hf.model(torch.tensor([full[:-1]])).logits[0]
+        assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"], rid
+        verify += meta["spec_verify_ct"]
+        accepted += meta["spec_num_correct_drafts"]
+        # the draft's accepted counts are what its markov head (the target's bigram, far above the stages' logits)
+        # gives: pass k (first position f) drafts the bigram chain from the anchor full[f], accepted while it is the
+        # token there (a pass drafting past the output's end, whose count SGLang may take past max_new_tokens, not
+        # judged)
+        for f, got in _verify_passes(len(ids), rec.meta["speculative"]["accepted_drafts"]):
+            chain = [bigram[full[f]]]
+            while len(chain) < gamma:
+                chain.append(bigram[chain[-1]])
+            if f + gamma < len(full):
+                assert got == next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma), (rid, f)
+    proposed = verify * gamma
+    print(f"v4-csa dspark: {len(jobs)} records, {rows} rows, worst {worst:.2e}; {verify} verify passes of {gamma} "
+          f"drafts: {accepted} accepted, {proposed - accepted} rejected")
+    assert 0 < accepted < proposed, (verify, accepted)
 
 
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):

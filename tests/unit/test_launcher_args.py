@@ -540,8 +540,9 @@ def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(t
 
 def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
     """DeepSeek-V4 decodes speculatively with capture with its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, N
-    steps, N + 1 draft tokens) on the CPU engine only (dsv4_cpu_spec); every other algorithm, shape or device is
-    refused in one line."""
+    steps, N + 1 draft tokens) or its DSpark draft (DSPARK, the draft's path given) on the CPU engine only, on one
+    rank (dsv4_cpu_spec, dsv4_cpu_dspark); every other algorithm, shape or device is refused in one line, and DSPARK
+    for any other model."""
     chain = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
     arch = "DeepseekV4ForCausalLM"
     for algorithm in ("EAGLE", "NEXTN"):
@@ -556,7 +557,15 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
         line = launch_server.speculative_refusal(arch, "EAGLE", argv, cpu=True, model_path="/m")
         assert line.startswith("--speculative-algorithm EAGLE with DeepseekV4ForCausalLM: capture is served with its "
                                "MTP draft drafting a chain only") and "\n" not in line, line
-    for algorithm, argv in (("NGRAM", chain), ("DSPARK", chain), ("EAGLE3", chain),
+    dspark = ["--speculative-draft-model-path", "/draft"]  # V4's DSpark draft (dsv4_cpu_dspark), one rank
+    assert launch_server.speculative_refusal(arch, "DSPARK", dspark, cpu=True, model_path="/m") == ""
+    for argv, why in ((dspark + ["--tp", "2"], "served on one rank only"), ([], "needs the draft checkpoint named")):
+        line = launch_server.speculative_refusal(arch, "DSPARK", argv, cpu=True, model_path="/m")
+        assert why in line and "\n" not in line, line
+    for model, cpu in (("DeepseekV3ForCausalLM", True), ("DeepseekV32ForCausalLM", True), (arch, False)):
+        line = launch_server.speculative_refusal(model, "DSPARK", dspark, cpu=cpu, model_path="/m")
+        assert line and "\n" not in line, (model, line)
+    for algorithm, argv in (("NGRAM", chain), ("EAGLE3", chain),
                             ("EAGLE", chain + ["--speculative-draft-model-path", "/another"])):
         line = launch_server.speculative_refusal(arch, algorithm, argv, cpu=True, model_path="/m")
         assert line.startswith(f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding "

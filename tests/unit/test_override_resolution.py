@@ -89,11 +89,16 @@ try:
     raise SystemExit("id 0 was not refused")
 except CaptureConfigError as e:
     assert "id 0 (the embedding)" in str(e) and "\\n" not in str(e), e
+# a DSpark drafter's ids (--speculative-algorithm DSPARK): the union is captured once, each side gets its own
+m.pp_group, m.config = types.SimpleNamespace(is_last_rank=True), types.SimpleNamespace(num_hidden_layers=6)
+m.set_dspark_layers_to_capture([2, 4, 5])
+assert m.model.dspark_layers_to_capture == [0, 2, 4, 5] and m.model.hs_captured == (0, 2, 4, 5)
+assert m.hs_dspark == (slice(0, 2), slice(1, 4)), m.hs_dspark
 try:
-    m.set_dspark_layers_to_capture([1])
-    raise SystemExit("a DSpark drafter's ids were taken")
+    m.set_dspark_layers_to_capture([6])
+    raise SystemExit("a DSpark drafter's id past the layers was taken")
 except RuntimeError as e:
-    assert "--hs-dump-dir" in str(e)
+    assert "dspark_target_layer_ids" in str(e) and "\\n" not in str(e), e
 print("OK")
 """
 

@@ -23,12 +23,15 @@ and the launcher refuses V4.1's other ratios in one line.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from sglang.srt.models import deepseek_v4 as upstream
 
 from sglang_hs import envs
 from sglang_hs.server.capture_spec import CaptureSpec, hc_mult_of, v4_dspark_ids
-from sglang_hs.server.models.deepseek_v2 import _HiddenStateOverlay, _pre_norm_capturing, fixed_capture_output
+from sglang_hs.server.models.deepseek_v2 import (_HiddenStateOverlay, _layer_split, _pre_norm_capturing,
+                                                 fixed_capture_output, take_layers)
 
 OriginalDeepseekV4ForCausalLM = upstream.DeepseekV4ForCausalLM
 OriginalDeepseekV4Model = upstream.DeepseekV4Model
@@ -43,6 +46,8 @@ class _CapturingDeepseekV4Model(OriginalDeepseekV4Model):
     """The inner model with its output fixed when capture is on (by `__class__` assignment; no state)."""
 
     hs_spec = None
+    # SGLang's dspark ids captured: ours, or ours and a DSpark draft's (set_dspark_layers_to_capture)
+    hs_captured = None
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
         spec = self.hs_spec
@@ -56,7 +61,7 @@ class _CapturingDeepseekV4Model(OriginalDeepseekV4Model):
             raise RuntimeError(f"sglang-hs: unexpected DeepSeek-V4 model output {type(out).__name__} in a {mode} "
                                "batch (expected ((hidden, pre_hc_head), aux))")
         (hidden, pre_hc_head), aux = out
-        hidden, aux = fixed_capture_output((hidden, aux), spec, mode)
+        hidden, aux = fixed_capture_output((hidden, aux), spec, mode, self.hs_captured)
         if spec.pre_norm:  # returned with the layers (see deepseek_v2._CapturingDeepseekModel.forward)
             pre, self.norm.hs_pre_norm = self.norm.hs_pre_norm, None
             if pre is None or pre.shape != hidden.shape:
@@ -83,6 +88,8 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
         self.model.dspark_layers_to_capture = ids
         self.model.__class__ = _CapturingDeepseekV4Model
         self.model.hs_spec = self.hs_spec
+        self.model.hs_captured = tuple(ids)
+        self.hs_ours = tuple(ids)
         if self.hs_spec.pre_norm:
             _pre_norm_capturing(self.model.norm)
 
@@ -90,11 +97,31 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
         raise RuntimeError("sglang-hs: EAGLE-3 aux capture is not supported for DeepSeek-V4 (SGLang 0.5.23's "
                            "DeepseekV4ForCausalLM has none)")
 
+    hs_dspark = None  # with a DSpark draft: (our layers' places in the capture, its layers' places)
+
     def set_dspark_layers_to_capture(self, layer_ids):
-        if self.hs_spec is not None:
-            raise RuntimeError("sglang-hs: speculative decoding (DSpark aux capture) cannot run together with "
-                               "--hs-dump-dir; the overlay owns the layer ids")
-        return super().set_dspark_layers_to_capture(layer_ids)
+        """A DSpark draft's target layers beside ours (--speculative-algorithm DSPARK; SGLang's DSparkWorkerV2 reads
+        them from the prefill's and each verify pass's logits output, hidden_states, to inject into the draft's KV):
+        the model captures the union of its ids and ours (SGLang's dspark ids both), once each, and `forward` hands
+        each side its own layers, the draft's in ascending order as upstream packs them, as the streams' mean (under
+        --hs-hc-streams full the capture holds the streams: their mean is taken for the draft). Called by SGLang
+        (attention_backend_setup.configure_aux_hidden_state_capture) before any forward."""
+        if self.hs_spec is None:
+            return super().set_dspark_layers_to_capture(layer_ids)
+        if not self.pp_group.is_last_rank:
+            return None
+        n = self.config.num_hidden_layers
+        draft = [int(i) for i in (layer_ids or [])]
+        if not draft or len(set(draft)) != len(draft) or any(not 0 <= i < n for i in draft):
+            raise RuntimeError(f"sglang-hs: DSpark target layer ids {layer_ids}: expected at least one, distinct, each "
+                               f"in [0, {n}) (the draft config's dspark_target_layer_ids)")
+        ours = self.hs_ours
+        captured = tuple(sorted(set(ours) | set(draft)))
+        self.model.dspark_layers_to_capture = list(captured)
+        self.model.hs_captured = captured
+        self.hs_dspark = (_layer_split(captured, list(ours)), _layer_split(captured, sorted(draft)))
+        print(f"[sglang-hs] DSpark draft reads the target's layers {sorted(draft)} (SGLang's dspark ids); capturing "
+              f"{list(captured)} once: ours {list(ours)}", file=sys.stderr, flush=True)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
@@ -108,9 +135,16 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
             raise RuntimeError("sglang-hs: decoder SWA bounded replay is on (late layers run over each request's "
                                "last SWA window only): rows would be missing; turn it off with --hs-dump-dir")
         pre = None
+        H, rows = self.hs_spec.hidden_size, self.hs_spec.rows_per_layer
         if self.hs_spec.pre_norm:
-            aux, pre = aux[:, :self.hs_spec.num_aux * self.hs_spec.hidden_size], \
-                aux[:, self.hs_spec.num_aux * self.hs_spec.hidden_size:]
+            k = len(self.model.hs_captured) * rows * H
+            aux, pre = aux[:, :k], aux[:, k:]
+        draft_aux = None
+        if self.hs_dspark is not None:
+            ours, theirs = self.hs_dspark
+            aux, draft_aux = take_layers(aux, ours, rows * H), take_layers(aux, theirs, rows * H)
+            if rows > 1:  # --hs-hc-streams full: the draft reads each layer's streams' mean, as upstream captures it
+                draft_aux = draft_aux.reshape(draft_aux.shape[0], -1, rows, H).mean(2).flatten(1)
         self.hs_status.saw_aux(tuple(aux.shape))
         if self.hs_writer is not None:
             loc = getattr(forward_batch, "out_cache_loc_virtual", None)
@@ -118,8 +152,9 @@ class DeepseekV4ForCausalLM(_HiddenStateOverlay, OriginalDeepseekV4ForCausalLM):
             self.hs_writer.copy(rows, last, forward_batch.out_cache_loc if loc is None else loc)
         # the streams leaving the last layer (hc_head's input) are what SGLang hands a V4 MTP draft
         # (DeepseekV4ModelNextN reads spec_info.hidden_states as [T, hc_mult * H]), as upstream's forward does
-        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, None,
-                                     hidden_states_before_norm=_pre_hc_head)
+        # (with a DSpark draft, as upstream: its layers as the aux states and no pre-hc-head state)
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, draft_aux,
+                                     hidden_states_before_norm=_pre_hc_head if draft_aux is None else None)
 
 
 EntryClass = [DeepseekV4ForCausalLM]

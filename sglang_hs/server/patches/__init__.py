@@ -85,13 +85,22 @@ Ledger (what / why / upstream status / removal plan):
 |                   | (a token at its position); DeepseekV4ForCau- |                  |
 |                   | salLM.set_                                   |                  |
 |                   | embed_and_head without CUDA calls on CPU     |                  |
+| dsv4_cpu_dspark   | V4 with its DSpark draft (DSPARK, one rank): | CPU mode only    |
+|                   | dspark_worker_v2's draft backend torch_      |                  |
+|                   | native; DSparkAttention.forward (context     |                  |
+|                   | window + whole block, sinks) and DeepseekV4- |                  |
+|                   | ForCausalLMDSpark.write_target_hidden_kv     |                  |
+|                   | (commit gate) in torch on the MHA pool;      |                  |
+|                   | Tensor.record_stream a no-op on CPU tensors  |                  |
 | dsv4_cpu_moe      | V4's clamped SwiGLU: deepseek_v2.silu_and_   | CPU mode only    |
 |                   | mul_clamp (shared expert) and moe_forward_   |                  |
 |                   | native's activation (routed experts)         |                  |
 | dsv4_cpu_server_  | V4 configs' server arguments on CPU:         | CPU mode, HTTP   |
 | args              | torch_native, page 1, no hybrid SWA pools,   | server process   |
 |                   | KV dtype auto; CPU_ENV (mHC kernels off) in  | (serve.py)       |
-|                   | the environment its schedulers inherit       |                  |
+|                   | the environment its schedulers inherit;      |                  |
+|                   | speculative_hook._handle_dspark past its     |                  |
+|                   | device check on CPU                          |                  |
 | dp_controller_    | replaces DataParallelController.event_loop   | CPU mode, every  |
 | idle_wait         | with --sleep-on-idle: drained as upstream,   | spawned process  |
 |                   | then a zmq poll instead of spinning a core   |                  |
@@ -395,12 +404,40 @@ dsv4_cpu_spec
             Draft trees raise NotImplementedError at the first verify; the launcher refuses V4 with any other
             algorithm or shape than EAGLE/NEXTN with N steps, top-k 1, N + 1 draft tokens first
             (launch_server.speculative_refusal). The draft's decode steps (N > 1) are one-token spans at their
-            positions (its draft slots req_to_token[req, seq_len + i]; its layer is sliding-window only).
+            positions (its draft slots req_to_token[req, seq_len + i]; its layer is sliding-window only). A DSpark
+            verify pass (DFlashVerifyInput, dsv4_cpu_dspark) is the same chain of gamma + 1 tokens, but the worker
+            hands a backend without make_forward_metadata_from_raw_verify seq_lens_cpu with the window added: its
+            prefix is that less the window, checked against the window's positions (dspark_prefixes).
   upstream: present in sglang 0.5.23 (deepseek_v4.py set_embed_and_head; V4's verify runs only in the CUDA "dsv4"
             backends over DeepSeekV4TokenToKVPool's compress-state pools); not reported upstream.
   removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's csa-full server (speculative) does not start without
             it, and test_speculative_verify_passes_over_the_compressed_blocks judges every verify row against HF
             float32 with drafts rejected over closing CSA and HCA blocks; tests/unit/test_dsv4_cpu_spec.py.
+
+dsv4_cpu_dspark
+  why:      DeepSeek-V4 decodes speculatively with its DSpark draft (--speculative-algorithm DSPARK, SGLang's
+            DSparkWorkerV2 and DeepseekV4ForCausalLMDSpark). Its kernels take their torch reference on CPU tensors
+            (kernels/ops/speculative/dspark/dispatch.py), but three pieces have no CPU path: the worker builds the
+            draft runner with the "dsv4" backend for a V4 draft (FlashMLA, asserts head_dim 512: the start-up
+            fails), DSparkAttention.forward asserts DeepSeekV4TokenToKVPool and stores through its fused SWA writer,
+            and TargetHiddenKvInjector calls the dense drafts' write_target_hidden_kv signature for a pool without
+            that writer (TypeError at the first prefill). The draft gets torch_native and SGLang's plain MHA pool
+            (as the target, dsv4_torch_native); its attention (each block row over the context window's injected
+            keys, max(0, prefix - SWA_WINDOW) .. prefix - 1, and over its whole block, with the layer's sink) and
+            the injection (main_norm(main_proj(states)), each stage's wkv, kv_norm and RoPE, written at the slots;
+            after a verify only each request's first commit_lens rows, upstream's commit gate, so a rejected draft's
+            target state never reaches the draft's KV) are plain torch. DSparkWorkerV2._forward_decode records
+            batch.seq_lens on the device's current stream: "unknown parameter type" for a CPU tensor; record_stream
+            is a no-op on a CPU tensor (CPU work is synchronous), the original for any other. The verify pass's
+            spans are dsv4_cpu_spec's (dspark_prefixes); the launcher refuses DSPARK for other models, on a GPU, on
+            several ranks and without --speculative-draft-model-path.
+  upstream: present in sglang 0.5.23 (speculative/dspark_components/dspark_worker_v2.py, dspark_kv_inject.py,
+            models/deepseek_v4_dspark.py); not reported upstream.
+  removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's DSpark server (v4_dspark) does not start without it,
+            and test_dspark_verify_passes_keep_only_committed_rows judges every row against HF float32, the tokens
+            against HF's greedy ones and each pass's accepted drafts against the draft's markov chain;
+            tests/unit/test_dsv4_cpu_dspark.py checks the commit gate, the draft attention's reach and the verify
+            window's prefix piece by piece (the e2e test cannot see the draft's KV: its markov head dominates).
 
 dsv4_cpu_moe
   why:      DeepSeek-V4's experts clamp their SwiGLU (swiglu_limit). The shared expert's clamp is a JIT CUDA kernel
@@ -422,7 +459,10 @@ dsv4_cpu_server_args
             TileLang/DeepGEMM/fused mHC kernels and the fused hash top-k off, so load_weights skips the CUDA mHC
             prewarm) is put into the environment of serve.py's process when a V4 config resolves (the override),
             so the scheduler processes it spawns read it (SGLang reads some of it when its deepseek_v4 module is
-            imported); a V2/V3 server's environment stays as it was.
+            imported); a V2/V3 server's environment stays as it was. speculative_hook._handle_dspark (DSPARK's
+            resolution) raises in its first line for any device but CUDA, NPU and XPU: on CPU it runs with a view of
+            the arguments whose `device` reads "cuda" (read only for that check and its NPU branches), so the rest
+            (draft path, steps 1, top-k 1, gamma from the draft config, the verify window) resolves as upstream.
   upstream: present in sglang 0.5.23; not reported upstream.
   removal:  when SGLang resolves V4 for its CPU engine; tests/e2e/test_v4_cpu.py's server does not start without it.
 
@@ -505,7 +545,8 @@ _applied: dict = {}
 # wraps both (the indexer and forward_extend) after them, so a DSA verify batch meets it first.
 CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplace_all_reduce", "torch_native_cpu_pad",
                "torch_native_extend", "moe_native_ep", "dsa_torch_native", "spec_verify_torch_native",
-               "dsa_spec_verify", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe")
+               "dsa_spec_verify", "eagle_cpu_draft", "dsv4_torch_native", "dsv4_cpu_spec", "dsv4_cpu_moe",
+               "dsv4_cpu_dspark")
 
 
 def apply() -> dict:

@@ -43,6 +43,34 @@ def _kv_cache_dtype_on_cpu(original):
     return pass_
 
 
+class _DeviceView:
+    """A resolving view of the server arguments that answers `device` as "cuda" and everything else as is."""
+
+    def __init__(self, view):
+        object.__setattr__(self, "_view", view)
+
+    def __getattr__(self, name):
+        return "cuda" if name == "device" else getattr(self._view, name)
+
+
+def _dspark_on_cpu(original, hook):
+    """speculative_hook._handle_dspark refuses every device but CUDA, NPU and XPU in its first line; on the CPU
+    engine the rest of it (the draft path, steps 1, top-k 1, gamma from the draft config, the verify window) runs
+    as upstream, reading the device as "cuda" (it reads it only for that check and its NPU branches)."""
+    def handle(server_args):
+        if getattr(hook.resolving_view(server_args), "device", None) != "cpu":
+            return original(server_args)
+        view = hook.resolving_view
+        hook.resolving_view = lambda args: _DeviceView(view(args))
+        try:
+            return original(server_args)
+        finally:
+            hook.resolving_view = view
+
+    handle.__wrapped__ = original
+    return handle
+
+
 def set_cpu_env(environ) -> dict:
     """CPU_ENV into `environ` where unset; returns what was set."""
     added = {k: v for k, v in CPU_ENV.items() if k not in environ}
@@ -62,4 +90,8 @@ def apply() -> dict:
     originals = {"deepseek_v4_hook._deepseek_v4_kv_cache_dtype": deepseek_v4_hook._deepseek_v4_kv_cache_dtype}
     model_override_base.register_model_override(ARCH)(_cpu_dsv4_overrides)
     deepseek_v4_hook._deepseek_v4_kv_cache_dtype = _kv_cache_dtype_on_cpu(deepseek_v4_hook._deepseek_v4_kv_cache_dtype)
+    from sglang.srt.arg_groups import speculative_hook
+
+    originals["speculative_hook._handle_dspark"] = speculative_hook._handle_dspark
+    speculative_hook._handle_dspark = _dspark_on_cpu(speculative_hook._handle_dspark, speculative_hook)
     return originals

@@ -50,7 +50,23 @@ def verify_spans(forward_batch):
                 raise NotImplementedError("sglang-hs DeepSeek-V4 on the CPU engine: a speculative verify pass of a "
                                           "draft tree (a draft that does not see exactly the drafts before it); only "
                                           "chains (--speculative-eagle-topk 1) are served")
+    if type(spec).__name__ == "DFlashVerifyInput":  # DSpark's verify (patches/dsv4_cpu_dspark.py), see dspark_prefixes
+        seq_lens = dspark_prefixes(forward_batch, n, seq_lens)
     return [(req, prefix, n) for req, prefix in zip(reqs, seq_lens)]
+
+
+def dspark_prefixes(forward_batch, n, seq_lens_cpu):
+    """Each request's prefix in a DSpark verify pass (DSparkWorkerV2, TargetVerifyExecutor.run_non_compact): the
+    window of n = gamma + 1 tokens (the anchor and its drafts) at positions prefix .. prefix + n - 1. For a backend
+    without make_forward_metadata_from_raw_verify (torch_native) the worker hands the batch seq_lens_cpu with the n
+    verify tokens already added, so the prefix is that minus n; checked against the window's positions."""
+    positions = forward_batch.positions.view(-1, n).tolist()
+    prefixes = [s - n for s in seq_lens_cpu]
+    for prefix, row in zip(prefixes, positions):
+        if row != list(range(prefix, prefix + n)):
+            raise NotImplementedError(f"sglang-hs DeepSeek-V4 on the CPU engine: a DSpark verify window at positions "
+                                      f"{row}, expected {prefix} .. {prefix + n - 1} (seq_lens_cpu less the window)")
+    return prefixes
 
 
 def draft_decode_spans(forward_batch):
