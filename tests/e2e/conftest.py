@@ -233,7 +233,7 @@ def hf():
         return hf_states(model, ids)
 
     hidden_states.tok = tok
-    hidden_states.model = model  # the module itself (test_speculative's MTP draft reference shares its embedding and head)
+    hidden_states.model = model  # test_speculative's MTP draft reference shares its embedding and head
     return hidden_states
 
 

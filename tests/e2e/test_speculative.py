@@ -40,10 +40,21 @@ eagle_worker_v2.py and eagle_worker_common.py), in the concurrent test and in th
 Measured in the concurrent test: 150 verify passes judged, 30 drafts accepted (up to 3 in one pass) and 420
 rejected; against the repeat rule the attention raised one request's accepts (3, the rule 1) and lowered another's
 (15, the rule 22..24); worst row 1.11e-6 at --tp 2 (EAGLE3's tree 1.07e-6, 24 rows moved off the tree's front).
-Planted in the CPU engine's draft path (a scratch copy, PLANTS below).
+Planted in a scratch copy of patches/eagle_cpu_draft.py (the concurrent test alone, on the EAGLE server):
+- the draft extend after a verify leaving its window's first KV slot unwritten (the draft's decode-step KV stays
+  there; a TorchNativeAttnBackend whose DRAFT_EXTEND_V2 writes skip each request's first slot) -> fails at spec-0,
+  passes at positions 102 and 106 (1 draft accepted each, the reference 2 and 3);
+- the draft's decode steps one position too far (forward_batch.positions + 1 in the multi-step backend's
+  init_forward_metadata) -> fails at spec-0, passes at 100 and 105 (2 and 3 accepted, the reference 1 and 2);
+- the draft's decode steps not seeing the prefix's last position (draft_step_spans' visible[:prefix - 1]) -> NOT
+  caught: the four requests accept exactly as before (14, 3, 15, 1). A decode step's draft is verified only where
+  the drafts before it were accepted (22 passes here verify a second draft, 7 a third), and hiding position f - 1
+  changed none of them; tests/unit/test_eagle_cpu_draft.py catches it (5 of its 6 cases fail).
+With a zero attention output (the draft before this one) none of these three changes a proposal.
 
-The EAGLE-3 draft (tiny_eagle3) is built the same way, proposing the token it is given again, but reads the
-target's aux states too, which overrule some of its guesses: accepted at most where the output repeats, and
+The EAGLE-3 draft (tiny_eagle3) also proposes the token it is given again (its attention one-hot on its own
+position's value, so its proposals hardly hang on its KV), but reads the target's aux states too, which overrule some of
+its guesses: accepted at most where the output repeats, and
 exactly as often as on the same server without capture (the overlay captures the draft's layers beside ours
 and hands it its own).
 
@@ -398,8 +409,8 @@ def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
                 reader.take(rid, timeout=60)
     assert kept and dropped, [o["meta_info"]["spec_accept_length"] for o in outs]
     if judged:
-        print(f"{server.algorithm}: the MTP draft's reference judged {[j[0] for j in judged]} verify passes of the kept "
-              f"requests, {sum(j[1] for j in judged)} drafts accepted, {sum(j[2] for j in judged)} rejected")
+        print(f"{server.algorithm}: the MTP draft's reference judged {[j[0] for j in judged]} verify passes of the "
+              f"kept requests, {sum(j[1] for j in judged)} drafts accepted, {sum(j[2] for j in judged)} rejected")
     after = settled(server)
     assert after["admission"]["skipped_draft_accepted"] - before == dropped, after["admission"]
     exported = metrics_of(server, after, by=("reason",))  # /metrics once it shows this snapshot's figures
