@@ -161,12 +161,22 @@ def _judge_mtp_draft(hf, ids, out, rec):
     HF float32's target states over the accepted sequence (tests/e2e/mtp_reference.py: its attention over its own
     earlier positions, SGLang's rules for what each position reads). Returns (passes judged, drafts accepted,
     drafts rejected) in those passes."""
+    import torch
+
     from sglang_hs.tools import tiny_model
 
     draft = _mtp_draft(tiny_model.ensure("v3-mtp"), hf.model)
     full = ids + out["output_ids"]
     steps = SPEC_DRAFT["EAGLE"][0]
-    passes = draft.judge(full, hf(full[:-1])[N_LAYERS], len(ids), rec.meta["speculative"]["accepted_drafts"], steps)
+    threads = torch.get_num_threads()
+    # thousands of tiny ops: on one thread, not waiting for cores the server's ranks hold (measured 5-24 s a request
+    # with torch's default threads beside the EAGLE server, 0.15 s on an idle machine)
+    torch.set_num_threads(1)
+    try:
+        passes = draft.judge(full, hf(full[:-1])[N_LAYERS], len(ids), rec.meta["speculative"]["accepted_drafts"],
+                             steps)
+    finally:
+        torch.set_num_threads(threads)
     wrong = [(f, got, want) for f, got, want in passes if got != want]
     assert passes and not wrong, (f"{rec.rid}: verify passes (first position, drafts accepted, the reference's) "
                                   f"{wrong[:8]} of {len(passes)} judged")
