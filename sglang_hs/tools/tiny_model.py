@@ -53,10 +53,13 @@ config.json, which is derived from the shipped one in code (`variant_config`):
   experts in two groups (SGLang's grouped top-k, both groups kept).
 - "v3-mtp": the V3 checkpoint plus DeepSeek-V3's MTP layer (num_nextn_predict_layers 1, weights under
   model.layers.8.*), which SGLang serves as the draft of --speculative-algorithm EAGLE/NEXTN; built to
-  propose the target's last token again (_add_mtp_layer), so drafts are accepted where the target's greedy
-  output repeats a token. HF transformers ignores the layer: the target's reference is the V3 model's.
+  propose the target's last token again (_add_mtp_layer), perturbed by the layer's own attention over its
+  earlier positions (MTP_ATTENTION), so drafts are accepted where the target's greedy output repeats a token
+  and the attention did not overrule it. HF transformers ignores the layer: the target's reference is the V3
+  model's.
 - "v32-mtp": the "v32" checkpoint (the same weights: the same generator and seed) plus DeepSeek-V3.2's MTP layer,
-  built as v3-mtp's, with its own DSA indexer (as V3.2's released layer 61 has; SGLang's DeepseekV3ForCausalLMNextN
+  built as v3-mtp's but with its attention output zero (it proposes the last token again), with its own DSA
+  indexer (as V3.2's released layer 61 has; SGLang's DeepseekV3ForCausalLMNextN
   builds one for a config with index_topk and runs it in the draft's passes). HF transformers' DeepseekV32ForCausalLM
   ignores the layer: the target's reference is the v32 model's.
 - "v3-long": the V3 shape and weights' generator with YaRN factor 64 (max_position_embeddings 65536): SGLang's
@@ -241,6 +244,9 @@ VARIANTS = {"v3": None, "v2": _v2, "kimi-k2": _kimi_k2, "mistral-large-3": _mist
             "v32": _v32, "v3-mtp": _v3_mtp, "v32-mtp": _v32_mtp, "v3-long": _v3_long, "v4-swa": _v4_swa,
             "v4-csa": _v4_csa, "v4-mtp": lambda cfg: dict(_v4_csa(cfg), num_nextn_predict_layers=1)}
 MTP = ("v3-mtp", "v32-mtp")  # variants that carry DeepSeek's MTP layer (model.layers.<n>.*): _add_mtp_layer
+# those whose MTP layer's attention is live (_add_mtp_layer's `attention`): its queries scaled by MTP_QK, its output
+# projection drawn N(0, MTP_O^2 / fan-in) instead of zero
+MTP_ATTENTION, MTP_QK, MTP_O = ("v3-mtp",), 100.0, 2.0
 WRAPPED = ("kimi-k25",)  # variants whose weights are a text model's under "language_model."
 MISTRAL_NATIVE = ("mistral-large-3",)  # variants written as params.json + consolidated.safetensors
 V4_MTP = {"v4-mtp": "v4-csa"}  # a V4 checkpoint with an MTP layer: the base variant's files plus _add_v4_mtp_layer
@@ -266,6 +272,8 @@ def path(variant: str = "v3") -> str:
         h.update(name.encode() + b"\0" + text.encode())
     if variant in MTP:
         h.update(inspect.getsource(_add_mtp_layer).encode())
+        if variant in MTP_ATTENTION:
+            h.update(f"mtp-attention qk={MTP_QK} o={MTP_O};".encode())
     if variant in V4_MTP:
         h.update(f"base={path(V4_MTP[variant])};".encode() + inspect.getsource(_add_v4_mtp_layer).encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{variant}-{h.hexdigest()[:16]}")
@@ -546,7 +554,7 @@ def _generate(out: str, variant: str = "v3") -> None:
     if variant in WRAPPED:
         _prefix_weights(out, "language_model.")
     if variant in MTP:
-        _add_mtp_layer(out, cfg)
+        _add_mtp_layer(out, cfg, attention=variant in MTP_ATTENTION)
     if variant in V4:
         _rename_weights(out, _v4_released_name)
     for name, text in _EXTRA_FILES.get(variant, {}).items():
@@ -610,7 +618,7 @@ def _v4_weights(model, seed: int) -> None:
                                        for _ in range(buf.shape[0])]))
 
 
-def _add_mtp_layer(out: str, cfg) -> None:
+def _add_mtp_layer(out: str, cfg, attention: bool = False) -> None:
     """DeepSeek-V3's MTP (NextN) layer as `model.layers.<n>.*`, the names SGLang's DeepseekV3ForCausalLMNextN
     loads, in a shard of its own. A draft that accepts often enough to test with, by construction: eh_proj
     takes the hnorm half (the target's final hidden state h_t) as is, the decoder layer adds nothing
@@ -620,7 +628,14 @@ def _add_mtp_layer(out: str, cfg) -> None:
     rejected elsewhere. hnorm and shared_head.norm stay ones (the argmax of the target's head must survive
     both); the layer's other norms and enorm are drawn like every norm (randomise_norms' range), and its
     other weights (query/KV projections, router, up projections) are a normally initialised HF layer's: the
-    draft runs all of SGLang's MTP path."""
+    draft runs all of SGLang's MTP path.
+
+    With `attention` (MTP_ATTENTION: v3-mtp) the layer's attention is live: q_b_proj is scaled by MTP_QK (its
+    softmax then picks few of the draft's own earlier positions, by content and rotary position) and o_proj is
+    drawn N(0, MTP_O^2 / fan-in) (its own generator: the other weights are the same), so the attention output
+    is comparable to the residual stream and overrules the repeated token in many proposals. What the draft
+    proposes then hangs on its KV at every earlier position and on its positions: test_speculative judges the
+    EAGLE server's accepted drafts against a plain HF reference of the layer (tests/e2e/mtp_reference.py)."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -652,6 +667,12 @@ def _add_mtp_layer(out: str, cfg) -> None:
             layer[k] = torch.zeros_like(layer[k])
         elif _is_norm_weight(k):
             layer[k] = (lo + (hi - lo) * torch.rand(layer[k].shape, generator=gen)).to(torch.bfloat16)
+    if attention:
+        q_b, o_proj = prefix + "self_attn.q_b_proj.weight", prefix + "self_attn.o_proj.weight"
+        layer[q_b] = (layer[q_b].float() * MTP_QK).to(torch.bfloat16)
+        o_gen = torch.Generator().manual_seed(SEED + 5)
+        fan_in = layer[o_proj].shape[1]
+        layer[o_proj] = (torch.randn(layer[o_proj].shape, generator=o_gen) * MTP_O / fan_in ** 0.5).to(torch.bfloat16)
     eh = torch.zeros(H, 2 * H, dtype=torch.bfloat16)
     eh[:, H:] = torch.eye(H, dtype=torch.bfloat16)  # [enorm(embedding); hnorm(h_t)] -> hnorm(h_t)
     ones = torch.ones(H, dtype=torch.bfloat16)

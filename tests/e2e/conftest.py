@@ -140,7 +140,8 @@ def contract_server(tmp_path_factory):
 # would (--hs-capture opt-in: only requests that ask are captured, the others leave a marker). NGRAM: SGLang's default tree of 12
 # draft tokens per verify (up to 10 branches), so accepted drafts' KV (and rows) are moved within each
 # request's window. EAGLE: the "v3-mtp" checkpoint's MTP layer as the draft, DeepSeek's MTP setting (one
-# step, top-1, 2 verify tokens); the draft proposes the target's last token again (tiny_model._add_mtp_layer);
+# step, top-1, 2 verify tokens); the draft proposes the target's last token again, perturbed by its own attention
+# (tiny_model._add_mtp_layer, MTP_ATTENTION);
 # served with `--tp 2 --dp 2 --enable-dp-attention` (SPEC_TP, SPEC_DP: DeepSeek's production pairing at scale, MTP
 # under DP attention; the launcher binds one core per rank, each group's rank writes), so every EAGLE test below runs
 # on two attention groups, each verify batch padded to the other group's.
@@ -217,8 +218,8 @@ def speculative_server(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf():
     """HF transformers' float32 `output_hidden_states` of the embedded checkpoint, for token ids, with the
-    final pre-norm state (the input of model.model.norm, taken by a forward hook) as `.pre_norm`; and its
-    tokenizer as `hf.tok`. The reference every captured row is judged against."""
+    final pre-norm state (the input of model.model.norm, taken by a forward hook) as `.pre_norm`; its
+    tokenizer as `hf.tok` and the model as `hf.model`. The reference every captured row is judged against."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,6 +233,7 @@ def hf():
         return hf_states(model, ids)
 
     hidden_states.tok = tok
+    hidden_states.model = model  # test_speculative's MTP draft reference shares its embedding and head
     return hidden_states
 
 

@@ -30,8 +30,9 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   float32 rows. What no V3.2 server here runs: a single rank's MoE without all-reduce (the V3 servers' path), and
   plain decode with the attention heads split over two ranks (v32-tp2 decodes speculatively, v32-dp2 at attention TP 1).
   "v32-tp2" also decodes speculatively with the checkpoint's MTP layer as the draft ("v32-mtp": v32's weights plus
-  an MTP layer with its own indexer, built like v3-mtp's to propose the last token again; SPEC_MTP: EAGLE, one step,
-  top-1, 2 verify tokens), so its chunked-prefill, radix and concurrency tests judge rows of verify passes
+  an MTP layer with its own indexer, built like v3-mtp's but with a zero attention output, to propose the last
+  token again; SPEC_MTP: EAGLE, one step, top-1, 2 verify tokens), so its chunked-prefill, radix and concurrency
+  tests judge rows of verify passes
   (sglang_hs/server/patches/dsa_spec_verify.py: each verify row's index top-k and sparse attention among the keys
   before it), and test_mtp_drafts_accepted_and_rejected checks SGLang's draft counts against the records'.
 

@@ -27,16 +27,34 @@ How drafts get accepted with a tiny random model. NGRAM needs no draft model, on
 tiny model's greedy continuations fall into short loops, which the n-gram corpus then proposes; SGLang's
 own per-request counters (meta_info spec_*) show drafts accepted and rejected in each judged request, and
 the overlay's status that rows followed KV moves (`moved_rows`: accepted drafts off the tree's front).
-The MTP draft is built to propose the target's last token again (tiny_model._add_mtp_layer: it reads the
-target's final hidden state, which the overlay hands over while capturing): accepted where the target's
-greedy output repeats a token, so SGLang's accepted count must equal what that rule predicts from the
-output, which also shows the draft got the target's hidden states intact with capture on. Each later draft
-step (the CPU engine's multi-step draft backend, patches/eagle_cpu_draft.py) proposes it again, so a verify
-accepts as many drafts as the next tokens repeat it, up to 3 (worst row 1.17e-6 at --tp 2; EAGLE3's tree
-1.07e-6, 24 rows moved off the tree's front in the concurrent test).
+The MTP draft (v3-mtp's layer, tiny_model._add_mtp_layer) reads the target's final hidden state, which the
+overlay hands over while capturing, and is built to propose the target's last token again, but its attention
+over its own earlier positions is live (MTP_ATTENTION: sharp queries, an output projection as large as the
+residual stream), and overrules many of those guesses, so what it proposes hangs on its KV at every earlier
+position and on its positions: on the CPU engine's draft extend after each verify (which must leave every kept
+position's KV that of the accepted sequence), its multi-step draft decode (patches/eagle_cpu_draft.py: steps at
+positions f and f + 1 attending the prefix and their own earlier steps) and the hidden states it is handed.
+Each record's accepted drafts per verify pass must equal, pass by pass, what a plain HF-modules reference of the
+layer proposes from HF float32's target states (tests/e2e/mtp_reference.py, its rules read from SGLang 0.5.23's
+eagle_worker_v2.py and eagle_worker_common.py), in the concurrent test and in the harvest test's kept requests.
+Measured in the concurrent test: 150 verify passes judged, 30 drafts accepted (up to 3 in one pass) and 420
+rejected; against the repeat rule the attention raised one request's accepts (3, the rule 1) and lowered another's
+(15, the rule 22..24); worst row 1.11e-6 at --tp 2 (EAGLE3's tree 1.07e-6, 24 rows moved off the tree's front).
+Planted in a scratch copy of patches/eagle_cpu_draft.py (the concurrent test alone, on the EAGLE server):
+- the draft extend after a verify leaving its window's first KV slot unwritten (the draft's decode-step KV stays
+  there; a TorchNativeAttnBackend whose DRAFT_EXTEND_V2 writes skip each request's first slot) -> fails at spec-0,
+  passes at positions 102 and 106 (1 draft accepted each, the reference 2 and 3);
+- the draft's decode steps one position too far (forward_batch.positions + 1 in the multi-step backend's
+  init_forward_metadata) -> fails at spec-0, passes at 100 and 105 (2 and 3 accepted, the reference 1 and 2);
+- the draft's decode steps not seeing the prefix's last position (draft_step_spans' visible[:prefix - 1]) -> NOT
+  caught: the four requests accept exactly as before (14, 3, 15, 1). A decode step's draft is verified only where
+  the drafts before it were accepted (22 passes here verify a second draft, 7 a third), and hiding position f - 1
+  changed none of them; tests/unit/test_eagle_cpu_draft.py catches it (5 of its 6 cases fail).
+With a zero attention output (the draft before this one) none of these three changes a proposal.
 
-The EAGLE-3 draft (tiny_eagle3) is built the same way, proposing the token it is given again, but reads the
-target's aux states too, which overrule some of its guesses: accepted at most where the output repeats, and
+The EAGLE-3 draft (tiny_eagle3) also proposes the token it is given again (its attention one-hot on its own
+position's value, so its proposals hardly hang on its KV), but reads the target's aux states too, which overrule some of
+its guesses: accepted at most where the output repeats, and
 exactly as often as on the same server without capture (the overlay captures the draft's layers beside ours
 and hands it its own).
 
@@ -46,6 +64,7 @@ never holds a request for its reader either (--hs-when-behind skip, a 24 MiB rin
 with nobody reading, the requests that find no room are served without capture and marked.
 """
 import concurrent.futures as cf
+import functools
 import hashlib
 import json
 
@@ -56,6 +75,7 @@ import types
 
 from safetensors.torch import load_file
 
+import mtp_reference
 import row_judge
 from conftest import (HARVEST_SAMPLE_KEY, SPEC_ACCEPT_BELOW, SPEC_ACCEPT_LOWEST, SPEC_ACCEPT_WINDOW, SPEC_DRAFT,
                       SPEC_SAMPLE)
@@ -130,6 +150,40 @@ def _acceptance(meta):
             meta.get("spec_correct_drafts_histogram"))
 
 
+@functools.lru_cache(maxsize=1)
+def _mtp_draft(path, model):
+    return mtp_reference.MTPDraft(path, model)
+
+
+def _judge_mtp_draft(hf, ids, out, rec):
+    """The EAGLE server's MTP draft (v3-mtp's layer, whose attention is live) accepted, at every verify pass of this
+    request whose drafts fall inside its output, exactly the drafts a plain HF reference of the layer proposes from
+    HF float32's target states over the accepted sequence (tests/e2e/mtp_reference.py: its attention over its own
+    earlier positions, SGLang's rules for what each position reads). Returns (passes judged, drafts accepted,
+    drafts rejected) in those passes."""
+    import torch
+
+    from sglang_hs.tools import tiny_model
+
+    draft = _mtp_draft(tiny_model.ensure("v3-mtp"), hf.model)
+    full = ids + out["output_ids"]
+    steps = SPEC_DRAFT["EAGLE"][0]
+    threads = torch.get_num_threads()
+    # thousands of tiny ops: on one thread, not waiting for cores the server's ranks hold (measured 5-24 s a request
+    # with torch's default threads beside the EAGLE server, 0.15 s on an idle machine)
+    torch.set_num_threads(1)
+    try:
+        passes = draft.judge(full, hf(full[:-1])[N_LAYERS], len(ids), rec.meta["speculative"]["accepted_drafts"],
+                             steps)
+    finally:
+        torch.set_num_threads(threads)
+    wrong = [(f, got, want) for f, got, want in passes if got != want]
+    assert passes and not wrong, (f"{rec.rid}: verify passes (first position, drafts accepted, the reference's) "
+                                  f"{wrong[:8]} of {len(passes)} judged")
+    accepted = sum(got for _, got, _ in passes)
+    return len(passes), accepted, steps * len(passes) - accepted
+
+
 def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
     """Four requests at once (prompts of 25-60 tokens, chunked at 16), 48 greedy tokens each: every row of
     every record exact, drafts accepted and rejected in each, and rows moved after KV."""
@@ -150,14 +204,17 @@ def test_concurrent_speculative_requests_are_exact_row_for_row(served, hf):
         else:
             least, most = _repeat_draft_accepts(out["output_ids"], SPEC_DRAFT[server.algorithm][0])
             print(f"  the repeat rule: {least}..{most}")
-        if server.algorithm == "EAGLE":  # the MTP draft repeats the last token: accepted where the output does
-            assert 0 < accepted and least <= accepted <= most, (rid, out["output_ids"], out["meta_info"])
+        if server.algorithm == "EAGLE":  # the MTP draft's accepts are judged pass by pass below (_judge_mtp_draft)
+            assert 0 < accepted, (rid, out["output_ids"], out["meta_info"])
         elif server.algorithm == "EAGLE3" and SPEC_DRAFT["EAGLE3"][1] == 1:  # a chain of EAGLE-3 drafts repeats
             assert accepted <= most, (rid, out["output_ids"], out["meta_info"])  # it too, unless aux states overrule
         total += accepted
         rec = reader.take(rid, timeout=60)
         assert rec.prompt_len == len(ids)
         _check_steps(rec, out["meta_info"])  # the record's steps are SGLang's for the request
+        if server.algorithm == "EAGLE":
+            judged = _judge_mtp_draft(hf, ids, out, rec)
+            print(f"  the MTP draft's reference: {judged} (verify passes judged, drafts accepted, rejected)")
         deepest = max(deepest, *rec.meta["speculative"]["accepted_drafts"])
         worst = max(worst, _exact(rec, hf, (ids + out["output_ids"])[:-1]))
     print(f"{server.algorithm} tp{server.tp}: worst row {worst:.3g} of HF float32, {total} drafts accepted, "
@@ -341,6 +398,7 @@ def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
     outs = [server.generate(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 64, "temperature": 0})
             for rid, ids in jobs]
     kept = dropped = 0
+    judged = []
     for (rid, ids), out in zip(jobs, outs):
         length = out["meta_info"].get("spec_accept_length")
         assert length is not None and length >= 1, out["meta_info"]
@@ -351,12 +409,18 @@ def test_harvest_keeps_the_requests_the_draft_did_poorly_on(served, hf):
             keep = length < SPEC_ACCEPT_BELOW
         if keep:
             kept += 1
-            _exact(reader.take(rid, timeout=60), hf, (ids + out["output_ids"])[:-1])
+            rec = reader.take(rid, timeout=60)
+            _exact(rec, hf, (ids + out["output_ids"])[:-1])
+            if server.algorithm == "EAGLE":  # the MTP draft's accepts, pass by pass, against its reference
+                judged.append(_judge_mtp_draft(hf, ids, out, rec))
         else:
             dropped += 1
             with pytest.raises(NotCaptured, match="draft_accepted"):
                 reader.take(rid, timeout=60)
     assert kept and dropped, [o["meta_info"]["spec_accept_length"] for o in outs]
+    if judged:
+        print(f"{server.algorithm}: the MTP draft's reference judged {[j[0] for j in judged]} verify passes of the "
+              f"kept requests, {sum(j[1] for j in judged)} drafts accepted, {sum(j[2] for j in judged)} rejected")
     after = settled(server)
     assert after["admission"]["skipped_draft_accepted"] - before == dropped, after["admission"]
     exported = metrics_of(server, after, by=("reason",))  # /metrics once it shows this snapshot's figures

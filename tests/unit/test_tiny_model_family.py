@@ -194,3 +194,28 @@ def test_a_changed_generator_makes_a_new_cache_entry(monkeypatch):
     sources = tiny_model._GENERATOR_SOURCES
     monkeypatch.setattr(tiny_model, "_GENERATOR_SOURCES", lambda: sources()[1:])  # as if _generate changed
     assert all(tiny_model.path(v) != p for v, p in before.items())
+
+
+@pytest.mark.parametrize("variant", tiny_model.MTP)
+def test_mtp_layer_attention_is_live_where_asked(variant):
+    """_add_mtp_layer: the MTP layer's MLP adds nothing (down projections zero) in every MTP variant; its attention
+    output is live (o_proj drawn N(0, MTP_O^2 / fan-in), queries scaled by MTP_QK) in MTP_ATTENTION's (v3-mtp, whose
+    proposals test_speculative judges against a reference of the layer) and zero elsewhere (v32-mtp proposes the
+    last token again)."""
+    from safetensors import safe_open
+
+    ckpt = tiny_model.ensure(variant)
+    prefix = f"model.layers.{tiny_model.hf_config(ckpt, variant).num_hidden_layers}."
+    with safe_open(os.path.join(ckpt, "model-mtp.safetensors"), "pt") as f:
+        w = {k[len(prefix):]: f.get_tensor(k).float() for k in f.keys() if k.startswith(prefix)}
+    downs = [k for k in w if k.endswith("down_proj.weight")]
+    assert downs and not any(w[k].any() for k in downs)
+    o = w["self_attn.o_proj.weight"]
+    if variant in tiny_model.MTP_ATTENTION:
+        std = o.std().item() * o.shape[1] ** 0.5
+        q_b = w["self_attn.q_b_proj.weight"].std()
+        print(f"{variant}: o_proj std x sqrt(fan-in) {std:.3f}, q_b_proj std {q_b:.3f}")
+        assert abs(std - tiny_model.MTP_O) < 0.1 * tiny_model.MTP_O
+        assert w["self_attn.q_b_proj.weight"].std() > tiny_model.MTP_QK * 0.02 / 2  # HF's init: std 0.02
+    else:
+        assert not o.any()
