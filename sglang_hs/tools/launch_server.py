@@ -578,9 +578,17 @@ def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool
         if (tp, dp, attn) != ("1", "1", "1"):
             return (f"{head} is served on one rank only (--tp {tp} --dp {dp}, {attn} attention DP groups: not yet "
                     "tested; docs/serving.md#speculative-decoding)")
-        if not _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model"):
-            return (f"{head} needs the draft checkpoint named with --speculative-draft-model-path (a draft bundled in "
-                    "the target's checkpoint or its dspark/ subfolder is not yet tested)")
+        draft = _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model")
+        bundled = model_path and draft and os.path.realpath(draft) in (
+            os.path.realpath(model_path), os.path.realpath(os.path.join(model_path, "dspark")))
+        if not draft or bundled:
+            got = f": got {draft}" if draft else ""
+            return (f"{head} needs a draft checkpoint of its own named with --speculative-draft-model-path (a draft "
+                    f"bundled in the target's checkpoint or its dspark/ subfolder is not yet tested{got})")
+        mode = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static") or "static"
+        if mode != "static":  # compact (ragged) verify windows and the confidence head's: dsv4_cpu_spec.dspark_prefixes
+            return (f"{head} is served with SGLang's static verify windows only (SGLANG_RAGGED_VERIFY_MODE={mode}: "
+                    "not yet supported on the CPU engine); unset it")
         return ""
     if algorithm.upper() in ("EAGLE", "NEXTN") and _flag_value(sg_argv, "--speculative-draft-model-path") in (
             None, model_path):

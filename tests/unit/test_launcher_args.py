@@ -538,7 +538,7 @@ def test_prepare_refuses_speculative_capture_beyond_the_mla_family_in_one_line(t
     assert "\n" not in str(e.value)
 
 
-def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
+def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine(monkeypatch):
     """DeepSeek-V4 decodes speculatively with capture with its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, N
     steps, N + 1 draft tokens) or its DSpark draft (DSPARK, the draft's path given) on the CPU engine only, on one
     rank (dsv4_cpu_spec, dsv4_cpu_dspark); every other algorithm, shape or device is refused in one line, and DSPARK
@@ -559,9 +559,16 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine():
                                "MTP draft drafting a chain only") and "\n" not in line, line
     dspark = ["--speculative-draft-model-path", "/draft"]  # V4's DSpark draft (dsv4_cpu_dspark), one rank
     assert launch_server.speculative_refusal(arch, "DSPARK", dspark, cpu=True, model_path="/m") == ""
-    for argv, why in ((dspark + ["--tp", "2"], "served on one rank only"), ([], "needs the draft checkpoint named")):
+    for argv, why in ((dspark + ["--tp", "2"], "served on one rank only"), ([], "needs a draft checkpoint of its own"),
+                      (["--speculative-draft-model-path", "/m"], "bundled in the target's checkpoint"),  # bundled drafts
+                      (["--speculative-draft-model-path", "/m/dspark/"], "bundled in the target's checkpoint")):
         line = launch_server.speculative_refusal(arch, "DSPARK", argv, cpu=True, model_path="/m")
         assert why in line and "\n" not in line, line
+    for mode, served in (("static", True), ("", True), ("compact", False)):  # SGLang's ragged verify windows
+        monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", mode)
+        line = launch_server.speculative_refusal(arch, "DSPARK", dspark, cpu=True, model_path="/m")
+        assert line == "" if served else ("SGLANG_RAGGED_VERIFY_MODE=compact" in line and "\n" not in line), line
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE")
     for model, cpu in (("DeepseekV3ForCausalLM", True), ("DeepseekV32ForCausalLM", True), (arch, False)):
         line = launch_server.speculative_refusal(model, "DSPARK", dspark, cpu=cpu, model_path="/m")
         assert line and "\n" not in line, (model, line)

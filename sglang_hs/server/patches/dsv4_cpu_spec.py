@@ -60,9 +60,14 @@ def dspark_prefixes(forward_batch, n, seq_lens_cpu):
     window of n = gamma + 1 tokens (the anchor and its drafts) at positions prefix .. prefix + n - 1. For a backend
     without make_forward_metadata_from_raw_verify (torch_native) the worker hands the batch seq_lens_cpu with the n
     verify tokens already added, so the prefix is that minus n; checked against the window's positions."""
+    spec = getattr(forward_batch, "spec_info", None)
+    ragged = getattr(spec, "ragged_verify_layout", None) is not None
+    if ragged or forward_batch.positions.numel() != len(seq_lens_cpu) * n:
+        raise NotImplementedError("sglang-hs DeepSeek-V4 on the CPU engine: a DSpark verify pass of ragged (compact) "
+                                  "windows; only static windows (SGLANG_RAGGED_VERIFY_MODE=static) are served")
     positions = forward_batch.positions.view(-1, n).tolist()
     prefixes = [s - n for s in seq_lens_cpu]
-    for prefix, row in zip(prefixes, positions):
+    for prefix, row in zip(prefixes, positions, strict=True):
         if row != list(range(prefix, prefix + n)):
             raise NotImplementedError(f"sglang-hs DeepSeek-V4 on the CPU engine: a DSpark verify window at positions "
                                       f"{row}, expected {prefix} .. {prefix + n - 1} (seq_lens_cpu less the window)")
