@@ -4,8 +4,8 @@ A checkpoint that ships a drafter, or a draft served beside it, names its target
 convention of the code that serves it; a capture for the next version of that drafter should default to them.
 Looked for, first found wins:
 
-1. the draft's config (`--speculative-draft-model-path` with `--speculative-algorithm EAGLE3`, the one algorithm
-   served with capture whose draft reads target layers of its choice), the drafter being served;
+1. the draft's config (`--speculative-draft-model-path` with `--speculative-algorithm EAGLE3` or `DSPARK`, the
+   algorithms served with capture whose draft reads target layers of its choice), the drafter being served;
 2. the target's config: a bundled DSpark head (DeepSeek-V4-Flash-DSpark's `dspark_target_layer_ids` [40, 41, 42])
    or EAGLE-3 ids kept with the target.
 

@@ -496,9 +496,10 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
         return layer_source.describe_default(True)
     draft_path = _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model")
     draft = None
-    # EAGLE3 is the one algorithm served with capture whose draft reads target layers of its choice (DFLASH and
-    # DSPARK are refused with capture; an MTP draft is the target itself; NGRAM has none)
-    if draft_path and str(_flag_value(sg_argv, "--speculative-algorithm") or "").upper() == "EAGLE3":
+    # EAGLE3 and DSPARK are the algorithms served with capture whose draft reads target layers of its choice (the
+    # served draft's ids come first: a capture for its next version defaults to them; DFLASH is refused with
+    # capture; an MTP draft is the target itself; NGRAM has none)
+    if draft_path and str(_flag_value(sg_argv, "--speculative-algorithm") or "").upper() in ("EAGLE3", "DSPARK"):
         draft = layer_source.read_draft_config(draft_path, _flag_value(sg_argv, "--speculative-draft-model-revision"))
     else:
         draft_path = None

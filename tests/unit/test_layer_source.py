@@ -2,6 +2,7 @@
 draft's or the target's config names for its drafter, translated to our convention the way SGLang 0.5.23 captures
 them (its own set_*_layers_to_capture methods are the reference here), printed at start-up and kept in the
 manifest."""
+import argparse
 import json
 import os
 import types
@@ -147,6 +148,13 @@ def test_the_launcher_reads_the_served_drafts_ids(tmp_path, clean_env):
     source, layers = _prepare(tmp_path, model, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                               draft)
     assert layers == "2,6,9" and source["from"] == os.path.join(draft, "config.json")
+    # a DSpark draft served beside the target (DSPARK): its own dspark_target_layer_ids, not the target's bundled ones
+    dspark = _model(tmp_path, "dspark-draft", dspark_target_layer_ids=[2, 5, 9])
+    ns = argparse.Namespace(hs_layers=None)
+    raw = json.loads(open(os.path.join(model, "config.json")).read())
+    found = launch_server.layers_source(ns, ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path",
+                                             dspark], model, raw, raw)
+    assert found["layers"] == [3, 6, 10] and found["from"] == os.path.join(dspark, "config.json"), found
     # a draft path without speculative decoding, or of an algorithm whose draft picks no target layers: the target's
     assert _prepare(tmp_path, model, "--speculative-draft-model-path", draft)[1] == "4,8,11"
     assert _prepare(tmp_path, model, "--speculative-algorithm", "NGRAM", "--speculative-draft-model-path",
