@@ -19,6 +19,7 @@ test ends the tp2 server: it stays the last test of that server.
 import concurrent.futures as cf
 import glob
 import os
+import re
 import signal
 
 import pytest
@@ -55,9 +56,15 @@ def _scheduler(server, rank, dp=None, ep=None):
     return pids[0]
 
 
-def _mq_segments():
-    """SGLang's request broadcast queues in /dev/shm (a server with more than one rank makes one)."""
-    return set(glob.glob("/dev/shm/sgl_shm_mq_*"))
+def _mq_segments(pids=None):
+    """SGLang's request broadcast queues in /dev/shm (a server with more than one rank makes one), or only those
+    made by one of `pids` (SGLang stamps the maker's pid into the name: sgl_shm_mq_<pid>_<rand>). The other part
+    of the suite runs its own servers meanwhile, whose live queues are theirs (a full run once failed here on
+    the queue of a server of the other part, live at the time and removed by its own launcher at its stop)."""
+    found = set(glob.glob("/dev/shm/sgl_shm_mq_*"))
+    if pids is None:
+        return found
+    return {p for p in found if (m := re.match(r"/dev/shm/sgl_shm_mq_(\d+)_", p)) and int(m.group(1)) in pids}
 
 
 def _serve(dump, parallel):
@@ -76,12 +83,13 @@ def _serve(dump, parallel):
 def tp2(tmp_path_factory):
     """(server, reader) of a `--tp 2` server (see _serve). Stopped by SIGTERM after the module, unless a
     test has killed it already."""
-    dump, before = tmp_path_factory.mktemp("hs-tp2") / "dump", _mq_segments()
+    dump, before, pids = tmp_path_factory.mktemp("hs-tp2") / "dump", _mq_segments(), set()
     server = _serve(dump, ["--tp", "2"])
     server.dump = dump
     reader = None
     try:
         server.wait_ready(timeout=900)
+        pids = set(processes_in_session(server_session(server.output)))  # the queue's maker among them
         reader = HiddenStateReader(str(dump))
         assert reader.manifest["dtype"] == "float32"
         yield server, reader
@@ -93,7 +101,7 @@ def tp2(tmp_path_factory):
         assert not alive or rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"
         assert not leftover_server_processes(server.output)
         assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
-        assert not _mq_segments() - before  # the supervisor removes what SGLang leaves in /dev/shm
+        assert not _mq_segments(pids) - before  # the supervisor removes what SGLang leaves in /dev/shm
 
 
 def assert_exact(rec, hf, want_ids):
@@ -186,12 +194,13 @@ def dpep(tmp_path_factory):
     """(server, reader) of a DP-attention + EP server (needs the CPU engine's runtime patches
     torch_native_cpu_pad and moe_native_ep). Its tests come after the kill test, which ends the tp2
     server: one server runs at a time."""
-    dump, before = tmp_path_factory.mktemp("hs-dpep") / "dump", _mq_segments()
+    dump, before, pids = tmp_path_factory.mktemp("hs-dpep") / "dump", _mq_segments(), set()
     server = _serve(dump, ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep-size", "2"])
     server.dump = dump
     reader = None
     try:
         server.wait_ready(timeout=900)
+        pids = set(processes_in_session(server_session(server.output)))  # the queue's maker among them
         reader = HiddenStateReader(str(dump))
         yield server, reader
     finally:
@@ -201,7 +210,7 @@ def dpep(tmp_path_factory):
         assert rc == 128 + 15, f"launcher exit {rc}:\n{server.tail()}"
         assert not leftover_server_processes(server.output)
         assert not list(dump.glob("store-*.bin")) and not list(dump.glob("overlay-*.json"))
-        assert not _mq_segments() - before  # the supervisor removes what SGLang leaves in /dev/shm
+        assert not _mq_segments(pids) - before  # the supervisor removes what SGLang leaves in /dev/shm
 
 
 def test_dpep_one_writer_per_group(dpep):
