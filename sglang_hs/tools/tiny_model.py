@@ -275,7 +275,8 @@ def path(variant: str = "v3") -> str:
         if variant in MTP_ATTENTION:
             h.update(f"mtp-attention qk={MTP_QK} o={MTP_O};".encode())
     if variant in V4_MTP:
-        h.update(f"base={path(V4_MTP[variant])};".encode() + inspect.getsource(_add_v4_mtp_layer).encode())
+        h.update(f"base={path(V4_MTP[variant])};".encode() + inspect.getsource(_add_v4_mtp_layer).encode()
+                 + inspect.getsource(_v4_donor).encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{variant}-{h.hexdigest()[:16]}")
 
 
@@ -699,6 +700,33 @@ def _generate_v4_mtp(out: str, variant: str) -> None:
     _add_v4_mtp_layer(out, variant)
 
 
+def _v4_donor(out: str, donor_cfg: dict, seed: int, prefix: str) -> dict:
+    """Every weight, under its released name (bf16), of an HF DeepSeek-V4 model of `donor_cfg` drawn as the tiny
+    checkpoints are (torch seed `seed`, randomise_norms seed + 1, _v4_weights seed + 2), built in a scratch folder
+    under `out` (named `prefix`...) and removed: the layers a draft (V4's MTP layer, a DSpark draft's stages) takes."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=out)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(donor_cfg, f)
+        torch.manual_seed(seed)
+        donor = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp),
+                                                              dtype=torch.float32)
+        randomise_norms(donor, seed + 1)
+        _v4_weights(donor, seed + 2)
+        donor.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        weights = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                weights.update((_v4_released_name(k), v) for k, v in load_file(os.path.join(tmp, name)).items())
+        return weights
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _add_v4_mtp_layer(out: str, variant: str) -> None:
     """DeepSeek-V4's MTP layer under its released names (`mtp.0.*`: a V4 decoder layer of compress ratio 0, not
     hash-routed, with e_proj, h_proj, enorm, hnorm, norm and its own hc_head_*), which SGLang's
@@ -711,31 +739,13 @@ def _add_v4_mtp_layer(out: str, variant: str) -> None:
     again. The layer's other weights (query/KV projections, sinks, router, up projections) are a normally
     initialised HF V4 layer's, so the draft runs all of SGLang's V4 MTP path."""
     import torch
-    import transformers
     from safetensors.torch import load_file, save_file
 
     cfg = variant_config(variant)
     donor_cfg = dict(cfg, num_hidden_layers=2, compress_ratios=[0, 0], num_nextn_predict_layers=0)
     donor_cfg.pop("layer_types", None)
-    tmp = tempfile.mkdtemp(prefix=".mtp-", dir=out)
-    try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(donor_cfg, f)
-        torch.manual_seed(SEED + 5)
-        donor = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp),
-                                                              dtype=torch.float32)
-        randomise_norms(donor, SEED + 6)
-        _v4_weights(donor, SEED + 7)
-        donor.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        layer = {}
-        for name in sorted(os.listdir(tmp)):
-            if name.endswith(".safetensors"):
-                for k, v in load_file(os.path.join(tmp, name)).items():
-                    k = _v4_released_name(k)
-                    if k.startswith("model.layers.1."):
-                        layer["mtp.0." + k[len("model.layers.1."):]] = v
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    layer = {"mtp.0." + k[len("model.layers.1."):]: v for k, v in _v4_donor(out, donor_cfg, SEED + 5, ".mtp-").items()
+             if k.startswith("model.layers.1.")}
     if not layer:
         raise RuntimeError("no model.layers.1.* weights in the donor model")
     H, hc = cfg["hidden_size"], cfg["hc_mult"]
@@ -777,7 +787,7 @@ def dspark_draft_path(target: str = "v4-csa") -> str:
     """Where the DSpark draft of the V4 variant `target` lives (it may not exist yet)."""
     h = hashlib.sha256(f"target={path(target)};gamma={DSPARK_GAMMA};mask={DSPARK_MASK_TOKEN};"
                        f"bias={DSPARK_MARKOV_BIAS};".encode() + inspect.getsource(_generate_dspark_draft).encode()
-                       + inspect.getsource(dspark_bigram).encode())
+                       + inspect.getsource(_v4_donor).encode() + inspect.getsource(dspark_bigram).encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{target}-dspark-{h.hexdigest()[:16]}")
 
 
@@ -815,8 +825,7 @@ def _generate_dspark_draft(out: str, target: str) -> None:
     on test prompts: 12 of 96), so drafts are both accepted and rejected. No confidence head
     (SGLANG_RAGGED_VERIFY_MODE static, SGLang's default, builds none)."""
     import torch
-    import transformers
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     base = ensure(target)
     with open(os.path.join(base, "config.json")) as f:
@@ -830,28 +839,13 @@ def _generate_dspark_draft(out: str, target: str) -> None:
     donor_cfg = dict(cfg, num_hidden_layers=stages + 1, compress_ratios=[0] * (stages + 1), num_nextn_predict_layers=0)
     for key in [k for k in donor_cfg if k.startswith("dspark_")] + ["layer_types"]:
         donor_cfg.pop(key, None)
-    tmp = tempfile.mkdtemp(prefix=".dspark-", dir=out)
-    try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(donor_cfg, f)
-        torch.manual_seed(SEED + 9)
-        donor = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp),
-                                                              dtype=torch.float32)
-        randomise_norms(donor, SEED + 10)
-        _v4_weights(donor, SEED + 11)
-        donor.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        weights = {}
-        for name in sorted(os.listdir(tmp)):
-            if name.endswith(".safetensors"):
-                for k, v in load_file(os.path.join(tmp, name)).items():
-                    k = _v4_released_name(k)
-                    for s in range(stages):  # donor layer s + 1 (layer 0 is hash-routed) -> stage s
-                        if k.startswith(f"model.layers.{s + 1}."):
-                            weights[f"mtp.{s}." + k[len(f"model.layers.{s + 1}."):]] = v
-                    if k in ("model.norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
-                        weights[k] = v
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    weights = {}
+    for k, v in _v4_donor(out, donor_cfg, SEED + 9, ".dspark-").items():
+        for s in range(stages):  # donor layer s + 1 (layer 0 is hash-routed) -> stage s
+            if k.startswith(f"model.layers.{s + 1}."):
+                weights[f"mtp.{s}." + k[len(f"model.layers.{s + 1}."):]] = v
+        if k in ("model.norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
+            weights[k] = v
     H, V, last = cfg["hidden_size"], cfg["vocab_size"], stages - 1
     gen = torch.Generator().manual_seed(SEED + 12)
     lo, hi = NORM_WEIGHT_RANGE
