@@ -26,9 +26,9 @@ def _patched_tree(root):
     then scripts/apply_patches.sh run on it. The installed bytecode is linked too: without it every process
     on this tree compiled each SGLang module it imports from source (and wrote nothing back where
     PYTHONDONTWRITEBYTECODE is set): test_source_patch_and_runtime_fix_agree took 39 s instead of 24 s, the
-    module 75 s of its children's CPU instead of 68 s (loaded machine). A patched file's bytecode no longer matches its source's
-    mtime and size, so Python compiles that file afresh (and if it writes the result, it replaces the link
-    in this tree, not the installed file)."""
+    module 75 s of its children's CPU instead of 68 s (loaded machine). A patched file's bytecode no longer
+    matches its source's mtime and size, so Python compiles that file afresh (and if it writes the result, it
+    replaces the link in this tree, not the installed file)."""
     shutil.copytree(os.path.join(SITE, "sglang"), os.path.join(root, "sglang"), symlinks=False,
                     copy_function=os.symlink)
     for patch in PATCHES:
@@ -99,8 +99,9 @@ def test_numerics_with_the_source_patch_and_the_runtime_fix_off(patched_root, tm
     try:
         server.wait_ready()
         applied = ("runtime-patches=['capture_hooks', 'cpu_gloo_groups', 'cpu_inplace_all_reduce', "
-                   "'dp_controller_idle_wait', 'dsa_spec_verify', 'dsa_torch_native', 'dsv4_cpu_dspark', 'dsv4_cpu_moe', "
-                   "'dsv4_cpu_spec', 'dsv4_cpu_tp', 'dsv4_torch_native', 'eagle_cpu_draft', 'moe_native_ep', "
+                   "'dp_controller_idle_wait', 'dsa_spec_verify', 'dsa_torch_native', 'dsv4_cpu_dspark', "
+                   "'dsv4_cpu_moe', 'dsv4_cpu_spec', 'dsv4_cpu_tp', 'dsv4_torch_native', 'eagle_cpu_draft', "
+                   "'moe_native_ep', "
                    "'spec_verify_torch_native', 'torch_native_cpu_pad', 'torch_native_extend']")
         assert applied in server.output  # the MLA fix came from the source
         check_prompt_logprobs(server)

@@ -526,9 +526,9 @@ concern the HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_arg
 server arguments, are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__` (with dsv4_cpu_tp, needed before the scheduler loads the
-model, and dp_controller_idle_wait, for the DP controller, a spawned process that builds no model). Not a `sglang.srt.plugins` entry point: SGLang
-logs and swallows exceptions raised by plugins, and would run ours in every SGLang process of the
-environment, plain `sglang serve` runs included.
+model, and dp_controller_idle_wait, for the DP controller, a spawned process that builds no model). Not a
+`sglang.srt.plugins` entry point: SGLang logs and swallows exceptions raised by plugins, and would run ours in
+every SGLang process of the environment, plain `sglang serve` runs included.
 """
 from __future__ import annotations
 
