@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_hs.server.patches.dsv4_torch_native import _linear, _rms, _rope, local_heads, sink_attention
+from sglang_hs.server.patches.dsv4_torch_native import (_linear, key_rows, local_heads, output_rows, query_rows,
+                                                        sink_attention)
 from sglang_hs.version import SGLANG_VERSION
 
 DRAFT_BACKEND = "torch_native"
@@ -56,8 +57,7 @@ def _swa_window() -> int:
 
 def _key(attn, x, positions):
     """The stage's key of x at `positions`: kv_norm(wkv x) with RoPE (upstream's fused norm+rope SWA write)."""
-    kv = _linear(attn.wkv, x)
-    return _rope(_rms(kv, attn.kv_norm.variance_epsilon, attn.kv_norm.weight), attn.freqs_cis, positions)
+    return key_rows(attn, _linear(attn.wkv, x), positions)
 
 
 def dspark_attention_forward(self, positions, hidden_states, forward_batch, *, defer_all_reduce=False):
@@ -67,10 +67,7 @@ def dspark_attention_forward(self, positions, hidden_states, forward_batch, *, d
     if forward_batch.forward_mode.is_idle() or x.shape[0] == 0:
         return torch.zeros_like(x)
     T, H, D = x.shape[0], self.n_local_heads, self.head_dim
-    q = _linear(self.wq_b, _rms(_linear(self.wq_a, x), self.q_norm.variance_epsilon, self.q_norm.weight)).view(T, H, D)
-    if self.q_head_norm:
-        q = _rms(q, self.eps)
-    q = _rope(q, self.freqs_cis, positions)
+    q = query_rows(self, _linear(self.wq_a, x), positions)
     kv = _key(self, x, positions)
     pool = get_token_to_kv_pool()
     pool.set_kv_buffer(self.attn, forward_batch.out_cache_loc, kv.unsqueeze(1), kv.unsqueeze(1))
@@ -91,11 +88,7 @@ def dspark_attention_forward(self, positions, hidden_states, forward_batch, *, d
         keys = torch.cat([context, kv[b * n:(b + 1) * n]])
         mask = torch.ones((n, keys.shape[0]), dtype=torch.bool, device=x.device)
         o[b * n:(b + 1) * n] = sink_attention(q[b * n:(b + 1) * n], keys, mask, sink, self.softmax_scale)
-    o = _rope(o, self.freqs_cis, positions, inverse=True)
-    G = self.n_local_groups
-    wo_a = self.wo_a.weight.to(x.dtype).view(G, self.o_lora_rank, -1)
-    o = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a).flatten(1)
-    out, _ = self.wo_b(o)
+    out, _ = self.wo_b(output_rows(self, o, positions, x.dtype))
     return out
 
 

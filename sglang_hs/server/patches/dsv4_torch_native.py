@@ -183,6 +183,29 @@ def indexer_keep(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, sof
     return closed & torch.zeros_like(closed).scatter_(1, top, True)
 
 
+def query_rows(attn, q_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """An MQA layer's queries [T, H, D] from wq_a's output: q_norm, wq_b, the per-head norm (q_head_norm), RoPE."""
+    q = _linear(attn.wq_b, _rms(q_a, attn.q_norm.variance_epsilon, attn.q_norm.weight))
+    q = q.view(q_a.shape[0], attn.n_local_heads, attn.head_dim)
+    if attn.q_head_norm:
+        q = _rms(q, attn.eps)
+    return _rope(q, attn.freqs_cis, positions)
+
+
+def key_rows(attn, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """An MQA layer's keys (= values) [T, D] from wkv's output: kv_norm, then RoPE at the token's position."""
+    return _rope(_rms(kv, attn.kv_norm.variance_epsilon, attn.kv_norm.weight), attn.freqs_cis, positions)
+
+
+def output_rows(attn, o: torch.Tensor, positions: torch.Tensor, dtype) -> torch.Tensor:
+    """An MQA layer's attention output [T, H, D] to wo_b's input [T, G * o_lora_rank]: the conjugate rotation at the
+    query position on the rope channels, then the grouped wo_a."""
+    o = _rope(o, attn.freqs_cis, positions, inverse=True)
+    G = attn.n_local_groups
+    wo_a = attn.wo_a.weight.to(dtype).view(G, attn.o_lora_rank, -1)
+    return torch.einsum("tgd,grd->tgr", o.reshape(o.shape[0], G, -1), wo_a).flatten(1)
+
+
 def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduce=False):
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
@@ -198,11 +221,8 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
         q_a, kv = _linear(self.wqkv_a, x).split([self.q_lora_rank, self.head_dim], dim=-1)
     else:
         q_a, kv = _linear(self.wq_a, x), _linear(self.wkv, x)
-    q = _linear(self.wq_b, _rms(q_a, self.q_norm.variance_epsilon, self.q_norm.weight)).view(T, H, D)
-    if self.q_head_norm:
-        q = _rms(q, self.eps)
-    q = _rope(q, self.freqs_cis, positions)
-    kv = _rope(_rms(kv, self.kv_norm.variance_epsilon, self.kv_norm.weight), self.freqs_cis, positions)
+    q = query_rows(self, q_a, positions)
+    kv = key_rows(self, kv, positions)
 
     pool = get_token_to_kv_pool()
     pool.set_kv_buffer(self.attn_mqa, forward_batch.out_cache_loc, kv.unsqueeze(1), kv.unsqueeze(1))
@@ -246,14 +266,9 @@ def mqa_forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduc
             keys, mask = torch.cat([keys, entries]), torch.cat([mask, closed], dim=1)
         o[start:start + n] = sink_attention(q[start:start + n], keys, mask, sink, self.softmax_scale)
         start += n
-    o = _rope(o, self.freqs_cis, positions, inverse=True)
-    G = self.n_local_groups
-    o = o.reshape(T, G, -1)
-    wo_a = self.wo_a.weight.to(x.dtype).view(G, self.o_lora_rank, -1)
-    o = torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)
     # wo_b is row parallel over the attention-TP ranks: upstream's own projection, which all-reduces the ranks' partial
     # sums (the TP group, or the attention-TP group under DP attention)
-    return self._project_wo_b(o, defer_all_reduce)
+    return self._project_wo_b(output_rows(self, o, positions, x.dtype), defer_all_reduce)
 
 
 def hc_pre(self, x, hc_fn, hc_scale, hc_base, norm=None, forward_batch=None):
