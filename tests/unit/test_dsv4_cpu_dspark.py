@@ -6,6 +6,9 @@ its whole block and the context window, nothing before the window and no other r
 The end-to-end judge (every row against HF float32, drafts accepted and rejected) is
 tests/e2e/test_v4_cpu.py::test_dspark_verify_passes_keep_only_committed_rows.
 """
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -160,3 +163,68 @@ def test_the_draft_block_sees_itself_and_the_context_window(mods, monkeypatch):
     assert not torch.allclose(run(x, touch=5)[:3], base[:3])  # position 5 = 9 - 4: in request 0's window
     assert torch.equal(run(x, touch=4), base)  # position 4: before it (and no other request's)
     assert torch.equal(run(x, touch=32 + 4)[:3], base[:3])  # request 1's slot: not request 0's
+
+
+# Upstream's chain rejection sampling kernel (reject_sampling.speculative_sampling_classic_kernel) run by Triton's
+# interpreter on CPU tensors (TRITON_INTERPRET=1, a process of its own: Triton reads it at import): the inputs from
+# a file, its predicts, accept_index and accept_token_num to another
+_INTERPRETED_KERNEL = """
+import sys
+import torch
+from sglang.kernels.ops.speculative.reject_sampling import chain_speculative_sampling_triton
+args = torch.load(sys.argv[1])
+chain_speculative_sampling_triton(*args, 1.0, 1.0, True)
+torch.save(args[:3], sys.argv[2])
+"""
+
+
+def _sampling_inputs(requests=48, gamma=3, vocab=32):
+    """Chains whose drafts are drawn from their draft rows, against target rows from the draft's own (every draft
+    passes) through a perturbed one to an unrelated one, so the accepted counts span 0 .. gamma; one request's first
+    draft has draft probability 0 (rejected whatever its coin). Outputs pre-filled with -1, as the kernel leaves
+    unaccepted slots."""
+    g = torch.Generator().manual_seed(11)
+    draft = torch.softmax(torch.randn(requests, gamma, vocab, generator=g) * 3, -1)
+    drafts = torch.multinomial(draft.view(-1, vocab), 1, generator=g).view(requests, gamma)
+    closeness = torch.linspace(0, 1, requests).view(-1, 1, 1)
+    unrelated = torch.softmax(torch.randn(requests, gamma + 1, vocab, generator=g) * 3, -1)
+    own = torch.cat([draft, unrelated[:, -1:]], dim=1)
+    target = closeness * own + (1 - closeness) * unrelated
+    draft[0, 0, drafts[0, 0]] = 0.0
+    candidates = torch.cat([torch.randint(0, vocab, (requests, 1), generator=g), drafts], dim=1)
+    index = torch.arange(requests * (gamma + 1)).view(requests, gamma + 1)
+    outputs = (torch.full((requests * (gamma + 1),), -1, dtype=torch.int32),
+               torch.full((requests, gamma + 1), -1, dtype=torch.int32), torch.zeros(requests, dtype=torch.int32))
+    coins = (torch.rand(requests, gamma, generator=g), torch.rand(requests, generator=g))
+    return (*outputs, candidates, index, index.clone(), index.clone(), *coins, target, draft)
+
+
+def test_sampled_verify_accepts_as_upstreams_kernel(mods, tmp_path):
+    """chain_speculative_sampling_cpu (a sampled request's verify: SGLang's AcceptSampling calls the Triton kernel
+    even on CPU tensors, "0 active drivers" on the CPU engine) gives upstream's kernel's predicts (accepted drafts
+    and the bonus from the target row or the residual max(p - q, 0)), accept_index and accept_token_num on the same
+    inputs and coins, every accepted count 0 .. gamma among them; block verification is refused."""
+    args = _sampling_inputs()
+    torch.save(args, tmp_path / "in.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    command = [sys.executable, "-c", _INTERPRETED_KERNEL, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = torch.load(tmp_path / "out.pt")
+    mods.dspark.chain_speculative_sampling_cpu(*args, 1.0, 1.0, True)
+    assert sorted(set(want[2].tolist())) == [0, 1, 2, 3] and want[2][0] == 0
+    for name, got, expected in zip(("predicts", "accept_index", "accept_token_num"), args[:3], want):
+        assert torch.equal(got, expected), (name, got, expected)
+    with pytest.raises(NotImplementedError, match="block verification"):
+        mods.dspark.chain_speculative_sampling_cpu(*_sampling_inputs(), 1.0, 1.0, True, block_verification=True)
+
+
+def test_the_sampler_keeps_upstreams_kernel_for_gpu_tensors(mods, monkeypatch):
+    """The patched name takes the CPU sampler for CPU tensors only (upstream's dispatch rule, inputs_on_cuda): what
+    that rule routes to CUDA still runs upstream's kernel."""
+    ran = []
+    dispatch = mods.dspark._on_cpu_tensors(lambda *a: ran.append("cpu"), lambda *a: ran.append("upstream"))
+    dispatch(torch.zeros(2))
+    monkeypatch.setattr(mods.dspark, "inputs_on_cuda", lambda *a, **k: True)
+    dispatch(torch.zeros(2))
+    assert ran == ["cpu", "upstream"]

@@ -91,7 +91,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | window + whole block, sinks) and DeepseekV4- |                  |
 |                   | ForCausalLMDSpark.write_target_hidden_kv     |                  |
 |                   | (commit gate) in torch on the MHA pool;      |                  |
-|                   | Tensor.record_stream a no-op on CPU tensors  |                  |
+|                   | Tensor.record_stream a no-op on CPU tensors; |                  |
+|                   | dspark_accept's chain rejection sampling in  |                  |
+|                   | torch on CPU tensors (sampled requests)      |                  |
 | dsv4_cpu_moe      | V4's clamped SwiGLU: deepseek_v2.silu_and_   | CPU mode only    |
 |                   | mul_clamp (shared expert) and moe_forward_   |                  |
 |                   | native's activation (routed experts)         |                  |
@@ -428,16 +430,21 @@ dsv4_cpu_dspark
             after a verify only each request's first commit_lens rows, upstream's commit gate, so a rejected draft's
             target state never reaches the draft's KV) are plain torch. DSparkWorkerV2._forward_decode records
             batch.seq_lens on the device's current stream: "unknown parameter type" for a CPU tensor; record_stream
-            is a no-op on a CPU tensor (CPU work is synchronous), the original for any other. The verify pass's
-            spans are dsv4_cpu_spec's (dspark_prefixes); the launcher refuses DSPARK for other models, on a GPU, on
-            several ranks and without --speculative-draft-model-path.
+            is a no-op on a CPU tensor (CPU work is synchronous), the original for any other. A sampled request's
+            verify (temperature > 0: AcceptSampling) launches reject_sampling's Triton kernel even from its torch
+            reference ("0 active drivers": the scheduler dies at the first such pass); dspark_accept's
+            chain_speculative_sampling_triton takes chain_speculative_sampling_cpu for CPU tensors, the kernel's
+            chain rule (coin * q(d) < p(d), the bonus from the target's row or max(p - q, 0)) token by token. The
+            verify pass's spans are dsv4_cpu_spec's (dspark_prefixes); the launcher refuses DSPARK for other models,
+            on a GPU, on several ranks and without --speculative-draft-model-path.
   upstream: present in sglang 0.5.23 (speculative/dspark_components/dspark_worker_v2.py, dspark_kv_inject.py,
             models/deepseek_v4_dspark.py); not reported upstream.
   removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's DSpark server (v4_dspark) does not start without it,
-            and test_dspark_verify_passes_keep_only_committed_rows judges every row against HF float32, the tokens
-            against HF's greedy ones and each pass's accepted drafts against the draft's markov chain;
-            tests/unit/test_dsv4_cpu_dspark.py checks the commit gate, the draft attention's reach and the verify
-            window's prefix piece by piece (the e2e test cannot see the draft's KV: its markov head dominates).
+            and test_dspark_verify_passes_keep_only_committed_rows judges every row of greedy and sampled requests
+            against HF float32, the greedy tokens against HF's greedy ones and each greedy pass's accepted drafts
+            against the draft's markov chain; tests/unit/test_dsv4_cpu_dspark.py checks the commit gate, the draft
+            attention's reach, the verify window's prefix and the sampled accept (against upstream's kernel under
+            TRITON_INTERPRET=1) piece by piece (the e2e test cannot see the draft's KV: its markov head dominates).
 
 dsv4_cpu_moe
   why:      DeepSeek-V4's experts clamp their SwiGLU (swiglu_limit). The shared expert's clamp is a JIT CUDA kernel

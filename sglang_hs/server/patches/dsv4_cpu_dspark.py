@@ -5,9 +5,9 @@ See the ledger in sglang_hs/server/patches/__init__.py. SGLang 0.5.23's DSparkWo
 runs as upstream: the prefill's target forward (its aux states at the draft's dspark_target_layer_ids, the V4 overlay's
 capture union), the injection of those states into the draft's KV, the draft's block forward (the anchor, i.e. the
 last token, then gamma - 1 mask tokens, one query row per draft), the markov head's greedy steps, the target's verify
-pass over [anchor, d1 .. d_gamma] (dsv4_cpu_spec's verify spans), the greedy accept, and the commit injection of the
-accepted rows. Its kernels take their torch reference on CPU tensors (kernels/ops/speculative/dspark/dispatch.py
-`inputs_on_cuda`). What has no CPU path, and is given one here:
+pass over [anchor, d1 .. d_gamma] (dsv4_cpu_spec's verify spans), the accept (greedy, sampled or both in one batch),
+and the commit injection of the accepted rows. Its kernels take their torch reference on CPU tensors
+(kernels/ops/speculative/dspark/dispatch.py `inputs_on_cuda`). What has no CPU path, and is given one here:
 
 - The draft's attention backend: DSparkWorkerV2 builds the draft runner with the "dsv4" backend for a V4 (MoE) draft
   (dspark_config.DSV4_DRAFT_ATTENTION_BACKEND, FlashMLA over DeepSeekV4TokenToKVPool, asserting head_dim 512). On the
@@ -30,13 +30,20 @@ accepted rows. Its kernels take their torch reference on CPU tensors (kernels/op
   written at the token's slot in the stage's layer; with `cache_loc_2d` and `commit_lens` (the commit after a verify
   pass) only the first commit_lens rows of each request (the anchor and its accepted drafts), as upstream's commit
   gate (committed_swa_loc: -1 for uncommitted rows), so a rejected draft's target state never reaches the draft's KV.
+- `dspark_accept.chain_speculative_sampling_triton` (a sampled request's verify: AcceptSampling's torch reference
+  still launches reject_sampling's Triton kernel, "0 active drivers" on the CPU engine, and the scheduler dies at the
+  first pass with a request of temperature > 0; the blockwise-rejection path is CUDA-only upstream):
+  chain_speculative_sampling_cpu, the kernel's chain rule token by token on CPU tensors (draft j accepted while
+  coin_j * q(d) < p(d), the bonus drawn by inverse CDF from the target's row after the last accepted draft, or from
+  max(p - q, 0) there when a draft was rejected), the same outputs from the same coins; the original for CUDA
+  tensors. Block verification is refused (SGLang refuses it off CUDA already).
 
 Capture is unaffected by the draft: the draft runs on its own runner and pool, never through the target overlay's
 forward, and the target's verify pass writes rows at the verify window's slots as under EAGLE (a rejected draft's
 row sits at a position past the request's committed length and is overwritten by the next pass before any record
 reads it). Not served: several ranks (the launcher refuses --tp/--dp), a draft bundled in the target's checkpoint,
-the compact (ragged) verify mode and the confidence head (SGLANG_RAGGED_VERIFY_MODE other than static), sampling
-(the proven path is greedy).
+the compact (ragged) verify mode and the confidence head (SGLANG_RAGGED_VERIFY_MODE other than static), block
+verification.
 """
 from __future__ import annotations
 
@@ -124,8 +131,76 @@ def _record_stream_on_cpu(original):
     return record_stream
 
 
+def _residual(target_row, draft_row):
+    """Where a rejected chain samples its bonus: max(p - q, 0) (a draft probability outside [0, 1] taken as 0, as
+    upstream's guard)."""
+    draft_row = torch.where((draft_row >= 0) & (draft_row <= 1), draft_row, torch.zeros_like(draft_row))
+    return (target_row - draft_row).clamp(min=0)
+
+
+def _inverse_cdf(weights, coin):
+    """The first token whose cumulative weight exceeds coin * total (the last token if none: upstream's fallback)."""
+    above = torch.nonzero(weights.cumsum(0) > coin * weights.sum())
+    return int(above[0]) if len(above) else weights.shape[0] - 1
+
+
+def _accepted_chain(target_probs, draft_probs, candidates, coins):
+    """How many of a chain's drafts pass: draft j (candidates[j + 1]) while coin_j * q(d) < p(d), with q(d) a
+    probability."""
+    accepted = 0
+    for step in range(1, candidates.shape[0]):
+        token = int(candidates[step])
+        p, q = float(target_probs[accepted, token]), float(draft_probs[accepted, token])
+        if not (0.0 < q <= 1.0 and float(coins[step - 1]) * q < p):
+            break
+        accepted += 1
+    return accepted
+
+
+def chain_speculative_sampling_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                   retrive_next_token, retrive_next_sibling, uniform_samples,
+                                   uniform_samples_for_final_sampling, target_probs, draft_probs, threshold_single,
+                                   threshold_acc, deterministic, *, block_verification=False):
+    """Upstream's chain rejection sampling (reject_sampling.speculative_sampling_classic_kernel, token by token) on CPU
+    tensors: each request's drafts accepted while coin * q(d) < p(d), then its bonus drawn from the target's row
+    after the last accepted draft (all accepted) or from max(p - q, 0) there; predicts at the accepted rows' indices,
+    accept_index and accept_token_num as the kernel writes them."""
+    if block_verification:
+        raise NotImplementedError("sglang-hs DeepSeek-V4 DSpark on the CPU engine: block verification "
+                                  "(--speculative-use-block-verification)")
+    drafts = candidates.shape[1] - 1
+    for b in range(candidates.shape[0]):
+        accepted = _accepted_chain(target_probs[b], draft_probs[b], candidates[b], uniform_samples[b])
+        for step in range(accepted + 1):
+            accept_index[b, step] = retrive_index[b, step]
+            if step:
+                predicts[retrive_index[b, step - 1]] = candidates[b, step]
+        accept_token_num[b] = accepted
+        weights = target_probs[b, accepted]
+        if accepted < drafts:
+            weights = _residual(weights, draft_probs[b, accepted])
+        predicts[retrive_index[b, accepted]] = _inverse_cdf(weights, float(uniform_samples_for_final_sampling[b]))
+
+
+def _on_cpu_tensors(torch_version, original):
+    def dispatch(*args, **kwargs):
+        if inputs_on_cuda(*args, **kwargs):
+            return original(*args, **kwargs)
+        return torch_version(*args, **kwargs)
+
+    dispatch.__wrapped__ = original
+    return dispatch
+
+
+def inputs_on_cuda(*args, **kwargs):
+    from sglang.kernels.ops.speculative.dspark.dispatch import inputs_on_cuda as upstream
+
+    return upstream(*args, **kwargs)
+
+
 def apply() -> dict:
     import sglang
+    from sglang.kernels.ops.speculative.dspark import dspark_accept
     from sglang.srt.models import deepseek_v4_dspark
     from sglang.srt.speculative.dspark_components import dspark_worker_v2
 
@@ -136,7 +211,10 @@ def apply() -> dict:
                  "DSparkAttention.forward": deepseek_v4_dspark.DSparkAttention.forward,
                  "DeepseekV4ForCausalLMDSpark.write_target_hidden_kv":
                      deepseek_v4_dspark.DeepseekV4ForCausalLMDSpark.write_target_hidden_kv,
-                 "torch.Tensor.record_stream": torch.Tensor.record_stream}
+                 "torch.Tensor.record_stream": torch.Tensor.record_stream,
+                 "dspark_accept.chain_speculative_sampling_triton": dspark_accept.chain_speculative_sampling_triton}
+    dspark_accept.chain_speculative_sampling_triton = _on_cpu_tensors(
+        chain_speculative_sampling_cpu, dspark_accept.chain_speculative_sampling_triton)
     torch.Tensor.record_stream = _record_stream_on_cpu(torch.Tensor.record_stream)
     dspark_worker_v2.DSV4_DRAFT_ATTENTION_BACKEND = DRAFT_BACKEND
     deepseek_v4_dspark.DSparkAttention.forward = dspark_attention_forward
