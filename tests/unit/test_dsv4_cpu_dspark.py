@@ -2,9 +2,13 @@
 piece: the verify window's prefix (seq_lens_cpu less the window, checked against its positions), the injection's
 commit gate (after a verify only each request's first commit_lens rows reach the draft's KV, at their slots, as
 main_norm(main_proj(h)) through each stage's wkv, kv_norm and RoPE), the draft attention's reach (every block row sees
-its whole block and the context window, nothing before the window and no other request) and record_stream on CPU.
-The end-to-end judge (every row against HF float32, drafts accepted and rejected) is
-tests/e2e/test_v4_cpu.py::test_dspark_verify_passes_keep_only_committed_rows.
+its whole block and the context window, nothing before the window and no other request), record_stream on CPU, and
+a sampled request's accept (chain_speculative_sampling_cpu against upstream's Triton kernel run by Triton's
+interpreter on the same inputs and coins). The end-to-end judge (every row of greedy and sampled requests against HF
+float32, drafts accepted and rejected) is tests/e2e/test_v4_cpu.py::test_dspark_verify_passes_keep_only_committed_rows.
+Planted in the sampler (scratch copies; each fails test_sampled_verify_accepts_as_upstreams_kernel at its
+torch.equal, on predicts): the bonus drawn from the target's row after a rejection (no max(p - q, 0)); a draft
+accepted while coin < p (q ignored).
 """
 import os
 import subprocess
@@ -130,7 +134,7 @@ def test_the_draft_block_sees_itself_and_the_context_window(mods, monkeypatch):
     from sglang.srt.model_executor import forward_context
 
     g = torch.Generator().manual_seed(1)
-    attn, H, n = _attention(g), 16, 3
+    attn, H = _attention(g), 16
     pool = _Pool(1, 64, attn.head_dim)
     pool.buf[0][:] = torch.randn(64, 1, attn.head_dim, generator=g)
     req_to_token = torch.arange(2 * 32).view(2, 32)  # request r's position p at slot 32 r + p
