@@ -41,6 +41,11 @@ and the radix cache on:
   tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
   the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
   of 16. A server of its own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP.
+  Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
+  the sampled verify is SGLang's chain rejection sampling, in torch on the CPU engine: before that patch the
+  scheduler died at the first sampled pass, "0 active drivers" from the Triton kernel). SGLang's sampling_seed does
+  not govern that accept (read only under --enable-deterministic-inference; its coins are torch.rand draws), so the
+  sampled tokens vary from run to run and each record is judged on the tokens its request ends with.
 TP 1 attention is csa-full's and each csa-dp2 group's. v4-swa is served in bf16 only
 (test_bf16_rows_of_the_checkpoints_layers, its own server, judged statistically): its float32 server (swa-mean) and the
 HCA checkpoint's (hca-dp2, v4-hca under DP attention, prompts of up to 290 tokens) were folded into csa-dp2, whose
@@ -88,13 +93,22 @@ Planted bugs (scratch copies of the patches; each fails):
   rejected draft's compressor sources left in the compressed blocks (a block's key kept once computed, as a compressor
   state not rolled back) -> spec-118's rows 119, 123, 126, 127 on (the CSA blocks its rejected drafts closed, then
   the HCA block at 127) off by up to 0.24 (0.149 with one draft).
-- v4-dspark (issue 44; scratch copies, test_dspark_verify_passes_keep_only_committed_rows; measured passing: 211 rows,
-  worst 5.6e-07, 56 verify passes, 4 drafts accepted and 164 rejected): a verify pass leaving its anchor's row
-  unwritten (a rejected draft's or stale row kept at that slot) -> v4-dspark-29's pre-norm rows 29 on (its decode) off
-  by up to 1.27; the capture union split taking the draft's layers as ours -> every row of id 1 off by up to 0.72;
-  the verify prefix read from seq_lens_cpu as it comes (the window already added) -> rows 29 on off by up to 0.92.
-  The injection's commit gate removed (rejected drafts' target states in the draft's KV) passes here: the draft's
-  markov head decides its proposals, so its KV is not seen; tests/unit/test_dsv4_cpu_dspark.py fails on it.
+- v4-dspark (issue 44; scratch copies, test_dspark_verify_passes_keep_only_committed_rows; measured passing, greedy
+  requests only: 211 rows, worst 5.6e-07, 56 verify passes, 4 drafts accepted and 164 rejected; with DSPARK_SAMPLED
+  beside them, two runs: 371 rows, worst 5.7e-07 and 6.2e-07, the greedy figures unchanged, the sampled 22 and 28
+  passes, 23 and 19 drafts accepted, 43 and 65 rejected (accepted at 0.8, 0.9, 1.0: 5, 9, 9 and 3, 7, 9); two earlier
+  runs with two of the three at temperature 0.02: worst 5.9e-07 both, in the second those two 30 passes and none
+  accepted, the one at 0.9 8 accepted in 7 passes; the test's call 2.2-5.6 s, the server's start 88-132 s): a verify
+  pass leaving its anchor's row unwritten (a rejected draft's or stale row kept at that slot) -> v4-dspark-29's pre-norm
+  rows 29 on (its decode) off by up to 1.27; the capture union split taking the draft's layers as ours -> every row of
+  id 1 off by up to 0.72; the verify prefix read from seq_lens_cpu as it comes (the window already added) -> rows 29 on
+  off by up to 0.92. The injection's commit gate removed (rejected drafts' target states in the draft's KV) passes here:
+  the draft's markov head decides its proposals, so its KV is not seen; tests/unit/test_dsv4_cpu_dspark.py fails on it.
+  With the sampled requests: dsv4_cpu_dspark's CPU chain sampler left out (upstream's Triton kernel launched on CPU
+  tensors) -> the scheduler dies at the first sampled verify pass ("0 active drivers"), the test fails at its generate
+  calls (ConnectionError, RemoteDisconnected) and the fixture's teardown (launcher exit 137); the anchor row left
+  unwritten again, the sampled records judged first (jobs reversed in the scratch copy) -> v4-dspark-sampled-1.0's
+  pre-norm rows 44, 45, 47, 50, 52, 55, 56 (its passes' anchors) off by up to 1.58.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
@@ -532,50 +546,83 @@ def v4_dspark(tmp_path_factory):
         next(gen, None)
 
 
+# Sampled requests served beside the greedy ones (DSpark's sampled verify: on CPU tensors SGLang's AcceptSampling, chain
+# rejection sampling, patches/dsv4_cpu_dspark.chain_speculative_sampling_cpu; top_p < 1 takes its dense target-probs
+# path). The tiny target is flat (its logits' spread about 0.17: p about 1e-3 for each of the 1024 tokens) and the
+# draft samples at the request's temperature from its stages' logits plus the markov head's bias of 6 towards the
+# bigram: that bigram gets about 0.3 (at 1.0) to 0.6 (at 0.8) of q, so a bigram draft is rejected (q far above p)
+# and almost any other passes (q below the flat p) unless top_p cut it from the target's row: drafts are both accepted
+# and rejected (measured at 0.02, where the draft is the bigram alone, 0 of 30 passes accepted one: the bigram is
+# rarely the target's top token). ignore_eos: a flat target samples the EOS id (1) about once in 1024 tokens, which
+# would end a request short. (rid, prompt length, prompt seed, sampling parameters)
+DSPARK_SAMPLED = (("v4-dspark-sampled-0.8", 38, 70, {"temperature": 0.8, "top_p": 0.9, "ignore_eos": True}),
+                  ("v4-dspark-sampled-0.9", 33, 71, {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True}),
+                  ("v4-dspark-sampled-1.0", 44, 72, {"temperature": 1.0, "top_p": 0.8, "ignore_eos": True}))
+DSPARK_TOKENS = 16
+
+
+def _dspark_jobs():
+    """(rid, prompt, sampling parameters): the greedy prompts (DSPARK_PROMPTS), then the sampled ones."""
+    greedy = [(f"v4-dspark-{n}", _prompt(n, 60 + i), GREEDY) for i, n in enumerate(DSPARK_PROMPTS)]
+    return greedy + [(rid, _prompt(n, seed), params) for rid, n, seed, params in DSPARK_SAMPLED]
+
+
+def _markov_accepts(rid, bigram, full, prompt_len, steps, gamma):
+    """Each verify pass's drafts accepted must be what the draft's markov head (the target's bigram, far above the
+    stages' logits) gives a greedy request: pass k (first position f) drafts the bigram chain from the anchor
+    full[f], accepted while it is the token there (a pass drafting past the output's end, whose count SGLang may
+    take past max_new_tokens, not judged)."""
+    for f, got in _verify_passes(prompt_len, steps):
+        chain = [bigram[full[f]]]
+        while len(chain) < gamma:
+            chain.append(bigram[chain[-1]])
+        if f + gamma < len(full):
+            assert got == next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma), (rid, f, steps)
+
+
 def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
-    """SGLang's DSpark drafter on the CPU engine (patches/dsv4_cpu_dspark.py): four prompts at once (DSPARK_PROMPTS),
-    16 greedy tokens each. Every row of every record is HF float32's for the tokens the request ends with (its prompt
-    and emitted tokens but the last), so no rejected draft's row reached a record; the tokens are HF's greedy ones;
-    each record's accepted drafts per verify pass are SGLang's (check_steps: spec_verify_ct, spec_num_correct_drafts,
-    the histogram) and the ones the draft's markov head gives (the target's bigram chain from the pass's anchor);
-    and by SGLang's own counters drafts were both accepted and rejected (each pass verifies DSPARK_GAMMA drafts)."""
+    """SGLang's DSpark drafter on the CPU engine (patches/dsv4_cpu_dspark.py): four greedy prompts (DSPARK_PROMPTS)
+    and three sampled ones (DSPARK_SAMPLED, temperature > 0, top_p < 1) at once, DSPARK_TOKENS tokens each. Every row
+    of every record is HF float32's for the tokens the request ends with (its prompt and emitted tokens but the
+    last), so no rejected draft's row reached a record, sampled or greedy; the greedy tokens are HF's greedy ones;
+    each record's accepted drafts per verify pass are SGLang's (check_steps: spec_verify_ct,
+    spec_num_correct_drafts, the histogram), for greedy requests the ones the draft's markov head gives (the
+    target's bigram chain from the pass's anchor); and by SGLang's own counters drafts were both accepted and
+    rejected, among the greedy requests and among the sampled ones (each pass verifies DSPARK_GAMMA drafts)."""
     from spec_counts import check_steps as _check_steps
 
     server, reader, streams, hf = v4_dspark
     gamma = tiny_model.DSPARK_GAMMA
     bigram = tiny_model.dspark_bigram(None, model=hf.model)
-    jobs = [(f"v4-dspark-{n}", _prompt(n, 60 + i)) for i, n in enumerate(DSPARK_PROMPTS)]
+    jobs = _dspark_jobs()
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
-            "max_new_tokens": 16, **GREEDY}), jobs))
-    worst, verify, accepted, rows = 0.0, 0, 0, 0
-    for (rid, ids), out in zip(jobs, outs):
+            "max_new_tokens": DSPARK_TOKENS, **j[2]}), jobs))
+    worst, rows, sampled = 0.0, 0, []
+    counts = {True: [0, 0], False: [0, 0]}  # greedy or not: [verify passes, drafts accepted]
+    for (rid, ids, params), out in zip(jobs, outs):
         meta = out["meta_info"]
-        assert len(out["output_ids"]) == 16, (rid, meta)
+        assert len(out["output_ids"]) == DSPARK_TOKENS, (rid, meta)
         rec = reader.take(rid, timeout=60)
         _check_steps(rec, meta)
         full = ids + out["output_ids"]
         worst = max(worst, judge(rec, hf, full[:-1], streams))
         rows += len(full) - 1
-        with torch.no_grad():
-            logits = hf.model(torch.tensor([full[:-1]])).logits[0]
-        assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"], rid
-        verify += meta["spec_verify_ct"]
-        accepted += meta["spec_num_correct_drafts"]
-        # the draft's accepted counts are what its markov head (the target's bigram, far above the stages' logits)
-        # gives: pass k (first position f) drafts the bigram chain from the anchor full[f], accepted while it is the
-        # token there (a pass drafting past the output's end, whose count SGLang may take past max_new_tokens, not
-        # judged)
-        for f, got in _verify_passes(len(ids), rec.meta["speculative"]["accepted_drafts"]):
-            chain = [bigram[full[f]]]
-            while len(chain) < gamma:
-                chain.append(bigram[chain[-1]])
-            if f + gamma < len(full):
-                assert got == next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma), (rid, f)
-    proposed = verify * gamma
-    print(f"v4-csa dspark: {len(jobs)} records, {rows} rows, worst {worst:.2e}; {verify} verify passes of {gamma} "
-          f"drafts: {accepted} accepted, {proposed - accepted} rejected")
-    assert 0 < accepted < proposed, (verify, accepted)
+        greedy = params is GREEDY
+        counts[greedy][0] += meta["spec_verify_ct"]
+        counts[greedy][1] += meta["spec_num_correct_drafts"]
+        if greedy:
+            with torch.no_grad():
+                logits = hf.model(torch.tensor([full[:-1]])).logits[0]
+            assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"], rid
+            _markov_accepts(rid, bigram, full, len(ids), rec.meta["speculative"]["accepted_drafts"], gamma)
+        else:
+            sampled.append((rid, meta["spec_verify_ct"], meta["spec_num_correct_drafts"]))
+    summary = {("greedy" if g else "sampled"): (v, a, v * gamma - a) for g, (v, a) in counts.items()}
+    print(f"v4-csa dspark: {len(jobs)} records, {rows} rows, worst {worst:.2e}; (verify passes of {gamma} drafts, "
+          f"accepted, rejected) {summary}; sampled (rid, passes, accepted) {sampled}")
+    for kind, (verify, accepted, rejected) in summary.items():
+        assert accepted > 0 and rejected > 0, (kind, summary)
 
 
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):
