@@ -325,7 +325,7 @@ dsa_spec_verify
             (spec_info.custom_mask, both layouts) lets it see, and the attention reads only those, within the same
             mask (dsa_torch_native's indexer and sparse attention, handed the verify's spans). SGLang's GPU DSA backend
             gives verify row j seq_len + j + 1 keys (dsa_backend.py init_forward_metadata, seqlens_expanded), which
-            is the tree mask for a chain; trees are refused at launch (tools/launch_server.py
+            is the tree mask for a chain; trees are refused at launch (server/speculative_capture.py
             dsa_speculative_served), as are multi-step drafts (their DSA decode steps: eagle_cpu_draft). The
             one-step draft's own indexer (V3.2's MTP layer has one; SGLang's DeepseekV3ForCausalLMNextN runs it, no
             index_share_for_mtp_iteration for V3.2) runs in its draft-extend pass, an extend dsa_torch_native serves.
