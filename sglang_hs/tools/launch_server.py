@@ -518,6 +518,19 @@ def parallel_sizes(argv: List[str]) -> Tuple[str, str, str]:
     return tp, dp, attn
 
 
+def patch_settings(sg_argv: List[str]) -> dict:
+    """The settings (envs.py) that tell the server's processes which of the patches only some servers need to apply
+    (sglang_hs/server/patches NEEDED_WHEN): its --speculative-algorithm, and whether SGLang runs a DP controller."""
+    settings = {}
+    algorithm = _flag_value(sg_argv, "--speculative-algorithm")
+    if algorithm:
+        settings["SGLANG_HS_SPECULATIVE_ALGORITHM"] = algorithm.upper()
+    _, dp, attn = parallel_sizes(sg_argv)
+    if (speculative_capture.count(dp), speculative_capture.count(attn)) != (1, 1):
+        settings["SGLANG_HS_DP_CONTROLLER"] = "1"
+    return settings
+
+
 def speculative_setting(arch: str, algorithm: str, sg_argv: List[str], cpu: bool,
                         model_path: str) -> speculative_capture.SpeculativeSetting:
     """The speculative setting the command line gives (each size as spelled; one not given is None, so SGLang's
@@ -687,8 +700,10 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
                 "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW", "SGLANG_HS_CAPTURE_ACCEPT_LOWEST",
-                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW", "SGLANG_HS_RECORD_PART_BYTES"):
+                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW", "SGLANG_HS_RECORD_PART_BYTES", "SGLANG_HS_SPECULATIVE_ALGORITHM",
+                "SGLANG_HS_DP_CONTROLLER"):
         env.pop(key, None)
+    env.update(patch_settings(sg_argv))
     dump_dir = None
     if ns.hs_dump_dir:
         arch, config, spec = resolve_capture(ns, sg_argv, model_path, bool(env.get("SGLANG_HS_CPU_MODE")))
