@@ -2,8 +2,9 @@
 
 SGLang 0.5.23's server with the sglang-hs overlay. The `--hs-*` flags are taken out of argv before
 SGLang parses it and reach every process through environment variables (sglang_hs/envs.py); the rest
-goes to SGLang unchanged. Without --model-path it serves the embedded tiny DeepSeek-V3. Without a
-CUDA device (or with --device cpu) it runs SGLang's CPU engine. `--help` lists both sets of flags.
+goes to SGLang unchanged (SGLang's --config YAML merged in as SGLang merges it: expand_config). Without
+--model-path it serves the embedded tiny DeepSeek-V3. Without a CUDA device (or with --device cpu) it runs
+SGLang's CPU engine. `--help` lists both sets of flags.
 """
 from __future__ import annotations
 
@@ -658,6 +659,29 @@ def mark_node_writers(dump_dir: str, argv: List[str], share_gid: Optional[int]) 
           file=sys.stderr, flush=True)
 
 
+def expand_config(sg_argv: List[str]) -> List[str]:
+    """SGLang's --config YAML merged into the command line as SGLang merges it (its ConfigArgumentMerger: the file's
+    settings first, the command line's after them and winning), so the launcher checks and sets up the server SGLang
+    will run; SGLang then gets the merged command line. Without --config, sg_argv as it is (and SGLang not loaded)."""
+    if "--config" not in sg_argv:
+        return sg_argv
+    import yaml
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    parser = argparse.ArgumentParser(prog=PROG)
+    ServerArgs.add_cli_args(parser)
+    try:
+        merged = ConfigArgumentMerger(parser).merge_config_with_args(sg_argv)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise CaptureConfigError(f"--config: {' '.join(str(e).split())}") from None
+    ours = next((a for a in merged if a.startswith("--hs-") or a.startswith("--hs_")), None)
+    if ours:
+        raise CaptureConfigError(f"--config: {ours} is an sglang-hs flag; give it on the command line (SGLang's "
+                                 "config file holds SGLang's flags only)")
+    return merged
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -667,6 +691,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
 
     check_sglang_version()
     ns, sg_argv = split_argv(argv)
+    sg_argv = expand_config(sg_argv)
     env = os.environ
     default_ring = None  # bytes; None: envs.DEFAULT_RING_BYTES
     # SGLang imports every module of this package and registers its EntryClass (ours win).
