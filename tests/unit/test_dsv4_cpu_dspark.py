@@ -155,7 +155,7 @@ def test_the_draft_block_sees_itself_and_the_context_window(mods, monkeypatch):
     from sglang.srt.model_executor import forward_context
 
     g = torch.Generator().manual_seed(1)
-    attn, H, n = _attention(g), 16, 3
+    attn, H = _attention(g), 16
     pool = _Pool(1, 64, attn.head_dim)
     pool.buf[0][:] = torch.randn(64, 1, attn.head_dim, generator=g)
     req_to_token = torch.arange(2 * 32).view(2, 32)  # request r's position p at slot 32 r + p
