@@ -188,6 +188,13 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "OMP_WAIT_POLICY": lambda: os.environ.get("OMP_WAIT_POLICY"),
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/server/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
+    # Set by the launcher to the server's --speculative-algorithm (upper case; unset: none). DSPARK: the CPU engine's
+    # processes apply patches/dsv4_cpu_dspark (V4's DSpark draft); other servers leave SGLang's DSpark path as it is.
+    "SGLANG_HS_SPECULATIVE_ALGORITHM": lambda: (os.environ.get("SGLANG_HS_SPECULATIVE_ALGORITHM") or "").upper()
+    or None,
+    # Set by the launcher when the server runs SGLang's data-parallel controller process (--dp or --attn-dp-size
+    # above 1): the CPU engine's spawned processes apply patches/dp_controller_idle_wait; other servers run none.
+    "SGLANG_HS_DP_CONTROLLER": _bool("SGLANG_HS_DP_CONTROLLER"),
     # Comma-separated runtime patches NOT to apply (sglang_hs/server/patches), e.g. when sglang's source was
     # patched instead (patches/*.patch) or to show what a patch fixes.
     "SGLANG_HS_DISABLE_PATCHES": lambda: {p for p in os.environ.get("SGLANG_HS_DISABLE_PATCHES", "").split(",") if p},

@@ -32,6 +32,21 @@ def _speculative_refusal(algorithm):
             f"{', '.join(SPECULATIVE_SUPPORTED)}); serve it without --hs-dump-dir or drop the draft")
 
 
+def _resolved_speculative_refusal(cfg):
+    """speculative_capture.refusal on the setting SGLang resolved: what a --config YAML, SGLang's defaults or a
+    spelling the launcher does not read gave, which the launcher's check of the command line did not see."""
+    algorithm = getattr(cfg, "speculative_algorithm", None)
+    if not algorithm or _speculative_refusal(algorithm):
+        return None
+    from sglang_hs.server import speculative_capture
+    from sglang_hs.server.capture_spec import check_architecture
+    from sglang_hs.tools.launch_server import read_model_config
+
+    config = read_model_config(cfg.model_path, bool(getattr(cfg, "trust_remote_code", False)))
+    arch = check_architecture(config.get("architectures"), where=f"{cfg.model_path}/config.json", config=config)
+    return speculative_capture.refusal(speculative_capture.from_server_args(cfg, arch)) or None
+
+
 def check_server_args(cfg) -> None:
     """Refuse SGLang settings capture cannot run with (cfg: SGLang's resolved view of ServerArgs).
 
@@ -60,6 +75,7 @@ def check_server_args(cfg) -> None:
         getattr(cfg, "enable_two_batch_overlap", False)
         and "--enable-two-batch-overlap: two-batch overlap skips aux capture in its MoE layers; drop it",
         _speculative_refusal(getattr(cfg, "speculative_algorithm", None)),
+        _resolved_speculative_refusal(cfg),
         # SGLang's capture-only JSON path (--enable-return-aux-hidden-states) names its convention with
         # --speculative-algorithm and resets that to None: EAGLE3's is served beside capture, the others'
         # would take the model's capture layers over

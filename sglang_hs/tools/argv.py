@@ -7,13 +7,15 @@ from typing import List, Optional
 
 
 def flag_value(argv: List[str], *flags: str) -> Optional[str]:
+    """The value of the last of `flags` given (argparse's: a flag given twice takes its last value), else None."""
+    value = None
     for i, a in enumerate(argv):
         for flag in flags:
             if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
+                value = argv[i + 1]
+            elif a.startswith(flag + "="):
+                value = a.split("=", 1)[1]
+    return value
 
 
 def has_flag(argv: List[str], *flags: str) -> bool:

@@ -2,8 +2,9 @@
 
 SGLang 0.5.23's server with the sglang-hs overlay. The `--hs-*` flags are taken out of argv before
 SGLang parses it and reach every process through environment variables (sglang_hs/envs.py); the rest
-goes to SGLang unchanged. Without --model-path it serves the embedded tiny DeepSeek-V3. Without a
-CUDA device (or with --device cpu) it runs SGLang's CPU engine. `--help` lists both sets of flags.
+goes to SGLang unchanged (SGLang's --config YAML merged in as SGLang merges it: expand_config). Without
+--model-path it serves the embedded tiny DeepSeek-V3. Without a CUDA device (or with --device cpu) it runs
+SGLang's CPU engine. `--help` lists both sets of flags.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from typing import List, Optional, Tuple
 # argv.py holds them (the supervisor reads flags too); the names here stay as the launcher has always called them
 from sglang_hs.tools.argv import flag_value as _flag_value, has_flag as _has_flag
 from sglang_hs.server.capture_spec import (
-    DSA_ARCHITECTURES,
     HC_ARCHITECTURES,
     STREAMS_CHOICES,
     TEXT_CONFIG_WRAPPERS,
@@ -31,7 +31,7 @@ from sglang_hs.server.capture_spec import (
     parse_layer_ids,
     v4_dspark_ids,
 )
-from sglang_hs.server import layer_source
+from sglang_hs.server import layer_source, speculative_capture
 
 PROG = "python -m sglang_hs.launch_server"
 _dump_dir_lock = None
@@ -509,25 +509,6 @@ def layers_source(ns: argparse.Namespace, sg_argv: List[str], model_path: str, r
     return found or layer_source.describe_default(False)
 
 
-def dsa_speculative_served(sg_argv: List[str], algorithm: str, model_path: str) -> bool:
-    """Whether a DSA model (DeepSeek-V3.2) is served with capture under this speculative setting: its MTP draft
-    (EAGLE / NEXTN, no other draft model) proposing one token per verify (num steps 1, top-k 1, 2 draft tokens),
-    the chain the CPU engine's verify (patches/dsa_spec_verify.py) and draft extend attend sparsely; its
-    multi-step draft decode and trees have no CPU path (SGLang's GPU DSA verify attends a tree causally by
-    position, not by the tree). Each flag spelled out, so SGLang's defaults never pick another setting."""
-    def value(flag):
-        return _flag_value(sg_argv, flag)
-
-    return (algorithm.upper() in ("EAGLE", "NEXTN") and value("--speculative-draft-model-path") in (None, model_path)
-            and value("--speculative-num-steps") == "1" and value("--speculative-eagle-topk") == "1"
-            and value("--speculative-num-draft-tokens") == "2")
-
-
-# DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, one token
-# per step, num_steps + 1 draft tokens per verify pass) on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py)
-V4_SPECULATIVE = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
-
-
 def parallel_sizes(argv: List[str]) -> Tuple[str, str, str]:
     """(--tp, --dp, attention DP groups) as spelled ("1" where not given): attention DP groups from --attn-dp-size
     (--attention-data-parallel-size, SGLang 0.5.23's spelling), or --dp with --enable-dp-attention."""
@@ -538,72 +519,38 @@ def parallel_sizes(argv: List[str]) -> Tuple[str, str, str]:
     return tp, dp, attn
 
 
-# Speculative settings that change a proven chain at run time (adaptive steps) or its draft (multi-layer EAGLE):
-# not served with capture for V3.2 or V4, whose CPU draft paths are proven for one fixed chain
-SPECULATIVE_VARIANTS = ("--speculative-adaptive", "--enable-multi-layer-eagle")
-PROVEN = ("DeepSeek-V2/V3-family MLA models, DeepSeek-V3.2's MTP draft as one chain step and DeepSeek-V4's MTP draft "
-          "drafting a chain, V3.2 and V4 on the CPU engine only")
+def patch_settings(sg_argv: List[str]) -> dict:
+    """The settings (envs.py) that tell the server's processes which of the patches only some servers need to apply
+    (sglang_hs/server/patches NEEDED_WHEN): its --speculative-algorithm, and whether SGLang runs a DP controller."""
+    settings = {}
+    algorithm = _flag_value(sg_argv, "--speculative-algorithm")
+    if algorithm:
+        settings["SGLANG_HS_SPECULATIVE_ALGORITHM"] = algorithm.upper()
+    _, dp, attn = parallel_sizes(sg_argv)
+    if (speculative_capture.count(dp), speculative_capture.count(attn)) != (1, 1):
+        settings["SGLANG_HS_DP_CONTROLLER"] = "1"
+    return settings
+
+
+def speculative_setting(arch: str, algorithm: str, sg_argv: List[str], cpu: bool,
+                        model_path: str) -> speculative_capture.SpeculativeSetting:
+    """The speculative setting the command line gives (each size as spelled; one not given is None, so SGLang's
+    defaults never pick a setting the rule has not seen)."""
+    count = speculative_capture.count
+    tp, dp, attn = parallel_sizes(sg_argv)
+    steps, topk, tokens = (count(_flag_value(sg_argv, flag)) for flag in speculative_capture.V4_SPECULATIVE)
+    return speculative_capture.SpeculativeSetting(
+        algorithm=algorithm, arch=arch, cpu=cpu, model_path=model_path,
+        draft_path=_flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model"),
+        tp=count(tp), dp=count(dp), attn_dp=count(attn),
+        variant=next((flag for flag, _ in speculative_capture.SPECULATIVE_VARIANTS if _has_flag(sg_argv, flag)), None),
+        steps=steps, topk=topk, tokens=tokens)
 
 
 def speculative_refusal(arch: str, algorithm: str, sg_argv: List[str], cpu: bool, model_path: str) -> str:
-    """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served:
-    V2/V3-family MLA models (sglang_hs/server/serve.py checks the algorithm); on the CPU engine, without DP and
-    without the SPECULATIVE_VARIANTS, DeepSeek-V3.2 with its MTP draft as one chain step (dsa_speculative_served,
-    --tp allowed), DeepSeek-V4 with EAGLE/NEXTN (its MTP layer) drafting a chain (V4_SPECULATIVE given: N steps,
-    top-k 1, N + 1 draft tokens) on one rank, and DeepSeek-V4 with DSPARK and a draft named by
-    --speculative-draft-model-path on one rank (patches/dsv4_cpu_dspark.py); the rest not (DSPARK for any other
-    model included)."""
-    head = f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding"
-    if algorithm.upper() == "DSPARK" and arch not in HC_ARCHITECTURES:  # SGLang's DSpark drafts for V4 only here
-        return (f"{head} is served for DeepSeek-V4's DSpark draft only (docs/serving.md#speculative-decoding); serve "
-                "this model without a draft, or without --hs-dump-dir")
-    if arch not in HC_ARCHITECTURES + DSA_ARCHITECTURES:
-        return ""
-    variant = next((flag for flag in SPECULATIVE_VARIANTS if _has_flag(sg_argv, flag)), None)
-    if not cpu or variant:
-        why = f"with {variant}" if variant else "on a GPU (not yet checked there: SGLang's DSA and compressed-state pools)"
-        return (f"{head} is not served {why}; it is proven for {PROVEN} (docs/serving.md#speculative-decoding); "
-                "serve this model without a draft, or without --hs-dump-dir")
-    tp, dp, attn = parallel_sizes(sg_argv)
-    if arch in DSA_ARCHITECTURES:
-        if not dsa_speculative_served(sg_argv, algorithm, model_path):
-            return (f"{head} with DSA's sparse attention is served for the model's MTP draft as one chain step only "
-                    "(--speculative-algorithm EAGLE or NEXTN with --speculative-num-steps 1 --speculative-eagle-topk 1 "
-                    "--speculative-num-draft-tokens 2; docs/serving.md#speculative-decoding); serve it so, without a "
-                    "draft, or without --hs-dump-dir")
-        if (dp, attn) != ("1", "1"):
-            return (f"{head} with DSA is served without data parallelism only (--dp {dp}, {attn} attention DP groups: "
-                    "not yet tested; --tp is; docs/serving.md#speculative-decoding)")
-        return ""
-    if algorithm.upper() == "DSPARK":  # V4's own drafter, SGLang's DSparkWorkerV2 (patches/dsv4_cpu_dspark.py)
-        if (tp, dp, attn) != ("1", "1", "1"):
-            return (f"{head} is served on one rank only (--tp {tp} --dp {dp}, {attn} attention DP groups: not yet "
-                    "tested; docs/serving.md#speculative-decoding)")
-        draft = _flag_value(sg_argv, "--speculative-draft-model-path", "--speculative-draft-model")
-        bundled = model_path and draft and os.path.realpath(draft) in (
-            os.path.realpath(model_path), os.path.realpath(os.path.join(model_path, "dspark")))
-        if not draft or bundled:
-            got = f": got {draft}" if draft else ""
-            return (f"{head} needs a draft checkpoint of its own named with --speculative-draft-model-path (a draft "
-                    f"bundled in the target's checkpoint or its dspark/ subfolder is not yet tested{got})")
-        mode = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static") or "static"
-        if mode != "static":  # compact (ragged) verify windows and the confidence head's: dsv4_cpu_spec.dspark_prefixes
-            return (f"{head} is served with SGLang's static verify windows only (SGLANG_RAGGED_VERIFY_MODE={mode}: "
-                    "not yet supported on the CPU engine); unset it")
-        return ""
-    if algorithm.upper() in ("EAGLE", "NEXTN") and _flag_value(sg_argv, "--speculative-draft-model-path") in (
-            None, model_path):
-        steps, topk, tokens = (_flag_value(sg_argv, flag) for flag in V4_SPECULATIVE)
-        if (tp, dp, attn) != ("1", "1", "1"):
-            return (f"{head} is served on one rank only (--tp {tp} --dp {dp}, {attn} attention DP groups: not yet "
-                    "tested; docs/serving.md#speculative-decoding)")
-        if topk == "1" and steps and steps.isdigit() and int(steps) >= 1 and tokens == str(int(steps) + 1):
-            return ""
-        return (f"--speculative-algorithm {algorithm} with {arch}: capture is served with its MTP draft drafting a "
-                "chain only (--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1, "
-                f"each given; got {steps}, {topk}, {tokens}; docs/serving.md#speculative-decoding)")
-    return (f"{head} is proven for {PROVEN} (docs/serving.md#speculative-decoding); serve this model without a "
-            "draft, or without --hs-dump-dir")
+    """The one line refusing --speculative-algorithm for this architecture with capture, or "" where it is served
+    (sglang_hs/server/speculative_capture.py refusal; the server checks SGLang's resolved arguments again)."""
+    return speculative_capture.refusal(speculative_setting(arch, algorithm, sg_argv, cpu, model_path))
 
 
 def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str, cpu: bool,
@@ -712,6 +659,29 @@ def mark_node_writers(dump_dir: str, argv: List[str], share_gid: Optional[int]) 
           file=sys.stderr, flush=True)
 
 
+def expand_config(sg_argv: List[str]) -> List[str]:
+    """SGLang's --config YAML merged into the command line as SGLang merges it (its ConfigArgumentMerger: the file's
+    settings first, the command line's after them and winning), so the launcher checks and sets up the server SGLang
+    will run; SGLang then gets the merged command line. Without --config, sg_argv as it is (and SGLang not loaded)."""
+    if "--config" not in sg_argv:
+        return sg_argv
+    import yaml
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    parser = argparse.ArgumentParser(prog=PROG)
+    ServerArgs.add_cli_args(parser)
+    try:
+        merged = ConfigArgumentMerger(parser).merge_config_with_args(sg_argv)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise CaptureConfigError(f"--config: {' '.join(str(e).split())}") from None
+    ours = next((a for a in merged if a.startswith("--hs-") or a.startswith("--hs_")), None)
+    if ours:
+        raise CaptureConfigError(f"--config: {ours} is an sglang-hs flag; give it on the command line (SGLang's "
+                                 "config file holds SGLang's flags only)")
+    return merged
+
+
 def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     """Resolve flags into (sglang argv, dump dir), writing the settings into os.environ, which the
     server's processes inherit. Raises CaptureConfigError with a one-line message on bad input."""
@@ -721,6 +691,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
 
     check_sglang_version()
     ns, sg_argv = split_argv(argv)
+    sg_argv = expand_config(sg_argv)
     env = os.environ
     default_ring = None  # bytes; None: envs.DEFAULT_RING_BYTES
     # SGLang imports every module of this package and registers its EntryClass (ours win).
@@ -754,8 +725,10 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
                 "SGLANG_HS_STAGING_ROWS", "SGLANG_HS_SCATTER_THREADS", "SGLANG_HS_GATHER_THREADS", "SGLANG_HS_CAPTURE",
                 "SGLANG_HS_CAPTURE_SAMPLE", "SGLANG_HS_WHEN_BEHIND", "SGLANG_HS_CAPTURE_SAMPLE_KEY",
                 "SGLANG_HS_CAPTURE_MAX_BYTES", "SGLANG_HS_CAPTURE_ACCEPT_BELOW", "SGLANG_HS_CAPTURE_ACCEPT_LOWEST",
-                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW", "SGLANG_HS_RECORD_PART_BYTES"):
+                "SGLANG_HS_CAPTURE_ACCEPT_WINDOW", "SGLANG_HS_RECORD_PART_BYTES", "SGLANG_HS_SPECULATIVE_ALGORITHM",
+                "SGLANG_HS_DP_CONTROLLER"):
         env.pop(key, None)
+    env.update(patch_settings(sg_argv))
     dump_dir = None
     if ns.hs_dump_dir:
         arch, config, spec = resolve_capture(ns, sg_argv, model_path, bool(env.get("SGLANG_HS_CPU_MODE")))

@@ -99,7 +99,7 @@ def test_numerics_with_the_source_patch_and_the_runtime_fix_off(patched_root, tm
     try:
         server.wait_ready()
         applied = ("runtime-patches=['capture_hooks', 'cpu_gloo_groups', 'cpu_inplace_all_reduce', "
-                   "'dp_controller_idle_wait', 'dsa_spec_verify', 'dsa_torch_native', 'dsv4_cpu_dspark', "
+                   "'dsa_spec_verify', 'dsa_torch_native', "
                    "'dsv4_cpu_moe', 'dsv4_cpu_spec', 'dsv4_cpu_tp', 'dsv4_torch_native', 'eagle_cpu_draft', "
                    "'moe_native_ep', "
                    "'spec_verify_torch_native', 'torch_native_cpu_pad', 'torch_native_extend']")

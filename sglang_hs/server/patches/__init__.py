@@ -85,9 +85,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | (a token at its position); DeepseekV4ForCau- |                  |
 |                   | salLM.set_                                   |                  |
 |                   | embed_and_head without CUDA calls on CPU     |                  |
-| dsv4_cpu_dspark   | V4 with its DSpark draft (DSPARK, one rank): | CPU mode only    |
-|                   | dspark_worker_v2's draft backend torch_      |                  |
-|                   | native; DSparkAttention.forward (context     |                  |
+| dsv4_cpu_dspark   | V4 with its DSpark draft (DSPARK, one rank): | CPU mode, a      |
+|                   | dspark_worker_v2's draft backend torch_      | DSPARK server    |
+|                   | native; DSparkAttention.forward (context     | only             |
 |                   | window + whole block, sinks) and DeepseekV4- |                  |
 |                   | ForCausalLMDSpark.write_target_hidden_kv     |                  |
 |                   | (commit gate) in torch on the MHA pool;      |                  |
@@ -105,7 +105,7 @@ Ledger (what / why / upstream status / removal plan):
 |                   | device check on CPU                          |                  |
 | dp_controller_    | replaces DataParallelController.event_loop   | CPU mode, every  |
 | idle_wait         | with --sleep-on-idle: drained as upstream,   | spawned process  |
-|                   | then a zmq poll instead of spinning a core   |                  |
+|                   | then a zmq poll instead of spinning a core   | of a DP server   |
 | dsv4_cpu_tp       | wraps update_config.adjust_config_with_      | CPU mode, every  |
 |                   | unaligned_cpu_tp: a V4 config keeps its head | spawned process  |
 |                   | counts (one MQA KV head) under --tp > 1      |                  |
@@ -327,7 +327,7 @@ dsa_spec_verify
             (spec_info.custom_mask, both layouts) lets it see, and the attention reads only those, within the same
             mask (dsa_torch_native's indexer and sparse attention, handed the verify's spans). SGLang's GPU DSA backend
             gives verify row j seq_len + j + 1 keys (dsa_backend.py init_forward_metadata, seqlens_expanded), which
-            is the tree mask for a chain; trees are refused at launch (tools/launch_server.py
+            is the tree mask for a chain; trees are refused at launch (server/speculative_capture.py
             dsa_speculative_served), as are multi-step drafts (their DSA decode steps: eagle_cpu_draft). The
             one-step draft's own indexer (V3.2's MTP layer has one; SGLang's DeepseekV3ForCausalLMNextN runs it, no
             index_share_for_mtp_iteration for V3.2) runs in its draft-extend pass, an extend dsa_torch_native serves.
@@ -436,7 +436,9 @@ dsv4_cpu_dspark
             chain_speculative_sampling_triton takes chain_speculative_sampling_cpu for CPU tensors, the kernel's
             chain rule (coin * q(d) < p(d), the bonus from the target's row or max(p - q, 0)) token by token. The
             verify pass's spans are dsv4_cpu_spec's (dspark_prefixes); the launcher refuses DSPARK for other models,
-            on a GPU, on several ranks and without --speculative-draft-model-path.
+            on a GPU, on several ranks and without --speculative-draft-model-path. Applied only on a DSPARK server
+            (the launcher sets SGLANG_HS_SPECULATIVE_ALGORITHM; NEEDED_WHEN), so no other server's record_stream is
+            touched.
   upstream: present in sglang 0.5.23 (speculative/dspark_components/dspark_worker_v2.py, dspark_kv_inject.py,
             models/deepseek_v4_dspark.py); not reported upstream.
   removal:  with dsv4_torch_native; tests/e2e/test_v4_cpu.py's DSpark server (v4_dspark) does not start without it,
@@ -496,7 +498,9 @@ dp_controller_idle_wait
             schedulers' spinning (IdleSleeper). On this 2-core machine the controller of test_speculative's DP
             server took 78% of a core for the 514 s it lived, out of the schedulers' and the tests' share. With
             --sleep-on-idle the loop drains the socket as upstream's does, then waits on a zmq poller over it (as
-            IdleSleeper does: a request wakes it at once, a look every second feeds the soft watchdog).
+            IdleSleeper does: a request wakes it at once, a look every second feeds the soft watchdog). Applied
+            only on a server with a DP controller (--dp or --attn-dp-size above 1: the launcher sets
+            SGLANG_HS_DP_CONTROLLER; NEEDED_WHEN).
   upstream: present in sglang 0.5.23 (managers/data_parallel_controller.py event_loop); not reported upstream.
   removal:  when SGLang's --sleep-on-idle covers the DP controller; tests/unit/test_dp_controller_idle_wait.py runs
             the loop on real zmq sockets and counts its passes (a spinning loop makes millions while it waits).
@@ -533,7 +537,9 @@ concern the HTTP server process, and dsa_cpu_server_args and dsv4_cpu_server_arg
 server arguments, are applied by sglang_hs/server/serve.py; cpu_gloo_groups, needed before a scheduler builds its
 parallel groups (long before the model), by `apply_spawned()`, which sglang_hs/server/serve.py runs when a
 spawned SGLang process re-imports it as `__mp_main__` (with dsv4_cpu_tp, needed before the scheduler loads the
-model, and dp_controller_idle_wait, for the DP controller, a spawned process that builds no model). Not a
+model, and dp_controller_idle_wait, for the DP controller, a spawned process that builds no model). A patch that
+NEEDED_WHEN names applies only where its setting says this server needs it (dsv4_cpu_dspark,
+dp_controller_idle_wait). Not a
 `sglang.srt.plugins` entry point: SGLang logs and swallows exceptions raised by plugins, and would run ours in
 every SGLang process of the environment, plain `sglang serve` runs included.
 """
@@ -556,6 +562,11 @@ CPU_PATCHES = ("mla_torch_native", "cpu_gloo_groups", "dsv4_cpu_tp", "cpu_inplac
                "dsv4_cpu_dspark")
 
 
+# CPU patches only some servers need, and the setting (envs.py; the launcher sets it) that says this one does
+NEEDED_WHEN = {"dsv4_cpu_dspark": lambda: envs.SGLANG_HS_SPECULATIVE_ALGORITHM == "DSPARK",
+               "dp_controller_idle_wait": lambda: envs.SGLANG_HS_DP_CONTROLLER}
+
+
 def apply() -> dict:
     """Apply the patches this process needs; idempotent. Returns {name: original} for tests."""
     with _lock:
@@ -573,8 +584,9 @@ def apply() -> dict:
 
 
 def _apply_cpu(name: str) -> None:
-    """A CPU-engine patch, once, unless SGLANG_HS_DISABLE_PATCHES names it."""
-    if envs.SGLANG_HS_CPU_MODE and name not in envs.SGLANG_HS_DISABLE_PATCHES and name not in _applied:
+    """A CPU-engine patch, once, unless SGLANG_HS_DISABLE_PATCHES names it or this server does not need it."""
+    if envs.SGLANG_HS_CPU_MODE and name not in envs.SGLANG_HS_DISABLE_PATCHES and name not in _applied \
+            and NEEDED_WHEN.get(name, lambda: True)():
         import importlib
 
         _applied[name] = importlib.import_module(f"sglang_hs.server.patches.{name}").apply()

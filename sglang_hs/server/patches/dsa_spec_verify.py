@@ -16,7 +16,7 @@ SGLang's GPU DSA backend (layers/attention/dsa_backend.py init_forward_metadata,
 a request `seq_len + j + 1` keys (seqlens_expanded: causal by row), the indexer's top-k and the sparse attention
 both within them. For a chain (--speculative-eagle-topk 1) the tree mask is exactly that, and each row selects and
 attends as a plain forward of its sequence does (HF's DeepseekV32 rows). Trees (top-k > 1: GPU rows would see their
-siblings) are refused at launch (sglang_hs/tools/launch_server.py dsa_speculative_served), as are the multi-step
+siblings) are refused at launch (sglang_hs/server/speculative_capture.py dsa_speculative_served), as are the multi-step
 draft's decode steps (eagle_cpu_draft refuses a DSA draft decode); the one-step MTP draft runs its indexer in its
 draft-extend pass, an ordinary extend under dsa_torch_native.
 """

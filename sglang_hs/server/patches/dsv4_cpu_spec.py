@@ -26,7 +26,7 @@ DeepseekV2ForCausalLM's).
 
 Tree drafts (top-k > 1: a draft's ancestors are not the drafts before it, positions repeat) raise
 NotImplementedError at the first verify pass; the launcher refuses them for V4 first
-(sglang_hs/tools/launch_server.py speculative_refusal).
+(sglang_hs/server/speculative_capture.py refusal).
 """
 from __future__ import annotations
 
