@@ -68,7 +68,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -435,11 +435,13 @@ def run(design: str, rep: int, args, docs, out_rows) -> dict:
 
 # -- the CUDA path under the overlap scheduler, modelled on the CPU --------------------------------------------
 def _device_main(store_dir: str, store_name: str, store_shape, ctl_dir: str, cap: int, step_ms: float, q, done,
-                 out) -> None:
+                 out, report_writes: bool) -> None:
     """The stand-in forward stream's process (_Device): each launched step waits until the worker's done
     counter reaches the step's bound (cuStreamWaitValue64 polls a memory word the same way), writes the
-    step's rows into the store (the copy kernel inside the forward), runs out the forward, then sends the
-    step's number on `done`. Sends {step: seconds waited for gathers} on `out` at the end."""
+    step's rows into the store (the copy kernel inside the forward), runs out the forward, then sends
+    ("done", step) on `done`; with `report_writes` (held gathers) also ("waits", bound) before a wait and
+    ("wrote", step) after the copy. Sends ({step: seconds waited for gathers}, [steps that found their bound
+    not reached]) on `out` at the end."""
     from sglang_hs._ext import ext
     from sglang_hs.server.store.shm import SharedRegion
 
@@ -448,21 +450,27 @@ def _device_main(store_dir: str, store_name: str, store_shape, ctl_dir: str, cap
     ctl = SharedRegion.open(ctl_dir, "device-ctl.bin")
     store = SharedRegion.open(store_dir, store_name).buf.view(torch.bfloat16).view(store_shape)
     rows = [_rows_views(SharedRegion.open(ctl_dir, f"rows-{b}.bin").buf, cap) for b in (0, 1)]
-    stall = {}
+    stall, waited = {}, []
     while True:
         item = q.get()
         if item is None:
             break
         step, bound, n, b = item
         t0 = time.perf_counter()
+        if ctl.load_acquire(0) < bound:  # a gather this step's slots are read by is pending
+            waited.append(step)
+            if report_writes:
+                done.send(("waits", bound))
         while ctl.load_acquire(0) < bound:
             time.sleep(50e-6)
         stall[step] = time.perf_counter() - t0
         aux, last, loc = rows[b]
         ext().copy_rows_cpu(aux[:n], last[:n], loc[:n], store)
+        if report_writes:
+            done.send(("wrote", step))
         time.sleep(max(0.0, t0 + stall[step] + step_ms / 1e3 - time.perf_counter()))
-        done.send(step)
-    out.put(stall)
+        done.send(("done", step))
+    out.put((stall, waited))
 
 
 def _rows_views(buf, cap: int):
@@ -482,9 +490,11 @@ class _Device:
     read by one thread that wakes once per step: like a CUDA event's, it is waited for without the GIL
     (polling for it from the worker would take the GIL every few microseconds). The process runs at the
     lowest CPU priority (nice 19): a GPU takes no host CPU for its copy, and here the copy of a step's
-    ~470 MB would otherwise share the two cores with the scheduler thread's result processing."""
+    ~470 MB would otherwise share the two cores with the scheduler thread's result processing.
+    With `report_writes` (SGLANG_HS_TEST_HOLD_GATHERS) the process also reports each step's copy and each
+    bound it waits for: `written`, `waits_for` (_HeldGather waits on them)."""
 
-    def __init__(self, worker, writer, cap: int, step_ms: float) -> None:
+    def __init__(self, worker, writer, cap: int, step_ms: float, report_writes: bool = False) -> None:
         from sglang_hs.server.store.shm import SharedRegion
 
         self.dir = tempfile.mkdtemp(prefix="hs-device-", dir="/dev/shm")
@@ -498,10 +508,11 @@ class _Device:
         recv, send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_device_main, daemon=True,
                                 args=(writer.region.dir_path, writer.region.name, tuple(writer.store.shape),
-                                      self.dir, cap, step_ms, self.q, send, self.out))
+                                      self.dir, cap, step_ms, self.q, send, self.out, report_writes))
         self.proc.start()
         send.close()
-        self.done, self._cv = 0, threading.Condition()
+        self.done = self.written = self.waits_for = 0
+        self.closed, self._cv = False, threading.Condition()
         threading.Thread(target=self._completions, args=(recv,), name="device-done", daemon=True).start()
 
     def launch(self, step: int, bound: int, n: int) -> None:
@@ -510,9 +521,9 @@ class _Device:
     def _completions(self, recv) -> None:
         try:
             while True:
-                step = recv.recv()  # blocks without the GIL
+                kind, value = recv.recv()  # blocks without the GIL
                 with self._cv:
-                    self.done = step
+                    setattr(self, {"done": "done", "wrote": "written", "waits": "waits_for"}[kind], value)
                     self._cv.notify_all()
         except EOFError:  # the process ended
             with self._cv:
@@ -520,19 +531,32 @@ class _Device:
 
     def wait(self, step: int) -> None:
         """Until forward `step` is done (the result sync; for gpu-model-before, also a job's slot ids)."""
+        self.wait_for(lambda: self.done >= step)
+
+    def wait_for(self, reached: Callable[[], bool], limit_s: Optional[float] = None) -> bool:
+        """Until `reached()` (read under the lock the completions thread updates under) or `limit_s`
+        seconds; False when the limit came first. Raises if the process died."""
+        deadline = None if limit_s is None else time.monotonic() + limit_s
         with self._cv:
-            while self.done < step:
+            while not reached():
                 if not self.proc.is_alive():
                     raise RuntimeError(f"the device process died (exit code {self.proc.exitcode})")
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 self._cv.wait(timeout=1.0)
+        return True
 
-    def close(self) -> dict:
-        """Stop the process once its queued steps ran; the seconds each step waited for gathers."""
+    def close(self):
+        """Stop the process once its queued steps ran: ({step: seconds waited for gathers}, the steps that
+        found their bound not reached)."""
+        with self._cv:
+            self.closed = True  # no forward follows: held gathers go
+            self._cv.notify_all()
         self.q.put(None)
-        stall = self.out.get()
+        stall, waited = self.out.get()
         self.proc.join(timeout=60)
         shutil.rmtree(self.dir, ignore_errors=True)
-        return stall
+        return stall, set(waited)
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -551,6 +575,28 @@ class _StepDone:
         self.device.wait(self.step)
 
 
+class _HeldGather:
+    """SGLANG_HS_TEST_HOLD_GATHERS: a job's `ready` event that holds its gather until forward `next_step`
+    (the first launched after the hand-over) has written its rows, or the forward stream waits for job `seq`
+    (or a later one), or no forward follows: a write into a slot the gather reads, ordered or not, is issued
+    before the gather, whatever the machine's load. Past SGLANG_HS_TEST_HOLD_S it fails (on the scheduler
+    thread, at its next poll) instead of letting the gather go."""
+
+    def __init__(self, device: _Device, next_step: int, seq: int, before: Optional[_StepDone]) -> None:
+        self.device, self.next_step, self.seq, self.before = device, next_step, seq, before
+
+    def synchronize(self) -> None:
+        from sglang_hs import envs
+
+        if self.before is not None:
+            self.before.synchronize()
+        d = self.device
+        if not d.wait_for(lambda: d.written >= self.next_step or d.waits_for >= self.seq or d.closed,
+                          envs.SGLANG_HS_TEST_HOLD_S):
+            raise RuntimeError(f"held gather {self.seq}: forward {self.next_step} neither wrote nor waited for it "
+                               f"in {envs.SGLANG_HS_TEST_HOLD_S} s (written {d.written}, waits for {d.waits_for})")
+
+
 def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
     """The CUDA path, `--hs-copy direct`, under SGLang's overlap scheduler, with every CUDA call replaced by
     its host-side meaning: each iteration polls the worker, schedules step N (SGLang's allocator watched by
@@ -564,8 +610,10 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
+    from sglang_hs import envs
     from sglang_hs.server.store.finisher import FinishWorker
 
+    hold = envs.SGLANG_HS_TEST_HOLD_GATHERS
     dump = tempfile.mkdtemp(prefix="hs-full-pool-", dir="/dev/shm")
     reader = device = None
     try:
@@ -575,7 +623,7 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
         worker = FinishWorker(writer)
         worker.watch_allocator(alloc)
         reader, jobs, results = start_reader(dump)
-        device = _Device(worker, writer, args.step_tokens + args.max_req, args.step_ms)
+        device = _Device(worker, writer, args.step_tokens + args.max_req, args.step_ms, report_writes=hold)
         rng = random.Random(1000 + rep)  # the same request stream as the other designs
         step, measured, n_req, full_at, prev = 0, 0, 0, None, None
         while measured < args.steps:
@@ -611,10 +659,13 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                 for rid, m, plen, ids, prefix, new in prev:
                     slots = torch.cat([prefix.to(torch.int64), new])
                     with Window() as w:
-                        worker.submit(rid, ids, slots)
+                        seq = worker.submit(rid, ids, slots)
                     w.charge(t, part="submit_s")
-                    if design == "gpu-model-before":  # the slot ids land after forward N (launched above)
-                        worker._batch[-1].ready = _StepDone(device, step)
+                    ready = _StepDone(device, step) if design == "gpu-model-before" else None  # after forward N
+                    if hold:
+                        ready = _HeldGather(device, step + 1, seq, ready)
+                    if ready is not None:
+                        worker._batch[-1].ready = ready
                     t["rows"] += len(ids)
                     t["hits"] += plen
                     expected.append((rid, expected_tags(slots, gen)))
@@ -637,9 +688,10 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
                       f"(cpu {r['capture_cpu_ms']:.3f}), {r['rows_gathered']} rows, {r['prefix_hit_tokens']} hit",
                       flush=True)
         device.wait(step)
-        stall = device.close()
+        stall, waited = device.close()
         for r in out_rows:  # the stall of each measured step's forward is known once it ran
             if r["design"] == design and r["rep"] == rep and "device_step" in r:
+                r["device_waited"] = int(r["device_step"] in waited)
                 r["device_stall_ms"] = round(stall.get(r.pop("device_step"), 0.0) * 1e3, 3)
         worker.close()
         return finish_reader(reader, jobs, results, design, rep, full_at)
@@ -652,12 +704,15 @@ def run_overlap(design: str, rep: int, args, docs, out_rows) -> dict:
 
 
 def stall_summary(rows) -> dict:
-    """The modelled forward stream's waits for gathers (GPU idle time; the gpu-model designs only)."""
+    """The modelled forward stream's waits for gathers (GPU idle time; the gpu-model designs only):
+    `stalled_steps` those over 1 ms, `waited_steps` the steps that found a gather of their bound pending at
+    all (with SGLANG_HS_TEST_HOLD_GATHERS, every step whose slots a job handed over just before it reads)."""
     st = [r["device_stall_ms"] for r in rows if "device_stall_ms" in r]
     if not st:
-        return dict(stall_median_ms="", stall_p99_ms="", stall_max_ms="", stalled_steps="")
+        return dict(stall_median_ms="", stall_p99_ms="", stall_max_ms="", stalled_steps="", waited_steps="")
     return dict(stall_median_ms=round(statistics.median(st), 3), stall_p99_ms=round(pct(st, 99), 3),
-                stall_max_ms=round(max(st), 3), stalled_steps=sum(x > 1.0 for x in st))
+                stall_max_ms=round(max(st), 3), stalled_steps=sum(x > 1.0 for x in st),
+                waited_steps=sum(r["device_waited"] for r in rows if "device_waited" in r))
 
 
 def pct(xs, q):
@@ -725,7 +780,8 @@ def main(argv=None) -> int:
                 f"{s['rows_checked']} in {s['records']} records; garbage collection inside its windows: "
                 f"{s['gc_in_capture_ms']} ms in {s['gc_steps']} steps, booked apart"
                 + (f"; the forward stream waited for gathers in {s['stalled_steps']} steps (median "
-                   f"{s['stall_median_ms']}, max {s['stall_max_ms']} ms)" if s["stall_median_ms"] != "" else ""))
+                   f"{s['stall_median_ms']}, max {s['stall_max_ms']} ms; found one pending in "
+                   f"{s['waited_steps']})" if s["stall_median_ms"] != "" else ""))
 
     write_summary(args.out, "bench_full_pool", summary, "summary:", line)
     plt = _pyplot()

@@ -214,6 +214,13 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # seconds: a test proves the ordering on published state instead of hoping a delay lines it up.
     "SGLANG_HS_TEST_HOLD_RID": _test_only("SGLANG_HS_TEST_HOLD_RID", _str("SGLANG_HS_TEST_HOLD_RID"), None),
     "SGLANG_HS_TEST_HOLD_S": _test_only("SGLANG_HS_TEST_HOLD_S", _float("SGLANG_HS_TEST_HOLD_S", 30.0), 30.0),
+    # Test-only (TEST_GATE): benchmarks/bench_full_pool.py's overlap model (the gpu-model designs) holds the gather
+    # of each job until the forward launched after its hand-over has written its rows, or waits for this gather
+    # (or no forward follows), at most SGLANG_HS_TEST_HOLD_S seconds, then fails: a write into a slot the gather
+    # reads is always issued before it, so the model sees an unordered write on published state, not by a
+    # delay's luck (tests/unit/test_bench_full_pool.py).
+    "SGLANG_HS_TEST_HOLD_GATHERS": _test_only("SGLANG_HS_TEST_HOLD_GATHERS", _bool("SGLANG_HS_TEST_HOLD_GATHERS"),
+                                              False),
     # Test-only (TEST_GATE): make the overlay module fail to import, as a broken install would.
     "SGLANG_HS_TEST_BREAK_OVERLAY": _test_only("SGLANG_HS_TEST_BREAK_OVERLAY", _bool("SGLANG_HS_TEST_BREAK_OVERLAY"),
                                                False),
