@@ -2,6 +2,7 @@
 tensor by tensor, with no DataLoader worker and with several (fork and spawn, two epochs of persistent
 workers); a tiny EAGLE-3-style head trains on it through a DataLoader (the loss falls); a consumer killed
 mid-iteration, with or without DataLoader workers, leaves the server serving and its dump dir readable."""
+import glob
 import json
 import os
 import signal
@@ -188,6 +189,43 @@ for s in DataLoader(ds, batch_size=None, num_workers=int(sys.argv[3])):
 """
 
 
+def reader_once_released(dump_dir, deadline_s: float = 60.0) -> HiddenStateReader:
+    """A reader of `dump_dir` once the lock a killed reader held is released, waiting for that with a deadline.
+    The release can trail its processes' disappearance from /proc: the ring is mapped, and the mapping's last
+    reference to the open file may be dropped by whichever process tore the address space down, e.g. one that
+    read the dead process's /proc/<pid>/stat at that moment (a full run on 2 busy cores once saw the lock held
+    after every process of the consumer's session had gone). Past the deadline it raises, naming the processes
+    that still have the ring open or mapped."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return HiddenStateReader(str(dump_dir), wait=0)
+        except RuntimeError as e:
+            if "already read by another HiddenStateReader" not in str(e):
+                raise
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{e}; after {deadline_s}s the ring is open or mapped by "
+                                     f"{holders_of(dump_dir)}") from None
+        time.sleep(0.05)
+
+
+def holders_of(dump_dir) -> dict:
+    """{pid: command line} of the processes with a ring file of `dump_dir` among their open files or mappings."""
+    rings = {os.path.realpath(p) for p in glob.glob(os.path.join(str(dump_dir), "ring-*.bin"))}
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = {os.path.realpath(os.path.join(f"/proc/{pid}/fd", fd)) for fd in os.listdir(f"/proc/{pid}/fd")}
+            with open(f"/proc/{pid}/maps") as f:
+                maps = {line.split(None, 5)[-1].strip() for line in f if "/" in line}
+            if rings & (fds | maps):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_killed_consumer_leaves_server_serving(capture_server, dump_dir, workers):
     """The consumer is SIGKILLed with its DataLoader workers (its process group, as a job's kill takes
@@ -209,7 +247,7 @@ def test_killed_consumer_leaves_server_serving(capture_server, dump_dir, workers
     reply = capture_server.generate(input_ids=ids, rid="live-after-kill",
                                     sampling_params={"max_new_tokens": 1, "temperature": 0})
     assert len(reply["output_ids"]) == 1
-    with HiddenStateReader(str(dump_dir), wait=0) as reader:  # the dead consumer's lock died with it
+    with reader_once_released(dump_dir) as reader:  # the dead consumer's lock died with it
         rec = reader.take("live-after-kill", timeout=60)
         assert rec.num_tokens == 21 and rec.input_ids.tolist() == ids
     # and a new live iteration works on the same dump dir
