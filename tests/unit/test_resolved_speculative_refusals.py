@@ -51,7 +51,8 @@ def _refusal(cfg) -> str:
 def test_served_settings_pass(tmp_path, capturing):
     v4, v32, v3 = (_model(tmp_path, arch) for arch in (V4, V32, V3))
     draft = _model(tmp_path, "draft")
-    for cfg in (_resolved(v3, "EAGLE3"), _resolved(v3, "NGRAM"), _resolved(v3, "EAGLE", speculative_draft_model_path=v3),
+    for cfg in (_resolved(v3, "EAGLE3"), _resolved(v3, "NGRAM"),
+                _resolved(v3, "EAGLE", speculative_draft_model_path=v3),
                 _resolved(v32, "EAGLE", speculative_draft_model_path=v32, tp_size=2, **CHAIN),
                 _resolved(v4, "EAGLE", speculative_draft_model_path=v4, speculative_num_steps=3,
                           speculative_eagle_topk=1, speculative_num_draft_tokens=4),
