@@ -16,11 +16,14 @@ rep: no radix hits across methods). Reported per rep and as medians: generated t
 a/b (what speculative decoding buys an extraction; the replies must be the same tokens) and d/c (what
 capture costs a speculative server; goal >= 0.97), and SGLang's accepted drafts per verify (c and d must
 agree: capture changes no draft), e/c (selection on vs capture off: users' tokens/s and median request latency).
+The generate ways (c, d, e) run in a rotated order, one step on per rep, so that no way is always the one
+that runs last. `--generate-only` runs c, d and e only (no extraction, no server b): the figure for users'
+latency with selection on, `bench_speculative_selection.*`.
 Writes bench_speculative.csv, bench_speculative_summary.csv and
 bench_speculative.png (bench_speculative_eagle3.* for EAGLE3).
 
     python benchmarks/bench_speculative.py --out benchmarks/results [--algorithm NGRAM|EAGLE3] [--reps 3]
-        [--samples 8] [--concurrency 4]
+        [--samples 8] [--concurrency 4] [--generate-only]
 """
 from __future__ import annotations
 
@@ -71,17 +74,23 @@ def extract(server, dump, data, out, conc) -> dict:
 
 def generate(server, prompts, conc, dump=None) -> dict:
     """/generate of each prompt (greedy, NEW_TOKENS); with `dump`, a reader thread drains its ring."""
-    stop, reader_thread = threading.Event(), None
+    stop, reader_thread, kept, done_ns = threading.Event(), None, {"records": 0, "markers": 0}, []
     if dump is not None:
-        from sglang_hs import HiddenStateReader
+        from sglang_hs import HiddenStateReader, status
 
         def drain():
             with HiddenStateReader(dump) as reader:
-                while not stop.is_set():
+                def take():
                     reader.poll()
                     for rid in reader.ready_rids():
-                        reader.pop_ready(rid)
+                        kept["records"] += reader.pop_ready(rid) is not None
+                    kept["markers"] += len(reader.take_markers())
+
+                while not stop.is_set():
+                    take()
                     stop.wait(0.01)
+                status.settled(dump, since_ns=done_ns[0])  # every reply's record or marker published: a last take
+                take()
 
         reader_thread = threading.Thread(target=drain, daemon=True)
         reader_thread.start()
@@ -104,13 +113,16 @@ def generate(server, prompts, conc, dump=None) -> dict:
     with cf.ThreadPoolExecutor(conc) as pool:
         outs = list(pool.map(timed, prompts))
     seconds = time.perf_counter() - t0
+    done_ns.append(time.monotonic_ns())
     stop.set()
     if reader_thread is not None:
-        reader_thread.join(10)
+        reader_thread.join(120)
+        assert not reader_thread.is_alive(), f"the reader of {dump} did not settle"
     meta = [o["meta_info"] for o in outs]
     verifies = sum(m.get("spec_verify_ct", 0) for m in meta)
     return {"seconds": seconds, "samples": len(outs), "outputs": [o["output_ids"] for o in outs],
             "median_latency_s": statistics.median(latencies),
+            "kept_records": kept["records"] if dump else None, "markers": kept["markers"] if dump else None,
             "accepted_per_verify": (sum(m.get("spec_num_correct_drafts", 0) for m in meta) / verifies
                                     if verifies else None)}
 
@@ -122,8 +134,11 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--algorithm", choices=("NGRAM", "EAGLE3"), default="NGRAM")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="ways c, d and e only: users' tokens/s and latency with capture and selection on")
     args = ap.parse_args()
     name = "bench_speculative" + ("" if args.algorithm == "NGRAM" else "_" + args.algorithm.lower())
+    name += "_selection" if args.generate_only else ""
     spec = ["--speculative-algorithm", args.algorithm]
     if args.algorithm == "EAGLE3":
         from sglang_hs.tools import tiny_eagle3
@@ -138,12 +153,13 @@ def main() -> int:
     servers = {
         "a_spec_capture": ServerProcess(["--hs-dump-dir", dumps["a"], "--hs-last", "pre-norm", *spec, *common],
                                         os.path.join(logs, "a.log")),
-        "b_plain_capture": ServerProcess(["--hs-dump-dir", dumps["b"], "--hs-last", "pre-norm", *common],
-                                         os.path.join(logs, "b.log")),
         "c_spec_plain": ServerProcess([*spec, *common], os.path.join(logs, "c.log")),
         "e_spec_select": ServerProcess(["--hs-dump-dir", dumps["e"], "--hs-last", "pre-norm", *spec, *common,
                                         "--hs-capture-accept-lowest", "0.5"], os.path.join(logs, "e.log")),
     }
+    if not args.generate_only:
+        servers["b_plain_capture"] = ServerProcess(["--hs-dump-dir", dumps["b"], "--hs-last", "pre-norm", *common],
+                                                   os.path.join(logs, "b.log"))
     rows, ok = [], False
     try:
         for s in servers.values():
@@ -166,13 +182,16 @@ def main() -> int:
                 c["conversations"][0]["content"].split()[::-1])}], add_generation_prompt=True, tokenize=True))
                 for c in convs]
             res = {}
-            for method in ("a_spec_capture", "b_plain_capture"):
+            for method in () if args.generate_only else ("a_spec_capture", "b_plain_capture"):
                 out = os.path.join(files, f"{method}-{rep}")
                 res[method] = extract(servers[method], dumps[method[0]], data, out, args.concurrency)
                 shutil.rmtree(out, ignore_errors=True)
-            res["c_spec_plain"] = generate(servers["c_spec_plain"], other, args.concurrency)
-            res["d_spec_capture_gen"] = generate(servers["a_spec_capture"], other, args.concurrency, dumps["a"])
-            res["e_spec_select"] = generate(servers["e_spec_select"], other, args.concurrency, dumps["e"])
+            ways = [("c_spec_plain", servers["c_spec_plain"], None),
+                    ("d_spec_capture_gen", servers["a_spec_capture"], dumps["a"]),
+                    ("e_spec_select", servers["e_spec_select"], dumps["e"])]
+            for method, server, dump in ways[rep % 3:] + ways[:rep % 3]:  # rotated: none always runs last
+                res[method] = generate(server, other, args.concurrency, dump)
+            res = {m: res[m] for m in sorted(res)}
             same = res["c_spec_plain"]["outputs"] == res["d_spec_capture_gen"]["outputs"]
             if args.algorithm != "NGRAM":  # a model draft: capture must change no draft (NGRAM's corpora differ)
                 same = same and res["c_spec_plain"]["accepted_per_verify"] == res["d_spec_capture_gen"]["accepted_per_verify"]
@@ -182,6 +201,7 @@ def main() -> int:
                              "gen_tokens_per_s": round(tokens / r["seconds"], 2),
                              "median_latency_s": round(r["median_latency_s"], 3) if "median_latency_s" in r else None,
                              "accepted_per_verify": r.get("accepted_per_verify"), "same_outputs_c_d": same,
+                             "kept_records": r.get("kept_records"), "markers": r.get("markers"),
                              "algorithm": args.algorithm})
                 print(rows[-1], flush=True)
             write_csv(os.path.join(args.out, f"{name}.csv"), rows)
@@ -191,20 +211,19 @@ def main() -> int:
         shutil.rmtree(files, ignore_errors=True)
     med = {m: statistics.median(r["gen_tokens_per_s"] for r in rows if r["method"] == m)
            for m in dict.fromkeys(r["method"] for r in rows)}
-    per_rep = lambda a, b: [x["gen_tokens_per_s"] / y["gen_tokens_per_s"] for x, y in zip(  # noqa: E731
-        [r for r in rows if r["method"] == a], [r for r in rows if r["method"] == b])]
+    of = lambda m: [r for r in rows if r["method"] == m]  # noqa: E731 (in rep order)
+    per_rep = lambda a, b, k="gen_tokens_per_s": [x[k] / y[k] for x, y in zip(of(a), of(b))]  # noqa: E731
     summary = [{"method": m, "median_gen_tokens_per_s": round(v, 2)} for m, v in med.items()]
-    summary += [{"method": "ratio a/b (speculative vs not, extraction)", "median": round(statistics.median(
-        per_rep("a_spec_capture", "b_plain_capture")), 3), "per_rep": per_rep("a_spec_capture", "b_plain_capture")},
-                {"method": "ratio d/c (capture on vs off, speculative)", "median": round(statistics.median(
-                    per_rep("d_spec_capture_gen", "c_spec_plain")), 3),
-                 "per_rep": per_rep("d_spec_capture_gen", "c_spec_plain")},
-                {"method": "ratio e/c (selection on vs capture off, speculative)", "median": round(statistics.median(
-                    per_rep("e_spec_select", "c_spec_plain")), 3), "per_rep": per_rep("e_spec_select", "c_spec_plain"),
-                 "median_latency_ratio": round(statistics.median(
-                     x["median_latency_s"] / y["median_latency_s"] for x, y in zip(
-                         [r for r in rows if r["method"] == "e_spec_select"],
-                         [r for r in rows if r["method"] == "c_spec_plain"])), 3)}]
+    for title, a, b in (("ratio a/b (speculative vs not, extraction)", "a_spec_capture", "b_plain_capture"),
+                        ("ratio d/c (capture on vs off, speculative)", "d_spec_capture_gen", "c_spec_plain"),
+                        ("ratio e/c (selection on vs capture off, speculative)", "e_spec_select", "c_spec_plain")):
+        if not of(a) or not of(b):
+            continue
+        line = {"method": title, "median": round(statistics.median(per_rep(a, b)), 3), "per_rep": per_rep(a, b)}
+        if of(a)[0]["median_latency_s"] is not None:  # generate ways: users' median request latency, a over b
+            line["median_latency_ratio"] = round(statistics.median(per_rep(a, b, "median_latency_s")), 3)
+            line["latency_ratio_per_rep"] = [round(x, 3) for x in per_rep(a, b, "median_latency_s")]
+        summary.append(line)
     write_summary(args.out, name, summary, f"\nmedians ({machine()}):", lambda s: str(s))
     plt = _pyplot()
     if plt is not None:
