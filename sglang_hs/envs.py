@@ -193,7 +193,8 @@ env_variables: Dict[str, Callable[[], Any]] = {
     "SGLANG_HS_SPECULATIVE_ALGORITHM": lambda: (os.environ.get("SGLANG_HS_SPECULATIVE_ALGORITHM") or "").upper()
     or None,
     # Set by the launcher when the server runs SGLang's data-parallel controller process (--dp or --attn-dp-size
-    # above 1): the CPU engine's spawned processes apply patches/dp_controller_idle_wait; other servers run none.
+    # above 1, or --elastic-ep-join-mode scale): the CPU engine's spawned processes apply
+    # patches/dp_controller_idle_wait; other servers run none.
     "SGLANG_HS_DP_CONTROLLER": _bool("SGLANG_HS_DP_CONTROLLER"),
     # Comma-separated runtime patches NOT to apply (sglang_hs/server/patches), e.g. when sglang's source was
     # patched instead (patches/*.patch) or to show what a patch fixes.

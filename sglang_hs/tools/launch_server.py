@@ -521,13 +521,16 @@ def parallel_sizes(argv: List[str]) -> Tuple[str, str, str]:
 
 def patch_settings(sg_argv: List[str]) -> dict:
     """The settings (envs.py) that tell the server's processes which of the patches only some servers need to apply
-    (sglang_hs/server/patches NEEDED_WHEN): its --speculative-algorithm, and whether SGLang runs a DP controller."""
+    (sglang_hs/server/patches NEEDED_WHEN): its --speculative-algorithm, and whether SGLang runs a DP controller:
+    with more than one DP rank, or as an elastic-EP scale joiner (`--elastic-ep-join-mode scale`, at any DP size;
+    SGLang's `use_dp_controller`, entrypoints/engine.py)."""
     settings = {}
     algorithm = _flag_value(sg_argv, "--speculative-algorithm")
     if algorithm:
         settings["SGLANG_HS_SPECULATIVE_ALGORITHM"] = algorithm.upper()
     _, dp, attn = parallel_sizes(sg_argv)
-    if (speculative_capture.count(dp), speculative_capture.count(attn)) != (1, 1):
+    if ((speculative_capture.count(dp), speculative_capture.count(attn)) != (1, 1)
+            or _flag_value(sg_argv, "--elastic-ep-join-mode") == "scale"):
         settings["SGLANG_HS_DP_CONTROLLER"] = "1"
     return settings
 

@@ -86,6 +86,11 @@ def test_none_outside_cpu_mode(calls, monkeypatch):
     (["--dp-size", "2"], {"SGLANG_HS_DP_CONTROLLER": "1"}),
     (["--tp", "2", "--dp", "2", "--enable-dp-attention"], {"SGLANG_HS_DP_CONTROLLER": "1"}),
     (["--tp", "2", "--attn-dp-size", "2"], {"SGLANG_HS_DP_CONTROLLER": "1"}),
+    # an elastic-EP scale joiner runs SGLang's DP controller at DP 1 (engine.py use_dp_controller); recover does not
+    (["--tp", "2", "--elastic-ep-backend", "mooncake", "--elastic-ep-join-mode", "scale", "--node-rank", "1",
+      "--elastic-ep-join-rank-offset", "2"], {"SGLANG_HS_DP_CONTROLLER": "1"}),
+    (["--tp", "2", "--elastic-ep-backend", "mooncake", "--elastic-ep-join-mode=scale"], {"SGLANG_HS_DP_CONTROLLER": "1"}),
+    (["--tp", "2", "--elastic-ep-backend", "mooncake", "--elastic-ep-join-mode", "recover"], {}),
 ])
 def test_the_launcher_sets_them_from_the_command_line(argv, settings):
     assert launch_server.patch_settings(argv) == settings
