@@ -20,8 +20,8 @@ SPECULATIVE_VARIANTS = (("--speculative-adaptive", "speculative_adaptive"),
 # DeepSeek-V4's speculative decoding with capture: its MTP draft (EAGLE/NEXTN) drafting a chain (top-k 1, one token
 # per step, num_steps + 1 draft tokens per verify pass) on the CPU engine (sglang_hs/server/patches/dsv4_cpu_spec.py)
 V4_SPECULATIVE = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
-PROVEN = ("DeepSeek-V2/V3-family MLA models, DeepSeek-V3.2's MTP draft as one chain step and DeepSeek-V4's MTP draft "
-          "drafting a chain, V3.2 and V4 on the CPU engine only")
+PROVEN = ("DeepSeek-V2/V3-family MLA models, DeepSeek-V3.2's and DeepSeek-V4's MTP drafts drafting a chain, V3.2 and "
+          "V4 on the CPU engine only")
 
 Count = Union[int, str, None]  # a size as given: an int, or the word a command line spelled it with (None: not given)
 
@@ -67,11 +67,11 @@ def own_mtp_draft(s: SpeculativeSetting) -> bool:
 
 def dsa_speculative_served(s: SpeculativeSetting) -> bool:
     """Whether a DSA model (DeepSeek-V3.2) is served with capture under this speculative setting: its MTP draft
-    (EAGLE / NEXTN, no other draft model) proposing one token per verify (num steps 1, top-k 1, 2 draft tokens),
-    the chain the CPU engine's verify (patches/dsa_spec_verify.py) and draft extend attend sparsely; its
-    multi-step draft decode and trees have no CPU path (SGLang's GPU DSA verify attends a tree causally by
-    position, not by the tree)."""
-    return own_mtp_draft(s) and (s.steps, s.topk, s.tokens) == (1, 1, 2)
+    (EAGLE / NEXTN, no other draft model) drafting a chain (v4_chain_served: N steps, top-k 1, N + 1 draft tokens;
+    DeepSeek's production setting is N = 3), which the CPU engine's verify (patches/dsa_spec_verify.py), draft extend
+    and multi-step draft decode (patches/eagle_cpu_draft.py) attend sparsely; trees have no CPU path (SGLang's GPU DSA
+    verify attends a tree causally by position, not by the tree)."""
+    return own_mtp_draft(s) and v4_chain_served(s)
 
 
 def v4_chain_served(s: SpeculativeSetting) -> bool:
@@ -99,7 +99,7 @@ def _dspark_refusal(s: SpeculativeSetting, head: str) -> str:
 def refusal(s: SpeculativeSetting) -> str:
     """The one line refusing this speculative setting with capture, or "" where it is served: V2/V3-family MLA
     models (serve.py checks the algorithm); on the CPU engine, without DP and without the SPECULATIVE_VARIANTS,
-    DeepSeek-V3.2 with its MTP draft as one chain step (dsa_speculative_served, --tp allowed), DeepSeek-V4 with
+    DeepSeek-V3.2 with its MTP draft drafting a chain (dsa_speculative_served, --tp allowed), DeepSeek-V4 with
     EAGLE/NEXTN (its MTP layer) drafting a chain (v4_chain_served) on one rank, and DeepSeek-V4 with DSPARK and a
     draft of its own on one rank; the rest not (DSPARK for any other model included)."""
     head = f"--speculative-algorithm {s.algorithm} with {s.arch}: capture under speculative decoding"
@@ -115,10 +115,10 @@ def refusal(s: SpeculativeSetting) -> str:
                 "serve this model without a draft, or without --hs-dump-dir")
     if s.arch in DSA_ARCHITECTURES:
         if not dsa_speculative_served(s):
-            return (f"{head} with DSA's sparse attention is served for the model's MTP draft as one chain step only "
-                    "(--speculative-algorithm EAGLE or NEXTN with --speculative-num-steps 1 --speculative-eagle-topk 1 "
-                    "--speculative-num-draft-tokens 2; docs/serving.md#speculative-decoding); serve it so, without a "
-                    "draft, or without --hs-dump-dir")
+            return (f"{head} with DSA's sparse attention is served for the model's MTP draft drafting a chain only "
+                    "(--speculative-algorithm EAGLE or NEXTN with --speculative-num-steps N --speculative-eagle-topk 1 "
+                    f"--speculative-num-draft-tokens N+1, each given; got {s.steps}, {s.topk}, {s.tokens}; "
+                    "docs/serving.md#speculative-decoding); serve it so, without a draft, or without --hs-dump-dir")
         if (s.dp, s.attn_dp) != (1, 1):
             return (f"{head} with DSA is served without data parallelism only (--dp {s.dp}, {s.attn_dp} attention DP "
                     "groups: not yet tested; --tp is; docs/serving.md#speculative-decoding)")

@@ -31,10 +31,14 @@ judged row by row against HF transformers float32, like the embedded V3 in test_
   plain decode with the attention heads split over two ranks (v32-tp2 decodes speculatively, v32-dp2 at attention TP 1).
   "v32-tp2" also decodes speculatively with the checkpoint's MTP layer as the draft ("v32-mtp": v32's weights plus
   an MTP layer with its own indexer, built like v3-mtp's but with a zero attention output, to propose the last
-  token again; SPEC_MTP: EAGLE, one step, top-1, 2 verify tokens), so its chunked-prefill, radix and concurrency
-  tests judge rows of verify passes
+  token again; SPEC_MTP: EAGLE, 3 steps, top-1, 4 verify tokens, DeepSeek's production chain of 3 drafts), so its
+  chunked-prefill, radix and concurrency tests judge rows of verify passes
   (sglang_hs/server/patches/dsa_spec_verify.py: each verify row's index top-k and sparse attention among the keys
-  before it), and test_mtp_drafts_accepted_and_rejected checks SGLang's draft counts against the records'.
+  before it; the draft's steps 1 and 2 run eagle_cpu_draft's multi-step draft decode backend, the draft's indexer
+  over each step's prefix and own drafts, checked against plain torch in tests/unit/test_dsa_spec_verify.py: the
+  tiny MTP layer's zero attention output makes what a draft step reads invisible here), and
+  test_mtp_drafts_accepted_and_rejected checks SGLang's draft counts against the records' and that later steps'
+  drafts were accepted (more than one draft in some verify pass, by SGLang's own histogram).
 
 See sglang_hs/tools/tiny_model.py for the checkpoints. One server per shape (float32 but for Mistral) (module
 scope, one at a time), chunked prefill of 16 tokens, radix cache, overlap scheduler on, and layer ids 1,2,5,7 plus both
@@ -49,12 +53,15 @@ every row (0.78 off), and with the tolerance loosened to 10 the neighbour rule s
 V3.2: worst row 1.2e-06 (v32-dp2 1.14e-06); with the patch's top-k planted one short (10 keys) the chunked-prefill
 test fails from row 10 on (0.23 off), with dense attention planted (the indexer's selection ignored) from row 11 on
 (0.70 off): the first rows with more keys than selected (measured on the TP 1 server this module had before v32-dp2;
-the top-k plant again on v32-dp2: from row 10 on, up to 1.08 off). Under the MTP draft ("v32-tp2"): worst row
-1.22e-06; 18 drafts accepted and 57 rejected in the three judged requests, exactly where the greedy output repeats;
-the server starts in 102-132 s (up to 246 s on a loaded machine). Planted in the verify path, each fails the chunked-prefill
-test and the MTP test from row 54 (the first verify row) on: the indexer ignoring the tree mask (a row may select the
-draft after it) 0.89 and 1.12 off, its top-k one short 0.84 and 1.08, a verify's first row not written (its slot
-keeps a freed slot's old row, as a rejected draft's) 1.37 and 1.4.
+the top-k plant again on v32-dp2: from row 10 on, up to 1.08 off). Under the MTP draft ("v32-tp2", 3 steps): worst
+row 1.15e-06; 29 drafts accepted (up to 3 in one verify) and 169 rejected in the three judged requests of
+test_mtp_drafts_accepted_and_rejected, exactly where the greedy output repeats; the server starts in 65-188 s (the
+latter on a machine shared with another test run; one step: 102-132 s, up to 246 s loaded). Planted with one step in
+the verify path, each failed the chunked-prefill test and the MTP test from row 54 (the first verify row) on: the
+indexer ignoring the tree mask (a row may select the draft after it) 0.89 and 1.12 off, its top-k one short 0.84 and
+1.08, a verify's first row not written (its slot keeps a freed slot's old row, as a rejected draft's) 1.37 and 1.4.
+Planted with 3 steps: a verify's third draft row never written (where all three drafts are accepted, its slot keeps
+an earlier verify's rejected draft row) fails the MTP test, rows 19 and 25 of v32-tp2-mtp-1 up to 1.0 off.
 """
 import concurrent.futures as cf
 import os
@@ -71,9 +78,11 @@ from sglang_hs.tools import tiny_model
 pytestmark = pytest.mark.e2e
 LAYERS = [1, 2, 5, 7]
 GREEDY = {"temperature": 0}
-# DeepSeek-V3.2's MTP draft as the CPU engine serves it with DSA: one step, top-1, verified with the last token
-SPEC_MTP = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", "2"]
+# DeepSeek-V3.2's MTP draft as DeepSeek serves it in production: a chain of 3 drafts (3 steps, top-1), verified with
+# the last token (4 draft tokens); its steps 1 and 2 on eagle_cpu_draft's multi-step draft decode backend
+SPEC_STEPS = 3
+SPEC_MTP = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(SPEC_STEPS), "--speculative-eagle-topk",
+            "1", "--speculative-num-draft-tokens", str(SPEC_STEPS + 1)]
 FAMILIES = {
     "v2": [],
     # Kimi-K2's 131072-token context would need a 1.3 GiB ring for one float32 record: cap it. Served on
@@ -88,9 +97,9 @@ FAMILIES = {
     # DeepSeek-V3.2: SGLang's DSA on the CPU engine through the dsa_torch_native patch (torch_native, token pages),
     # on two ranks (--tp 2: attention heads and experts split over both, each rank's indexer over its own copy of
     # the indexer weights), judged by the same tests against the same HF rows.
-    # It decodes speculatively with its MTP layer as the draft (DeepSeek-V3.2's production setting, one chain step:
-    # SPEC_MTP; patches/dsa_spec_verify.py), so each of its tests runs under verify passes: every decode row a verify
-    # row, drafts accepted and rejected (test_mtp_drafts_accepted_and_rejected).
+    # It decodes speculatively with its MTP layer as the draft (DeepSeek-V3.2's production setting, a chain of 3:
+    # SPEC_MTP; patches/dsa_spec_verify.py, eagle_cpu_draft.py), so each of its tests runs under verify passes: every
+    # decode row a verify row, drafts accepted (up to 3 in a pass) and rejected (test_mtp_drafts_accepted_and_rejected).
     "v32-tp2": ["--tp", "2", *SPEC_MTP],
     # ... and under DP attention: two groups of attention TP 1 (every head, the whole indexer on its rank: the TP 1
     # attention path), the experts over both ranks; each group its own radix cache and writer.
@@ -340,10 +349,11 @@ SPEC_TEXTS = (LONG, "x x x x x x x x", "a a a a a a a a a a a a")
 
 def test_mtp_drafts_accepted_and_rejected(family):
     """V3.2 with its MTP draft ("v32-tp2", SPEC_MTP): three requests at once, 32 greedy tokens each, every row exact
-    (each decode row came from a verify pass over the last token and one draft, with the indexer's selection and the
-    sparse attention per draft row). SGLang's own counters (meta_info): verify passes in each request, drafts accepted
-    exactly where the output repeats its last token (tiny_model._add_mtp_layer), and rejected; each record's
-    accepted drafts per verify step are SGLang's; both ranks ran the verify passes."""
+    (each decode row came from a verify pass over the last token and a chain of 3 drafts, with the indexer's selection
+    and the sparse attention per draft row). SGLang's own counters (meta_info): verify passes in each request, drafts
+    accepted exactly where the output repeats its last token (tiny_model._add_mtp_layer), up to 3 in one verify,
+    and more than one in some verify (spec_correct_drafts_histogram: the draft decode steps' drafts accepted), and
+    drafts rejected; each record's accepted drafts per verify step are SGLang's; both ranks ran the verify passes."""
     variant, server, reader, hf = family
     if "--speculative-algorithm" not in server.parallel:
         pytest.skip("served without a draft")
@@ -355,21 +365,25 @@ def test_mtp_drafts_accepted_and_rejected(family):
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
             "max_new_tokens": 32, **GREEDY}), jobs))
-    worst, accepted_all, rejected_all = 0.0, 0, 0
+    worst, accepted_all, rejected_all, deepest = 0.0, 0, 0, 0
     for (rid, ids), out in zip(jobs, outs):
         meta = out["meta_info"]
         verifies, accepted, proposed = meta["spec_verify_ct"], meta["spec_num_correct_drafts"], \
             meta["spec_num_proposed_drafts"]
-        least, most = repeat_draft_accepts(out["output_ids"], 1)
+        least, most = repeat_draft_accepts(out["output_ids"], SPEC_STEPS)
         print(f"{rid}: {verifies} verify passes, {accepted} of {proposed} drafts accepted (accept length "
               f"{meta['spec_accept_length']:.2f}; the repeat rule {least}..{most})")
         assert verifies > 0 and least <= accepted <= most, (rid, out["output_ids"], meta)
         accepted_all, rejected_all = accepted_all + accepted, rejected_all + proposed - accepted
         rec = reader.take(rid, timeout=60)
         check_steps(rec, meta)
+        histogram = meta["spec_correct_drafts_histogram"]  # SGLang's: verify passes by drafts accepted in them
+        deepest = max(deepest, max(k for k, n in enumerate(histogram) if n))
         worst = max(worst, judge(rec, hf, (ids + out["output_ids"])[:-1]))
-    print(f"{server.config}: worst row {worst:.3g}, {accepted_all} drafts accepted, {rejected_all} rejected")
+    print(f"{server.config}: worst row {worst:.3g}, {accepted_all} drafts accepted, {rejected_all} rejected, at most "
+          f"{deepest} in one verify")
     assert accepted_all > 0 and rejected_all > 0
+    assert 1 < deepest <= SPEC_STEPS, deepest  # the draft decode steps' drafts accepted too
     after = settled(server)
     verify = [{pid: f["forwards"].get("TARGET_VERIFY", 0) for pid, f in zip(st["pids"], st["files"])}
               for st in (before, after)]

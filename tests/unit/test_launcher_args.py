@@ -577,10 +577,12 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine(monkeypatch):
         line = launch_server.speculative_refusal(arch, algorithm, argv, cpu=True, model_path="/m")
         assert line.startswith(f"--speculative-algorithm {algorithm} with {arch}: capture under speculative decoding "
                                "is proven for") and "\n" not in line, line
-    v32 = "DeepseekV32ForCausalLM"  # V3.2: its MTP draft as one chain step (dsa_speculative_served), not V4's rule
-    assert launch_server.speculative_refusal(v32, "EAGLE", chain, True, "/m") == ""
-    assert launch_server.speculative_refusal(v32, "EAGLE", chain + ["--tp", "2"], True, "/m") == ""
-    assert "one chain step only" in launch_server.speculative_refusal(v32, "EAGLE", longer, True, "/m")
+    v32 = "DeepseekV32ForCausalLM"  # V3.2: its MTP draft drafting a chain (dsa_speculative_served), --tp allowed
+    for argv in (chain, longer):
+        assert launch_server.speculative_refusal(v32, "EAGLE", argv, True, "/m") == ""
+        assert launch_server.speculative_refusal(v32, "EAGLE", argv + ["--tp", "2"], True, "/m") == ""
+    tree = chain[:3] + ["2"] + chain[4:5] + ["3"]
+    assert "drafting a chain only" in launch_server.speculative_refusal(v32, "EAGLE", tree, True, "/m")
     # data parallelism, in any spelling (--attn-dp-size is SGLang 0.5.23's own for DP attention)
     for ranks in (["--dp", "2", "--enable-dp-attention"], ["--tp", "2", "--attn-dp-size", "2"], ["--dp-size", "2"]):
         line = launch_server.speculative_refusal(v32, "EAGLE", chain + ranks, True, "/m")
@@ -595,6 +597,8 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine(monkeypatch):
 
 
 MTP_ONE_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+MTP_THREE_STEPS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
+                   "4"]  # DeepSeek's production MTP setting
 
 
 @pytest.mark.parametrize("spec", [
@@ -602,26 +606,27 @@ MTP_ONE_STEP = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
     ["--speculative-algorithm", "EAGLE3", *MTP_ONE_STEP],
     ["--speculative-algorithm", "EAGLE"],  # SGLang's defaults would pick the steps
     ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-     "--speculative-num-draft-tokens", "4"],  # multi-step drafts: no CPU path for a DSA draft's decode
+     "--speculative-num-draft-tokens", "3"],  # not a chain of 3 (that verifies 4 tokens)
     ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "2",
      "--speculative-num-draft-tokens", "3"],  # a tree: SGLang's GPU DSA verify attends it causally by row
     ["--speculative-algorithm", "EAGLE", *MTP_ONE_STEP, "--speculative-draft-model-path", "/elsewhere"],
 ])
 def test_prepare_serves_v32_speculative_capture_for_its_mtp_chain_only(tmp_path, clean_env, spec):
-    """DeepSeek-V3.2 (DSA) under speculative decoding: its MTP draft, one chain step (patches/dsa_spec_verify.py,
-    tests/e2e/test_model_family.py "v32-tp2"); every other setting is refused in one line before any model loads."""
+    """DeepSeek-V3.2 (DSA) under speculative decoding: its MTP draft drafting a chain (patches/dsa_spec_verify.py,
+    eagle_cpu_draft.py; tests/e2e/test_model_family.py "v32-tp2" runs 3 steps); every other setting is refused in one
+    line before any model loads."""
     arch = "DeepseekV32ForCausalLM"
     model = _model_dir(tmp_path, arch=arch, index_topk=8)
     with pytest.raises(CaptureConfigError, match=rf"^--speculative-algorithm {spec[1]} with {arch}: capture under "
                                                  r"speculative decoding with DSA's sparse attention is served for the "
-                                                 r"model's MTP draft as one chain step only") as e:
+                                                 r"model's MTP draft drafting a chain only") as e:
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                                *spec])
     assert "\n" not in str(e.value)
-    for algorithm, draft in (("EAGLE", []), ("NEXTN", ["--speculative-draft-model-path", model])):
+    for algorithm, draft, steps in (("EAGLE", [], MTP_ONE_STEP), ("NEXTN", ["--speculative-draft-model-path", model],
+                                                                   MTP_THREE_STEPS)):
         launch_server.prepare(["--model-path", model, "--device", "cpu", "--hs-dump-dir", str(tmp_path / algorithm),
-                               "--hs-ring-size", "64MiB", "--speculative-algorithm", algorithm, *MTP_ONE_STEP,
-                               *draft])
+                               "--hs-ring-size", "64MiB", "--speculative-algorithm", algorithm, *steps, *draft])
 
 
 @pytest.mark.parametrize("streams, rows", [(None, 3), ("full", 9)])

@@ -54,6 +54,8 @@ def test_served_settings_pass(tmp_path, capturing):
     for cfg in (_resolved(v3, "EAGLE3"), _resolved(v3, "NGRAM"),
                 _resolved(v3, "EAGLE", speculative_draft_model_path=v3),
                 _resolved(v32, "EAGLE", speculative_draft_model_path=v32, tp_size=2, **CHAIN),
+                _resolved(v32, "EAGLE", speculative_draft_model_path=v32, tp_size=2, speculative_num_steps=3,
+                          speculative_eagle_topk=1, speculative_num_draft_tokens=4),
                 _resolved(v4, "EAGLE", speculative_draft_model_path=v4, speculative_num_steps=3,
                           speculative_eagle_topk=1, speculative_num_draft_tokens=4),
                 _resolved(v4, "DSPARK", speculative_draft_model_path=draft)):
@@ -67,8 +69,8 @@ def test_served_settings_pass(tmp_path, capturing):
     (V32, "EAGLE", dict(CHAIN, speculative_adaptive=True), "is not served with --speculative-adaptive"),
     (V4, "EAGLE", dict(CHAIN, enable_multi_layer_eagle=True), "is not served with --enable-multi-layer-eagle"),
     (V32, "EAGLE", dict(CHAIN, dp_size=2, attn_dp_size=2), "served without data parallelism only"),
-    (V32, "EAGLE", dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4),
-     "one chain step only"),
+    (V32, "EAGLE", dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4),
+     "drafting a chain only"),
     (V4, "EAGLE", dict(CHAIN, tp_size=2), "served on one rank only"),
     (V4, "EAGLE", dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=3),
      "drafting a chain only"),
@@ -109,16 +111,16 @@ RESOLVE_FROM_CONFIG_FILE = textwrap.dedent("""
 
 
 def test_a_setting_given_through_sglangs_config_file_is_refused(tmp_path):
-    """DeepSeek-V3.2 with a 3-step MTP chain, given in a --config YAML the launcher never reads: SGLang's real
+    """DeepSeek-V3.2 with a 3-step MTP tree (top-k 2), given in a --config YAML the launcher never reads: SGLang's real
     resolution (in a child process: the DSA CPU resolution patch stays out of this one), then check_server_args."""
     config = tmp_path / "server.yaml"
-    config.write_text("speculative-algorithm: EAGLE\nspeculative-num-steps: 3\nspeculative-eagle-topk: 1\n"
+    config.write_text("speculative-algorithm: EAGLE\nspeculative-num-steps: 3\nspeculative-eagle-topk: 2\n"
                       "speculative-num-draft-tokens: 4\n")
     env = dict(os.environ, SGLANG_HS_DUMP_DIR=str(tmp_path / "hs"))
     done = subprocess.run([sys.executable, "-c", RESOLVE_FROM_CONFIG_FILE, str(config)], env=env,
                           capture_output=True, text=True, timeout=300)
     print(done.stderr[-2000:])
-    assert done.returncode != 0, "a 3-step DSA chain from --config was let through"
+    assert done.returncode != 0, "a DSA draft tree from --config was let through"
     assert ("CaptureConfigError: unsupported with --hs-dump-dir: --speculative-algorithm EAGLE with "
             f"{V32}: capture under speculative decoding with DSA's sparse attention is served for the model's MTP "
-            "draft as one chain step only") in done.stderr
+            "draft drafting a chain only") in done.stderr

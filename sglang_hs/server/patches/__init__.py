@@ -328,9 +328,13 @@ dsa_spec_verify
             mask (dsa_torch_native's indexer and sparse attention, handed the verify's spans). SGLang's GPU DSA backend
             gives verify row j seq_len + j + 1 keys (dsa_backend.py init_forward_metadata, seqlens_expanded), which
             is the tree mask for a chain; trees are refused at launch (server/speculative_capture.py
-            dsa_speculative_served), as are multi-step drafts (their DSA decode steps: eagle_cpu_draft). The
-            one-step draft's own indexer (V3.2's MTP layer has one; SGLang's DeepseekV3ForCausalLMNextN runs it, no
-            index_share_for_mtp_iteration for V3.2) runs in its draft-extend pass, an extend dsa_torch_native serves.
+            dsa_speculative_served). The draft's own indexer (V3.2's MTP layer has one; SGLang's
+            DeepseekV3ForCausalLMNextN runs it, no index_share_for_mtp_iteration for V3.2) runs in its draft-extend
+            pass, an extend dsa_torch_native serves, and with --speculative-num-steps N > 1 in each of the N - 1
+            draft decode steps (a DECODE batch whose forward-context backend is eagle_cpu_draft's step backend,
+            marked hs_draft_step): there each draft row selects among that backend's spans (the request's prefix
+            and its own branch's drafts so far), which the step backend's sparse attention then reads; without it
+            dsa_torch_native's decode path would read the committed prefix only (its causal spans by seq_lens).
   upstream: present in sglang 0.5.23 (torch_native_backend.py: no verify branch, no topk_indices; dsa_indexer.py
             forward_native raises); not reported upstream.
   removal:  with dsa_torch_native and spec_verify_torch_native (when SGLang's torch_native backend verifies DSA);
@@ -338,7 +342,9 @@ dsa_spec_verify
             and its rows fail the judge from the first verify row on (0.84 to 1.4 off) with the verify's indexer
             ignoring the tree mask, its top-k one short, or a verify's first row left unwritten (its slot keeping a
             freed slot's old row); tests/unit/test_dsa_spec_verify.py checks each draft row's selection and
-            attention against plain torch, trees included.
+            attention against plain torch, trees included, and each draft decode step's (the only guard of the
+            draft-step branch: the tiny MTP layer's attention output is zero, so what it reads changes no
+            proposal).
 
 eagle_cpu_draft
   why:      EAGLE/NEXTN drafts (DeepSeek's MTP layer) on the CPU engine: the draft takes the target's
@@ -355,13 +361,15 @@ eagle_cpu_draft
             branch's query (request b, branch t, step i) over the prefix and the slots seq_len + t * steps
             + 0..i, the layout SGLang's Triton/FlashInfer multi-step backends read
             (cache_locs.generate_draft_decode_kv_indices, page size 1; per_step_draft_out_cache_loc). Page
-            sizes > 1, sliding-window drafts, --speculative-draft-window-size and DSA drafts are refused
-            (NotImplementedError at start-up or at the first draft step).
+            sizes > 1, sliding-window drafts and --speculative-draft-window-size are refused
+            (NotImplementedError at start-up or at the first draft step). A DSA draft (DeepSeek-V3.2's MTP
+            layer) hands the step its indexer's `topk_indices`: the step attends over those keys among the same
+            spans (dsa_torch_native.sparse_attention; dsa_spec_verify runs that indexer over the spans).
   upstream: present in sglang 0.5.23 (deepseek_v2.py set_embed_and_head; speculative/draft_utils.py: no
             torch_native entry in either backend map; the CPU multi-step backend it has is Intel AMX's);
             not reported upstream by us yet.
-  removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server (MTP, 3 steps) does not
-            start without it ("EAGLE is not supported in decode attention backend torch_native");
+  removal:  when both have CPU paths; tests/e2e/test_speculative.py's EAGLE server (MTP, 3 steps) and
+            tests/e2e/test_model_family.py's "v32-tp2" (V3.2's MTP, 3 steps) do not start without it ("EAGLE is not supported in decode attention backend torch_native");
             tests/unit/test_eagle_cpu_draft.py checks each step's attention against a plain-torch reference,
             and is the only guard of it: the tiny test drafts propose the same tokens whatever their attention
             reads (MTP: o_proj zero; EAGLE-3: one-hot on keys of the same token), so a step reading one draft

@@ -16,9 +16,13 @@ SGLang's GPU DSA backend (layers/attention/dsa_backend.py init_forward_metadata,
 a request `seq_len + j + 1` keys (seqlens_expanded: causal by row), the indexer's top-k and the sparse attention
 both within them. For a chain (--speculative-eagle-topk 1) the tree mask is exactly that, and each row selects and
 attends as a plain forward of its sequence does (HF's DeepseekV32 rows). Trees (top-k > 1: GPU rows would see their
-siblings) are refused at launch (sglang_hs/server/speculative_capture.py dsa_speculative_served), as are the multi-step
-draft's decode steps (eagle_cpu_draft refuses a DSA draft decode); the one-step MTP draft runs its indexer in its
-draft-extend pass, an ordinary extend under dsa_torch_native.
+siblings) are refused at launch (sglang_hs/server/speculative_capture.py dsa_speculative_served).
+
+The MTP draft (V3.2's layer has its own indexer) runs its indexer in its draft-extend pass, an ordinary extend under
+dsa_torch_native, and, with --speculative-num-steps N > 1, in each of its N - 1 draft decode steps: there the
+forward context's attention backend is eagle_cpu_draft's step backend (marked `hs_draft_step`), and the indexer
+selects each draft row's keys among that backend's spans (the request's prefix req_to_token[req, :seq_len] and its own
+branch's drafts so far, at seq_len + t * N + 0..i), which the step backend's sparse attention then reads.
 """
 from __future__ import annotations
 
@@ -32,8 +36,30 @@ def verify_spans(forward_batch, rows: int):
     return spans(forward_batch, rows, "dsa_spec_verify")
 
 
+def draft_step_spans(forward_batch, rows: int):
+    """The spans of a multi-step draft's decode step (eagle_cpu_draft's step backend, the forward context's attention
+    backend while EagleWorkerV2.draft_forward runs step i), or None outside one."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend, has_forward_context
+
+    if not forward_batch.forward_mode.is_decode() or not has_forward_context():
+        return None
+    backend = get_attn_backend()
+    if not getattr(backend, "hs_draft_step", False):
+        return None
+    if backend.spans is None or rows < len(backend.spans):  # rows past the spans: DP attention's padding
+        raise RuntimeError(f"sglang-hs dsa_spec_verify: a draft decode step's indexer got {rows} rows for "
+                           f"{'no' if backend.spans is None else len(backend.spans)} branches")
+    return backend.spans
+
+
 def _indexer_with_verify(original):
     def forward_native(self, x, q_lora, positions, forward_batch, layer_id, return_indices=True, **kwargs):
+        spans = draft_step_spans(forward_batch, x.shape[0])
+        if spans is not None:  # the draft's step: its prefix and its own branch's drafts so far
+            from sglang_hs.server.patches.dsa_torch_native import indexer_forward_native
+
+            return indexer_forward_native(self, x, q_lora, positions, forward_batch, layer_id,
+                                          return_indices=return_indices, spans=spans)
         if not forward_batch.forward_mode.is_target_verify():
             return original(self, x, q_lora, positions, forward_batch, layer_id, return_indices=return_indices,
                             **kwargs)

@@ -13,8 +13,10 @@ kernels/ops/speculative/cache_locs.generate_draft_decode_kv_indices, page size 1
 writes its step-s token at req_to_token[b, seq_len + t * num_steps + s], and its step-i query attends the
 prefix req_to_token[b, :seq_len] and its own column's slots seq_len + t * num_steps + 0..i. As upstream: with
 top-k > 1 the column is the branch's slot, not its ancestry (select_top_k_tokens may re-parent a column at a
-later step); the drafts are only proposals, the target's verify pass judges them over the true tree. See the ledger
-in sglang_hs/server/patches/__init__.py.
+later step); the drafts are only proposals, the target's verify pass judges them over the true tree. A DSA draft
+(DeepSeek-V3.2's MTP layer) attends over the keys its indexer selected among those same slots (its indexer runs
+over this step's spans: sglang_hs/server/patches/dsa_spec_verify.py). See the ledger in
+sglang_hs/server/patches/__init__.py.
 """
 from __future__ import annotations
 
@@ -61,7 +63,11 @@ def _step_backend_class():
 
     class TorchNativeDraftStepBackend(TorchNativeAttnBackend):
         """One draft decode step: the step's KV written at forward_batch.out_cache_loc (the step's slots,
-        which EagleWorkerV2.draft_forward sets), then each query over its prefix and its branch's drafts."""
+        which EagleWorkerV2.draft_forward sets), then each query over its prefix and its branch's drafts; with DSA's
+        `topk_indices` (DeepSeek-V3.2), over the keys its indexer selected among those (dsa_spec_verify runs the
+        draft step's indexer over the same `spans`)."""
+
+        hs_draft_step = True  # dsa_spec_verify's indexer reads `spans` of a backend so marked
 
         def __init__(self, model_runner, topk: int, num_steps: int, step: int):
             super().__init__(model_runner)
@@ -80,10 +86,8 @@ def _step_backend_class():
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             from sglang_hs.server.ops.masked_attention import masked_attention
 
+            topk_indices = kwargs.pop("topk_indices", None)
             extra = sorted(name for name, value in kwargs.items() if value is not None)
-            if "topk_indices" in extra:
-                raise NotImplementedError("sglang-hs: a multi-step EAGLE draft with DSA's sparse attention "
-                                          "(DeepSeek-V3.2) has no CPU path yet (--speculative-num-steps 1 has)")
             if extra:  # upstream's torch_native forward_decode takes none: refuse what this one would ignore
                 raise NotImplementedError(f"sglang-hs eagle_cpu_draft: a draft decode step with {', '.join(extra)} "
                                           "has no CPU path")
@@ -97,6 +101,12 @@ def _step_backend_class():
             if rows < len(self.spans):
                 raise RuntimeError(f"sglang-hs eagle_cpu_draft: draft step {self.step} got {rows} query rows for "
                                    f"{len(self.spans)} branches")
+            if topk_indices is not None:  # DSA (DeepSeek-V3.2's MTP layer): the keys its indexer selected among
+                # the same spans (dsa_spec_verify gives the draft step's indexer these spans)
+                from sglang_hs.server.patches.dsa_torch_native import sparse_attention
+
+                return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, topk_indices,
+                                        spans=self.spans)
             return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, self.spans)
 
         def forward_extend(self, *args, **kwargs):
