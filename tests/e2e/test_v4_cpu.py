@@ -40,8 +40,9 @@ and the radix cache on:
   DSpark drafter (--speculative-algorithm DSPARK, DSparkWorkerV2; patches/dsv4_cpu_dspark.py) and
   tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
   the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
-  of 16. A server of its own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP.
-  Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
+  of 16, under SGLANG_RAGGED_VERIFY_MODE=cap-accept without the overlap scheduler (so SGLang builds the draft's
+  confidence head; nothing capped) with --hs-capture-confidence-below 0.5 (DSPARK_CONFIDENCE_BELOW). A server of its
+  own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP. Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
   the sampled verify is SGLang's chain rejection sampling, in torch on the CPU engine: before that patch the
   scheduler died at the first sampled pass, "0 active drivers" from the Triton kernel). SGLang's sampling_seed does
   not govern that accept (read only under --enable-deterministic-inference; its coins are torch.rand draws), so the
@@ -108,7 +109,13 @@ Planted bugs (scratch copies of the patches; each fails):
   tensors) -> the scheduler dies at the first sampled verify pass ("0 active drivers"), the test fails at its generate
   calls (ConnectionError, RemoteDisconnected) and the fixture's teardown (launcher exit 137); the anchor row left
   unwritten again, the sampled records judged first (jobs reversed in the scratch copy) -> v4-dspark-sampled-1.0's
-  pre-norm rows 44, 45, 47, 50, 52, 55, 56 (its passes' anchors) off by up to 1.58.
+  pre-norm rows 44, 45, 47, 50, 52, 55, 56 (its passes' anchors) off by up to 1.58. With the confidence selection
+  (cap-accept, no overlap; two runs: greedy means 0.5196 dropped, 0.4854, 0.477, 0.484 kept, the greedy figures as
+  above, 6 and 5 records, worst 6.1e-07 and 6.9e-07; overlapped, a pass was capped to one draft: a request joining
+  the batch after its budget was prepared): --hs-capture-confidence-below's comparison inverted -> the unit tests
+  (test_draft_selection, test_finish_hook) fail; each step's confidence the step before's -> v4-dspark-29 kept
+  (mean 0.5196 recomputed); another request's confidence (the batch reversed) -> the same; the record's per-step
+  means out of order (the selection unchanged) -> v4-dspark-35's means differ from the recomputed ones.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
