@@ -349,7 +349,7 @@ def _step_accepted(self, num_correct_drafts: int) -> None:
 def _observe_verify_step(self, **kw) -> None:
     """DsparkStepObservers.observe_verify_step, called by DSparkWorkerV2 once per verify pass of a batch with its
     requests (`reqs`, batch order) and the draft's confidence of each of their drafts (`confidence` [bs, gamma],
-    the confidence head's, None without one): each request keeps its rows, in order (confidence_steps)."""
+    the confidence head's, None without one): each request keeps its row's mean, step by step (confidence_steps)."""
     ORIGINALS["observe_verify_step"](self, **kw)
     confidence = kw.get("confidence")
     if confidence is None or _writer is None:
