@@ -141,6 +141,11 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # together); the others are dropped at their finish (marker draft_accepted). Unset: no such selection.
     "SGLANG_HS_CAPTURE_ACCEPT_LOWEST": lambda: float(os.environ["SGLANG_HS_CAPTURE_ACCEPT_LOWEST"])
     if os.environ.get("SGLANG_HS_CAPTURE_ACCEPT_LOWEST") else None,
+    # --hs-capture-confidence-below C (0 < C <= 1, DSPARK servers whose draft has a confidence head): a captured
+    # request whose mean draft confidence (SGLang's DSpark confidence head, every draft of every verify step) is >= C
+    # is dropped at its finish (marker draft_accepted); opted-in requests are always kept. Unset: no such selection.
+    "SGLANG_HS_CAPTURE_CONFIDENCE_BELOW": lambda: float(os.environ["SGLANG_HS_CAPTURE_CONFIDENCE_BELOW"])
+    if os.environ.get("SGLANG_HS_CAPTURE_CONFIDENCE_BELOW") else None,
     # --hs-capture-accept-window N: the recent traffic of --hs-capture-accept-lowest, in finished requests.
     "SGLANG_HS_CAPTURE_ACCEPT_WINDOW": _int("SGLANG_HS_CAPTURE_ACCEPT_WINDOW", DEFAULT_ACCEPT_WINDOW),
     # --hs-capture-max-bytes N: at most N bytes of captured records (worst case, charged at admission);

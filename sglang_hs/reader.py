@@ -18,7 +18,8 @@ generated token but the last; row t is position t (`positions` is that arange, f
 when nothing was generated) and `next_token` is the token after the last row (the last generated one),
 so `output_ids` (input_ids[prompt_len:] + [next_token]) are exactly the tokens the server sent back.
 On a server that decodes speculatively, `meta["speculative"]` holds the drafts each verify step of the
-request accepted, in order (`accepted_drafts`; the step's accept length is that + 1, the bonus token).
+request accepted, in order (`accepted_drafts`; the step's accept length is that + 1, the bonus token), and
+from a DSpark draft with a confidence head each step's mean draft confidence (`confidence`, 4 decimals).
 The reader drains the ring eagerly (one copy per record, then the bytes go back to the server), so
 holding on to one record never stalls the server. Aborted requests, `HEALTH_CHECK` requests and SGLang's start-up warm-up request are not
 emitted. A request id used again (a client's retry, a duplicate) gives one outcome per request, a record
@@ -231,7 +232,8 @@ class HiddenStateRecord:
     last_pre_norm: Optional[torch.Tensor] = None  # the final state before the final norm (--hs-last pre-norm/both)
     offset: int = field(default=-1, repr=False)  # where it starts in its writer's ring (HiddenStateReader.intact)
     # what the server said about the request: under speculative decoding {"speculative": {"verify_steps": N,
-    # "accepted_drafts": [drafts accepted at each verify step, in order]}} (accept length = that + 1); else {}
+    # "accepted_drafts": [drafts accepted at each verify step, in order]}} (accept length = that + 1), with a DSpark
+    # confidence head also "confidence": [each verify step's mean draft confidence]; else {}
     meta: dict = field(default_factory=dict, repr=False)
     _arrival: int = field(default=0, repr=False, compare=False)  # this reader's count of records and markers
     views: bool = field(default=False, repr=False)  # its tensors are views of the ring (zero_copy, or part_bytes)

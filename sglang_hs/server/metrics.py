@@ -42,7 +42,8 @@ later one (sglang_hs/status.py: metrics_after):
                                           not_sampled (--hs-capture, --hs-capture-sample), reader_behind
                                           (--hs-when-behind skip while the ring was full), over_budget
                                           (--hs-capture-max-bytes spent), draft_accepted (dropped at the finish:
-                                          the draft did well, --hs-capture-accept-below/-lowest), oversized (a
+                                          the draft did well, --hs-capture-accept-below/-lowest, or was sure,
+                                          --hs-capture-confidence-below), oversized (a
                                           record that could never fit the ring, --hs-when-behind skip)
     sglang_hs:skip_markers_dropped_total  of those, requests left without a marker record (no ring room)
     sglang_hs:admission_held              requests held right now

@@ -90,9 +90,11 @@ def _dspark_refusal(s: SpeculativeSetting, head: str) -> str:
         return (f"{head} needs a draft checkpoint of its own named with --speculative-draft-model-path (a draft "
                 f"bundled in the target's checkpoint or its dspark/ subfolder is not yet tested{got})")
     mode = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static") or "static"
-    if mode != "static":  # compact (ragged) verify windows and the confidence head's: dsv4_cpu_spec.dspark_prefixes
+    # compact's ragged verify windows have no CPU path (dsv4_cpu_spec.dspark_prefixes); cap-accept verifies the whole
+    # static window and caps the accept by the confidence head's schedule (DSparkVerifyPlanner), as static does
+    if mode not in ("static", "cap-accept"):
         return (f"{head} is served with SGLang's static verify windows only (SGLANG_RAGGED_VERIFY_MODE={mode}: "
-                "not yet supported on the CPU engine); unset it")
+                "not yet supported on the CPU engine); unset it or use cap-accept")
     return ""
 
 

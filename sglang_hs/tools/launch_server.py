@@ -113,6 +113,10 @@ def add_hs_args(parser: argparse.ArgumentParser) -> None:
                    help="on a speculative server, keep only the captured requests whose accept length is in the "
                         "lowest fraction 0 < F < 1 of recent traffic (the last --hs-capture-accept-window finished "
                         "requests, ties kept together); the others leave a marker, reason draft_accepted")
+    g.add_argument("--hs-capture-confidence-below", default=None, metavar="C",
+                   help="on a DSPARK server whose draft has a confidence head (SGLANG_RAGGED_VERIFY_MODE cap-accept), "
+                        "keep only the captured requests the draft was unsure of: those whose mean draft confidence "
+                        "is below 0 < C <= 1; the others leave a marker, reason draft_accepted")
     g.add_argument("--hs-capture-accept-window", default=None, metavar="N", type=int,
                    help="the recent traffic of --hs-capture-accept-lowest, in finished requests (default 1000)")
     g.add_argument("--hs-capture-max-bytes", default=None, metavar="SIZE",
@@ -197,6 +201,18 @@ def selection_env(ns: argparse.Namespace) -> dict:
             raise CaptureConfigError(f"--hs-capture-accept-lowest: a fraction 0 < F < 1 of recent traffic, got "
                                      f"{ns.hs_capture_accept_lowest!r}")
         env["SGLANG_HS_CAPTURE_ACCEPT_LOWEST"] = repr(lowest)
+    if ns.hs_capture_confidence_below is not None:
+        if ns.hs_capture_accept_below is not None or ns.hs_capture_accept_lowest is not None:
+            raise CaptureConfigError("--hs-capture-confidence-below and --hs-capture-accept-below/-lowest: one policy "
+                                     "at a time")
+        try:
+            conf = float(ns.hs_capture_confidence_below)
+        except ValueError:
+            conf = float("nan")
+        if not 0 < conf <= 1:
+            raise CaptureConfigError(f"--hs-capture-confidence-below: a mean draft confidence 0 < C <= 1, got "
+                                     f"{ns.hs_capture_confidence_below!r}")
+        env["SGLANG_HS_CAPTURE_CONFIDENCE_BELOW"] = repr(conf)
     if ns.hs_capture_accept_window is not None:
         if ns.hs_capture_accept_lowest is None:
             raise CaptureConfigError("--hs-capture-accept-window sizes --hs-capture-accept-lowest's recent traffic: "
@@ -620,6 +636,12 @@ def resolve_capture(ns: argparse.Namespace, sg_argv: List[str], model_path: str,
         if value is not None and (not algorithm or _has_flag(sg_argv, "--enable-return-aux-hidden-states")):
             raise CaptureConfigError(f"{flag} selects on the draft's accept length: it needs a server that decodes "
                                      "speculatively (--speculative-algorithm with a draft)")
+    if ns.hs_capture_confidence_below is not None:
+        mode = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static") or "static"
+        if str(algorithm or "").upper() != "DSPARK" or mode == "static":
+            raise CaptureConfigError("--hs-capture-confidence-below selects on the DSpark draft's confidence head: it "
+                                     "needs --speculative-algorithm DSPARK with SGLANG_RAGGED_VERIFY_MODE=cap-accept "
+                                     f"(SGLang builds no head under static; got {algorithm or 'no draft'}, {mode})")
     return arch, config, spec
 
 
@@ -785,10 +807,12 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
             or ns.hs_capture_sample_key is not None or ns.hs_capture_max_bytes is not None \
             or ns.hs_hc_streams is not None or ns.hs_capture_accept_below is not None \
             or ns.hs_capture_accept_lowest is not None or ns.hs_capture_accept_window is not None \
+            or ns.hs_capture_confidence_below is not None \
             or ns.hs_max_record_tokens is not None or ns.hs_record_part_size is not None:
         raise CaptureConfigError("--hs-layers/--hs-last/--hs-hc-streams/--hs-share-group/--hs-copy/--hs-staging-rows/--hs-scatter-"
                                  "threads/--hs-gather-threads/--hs-capture/--hs-capture-sample(-key)/--hs-capture-max-"
-                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-when-behind/--hs-record-part-size/"
+                                 "bytes/--hs-capture-accept-below/-lowest/-window/--hs-capture-confidence-below/"
+                                 "--hs-when-behind/--hs-record-part-size/"
                                  "--hs-max-record-tokens need "
                                  "--hs-dump-dir (where to write the capture)")
     from sglang_hs import envs

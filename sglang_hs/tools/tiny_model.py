@@ -781,12 +781,28 @@ def _add_v4_mtp_layer(out: str, variant: str) -> None:
 DSPARK_GAMMA = 3  # drafts per block (dspark_block_size): a verify pass of 4 tokens
 DSPARK_MASK_TOKEN = 2  # the block's mask token (dspark_noise_token_id), inside the tiny vocabulary
 DSPARK_MARKOV_BIAS = 6.0  # the markov head's bias towards the previous token, against the base logits' spread
+DSPARK_CONFIDENCE_SPAN = 0.45  # the confidence head's weight on each previous token: uniform in +-this
+
+
+def dspark_confidence_weights(draft: str):
+    """The DSpark draft's confidence head (_generate_dspark_draft) as a [V] float32 tensor w: SGLang's confidence of
+    a draft whose previous token (the anchor for the first draft, else the draft before it) is v is
+    sigmoid(DSPARK_MARKOV_BIAS * w[v]) (the head reads the markov embedding, DSPARK_MARKOV_BIAS one-hot; its weight
+    on the stages' hidden state is zero)."""
+    import torch
+    from safetensors.torch import load_file
+
+    proj = load_file(os.path.join(draft, "model.safetensors"))["mtp.0.confidence_head.proj.weight"]
+    with open(os.path.join(draft, "config.json")) as f:
+        H = json.load(f)["hidden_size"]
+    return proj[0, H:].float()
 
 
 def dspark_draft_path(target: str = "v4-csa") -> str:
     """Where the DSpark draft of the V4 variant `target` lives (it may not exist yet)."""
     h = hashlib.sha256(f"target={path(target)};gamma={DSPARK_GAMMA};mask={DSPARK_MASK_TOKEN};"
-                       f"bias={DSPARK_MARKOV_BIAS};".encode() + inspect.getsource(_generate_dspark_draft).encode()
+                       f"bias={DSPARK_MARKOV_BIAS};confidence={DSPARK_CONFIDENCE_SPAN};".encode()
+                       + inspect.getsource(_generate_dspark_draft).encode()
                        + inspect.getsource(_v4_donor).encode() + inspect.getsource(dspark_bigram).encode())
     return os.path.join(envs.SGLANG_HS_CACHE, "models", f"tiny-{target}-dspark-{h.hexdigest()[:16]}")
 
@@ -822,8 +838,13 @@ def _generate_dspark_draft(out: str, target: str) -> None:
     for the one-token text [v]), far above the stages' own logits (the target's head on their output, about 0.2 in
     spread: drawn weights, attention over the injected context), so each draft is the bigram of the one before it,
     starting from the anchor; the tiny target's greedy output follows that bigram about one step in eight (measured
-    on test prompts: 12 of 96), so drafts are both accepted and rejected. No confidence head
-    (SGLANG_RAGGED_VERIFY_MODE static, SGLang's default, builds none)."""
+    on test prompts: 12 of 96), so drafts are both accepted and rejected. A confidence head
+    (`mtp.0.confidence_head.proj.weight` [1, H + r], enable_confidence_head), which SGLang builds under
+    SGLANG_RAGGED_VERIFY_MODE cap-accept or compact only (static, its default, builds none and skips the weight):
+    zero on the stages' hidden state, a weight uniform in +-DSPARK_CONFIDENCE_SPAN on each previous token's markov
+    embedding, so a draft's confidence is sigmoid(DSPARK_MARKOV_BIAS * w[previous token]) (dspark_confidence_weights),
+    between 0.06 and 0.94: a block's survival (their product over its 3 drafts) stays above SGLang's survival_eps
+    (1e-6), so under cap-accept with no SPS table the verify budget is every draft and no window is capped."""
     import torch
     from safetensors.torch import save_file
 
@@ -833,7 +854,7 @@ def _generate_dspark_draft(out: str, target: str) -> None:
     layers = list(cfg["dspark_target_layer_ids"])
     stages = len(layers)
     cfg.update(dspark_block_size=DSPARK_GAMMA, dspark_markov_rank=cfg["vocab_size"],
-               dspark_noise_token_id=DSPARK_MASK_TOKEN, num_nextn_predict_layers=stages)
+               dspark_noise_token_id=DSPARK_MASK_TOKEN, num_nextn_predict_layers=stages, enable_confidence_head=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     donor_cfg = dict(cfg, num_hidden_layers=stages + 1, compress_ratios=[0] * (stages + 1), num_nextn_predict_layers=0)
@@ -858,6 +879,9 @@ def _generate_dspark_draft(out: str, target: str) -> None:
         "mtp.0.main_norm.weight": (lo + (hi - lo) * torch.rand(H, generator=gen)).to(bf16),
         "mtp.0.markov_head.embed.weight": (DSPARK_MARKOV_BIAS * torch.eye(V)).to(bf16),
         "mtp.0.markov_head.head.weight": torch.eye(V)[dspark_bigram(base)].T.contiguous().to(bf16)})
+    confidence = torch.zeros(1, H + V)
+    confidence[0, H:] = (2 * torch.rand(V, generator=gen) - 1) * DSPARK_CONFIDENCE_SPAN
+    weights["mtp.0.confidence_head.proj.weight"] = confidence
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -40,8 +40,9 @@ and the radix cache on:
   DSpark drafter (--speculative-algorithm DSPARK, DSparkWorkerV2; patches/dsv4_cpu_dspark.py) and
   tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
   the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
-  of 16. A server of its own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP.
-  Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
+  of 16, under SGLANG_RAGGED_VERIFY_MODE=cap-accept without the overlap scheduler (so SGLang builds the draft's
+  confidence head; nothing capped) with --hs-capture-confidence-below 0.5 (DSPARK_CONFIDENCE_BELOW). A server of its
+  own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP. Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
   the sampled verify is SGLang's chain rejection sampling, in torch on the CPU engine: before that patch the
   scheduler died at the first sampled pass, "0 active drivers" from the Triton kernel). SGLang's sampling_seed does
   not govern that accept (read only under --enable-deterministic-inference; its coins are torch.rand draws), so the
@@ -108,7 +109,13 @@ Planted bugs (scratch copies of the patches; each fails):
   tensors) -> the scheduler dies at the first sampled verify pass ("0 active drivers"), the test fails at its generate
   calls (ConnectionError, RemoteDisconnected) and the fixture's teardown (launcher exit 137); the anchor row left
   unwritten again, the sampled records judged first (jobs reversed in the scratch copy) -> v4-dspark-sampled-1.0's
-  pre-norm rows 44, 45, 47, 50, 52, 55, 56 (its passes' anchors) off by up to 1.58.
+  pre-norm rows 44, 45, 47, 50, 52, 55, 56 (its passes' anchors) off by up to 1.58. With the confidence selection
+  (cap-accept, no overlap; two runs: greedy means 0.5196 dropped, 0.4854, 0.477, 0.484 kept, the greedy figures as
+  above, 6 and 5 records, worst 6.1e-07 and 6.9e-07; overlapped, a pass was capped to one draft: a request joining
+  the batch after its budget was prepared): --hs-capture-confidence-below's comparison inverted -> the unit tests
+  (test_draft_selection, test_finish_hook) fail; each step's confidence the step before's -> v4-dspark-29 kept
+  (mean 0.5196 recomputed); another request's confidence (the batch reversed) -> the same; the record's per-step
+  means out of order (the selection unchanged) -> v4-dspark-35's means differ from the recomputed ones.
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
@@ -525,6 +532,13 @@ def test_speculative_verify_passes_over_the_compressed_blocks(v4):
 DSPARK_LAYERS = [1, 2]
 DSPARK_CHUNK = 16
 DSPARK_PROMPTS = (29, 35, 41, 46)
+# Served under SGLANG_RAGGED_VERIFY_MODE=cap-accept, so that SGLang builds the draft's confidence head
+# (tiny_model.dspark_confidence_weights), without the overlap scheduler: with no SPS table every draft is then
+# verified, no window capped (overlapped, the verify budget is the one prepared a step before for the batch then, and
+# a request joining since is capped: measured, a pass capped to one draft), and with
+# --hs-capture-confidence-below DSPARK_CONFIDENCE_BELOW: a request whose mean draft confidence is at or above it
+# leaves a draft_accepted marker instead of its record.
+DSPARK_CONFIDENCE_BELOW = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -534,8 +548,11 @@ def v4_dspark(tmp_path_factory):
                  ["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--dtype", "float32",
                   "--skip-tokenizer-init", "--hs-layers", ",".join(map(str, DSPARK_LAYERS)), "--hs-last", "both",
                   "--hs-hc-streams", "full", "--chunked-prefill-size", str(DSPARK_CHUNK),
+                  "--hs-capture-confidence-below", str(DSPARK_CONFIDENCE_BELOW), "--disable-overlap-schedule",
                   "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft])
-    server = next(gen)
+    with pytest.MonkeyPatch.context() as env:  # the launcher's environment, taken as it starts
+        env.setenv("SGLANG_RAGGED_VERIFY_MODE", "cap-accept")
+        server = next(gen)
     served = _Served(server, HiddenStateReader(str(server.dump)), "full", _Captured(hf_reference("v4-csa"),
                                                                                     DSPARK_LAYERS))
     try:
@@ -580,6 +597,22 @@ def _markov_accepts(rid, bigram, full, prompt_len, steps, gamma):
             assert got == next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma), (rid, f, steps)
 
 
+def _greedy_confidence(bigram, weights, full, prompt_len, passes, gamma):
+    """A greedy request's draft confidence per verify pass, recomputed in plain torch from the draft's confidence head
+    (tiny_model.dspark_confidence_weights): pass k's drafts are the bigram chain from its anchor full[f] (as
+    _markov_accepts), draft j's confidence sigmoid(DSPARK_MARKOV_BIAS * w[its previous token]); the passes follow
+    from the output alone (pass k + 1's anchor is right after pass k's accepted drafts), `passes` of them."""
+    out, f = [], prompt_len
+    for _ in range(passes):
+        chain = [bigram[full[f]]]
+        while len(chain) < gamma:
+            chain.append(bigram[chain[-1]])
+        prev = torch.tensor([full[f]] + chain[:-1])
+        out.append(torch.sigmoid(tiny_model.DSPARK_MARKOV_BIAS * weights[prev]).tolist())
+        f += 1 + next((j for j in range(gamma) if f + 1 + j >= len(full) or full[f + 1 + j] != chain[j]), gamma)
+    return out
+
+
 def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     """SGLang's DSpark drafter on the CPU engine (patches/dsv4_cpu_dspark.py): four greedy prompts (DSPARK_PROMPTS)
     and three sampled ones (DSPARK_SAMPLED, temperature > 0, top_p < 1) at once, DSPARK_TOKENS tokens each. Every row
@@ -588,26 +621,40 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     each record's accepted drafts per verify pass are SGLang's (check_steps: spec_verify_ct,
     spec_num_correct_drafts, the histogram), for greedy requests the ones the draft's markov head gives (the
     target's bigram chain from the pass's anchor); and by SGLang's own counters drafts were both accepted and
-    rejected, among the greedy requests and among the sampled ones (each pass verifies DSPARK_GAMMA drafts)."""
+    rejected, among the greedy requests and among the sampled ones (each pass verifies DSPARK_GAMMA drafts).
+
+    Selection on the draft's confidence (--hs-capture-confidence-below DSPARK_CONFIDENCE_BELOW under cap-accept):
+    a greedy request's confidence per pass is recomputed in plain torch from the draft's head (_greedy_confidence);
+    it keeps its record exactly when that mean is below the threshold, else leaves a draft_accepted marker, and a
+    kept record's metadata carries each pass's mean (4 decimals). A sampled request's drafts past its accepted ones
+    are unknown: its record, when kept, carries a mean below the threshold, and each pass whose drafts but the last
+    were accepted (every draft's previous token known) its recomputed mean; a dropped one only its marker. Both
+    outcomes occur among the greedy requests, SGLang capped no verify window (spec_cap_lens_histogram), and the
+    status counts the markers."""
+    from helpers import settled
     from spec_counts import check_steps as _check_steps
+
+    from sglang_hs import NotCaptured
 
     server, reader, streams, hf = v4_dspark
     gamma = tiny_model.DSPARK_GAMMA
     bigram = tiny_model.dspark_bigram(None, model=hf.model)
+    weights = tiny_model.dspark_confidence_weights(tiny_model.ensure_dspark_draft("v4-csa"))
+    conf = lambda prev: torch.sigmoid(tiny_model.DSPARK_MARKOV_BIAS * weights[prev]).item()  # noqa: E731
     jobs = _dspark_jobs()
+    before = settled(server)["admission"]["skipped_draft_accepted"]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
             "max_new_tokens": DSPARK_TOKENS, **j[2]}), jobs))
-    worst, rows, sampled = 0.0, 0, []
+    worst, rows, sampled, dropped, full_passes = 0.0, 0, [], 0, 0
     counts = {True: [0, 0], False: [0, 0]}  # greedy or not: [verify passes, drafts accepted]
+    greedy_kept = {}  # greedy rid -> (its recomputed mean confidence, kept)
     for (rid, ids, params), out in zip(jobs, outs):
         meta = out["meta_info"]
         assert len(out["output_ids"]) == DSPARK_TOKENS, (rid, meta)
-        rec = reader.take(rid, timeout=60)
-        _check_steps(rec, meta)
+        caps = meta["spec_cap_lens_histogram"]  # each capped pass's window (a pass with no schedule yet: none)
+        assert caps[gamma + 1] > 0 and sum(caps[:gamma + 1]) == 0, (rid, caps)  # the whole window, every time
         full = ids + out["output_ids"]
-        worst = max(worst, judge(rec, hf, full[:-1], streams))
-        rows += len(full) - 1
         greedy = params is GREEDY
         counts[greedy][0] += meta["spec_verify_ct"]
         counts[greedy][1] += meta["spec_num_correct_drafts"]
@@ -615,14 +662,43 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
             with torch.no_grad():
                 logits = hf.model(torch.tensor([full[:-1]])).logits[0]
             assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"], rid
-            _markov_accepts(rid, bigram, full, len(ids), rec.meta["speculative"]["accepted_drafts"], gamma)
+            want = _greedy_confidence(bigram, weights, full, len(ids), meta["spec_verify_ct"], gamma)
+            mean = sum(map(sum, want)) / (len(want) * gamma)
+            keep = mean < DSPARK_CONFIDENCE_BELOW
+            greedy_kept[rid] = (round(mean, 4), keep)
         else:
             sampled.append((rid, meta["spec_verify_ct"], meta["spec_num_correct_drafts"]))
+            keep = None  # known from the record only
+        try:
+            rec = reader.take(rid, timeout=60)
+        except NotCaptured as e:
+            assert keep in (False, None) and "draft_accepted" in str(e), (rid, keep, e)
+            dropped += 1
+            continue
+        assert keep in (True, None), (rid, keep)
+        _check_steps(rec, meta)
+        worst = max(worst, judge(rec, hf, full[:-1], streams))
+        rows += len(full) - 1
+        steps = rec.meta["speculative"]["accepted_drafts"]
+        got = rec.meta["speculative"]["confidence"]  # each pass's mean over its drafts, to 4 decimals
+        assert len(got) == len(steps) and sum(got) / len(got) < DSPARK_CONFIDENCE_BELOW + 1e-4, (rid, got)
+        if greedy:
+            _markov_accepts(rid, bigram, full, len(ids), steps, gamma)
+            assert [abs(g - sum(w) / gamma) <= 6e-5 for g, w in zip(got, want)] == [True] * len(got), (rid, got, want)
+        else:  # a pass whose drafts but the last were accepted: every draft's previous token is known
+            for (f, accepted), mean in zip(_verify_passes(len(ids), steps), got):
+                if accepted >= gamma - 1 and f + gamma - 1 < len(full):
+                    known = sum(conf(full[f + j]) for j in range(gamma)) / gamma
+                    assert abs(mean - known) <= 6e-5, (rid, f, mean, known)
+                    full_passes += 1
     summary = {("greedy" if g else "sampled"): (v, a, v * gamma - a) for g, (v, a) in counts.items()}
-    print(f"v4-csa dspark: {len(jobs)} records, {rows} rows, worst {worst:.2e}; (verify passes of {gamma} drafts, "
-          f"accepted, rejected) {summary}; sampled (rid, passes, accepted) {sampled}")
+    print(f"v4-csa dspark: {len(jobs)} requests, {len(jobs) - dropped} records, {rows} rows, worst {worst:.2e}; "
+          f"(verify passes of {gamma} drafts, accepted, rejected) {summary}; sampled (rid, passes, accepted) "
+          f"{sampled}; greedy (mean confidence, kept) {greedy_kept}; sampled passes judged {full_passes}")
     for kind, (verify, accepted, rejected) in summary.items():
         assert accepted > 0 and rejected > 0, (kind, summary)
+    assert {keep for _, keep in greedy_kept.values()} == {True, False}, greedy_kept
+    assert settled(server)["admission"]["skipped_draft_accepted"] - before == dropped
 
 
 def test_deepspec_cache_from_a_v4_server(v4, tmp_path):

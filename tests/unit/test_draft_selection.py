@@ -92,3 +92,81 @@ def test_a_server_without_a_draft_is_refused(tmp_path, clean_env):
     with pytest.raises(CaptureConfigError, match=r"^--hs-capture-accept-lowest selects on the draft's accept length"):
         launch_server.prepare(["--model-path", str(d), "--device", "cpu", "--hs-dump-dir", str(tmp_path / "hs"),
                                "--hs-capture-accept-lowest", "0.5"])
+
+
+CONFIDENCES = st.lists(st.none() | st.floats(0, 1), min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidences=CONFIDENCES, below=st.sampled_from([0.1, 0.5, 0.75, 1.0]),
+       opted=st.lists(st.booleans(), min_size=40, max_size=40))
+def test_the_confidence_policy_drops_what_the_draft_was_sure_of(confidences, below, opted):
+    """--hs-capture-confidence-below C: dropped exactly when the request's mean draft confidence is C or more and it
+    is not opted in; a request without one (no verify step, no confidence head) is kept; its accept length plays
+    no part."""
+    sel = DraftSelection(confidence_below=below)
+    assert sel.active
+    for i, conf in enumerate(confidences):
+        want_drop = conf is not None and not opted[i] and conf >= below
+        assert sel.did_well(1.0 + i % 3, opted[i], conf) is want_drop, (i, conf, below)
+        assert sel.did_well(None, opted[i], conf) is want_drop  # nor whether it has one
+
+
+def test_mean_confidence_is_the_mean_over_the_steps():
+    from sglang_hs.server.store.draft_selection import mean_confidence
+
+    assert mean_confidence([]) is None and mean_confidence([0.25]) == 0.25
+    assert mean_confidence([0.2, 0.4, 0.9]) == pytest.approx(0.5)
+
+
+def test_the_confidence_policy_is_one_policy_at_a_time():
+    for other in ({"below": 1.5}, {"lowest": 0.5}):
+        with pytest.raises(ValueError, match="one policy at a time"):
+            DraftSelection(confidence_below=0.5, **other)
+
+
+def _prepare_v4(tmp_path, monkeypatch, mode, *flags):
+    """launch_server.prepare for tiny v4-csa served with its DSpark draft on the CPU engine, under
+    SGLANG_RAGGED_VERIFY_MODE `mode` (None: unset)."""
+    from sglang_hs.tools import tiny_model
+
+    if mode is None:
+        monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", mode)
+    dump = tmp_path / f"hs{len(list(tmp_path.glob('hs*')))}"
+    launch_server.prepare(["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--hs-dump-dir", str(dump),
+                           "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path",
+                           tiny_model.ensure_dspark_draft("v4-csa"), *flags])
+    return os.environ.get("SGLANG_HS_CAPTURE_CONFIDENCE_BELOW")
+
+
+def test_the_confidence_flag_on_a_dspark_server(tmp_path, clean_env, monkeypatch):
+    from sglang_hs import envs
+
+    assert _prepare_v4(tmp_path, monkeypatch, "cap-accept", "--hs-capture-confidence-below", "0.4") == "0.4"
+    assert envs.SGLANG_HS_CAPTURE_CONFIDENCE_BELOW == 0.4
+    for mode in (None, "static"):  # SGLang builds no confidence head
+        with pytest.raises(CaptureConfigError, match=r"^--hs-capture-confidence-below selects on the DSpark draft's "
+                                                     r"confidence head: .*SGLANG_RAGGED_VERIFY_MODE=cap-accept"):
+            _prepare_v4(tmp_path, monkeypatch, mode, "--hs-capture-confidence-below", "0.4")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hs-capture-confidence-below", "0"], r"^--hs-capture-confidence-below: a mean draft confidence 0 < C <= 1, "
+                                             r"got '0'$"),
+    (["--hs-capture-confidence-below", "1.5"], r"^--hs-capture-confidence-below: a mean draft confidence"),
+    (["--hs-capture-confidence-below", "nan"], r"^--hs-capture-confidence-below: a mean draft confidence"),
+    (["--hs-capture-confidence-below", "x"], r"^--hs-capture-confidence-below: a mean draft confidence"),
+    (["--hs-capture-confidence-below", "0.5", "--hs-capture-accept-below", "2"],
+     r"^--hs-capture-confidence-below and --hs-capture-accept-below/-lowest: one policy at a time$"),
+])
+def test_the_confidence_flag_is_refused_in_one_line(tmp_path, clean_env, monkeypatch, flags, message):
+    with pytest.raises(CaptureConfigError, match=message):
+        _prepare_v4(tmp_path, monkeypatch, "cap-accept", *flags)
+
+
+def test_the_confidence_flag_is_refused_without_dspark(tmp_path, clean_env):
+    with pytest.raises(CaptureConfigError, match=r"^--hs-capture-confidence-below selects on the DSpark draft's "
+                                                 r"confidence head: it needs --speculative-algorithm DSPARK .*NGRAM"):
+        _prepare(tmp_path, "--hs-capture-confidence-below", "0.5")  # an NGRAM server

@@ -291,3 +291,52 @@ def test_a_speculative_requests_record_carries_each_verify_steps_accepted_drafts
     assert len(rec.meta["speculative"]["accepted_drafts"]) == req.spec_verify_ct
     assert sum(rec.meta["speculative"]["accepted_drafts"]) == req.spec_num_correct_drafts
     assert len(capture_hooks.record_meta(req)) <= meta_bound(len(req.output_ids))  # admission reserved enough
+
+
+def test_confidence_below_keeps_the_requests_the_draft_was_unsure_of(hook, monkeypatch):
+    """--hs-capture-confidence-below 0.5 with a DSpark confidence head: DsparkStepObservers.observe_verify_step
+    (wrapped) hands each verify pass's [bs, gamma] confidence with the batch's requests; each request keeps its
+    passes' means, as many as its verify steps (a pass run past its finish is not its). A request whose mean is
+    0.5 or more leaves a draft_accepted marker; one below, and one opted in, keep their records, whose metadata
+    carries each pass's mean (4 decimals) beside the accepted drafts."""
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_hs import NotCaptured
+    from sglang_hs.server.patches import capture_hooks
+    from sglang_hs.server.store.admission import meta_bound
+    from sglang_hs.server.store.draft_selection import DraftSelection
+
+    monkeypatch.setattr(capture_hooks, "_selection", DraftSelection(confidence_below=0.5))
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "update_spec_correct_drafts_histogram",
+                        Req.update_spec_correct_drafts_histogram)
+    monkeypatch.setattr(Req, "update_spec_correct_drafts_histogram", capture_hooks._step_accepted)
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "observe_verify_step", lambda self, **kw: None)
+    reqs = [_spec_req(rid, 6, 0, opted, pool_idx=i)
+            for i, (rid, opted) in enumerate((("unsure", False), ("sure", False), ("sure-opted", True)))]
+    passes = [torch.tensor([[0.1, 0.2, 0.3], [0.9, 0.8, 0.7], [0.9, 0.9, 0.9]]),  # means 0.2, 0.8, 0.9
+              torch.tensor([[0.5, 0.6, 0.7], [0.2, 0.3, 0.1], [0.6, 0.6, 0.6]]),  # 0.6, 0.2, 0.6
+              torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])]  # past the finish: not theirs
+    for k, confidence in enumerate(passes):
+        capture_hooks._observe_verify_step(None, reqs=reqs, bs=3, confidence=confidence)
+        if k < 2:
+            for req in reqs:
+                req.spec_verify_ct += 1
+                req.update_spec_correct_drafts_histogram(k)
+    assert [capture_hooks.confidence_steps(r) for r in reqs] == \
+        [pytest.approx([0.2, 0.6]), pytest.approx([0.8, 0.2]), pytest.approx([0.9, 0.6])]
+    for req in reqs:  # means 0.4, 0.5, 0.75
+        hook.finish(req)
+    hook.settle()
+    assert hook.admission.stats["skipped_draft_accepted"] == 1
+    with pytest.raises(NotCaptured, match="draft_accepted"):
+        hook.reader.take("sure", timeout=5)
+    for rid, means in (("unsure", [0.2, 0.6]), ("sure-opted", [0.9, 0.6])):
+        rec = hook.reader.take(rid, timeout=5)
+        assert rec.meta == {"speculative": {"verify_steps": 2, "accepted_drafts": [0, 1], "confidence": means}}
+    req = _spec_req("long", 4000, 0, False, pool_idx=3)  # the most steps (one token each) at the widest means
+    for _ in range(4000):
+        capture_hooks._observe_verify_step(None, reqs=[req], bs=1, confidence=torch.full((1, 3), 0.123456))
+        req.update_spec_correct_drafts_histogram(65535)
+    assert len(capture_hooks.record_meta(req)) <= meta_bound(4000)  # admission reserved enough
+    capture_hooks._observe_verify_step(None, reqs=reqs, bs=3, confidence=None)  # no head: nothing kept

@@ -564,7 +564,7 @@ def test_v4_speculative_capture_is_its_mtp_chain_on_the_cpu_engine(monkeypatch):
                       (["--speculative-draft-model-path", "/m/dspark/"], "bundled in the target's checkpoint")):
         line = launch_server.speculative_refusal(arch, "DSPARK", argv, cpu=True, model_path="/m")
         assert why in line and "\n" not in line, line
-    for mode, served in (("static", True), ("", True), ("compact", False)):  # SGLang's ragged verify windows
+    for mode, served in (("static", True), ("", True), ("cap-accept", True), ("compact", False)):  # ragged windows
         monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", mode)
         line = launch_server.speculative_refusal(arch, "DSPARK", dspark, cpu=True, model_path="/m")
         assert line == "" if served else ("SGLANG_RAGGED_VERIFY_MODE=compact" in line and "\n" not in line), line

@@ -22,7 +22,9 @@ Ledger (what / why / upstream status / removal plan):
 |                   | staging buffers' device memory before the KV |                  |
 |                   | pool is sized); Req.update_spec_correct_     |                  |
 |                   | drafts_histogram (each verify step's         |                  |
-|                   | accepted drafts, in order, for the record)   |                  |
+|                   | accepted drafts, in order, for the record);  |                  |
+|                   | DsparkStepObservers.observe_verify_step      |                  |
+|                   | (each DSpark verify step's draft confidence) |                  |
 | warmup_rid        | wraps TokenizerManager.generate_request: a   | capture on, HTTP |
 |                   | rid-less request before the server is Up     | server process   |
 |                   | gets the rid HS_WARMUP-<hex>                 | (serve.py)       |
@@ -146,7 +148,11 @@ capture_hooks
             Under speculative decoding a record carries each verify step's accepted drafts in order
             (its metadata): SGLang keeps only their count and histogram per request, and calls
             `Req.update_spec_correct_drafts_histogram` once per step with that step's count, so the
-            wrap appends it to a per-request array (2 bytes a step).
+            wrap appends it to a per-request array (2 bytes a step). A DSpark draft with a confidence head
+            (SGLANG_RAGGED_VERIFY_MODE cap-accept) gives each draft a confidence that SGLang uses for its
+            verify schedule and its debug dump only; `DsparkStepObservers.observe_verify_step` (once per verify
+            pass, the batch's requests and their [bs, gamma] confidence) is wrapped to keep each request's rows
+            (record metadata `confidence`; --hs-capture-confidence-below).
             SGLang sizes the KV pool from the device memory free when `alloc_memory_pool` runs (for
             MLA models once, before graph capture: no post-capture resize), and the store is made only
             after it; so the staging buffers' device bytes are held just before, and handed to the

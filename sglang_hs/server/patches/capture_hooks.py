@@ -85,7 +85,8 @@ def _after_init_capturers(self) -> None:
     from sglang_hs.server.store.draft_selection import DraftSelection
 
     _selection = DraftSelection(below=envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW, lowest=envs.SGLANG_HS_CAPTURE_ACCEPT_LOWEST,
-                                window=envs.SGLANG_HS_CAPTURE_ACCEPT_WINDOW)
+                                window=envs.SGLANG_HS_CAPTURE_ACCEPT_WINDOW,
+                                confidence_below=envs.SGLANG_HS_CAPTURE_CONFIDENCE_BELOW)
     if model.hs_status is not None:  # shown in the overlay's status file, the log and /metrics
         status = model.hs_status
         status.sources.update(writer=_writer.stats, admission=_admission.stats)
@@ -345,27 +346,59 @@ def _step_accepted(self, num_correct_drafts: int) -> None:
     steps.append(min(int(num_correct_drafts), 0xFFFF))
 
 
+def _observe_verify_step(self, **kw) -> None:
+    """DsparkStepObservers.observe_verify_step, called by DSparkWorkerV2 once per verify pass of a batch with its
+    requests (`reqs`, batch order) and the draft's confidence of each of their drafts (`confidence` [bs, gamma],
+    the confidence head's, None without one): each request keeps its row's mean, step by step (confidence_steps)."""
+    ORIGINALS["observe_verify_step"](self, **kw)
+    confidence = kw.get("confidence")
+    if confidence is None or _writer is None:
+        return
+    # each request's mean over its gamma drafts; on the CPU engine (DSPARK is served there only): no device sync
+    means = confidence[: kw["bs"]].float().mean(dim=1).tolist()
+    for req, mean in zip(kw["reqs"], means):
+        steps = getattr(req, "hs_draft_confidence", None)
+        if steps is None:
+            steps = req.hs_draft_confidence = array("d")
+        steps.append(mean)
+
+
+def confidence_steps(req) -> list:
+    """The draft's mean confidence over each verify step's drafts of `req` (SGLang's DSpark confidence head), as
+    many steps as it accepted drafts at (hs_accepted_drafts): a pass the scheduler ran past the request's finish
+    is not its. Empty without a confidence head."""
+    steps = getattr(req, "hs_draft_confidence", None) or ()
+    return list(steps[:len(getattr(req, "hs_accepted_drafts", None) or ())])
+
+
 def record_meta(req) -> bytes:
     """A record's metadata (ring.encode_meta): under speculative decoding, the drafts each verify step of the
-    request accepted, in order (its accept length at step i is accepted_drafts[i] + 1, the bonus token)."""
+    request accepted, in order (its accept length at step i is accepted_drafts[i] + 1, the bonus token), and with
+    a DSpark confidence head the draft's mean confidence over each step's drafts (`confidence`, 4 decimals)."""
     from sglang_hs.server.store.ring import encode_meta
 
     steps = getattr(req, "hs_accepted_drafts", None)
     if not steps:
         return b""
-    return encode_meta({"speculative": {"verify_steps": len(steps), "accepted_drafts": steps.tolist()}})
+    spec = {"verify_steps": len(steps), "accepted_drafts": steps.tolist()}
+    confidence = confidence_steps(req)
+    if confidence:
+        spec["confidence"] = [round(c, 4) for c in confidence]
+    return encode_meta({"speculative": spec})
 
 
 def _draft_did_well(req) -> bool:
     """Whether the draft did well enough on `req` for its record to be dropped (--hs-capture-accept-below L:
     an accept length of L or more; --hs-capture-accept-lowest F: not in the lowest F of recent traffic;
-    store/draft_selection.py). Opted-in requests and those without a verify step are kept. Called once per
-    finished request, in finish order."""
+    --hs-capture-confidence-below C: a mean draft confidence of C or more; store/draft_selection.py). Opted-in
+    requests and those without a verify step are kept. Called once per finished request, in finish order."""
     if _selection is None or not _selection.active:
         return False
     from sglang_hs.server.store.admission import opted_in
 
-    return _selection.did_well(accept_length(req), opted_in(req))
+    from sglang_hs.server.store.draft_selection import mean_confidence
+
+    return _selection.did_well(accept_length(req), opted_in(req), mean_confidence(confidence_steps(req)))
 
 
 def _token_record(prompt, output) -> array:
@@ -519,6 +552,7 @@ def apply():
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
     from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.speculative.dspark_components.dspark_observability import DsparkStepObservers
 
     if sglang.__version__ != SGLANG_VERSION:
         raise RuntimeError(f"sglang-hs capture hooks target sglang {SGLANG_VERSION}, found {sglang.__version__}")
@@ -531,6 +565,7 @@ def apply():
     ORIGINALS["get_next_batch_to_run"] = Scheduler.get_next_batch_to_run
     ORIGINALS["on_idle"] = Scheduler.on_idle
     ORIGINALS["update_spec_correct_drafts_histogram"] = Req.update_spec_correct_drafts_histogram
+    ORIGINALS["observe_verify_step"] = DsparkStepObservers.observe_verify_step
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
@@ -540,4 +575,5 @@ def apply():
     Scheduler.get_next_batch_to_run = _get_next_batch_to_run
     Scheduler.on_idle = _on_idle
     Req.update_spec_correct_drafts_histogram = _step_accepted
+    DsparkStepObservers.observe_verify_step = _observe_verify_step
     return dict(ORIGINALS)

@@ -42,8 +42,8 @@ Capture is unaffected by the draft: the draft runs on its own runner and pool, n
 forward, and the target's verify pass writes rows at the verify window's slots as under EAGLE (a rejected draft's
 row sits at a position past the request's committed length and is overwritten by the next pass before any record
 reads it). Not served: several ranks (the launcher refuses --tp/--dp), a draft bundled in the target's checkpoint,
-the compact (ragged) verify mode and the confidence head (SGLANG_RAGGED_VERIFY_MODE other than static), block
-verification.
+the compact (ragged) verify mode (SGLANG_RAGGED_VERIFY_MODE=compact), block verification. cap-accept (the draft's
+confidence head, its schedule capping the accept of a whole static window) needs nothing more here.
 """
 from __future__ import annotations
 

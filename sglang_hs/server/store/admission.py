@@ -132,9 +132,10 @@ def select(req, mode: str = "all", sample: Optional[float] = None, key: bytes = 
 
 def meta_bound(max_new: int) -> int:
     """The most metadata bytes a speculative request's record holds (capture_hooks.record_meta): a verify step
-    emits at least one token, so at most max_new steps, each at most 6 bytes of JSON ("65535,"), plus the
-    object around them."""
-    return 64 + 6 * max(0, max_new)
+    emits at least one token, so at most max_new steps, each at most 6 bytes of JSON ("65535,") and, with a
+    DSpark confidence head, 7 more (its mean draft confidence to 4 decimals, "0.1234,"), plus the object around
+    them."""
+    return 96 + 13 * max(0, max_new)
 
 
 SIZED_RID_BYTES = 256  # the request id a ring is sized for (the launcher's floor, the planner): longer ones fit if room

@@ -9,6 +9,12 @@ Two policies, on SGLang's accept length of the request (completion tokens per ve
   while the window fills the fraction is of the requests seen so far. Every finished request with a verify step
   enters the window, captured or not, opted in or not: "recent traffic" is the server's.
 
+And one on the DSpark draft's own confidence (its confidence head: SGLang's per-draft probability that the draft is
+accepted, [gamma] per verify step; SGLang builds the head under SGLANG_RAGGED_VERIFY_MODE cap-accept or compact only):
+
+- `--hs-capture-confidence-below C`: kept when its mean confidence (over every draft of every verify step) is below
+  C: the requests the draft itself expected to do poorly on.
+
 Opted-in requests and requests that never reached a verify step (nothing known of the draft) are always kept.
 A request dropped by either leaves a marker, reason draft_accepted. Both run at a request's finish, on the
 scheduler thread: a deque and a sorted list, O(log N) to find a rank and O(N) memmove to keep the list sorted
@@ -47,22 +53,33 @@ class RecentAccepts:
 class DraftSelection:
     """Whether a finished request's record is dropped because its draft did well (the module's policies)."""
 
-    def __init__(self, below: Optional[float] = None, lowest: Optional[float] = None, window: int = 1000) -> None:
-        if below is not None and lowest is not None:
-            raise ValueError("one policy at a time: --hs-capture-accept-below or --hs-capture-accept-lowest")
-        self.below, self.lowest = below, lowest
+    def __init__(self, below: Optional[float] = None, lowest: Optional[float] = None, window: int = 1000,
+                 confidence_below: Optional[float] = None) -> None:
+        if sum(p is not None for p in (below, lowest, confidence_below)) > 1:
+            raise ValueError("one policy at a time: --hs-capture-accept-below, --hs-capture-accept-lowest or "
+                             "--hs-capture-confidence-below")
+        self.below, self.lowest, self.confidence_below = below, lowest, confidence_below
         self.recent = RecentAccepts(window) if lowest is not None else None
 
     @property
     def active(self) -> bool:
-        return self.below is not None or self.lowest is not None
+        return self.below is not None or self.lowest is not None or self.confidence_below is not None
 
-    def did_well(self, length: Optional[float], opted_in: bool) -> bool:
+    def did_well(self, length: Optional[float], opted_in: bool, confidence: Optional[float] = None) -> bool:
         """Called once per finished request (aborted ones and warm-ups excluded), in finish order: True when its
-        record is to be dropped. `length`: its accept length, None without a verify step."""
+        record is to be dropped. `length`: its accept length, None without a verify step; `confidence`: its mean
+        draft confidence (mean_confidence), None without a verify step or a confidence head."""
+        if self.confidence_below is not None:
+            return confidence is not None and not opted_in and confidence >= self.confidence_below
         if length is None:
             return False
         if self.recent is not None:
             below_it = self.recent.add(length)  # every request enters the window, whatever becomes of it
             return not opted_in and below_it >= self.lowest
         return self.below is not None and not opted_in and length >= self.below
+
+
+def mean_confidence(steps) -> Optional[float]:
+    """A request's mean draft confidence, `steps` its verify steps' means over their drafts (gamma each, so this
+    is the mean over every draft); None when there are none."""
+    return sum(steps) / len(steps) if len(steps) else None
