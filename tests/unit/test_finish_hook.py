@@ -340,3 +340,43 @@ def test_confidence_below_keeps_the_requests_the_draft_was_unsure_of(hook, monke
         req.update_spec_correct_drafts_histogram(65535)
     assert len(capture_hooks.record_meta(req)) <= meta_bound(4000)  # admission reserved enough
     capture_hooks._observe_verify_step(None, reqs=reqs, bs=3, confidence=None)  # no head: nothing kept
+
+
+def test_confidence_steps_under_the_overlap_scheduler(monkeypatch):
+    """The overlap scheduler's order: the forward of pass k + 1 (observe_verify_step) runs before SGLang processes
+    pass k's result (update_spec_correct_drafts_histogram), and the draft sampler rewrites its confidence buffer in
+    place at every pass. Each request's steps still get their own pass's means, in order, read only once the pass's
+    result is processed (on a GPU, after the step's copies to the host are complete), and none of a later pass."""
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_hs.server.patches import capture_hooks
+
+    monkeypatch.setattr(capture_hooks, "_writer", object())  # capture on: the hook keeps the means
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "update_spec_correct_drafts_histogram",
+                        Req.update_spec_correct_drafts_histogram)
+    monkeypatch.setattr(Req, "update_spec_correct_drafts_histogram", capture_hooks._step_accepted)
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "observe_verify_step", lambda self, **kw: None)
+    reqs = [_spec_req(rid, 6, 0, False, pool_idx=i) for i, rid in enumerate(("a", "b"))]
+    buffer = torch.empty(4, 3)  # the sampler's confidence_out: one buffer, rows past bs are DP padding
+    means = [[0.1, 0.7], [0.3, 0.5], [0.9, 0.2], [0.6, 0.4]]  # pass k's mean of request a, b
+
+    def forward(k):
+        buffer.fill_(-1.0)
+        for row, mean in enumerate(means[k]):
+            buffer[row] = torch.tensor([mean - 0.05, mean, mean + 0.05])
+        capture_hooks._observe_verify_step(None, reqs=reqs, bs=2, confidence=buffer[:2])
+
+    def result(k):
+        for req in reqs:
+            req.spec_verify_ct += 1
+            req.update_spec_correct_drafts_histogram(k)
+
+    forward(0)
+    for k in range(3):  # pass 3 is run past both requests' finish
+        forward(k + 1)
+        result(k)
+        assert [list(r.hs_draft_confidence) for r in reqs] == \
+            [pytest.approx([means[j][i] for j in range(k + 1)]) for i in range(2)]  # read up to pass k only
+    assert [capture_hooks.confidence_steps(r) for r in reqs] == \
+        [pytest.approx([0.1, 0.3, 0.9]), pytest.approx([0.7, 0.5, 0.2])]

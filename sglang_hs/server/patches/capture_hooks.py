@@ -13,6 +13,7 @@ stay reachable as `ORIGINALS`) and calls it first, unchanged.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from array import array
@@ -338,37 +339,61 @@ def accept_length(req) -> Optional[float]:
 
 def _step_accepted(self, num_correct_drafts: int) -> None:
     """Req.update_spec_correct_drafts_histogram, called once per verify step of a request with the drafts it
-    accepted (the bonus token not counted): SGLang keeps their histogram, the record keeps them in order."""
+    accepted (the bonus token not counted): SGLang keeps their histogram, the record keeps them in order. Called
+    as SGLang processes the step's result, after waiting for the step's copies to the host: the draft's confidence
+    of this step and every earlier one is on the host by then (_resolve_confidence)."""
     ORIGINALS["update_spec_correct_drafts_histogram"](self, num_correct_drafts)
     steps = getattr(self, "hs_accepted_drafts", None)
     if steps is None:
         steps = self.hs_accepted_drafts = array("H")
     steps.append(min(int(num_correct_drafts), 0xFFFF))
+    if getattr(self, "hs_confidence_pending", None):
+        _resolve_confidence(self, len(steps))
 
 
 def _observe_verify_step(self, **kw) -> None:
     """DsparkStepObservers.observe_verify_step, called by DSparkWorkerV2 once per verify pass of a batch with its
     requests (`reqs`, batch order) and the draft's confidence of each of their drafts (`confidence` [bs, gamma],
-    the confidence head's, None without one): each request keeps its row's mean, step by step (confidence_steps)."""
+    the confidence head's, None without one): each request's mean over its drafts, kept step by step.
+
+    It runs inside the forward, so it never waits for the device: the means are computed at once (the confidence
+    is a view of the draft sampler's buffer, which the next step rewrites) and, on a GPU, queued to the host
+    behind the forward on its stream; SGLang's result processing waits for the batch's copies (copy_done: its copy
+    stream waits for the forward stream), and only then does _step_accepted read them (_resolve_confidence)."""
     ORIGINALS["observe_verify_step"](self, **kw)
     confidence = kw.get("confidence")
     if confidence is None or _writer is None:
         return
-    # each request's mean over its gamma drafts; on the CPU engine (DSPARK is served there only): no device sync
-    means = confidence[: kw["bs"]].float().mean(dim=1).tolist()
-    for req, mean in zip(kw["reqs"], means):
-        steps = getattr(req, "hs_draft_confidence", None)
-        if steps is None:
-            steps = req.hs_draft_confidence = array("d")
-        steps.append(mean)
+    means = confidence[: kw["bs"]].float().mean(dim=1)
+    if means.device.type != "cpu":
+        means = means.to("cpu", non_blocking=True)  # pinned, read once the step's result is processed
+    for i, req in enumerate(kw["reqs"]):
+        pending = getattr(req, "hs_confidence_pending", None)
+        if pending is None:
+            pending = req.hs_confidence_pending = collections.deque()
+        pending.append((means, i))
+
+
+def _resolve_confidence(req, steps: int) -> None:
+    """The means of `req`'s first `steps` verify steps, from the pending host copies (oldest first) into
+    hs_draft_confidence: called once those steps' results are processed, so their copies are complete."""
+    done = getattr(req, "hs_draft_confidence", None)
+    if done is None:
+        done = req.hs_draft_confidence = array("d")
+    pending = req.hs_confidence_pending
+    while pending and len(done) < steps:
+        means, i = pending.popleft()
+        done.append(float(means[i]))
 
 
 def confidence_steps(req) -> list:
     """The draft's mean confidence over each verify step's drafts of `req` (SGLang's DSpark confidence head), as
     many steps as it accepted drafts at (hs_accepted_drafts): a pass the scheduler ran past the request's finish
     is not its. Empty without a confidence head."""
-    steps = getattr(req, "hs_draft_confidence", None) or ()
-    return list(steps[:len(getattr(req, "hs_accepted_drafts", None) or ())])
+    steps = len(getattr(req, "hs_accepted_drafts", None) or ())
+    if getattr(req, "hs_confidence_pending", None):
+        _resolve_confidence(req, steps)
+    return list((getattr(req, "hs_draft_confidence", None) or ())[:steps])
 
 
 def record_meta(req) -> bytes:
