@@ -40,8 +40,9 @@ and the radix cache on:
   DSpark drafter (--speculative-algorithm DSPARK, DSparkWorkerV2; patches/dsv4_cpu_dspark.py) and
   tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
   the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
-  of 16, under SGLANG_RAGGED_VERIFY_MODE=cap-accept without the overlap scheduler (so SGLang builds the draft's
-  confidence head; nothing capped) with --hs-capture-confidence-below 0.5 (DSPARK_CONFIDENCE_BELOW). A server of its
+  of 16, under SGLANG_RAGGED_VERIFY_MODE=cap-accept on the overlap scheduler (so SGLang builds the draft's
+  confidence head; a request joining the batch after its verify budget was prepared has a pass capped, taken from
+  SGLang's spec_cap_lens_histogram) with --hs-capture-confidence-below 0.5 (DSPARK_CONFIDENCE_BELOW). A server of its
   own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP. Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
   the sampled verify is SGLang's chain rejection sampling, in torch on the CPU engine: before that patch the
   scheduler died at the first sampled pass, "0 active drivers" from the Triton kernel). SGLang's sampling_seed does
@@ -115,7 +116,14 @@ Planted bugs (scratch copies of the patches; each fails):
   the batch after its budget was prepared): --hs-capture-confidence-below's comparison inverted -> the unit tests
   (test_draft_selection, test_finish_hook) fail; each step's confidence the step before's -> v4-dspark-29 kept
   (mean 0.5196 recomputed); another request's confidence (the batch reversed) -> the same; the record's per-step
-  means out of order (the selection unchanged) -> v4-dspark-35's means differ from the recomputed ones.
+  means out of order (the selection unchanged) -> v4-dspark-35's means differ from the recomputed ones. Back on the
+  overlap scheduler (two runs, the same figures greedy: 57 passes, 3 accepted, 168 rejected, v4-dspark-29 dropped
+  at 0.5196, 35, 41, 46 kept at 0.4854, 0.46, 0.484; worst 6.3e-07 and 6.4e-07, 167 and 215 rows, 3 and 4 records,
+  the sampled ones 0 and 1 kept; in both, and a third run whose counts were dumped, every request had exactly one
+  pass capped, most to the anchor alone, some to one or two drafts; in each of the two one greedy pass accepted
+  fewer than the markov head's, v4-dspark-41's; 41's kept mean is 0.46 for it, 0.477 uncapped): the cap allowance
+  left out of the markov check -> v4-dspark-41 fails at its first pass (capped to its anchor: 0 accepted, 1 by the
+  markov head).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
