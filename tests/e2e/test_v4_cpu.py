@@ -40,8 +40,9 @@ and the radix cache on:
   DSpark drafter (--speculative-algorithm DSPARK, DSparkWorkerV2; patches/dsv4_cpu_dspark.py) and
   tiny_model.ensure_dspark_draft's draft (3 stages on the target's layers [1, 2, 3], gamma 3, a markov head that is
   the target's bigram), under full with --hs-layers 1,2 (the capture the union of ours and the draft's ids) and chunks
-  of 16, under SGLANG_RAGGED_VERIFY_MODE=cap-accept without the overlap scheduler (so SGLang builds the draft's
-  confidence head; nothing capped) with --hs-capture-confidence-below 0.5 (DSPARK_CONFIDENCE_BELOW). A server of its
+  of 16, under SGLANG_RAGGED_VERIFY_MODE=cap-accept on the overlap scheduler (so SGLang builds the draft's
+  confidence head; a request joining the batch after its verify budget was prepared has a pass capped, taken from
+  SGLang's spec_cap_lens_histogram) with --hs-capture-confidence-below 0.5 (DSPARK_CONFIDENCE_BELOW). A server of its
   own: every other V4 server is several ranks (DSPARK is served on one) or csa-full's MTP. Its test serves four greedy and three sampled requests at once (DSPARK_SAMPLED: temperature 0.8-1.0, top_p < 1;
   the sampled verify is SGLang's chain rejection sampling, in torch on the CPU engine: before that patch the
   scheduler died at the first sampled pass, "0 active drivers" from the Triton kernel). SGLang's sampling_seed does
@@ -115,7 +116,14 @@ Planted bugs (scratch copies of the patches; each fails):
   the batch after its budget was prepared): --hs-capture-confidence-below's comparison inverted -> the unit tests
   (test_draft_selection, test_finish_hook) fail; each step's confidence the step before's -> v4-dspark-29 kept
   (mean 0.5196 recomputed); another request's confidence (the batch reversed) -> the same; the record's per-step
-  means out of order (the selection unchanged) -> v4-dspark-35's means differ from the recomputed ones.
+  means out of order (the selection unchanged) -> v4-dspark-35's means differ from the recomputed ones. Back on the
+  overlap scheduler (two runs, the same figures greedy: 57 passes, 3 accepted, 168 rejected, v4-dspark-29 dropped
+  at 0.5196, 35, 41, 46 kept at 0.4854, 0.46, 0.484; worst 6.3e-07 and 6.4e-07, 167 and 215 rows, 3 and 4 records,
+  the sampled ones 0 and 1 kept; in both, and a third run whose counts were dumped, every request had exactly one
+  pass capped, most to the anchor alone, some to one or two drafts; in each of the two one greedy pass accepted
+  fewer than the markov head's, v4-dspark-41's; 41's kept mean is 0.46 for it, 0.477 uncapped): the cap allowance
+  left out of the markov check -> v4-dspark-41 fails at its first pass (capped to its anchor: 0 accepted, 1 by the
+  markov head).
 A radix hit restoring a stale compressor buffer has no counterpart here (the patch keeps no compressor state: it
 recomputes the blocks from per-token sources at the KV slots), so its nearest: a slot's compressor and indexer
 sources written only the first time it is handed out (stale on reuse) -> the full pool's second wave
@@ -533,11 +541,13 @@ DSPARK_LAYERS = [1, 2]
 DSPARK_CHUNK = 16
 DSPARK_PROMPTS = (29, 35, 41, 46)
 # Served under SGLANG_RAGGED_VERIFY_MODE=cap-accept, so that SGLang builds the draft's confidence head
-# (tiny_model.dspark_confidence_weights), without the overlap scheduler: with no SPS table every draft is then
-# verified, no window capped (overlapped, the verify budget is the one prepared a step before for the batch then, and
-# a request joining since is capped: measured, a pass capped to one draft), and with
-# --hs-capture-confidence-below DSPARK_CONFIDENCE_BELOW: a request whose mean draft confidence is at or above it
-# leaves a draft_accepted marker instead of its record.
+# (tiny_model.dspark_confidence_weights), on SGLang's default overlap scheduler (what DSpark servers run): the verify
+# budget is then the one the planner prepared a step before from the batch of that step (prepare_verify_budget),
+# so a request that joined the batch since can have a pass capped (with no SPS table, otherwise every draft is
+# verified); the test takes each request's caps from SGLang's own spec_cap_lens_histogram (_dspark_caps) and allows
+# its greedy passes exactly those, never depending on whether any happened. And with --hs-capture-confidence-below
+# DSPARK_CONFIDENCE_BELOW: a request whose mean draft confidence is at or above it leaves a draft_accepted marker
+# instead of its record.
 DSPARK_CONFIDENCE_BELOW = 0.5
 
 
@@ -548,7 +558,7 @@ def v4_dspark(tmp_path_factory):
                  ["--model-path", tiny_model.ensure("v4-csa"), "--device", "cpu", "--dtype", "float32",
                   "--skip-tokenizer-init", "--hs-layers", ",".join(map(str, DSPARK_LAYERS)), "--hs-last", "both",
                   "--hs-hc-streams", "full", "--chunked-prefill-size", str(DSPARK_CHUNK),
-                  "--hs-capture-confidence-below", str(DSPARK_CONFIDENCE_BELOW), "--disable-overlap-schedule",
+                  "--hs-capture-confidence-below", str(DSPARK_CONFIDENCE_BELOW),
                   "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft])
     with pytest.MonkeyPatch.context() as env:  # the launcher's environment, taken as it starts
         env.setenv("SGLANG_RAGGED_VERIFY_MODE", "cap-accept")
@@ -584,32 +594,85 @@ def _dspark_jobs():
     return greedy + [(rid, _prompt(n, seed), params) for rid, n, seed, params in DSPARK_SAMPLED]
 
 
-def _markov_accepts(rid, bigram, full, prompt_len, steps, gamma):
-    """Each verify pass's drafts accepted must be what the draft's markov head (the target's bigram, far above the
-    stages' logits) gives a greedy request: pass k (first position f) drafts the bigram chain from the anchor
-    full[f], accepted while it is the token there (a pass drafting past the output's end, whose count SGLang may
-    take past max_new_tokens, not judged)."""
+def _markov_chain(bigram, anchor, gamma):
+    """The drafts the draft's markov head (the target's bigram, far above the stages' logits) proposes after
+    `anchor` for a greedy request: the bigram chain of `gamma` tokens."""
+    chain = [bigram[anchor]]
+    while len(chain) < gamma:
+        chain.append(bigram[chain[-1]])
+    return chain
+
+
+def _dspark_caps(meta, gamma):
+    """The caps SGLang put on a request's verify passes (meta_info spec_cap_lens_histogram, batch_result_processor:
+    under cap-accept each pass the DSpark planner scheduled a layout for counts its verify length there, the anchor
+    included (verify_lens >= 1); AcceptGreedy / AcceptSampling cap the drafts accepted at that length - 1
+    (CapCorrectLen); a pass with no layout, the budget not yet prepared, verifies the whole window and is not
+    counted): the drafts each capped pass (length below gamma + 1) could accept at most, as a Counter.
+    spec_cap_length is the histogram's mean over all passes (spec_num_cap_tokens / spec_verify_ct)."""
+    caps = meta.get("spec_cap_lens_histogram") or []
+    assert len(caps) <= gamma + 2 and (caps[:1] or [0]) == [0], caps  # no pass verifies less than its anchor
+    assert sum(caps) <= meta["spec_verify_ct"], (caps, meta)
+    if caps:
+        assert abs(meta["spec_cap_length"] - sum(n * c for n, c in enumerate(caps)) / meta["spec_verify_ct"]) < 1e-9
+    return collections.Counter({n - 1: caps[n] for n in range(1, min(len(caps), gamma + 1)) if caps[n]})
+
+
+def _markov_accepts(rid, bigram, full, prompt_len, steps, gamma, capped):
+    """Each verify pass's drafts accepted must be what the draft's markov head gives a greedy request: pass k (first
+    position f) drafts the bigram chain from the anchor full[f], accepted while it is the token there, unless SGLang
+    capped that pass (`capped`, _dspark_caps): a pass accepting fewer must be matched to one capped pass that
+    allowed exactly that many drafts, each capped pass matched once (a pass drafting past the output's end, whose
+    count SGLang may take past max_new_tokens, not judged). Returns the passes that differed."""
+    left, short = collections.Counter(capped), 0
     for f, got in _verify_passes(prompt_len, steps):
-        chain = [bigram[full[f]]]
-        while len(chain) < gamma:
-            chain.append(bigram[chain[-1]])
+        chain = _markov_chain(bigram, full[f], gamma)
         if f + gamma < len(full):
-            assert got == next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma), (rid, f, steps)
+            want = next((j for j in range(gamma) if full[f + 1 + j] != chain[j]), gamma)
+            if got != want:
+                assert got < want and left[got] > 0, (rid, f, got, want, steps, capped)
+                left[got] -= 1
+                short += 1
+    return short
 
 
-def _greedy_confidence(bigram, weights, full, prompt_len, passes, gamma):
+def _greedy_pass_options(bigram, full, prompt_len, meta, gamma, capped):
+    """The drafts accepted per verify pass a greedy request's output allows, given SGLang's counts (meta_info): each
+    pass the markov reference (_markov_accepts) or, for one of its capped passes each, fewer; spec_verify_ct passes,
+    the last reaching the output's end (its count there, as far as the output goes). With no cap the output alone
+    gives them (one option)."""
+    hist = meta.get("spec_correct_drafts_histogram") or []
+    out = []
+
+    def walk(f, steps, left):
+        chain = _markov_chain(bigram, full[f], gamma)
+        want = next((j for j in range(gamma) if f + 1 + j >= len(full) or full[f + 1 + j] != chain[j]), gamma)
+        ends = f + 2 + want >= len(full)  # uncapped, this pass emits the output's last token: the last one
+        if ends and len(steps) + 1 == meta["spec_verify_ct"]:
+            out.append(steps + [want])
+        if len(steps) + 1 >= meta["spec_verify_ct"]:
+            return
+        for got in [want] * (not ends) + [c for c in sorted(left) if c < want and left[c] > 0]:
+            if steps.count(got) + 1 > (hist[got] if got < len(hist) else 0):
+                continue
+            walk(f + got + 1, steps + [got], left - collections.Counter({got: 1}) if got != want else left)
+
+    walk(prompt_len, [], collections.Counter(capped))
+    return out
+
+
+def _greedy_confidence(bigram, weights, full, prompt_len, steps, gamma):
     """A greedy request's draft confidence per verify pass, recomputed in plain torch from the draft's confidence head
-    (tiny_model.dspark_confidence_weights): pass k's drafts are the bigram chain from its anchor full[f] (as
-    _markov_accepts), draft j's confidence sigmoid(DSPARK_MARKOV_BIAS * w[its previous token]); the passes follow
-    from the output alone (pass k + 1's anchor is right after pass k's accepted drafts), `passes` of them."""
-    out, f = [], prompt_len
-    for _ in range(passes):
-        chain = [bigram[full[f]]]
-        while len(chain) < gamma:
-            chain.append(bigram[chain[-1]])
+    (tiny_model.dspark_confidence_weights): the pass at first position f drafts the bigram chain from its anchor
+    full[f] (_markov_chain), draft j's confidence sigmoid(DSPARK_MARKOV_BIAS * w[its previous token]), for the whole
+    window whatever SGLang's cap (the head scores the drafted block before the planner schedules the verify
+    lengths from it: DSparkWorkerV2's proposal.confidence, then schedule_layout); the passes are `steps`'
+    (_verify_passes)."""
+    out = []
+    for f, _ in _verify_passes(prompt_len, steps):
+        chain = _markov_chain(bigram, full[f], gamma)
         prev = torch.tensor([full[f]] + chain[:-1])
         out.append(torch.sigmoid(tiny_model.DSPARK_MARKOV_BIAS * weights[prev]).tolist())
-        f += 1 + next((j for j in range(gamma) if f + 1 + j >= len(full) or full[f + 1 + j] != chain[j]), gamma)
     return out
 
 
@@ -623,14 +686,24 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     target's bigram chain from the pass's anchor); and by SGLang's own counters drafts were both accepted and
     rejected, among the greedy requests and among the sampled ones (each pass verifies DSPARK_GAMMA drafts).
 
+    The overlap scheduler's caps (cap-accept: SGLang verifies the whole window and caps the accept at the pass's
+    scheduled verify length - 1): each request's capped passes are SGLang's (meta_info spec_cap_lens_histogram,
+    consistent with spec_cap_length; _dspark_caps). A greedy pass whose accepted drafts differ from the markov
+    head's must accept fewer, and exactly as many as one of that request's capped passes allowed, each capped pass
+    once (_markov_accepts): so no more such passes than SGLang capped. Whether any pass was capped is timing's
+    (printed, not asserted); every row stays HF float32's whatever the caps.
+
     Selection on the draft's confidence (--hs-capture-confidence-below DSPARK_CONFIDENCE_BELOW under cap-accept):
-    a greedy request's confidence per pass is recomputed in plain torch from the draft's head (_greedy_confidence);
-    it keeps its record exactly when that mean is below the threshold, else leaves a draft_accepted marker, and a
-    kept record's metadata carries each pass's mean (4 decimals). A sampled request's drafts past its accepted ones
-    are unknown: its record, when kept, carries a mean below the threshold, and each pass whose drafts but the last
-    were accepted (every draft's previous token known) its recomputed mean; a dropped one only its marker. Both
-    outcomes occur among the greedy requests, SGLang capped no verify window (spec_cap_lens_histogram), and the
-    status counts the markers."""
+    a greedy request's confidence per pass is recomputed in plain torch from the draft's head (_greedy_confidence)
+    over the whole drafted window, cap or not (the head scores the block before SGLang schedules the caps from it);
+    the passes come from a kept record's steps, and for a dropped request from its output and SGLang's counts
+    (_greedy_pass_options: with no cap, one option). A greedy request keeps its record exactly when that mean is
+    below the threshold (kept: its steps one of the options and their mean below it; dropped: some option's mean,
+    with no cap the one, at or above it), else leaves a draft_accepted marker, and a kept record's metadata carries
+    each pass's mean (4 decimals). A sampled request's drafts past its accepted ones are unknown: its record, when
+    kept, carries a mean below the threshold, and each pass whose drafts but the last were accepted (every draft's
+    previous token known) its recomputed mean; a dropped one only its marker. Both outcomes occur among the greedy
+    requests, and the status counts the markers."""
     from helpers import settled
     from spec_counts import check_steps as _check_steps
 
@@ -649,11 +722,13 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     worst, rows, sampled, dropped, full_passes = 0.0, 0, [], 0, 0
     counts = {True: [0, 0], False: [0, 0]}  # greedy or not: [verify passes, drafts accepted]
     greedy_kept = {}  # greedy rid -> (its recomputed mean confidence, kept)
+    capped_passes, short_passes = {}, 0  # rid -> its passes SGLang capped; greedy passes that accepted fewer
     for (rid, ids, params), out in zip(jobs, outs):
         meta = out["meta_info"]
         assert len(out["output_ids"]) == DSPARK_TOKENS, (rid, meta)
-        caps = meta["spec_cap_lens_histogram"]  # each capped pass's window (a pass with no schedule yet: none)
-        assert caps[gamma + 1] > 0 and sum(caps[:gamma + 1]) == 0, (rid, caps)  # the whole window, every time
+        capped = _dspark_caps(meta, gamma)
+        if capped:
+            capped_passes[rid] = sorted(capped.elements())
         full = ids + out["output_ids"]
         greedy = params is GREEDY
         counts[greedy][0] += meta["spec_verify_ct"]
@@ -662,10 +737,12 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
             with torch.no_grad():
                 logits = hf.model(torch.tensor([full[:-1]])).logits[0]
             assert logits[len(ids) - 1:].argmax(-1).tolist() == out["output_ids"], rid
-            want = _greedy_confidence(bigram, weights, full, len(ids), meta["spec_verify_ct"], gamma)
-            mean = sum(map(sum, want)) / (len(want) * gamma)
-            keep = mean < DSPARK_CONFIDENCE_BELOW
-            greedy_kept[rid] = (round(mean, 4), keep)
+            options = _greedy_pass_options(bigram, full, len(ids), meta, gamma, capped)
+            assert options, (rid, json.dumps(meta), full[len(ids) - 1:])  # the passes SGLang counted are ones the markov head and its caps allow
+            means = [sum(map(sum, w)) / (len(w) * gamma)
+                     for w in (_greedy_confidence(bigram, weights, full, len(ids), o, gamma) for o in options)]
+            decided = {m < DSPARK_CONFIDENCE_BELOW for m in means}
+            keep = decided.pop() if len(decided) == 1 else None  # a cap can leave the passes, so the mean, open
         else:
             sampled.append((rid, meta["spec_verify_ct"], meta["spec_num_correct_drafts"]))
             keep = None  # known from the record only
@@ -673,6 +750,9 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
             rec = reader.take(rid, timeout=60)
         except NotCaptured as e:
             assert keep in (False, None) and "draft_accepted" in str(e), (rid, keep, e)
+            if greedy:
+                assert max(means) >= DSPARK_CONFIDENCE_BELOW, (rid, means)
+                greedy_kept[rid] = (round(max(means), 4), False)
             dropped += 1
             continue
         assert keep in (True, None), (rid, keep)
@@ -683,7 +763,12 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
         got = rec.meta["speculative"]["confidence"]  # each pass's mean over its drafts, to 4 decimals
         assert len(got) == len(steps) and sum(got) / len(got) < DSPARK_CONFIDENCE_BELOW + 1e-4, (rid, got)
         if greedy:
-            _markov_accepts(rid, bigram, full, len(ids), steps, gamma)
+            short_passes += _markov_accepts(rid, bigram, full, len(ids), steps, gamma, capped)
+            assert steps[:-1] in [o[:-1] for o in options], (rid, steps, options)
+            want = _greedy_confidence(bigram, weights, full, len(ids), steps, gamma)
+            mean = sum(map(sum, want)) / (len(want) * gamma)
+            assert mean < DSPARK_CONFIDENCE_BELOW, (rid, mean, want)
+            greedy_kept[rid] = (round(mean, 4), True)
             assert [abs(g - sum(w) / gamma) <= 6e-5 for g, w in zip(got, want)] == [True] * len(got), (rid, got, want)
         else:  # a pass whose drafts but the last were accepted: every draft's previous token is known
             for (f, accepted), mean in zip(_verify_passes(len(ids), steps), got):
@@ -694,7 +779,8 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     summary = {("greedy" if g else "sampled"): (v, a, v * gamma - a) for g, (v, a) in counts.items()}
     print(f"v4-csa dspark: {len(jobs)} requests, {len(jobs) - dropped} records, {rows} rows, worst {worst:.2e}; "
           f"(verify passes of {gamma} drafts, accepted, rejected) {summary}; sampled (rid, passes, accepted) "
-          f"{sampled}; greedy (mean confidence, kept) {greedy_kept}; sampled passes judged {full_passes}")
+          f"{sampled}; greedy (mean confidence, kept) {greedy_kept}; sampled passes judged {full_passes}; "
+          f"capped passes (drafts allowed) {capped_passes}; greedy passes short of the markov head {short_passes}")
     for kind, (verify, accepted, rejected) in summary.items():
         assert accepted > 0 and rejected > 0, (kind, summary)
     assert {keep for _, keep in greedy_kept.values()} == {True, False}, greedy_kept
