@@ -582,8 +582,12 @@ def v4_dspark(tmp_path_factory):
 # and rejected (measured at 0.02, where the draft is the bigram alone, 0 of 30 passes accepted one: the bigram is
 # rarely the target's top token). ignore_eos: a flat target samples the EOS id (1) about once in 1024 tokens, which
 # would end a request short. (rid, prompt length, prompt seed, sampling parameters)
-DSPARK_SAMPLED = (("v4-dspark-sampled-0.8", 38, 70, {"temperature": 0.8, "top_p": 0.9, "ignore_eos": True}),
-                  ("v4-dspark-sampled-0.9", 33, 71, {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True}),
+# The first two opt in (custom_params hs_capture): kept whatever their confidence, so every row of a sampled record
+# is judged in every run (the confidence selection drops most sampled requests); the third is left to the selection.
+OPTED_IN = {"custom_params": {"hs_capture": True}}
+DSPARK_SAMPLED = (("v4-dspark-sampled-0.8", 38, 70, {"temperature": 0.8, "top_p": 0.9, "ignore_eos": True, **OPTED_IN}),
+                  ("v4-dspark-sampled-0.9", 33, 71, {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True,
+                                                     **OPTED_IN}),
                   ("v4-dspark-sampled-1.0", 44, 72, {"temperature": 1.0, "top_p": 0.8, "ignore_eos": True}))
 DSPARK_TOKENS = 16
 
@@ -701,9 +705,10 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     below the threshold (kept: its steps one of the options and their mean below it; dropped: some option's mean,
     with no cap the one, at or above it), else leaves a draft_accepted marker, and a kept record's metadata carries
     each pass's mean (4 decimals). A sampled request's drafts past its accepted ones are unknown: its record, when
-    kept, carries a mean below the threshold, and each pass whose drafts but the last were accepted (every draft's
-    previous token known) its recomputed mean; a dropped one only its marker. Both outcomes occur among the greedy
-    requests, and the status counts the markers."""
+    kept, carries a mean below the threshold (unless it opted in: the first two sampled ones do, so that sampled
+    rows are judged in every run), and each pass whose drafts but the last were accepted (every draft's previous
+    token known) its recomputed mean; a dropped one only its marker. Both outcomes occur among the requests not
+    opted in, and the status counts the markers."""
     from helpers import settled
     from spec_counts import check_steps as _check_steps
 
@@ -719,7 +724,8 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: server.generate(input_ids=j[1], rid=j[0], sampling_params={
             "max_new_tokens": DSPARK_TOKENS, **j[2]}), jobs))
-    worst, rows, sampled, dropped, full_passes = 0.0, 0, [], 0, 0
+    worst, rows, sampled, dropped, full_passes, sampled_rows = 0.0, 0, [], 0, 0, 0
+    outcomes = set()  # kept or not, of the requests not opted in (the greedy ones and the last sampled one)
     counts = {True: [0, 0], False: [0, 0]}  # greedy or not: [verify passes, drafts accepted]
     greedy_kept = {}  # greedy rid -> (its recomputed mean confidence, kept)
     capped_passes, short_passes = {}, 0  # rid -> its passes SGLang capped; greedy passes that accepted fewer
@@ -731,6 +737,7 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
             capped_passes[rid] = sorted(capped.elements())
         full = ids + out["output_ids"]
         greedy = params is GREEDY
+        opted = "custom_params" in params
         counts[greedy][0] += meta["spec_verify_ct"]
         counts[greedy][1] += meta["spec_num_correct_drafts"]
         if greedy:
@@ -749,19 +756,23 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
         try:
             rec = reader.take(rid, timeout=60)
         except NotCaptured as e:
-            assert keep in (False, None) and "draft_accepted" in str(e), (rid, keep, e)
+            assert keep in (False, None) and "draft_accepted" in str(e) and not opted, (rid, keep, e)
+            outcomes.add(False)
             if greedy:
                 assert max(means) >= DSPARK_CONFIDENCE_BELOW, (rid, means)
                 greedy_kept[rid] = (round(max(means), 4), False)
             dropped += 1
             continue
         assert keep in (True, None), (rid, keep)
+        outcomes.update(() if opted else (True,))
+        sampled_rows += 0 if greedy else len(full) - 1
         _check_steps(rec, meta)
         worst = max(worst, judge(rec, hf, full[:-1], streams))
         rows += len(full) - 1
         steps = rec.meta["speculative"]["accepted_drafts"]
         got = rec.meta["speculative"]["confidence"]  # each pass's mean over its drafts, to 4 decimals
-        assert len(got) == len(steps) and sum(got) / len(got) < DSPARK_CONFIDENCE_BELOW + 1e-4, (rid, got)
+        assert len(got) == len(steps), (rid, got, steps)
+        assert opted or sum(got) / len(got) < DSPARK_CONFIDENCE_BELOW + 1e-4, (rid, got)  # opted in: kept anyway
         if greedy:
             short_passes += _markov_accepts(rid, bigram, full, len(ids), steps, gamma, capped)
             assert steps[:-1] in [o[:-1] for o in options], (rid, steps, options)
@@ -779,11 +790,15 @@ def test_dspark_verify_passes_keep_only_committed_rows(v4_dspark):
     summary = {("greedy" if g else "sampled"): (v, a, v * gamma - a) for g, (v, a) in counts.items()}
     print(f"v4-csa dspark: {len(jobs)} requests, {len(jobs) - dropped} records, {rows} rows, worst {worst:.2e}; "
           f"(verify passes of {gamma} drafts, accepted, rejected) {summary}; sampled (rid, passes, accepted) "
-          f"{sampled}; greedy (mean confidence, kept) {greedy_kept}; sampled passes judged {full_passes}; "
+          f"{sampled}; greedy (mean confidence, kept) {greedy_kept}; sampled rows {sampled_rows}, passes judged "
+          f"{full_passes}; "
           f"capped passes (drafts allowed) {capped_passes}; greedy passes short of the markov head {short_passes}")
     for kind, (verify, accepted, rejected) in summary.items():
         assert accepted > 0 and rejected > 0, (kind, summary)
-    assert {keep for _, keep in greedy_kept.values()} == {True, False}, greedy_kept
+    # both outcomes among the requests not opted in (every greedy one's outcome is judged above, whichever it is);
+    # a sampled record in every run: the opted-in ones
+    assert outcomes == {True, False}, (outcomes, greedy_kept)
+    assert sampled_rows >= 2 * DSPARK_TOKENS, sampled_rows
     assert settled(server)["admission"]["skipped_draft_accepted"] - before == dropped
 
 
