@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Optional, Tuple
 
@@ -94,6 +95,18 @@ def _map_fd(fd: int, numel: int, dtype: torch.dtype, shared: bool = False) -> to
 # reference to it, its SpillFile). A weak reference keeps the StorageImpl's address from being reused, so a live entry
 # is that storage and no other; an expired one (the sample dropped) is pruned with its file at the next registration.
 _CROSSING: dict = {}
+# Registrations come from more than one thread of a process: DataLoader worker 0 runs the record router (spill_record,
+# its thread) beside its own samples (live.py, the worker's thread). Pruning and adding hold this lock; a lookup
+# (_crossing_file) is one dict.get. A fork (a DataLoader worker) gets a lock of its own, never one held.
+_CROSSING_LOCK = threading.Lock()
+
+
+def _new_crossing_lock() -> None:
+    global _CROSSING_LOCK
+    _CROSSING_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_crossing_lock)
 _torch_reduce_tensor = None  # torch's own reduction of a tensor (torch.multiprocessing.reductions.reduce_tensor)
 
 
@@ -106,10 +119,11 @@ def crossing_as_file(t: torch.Tensor, spill: SpillFile) -> torch.Tensor:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     _install()
-    for key in [k for k, (ref, _) in _CROSSING.items() if ref.expired()]:
-        del _CROSSING[key]
     ref = StorageWeakRef(t.untyped_storage())
-    _CROSSING[ref.cdata] = (ref, spill)
+    with _CROSSING_LOCK:
+        for key in [k for k, (old, _) in _CROSSING.items() if old.expired()]:
+            del _CROSSING[key]
+        _CROSSING[ref.cdata] = (ref, spill)
     return t
 
 
