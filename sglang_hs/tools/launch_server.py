@@ -42,6 +42,14 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
+def _number(text: str) -> float:
+    """A flag's number, NaN when it is none (every range check then fails, and its error names the flag)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def parse_size(text: str, flag: str = "--hs-ring-size") -> int:
     """'8GiB' -> 8589934592; units k/M/G/T (decimal) and KiB/MiB/GiB/TiB (binary)."""
     m = _SIZE.match(text or "")
@@ -164,10 +172,7 @@ def selection_env(ns: argparse.Namespace) -> dict:
             raise CaptureConfigError(f"--hs-capture: all or opt-in, got {ns.hs_capture!r}")
         env["SGLANG_HS_CAPTURE"] = ns.hs_capture
     if ns.hs_capture_sample is not None:
-        try:
-            p = float(ns.hs_capture_sample)
-        except ValueError:
-            p = float("nan")
+        p = _number(ns.hs_capture_sample)
         if not 0 < p <= 1:
             raise CaptureConfigError(f"--hs-capture-sample: a fraction 0 < P <= 1 of the requests, got "
                                      f"{ns.hs_capture_sample!r}")
@@ -181,10 +186,7 @@ def selection_env(ns: argparse.Namespace) -> dict:
             raise CaptureConfigError(f"--hs-capture-sample-key: 1 to 64 bytes in hex, got {ns.hs_capture_sample_key!r}")
         env["SGLANG_HS_CAPTURE_SAMPLE_KEY"] = key.hex()
     if ns.hs_capture_accept_below is not None:
-        try:
-            below = float(ns.hs_capture_accept_below)
-        except ValueError:
-            below = float("nan")
+        below = _number(ns.hs_capture_accept_below)
         if not below > 1 or below == float("inf"):
             raise CaptureConfigError(f"--hs-capture-accept-below: an accept length L > 1 (tokens per verify step; "
                                      f"every step gives at least 1), got {ns.hs_capture_accept_below!r}")
@@ -193,10 +195,7 @@ def selection_env(ns: argparse.Namespace) -> dict:
         if ns.hs_capture_accept_below is not None:
             raise CaptureConfigError("--hs-capture-accept-lowest and --hs-capture-accept-below: one policy at a time "
                                      "(a fraction of recent traffic, or a fixed accept length)")
-        try:
-            lowest = float(ns.hs_capture_accept_lowest)
-        except ValueError:
-            lowest = float("nan")
+        lowest = _number(ns.hs_capture_accept_lowest)
         if not 0 < lowest < 1:
             raise CaptureConfigError(f"--hs-capture-accept-lowest: a fraction 0 < F < 1 of recent traffic, got "
                                      f"{ns.hs_capture_accept_lowest!r}")
@@ -205,10 +204,7 @@ def selection_env(ns: argparse.Namespace) -> dict:
         if ns.hs_capture_accept_below is not None or ns.hs_capture_accept_lowest is not None:
             raise CaptureConfigError("--hs-capture-confidence-below and --hs-capture-accept-below/-lowest: one policy "
                                      "at a time")
-        try:
-            conf = float(ns.hs_capture_confidence_below)
-        except ValueError:
-            conf = float("nan")
+        conf = _number(ns.hs_capture_confidence_below)
         if not 0 < conf <= 1:
             raise CaptureConfigError(f"--hs-capture-confidence-below: a mean draft confidence 0 < C <= 1, got "
                                      f"{ns.hs_capture_confidence_below!r}")
