@@ -380,3 +380,36 @@ def test_confidence_steps_under_the_overlap_scheduler(monkeypatch):
             [pytest.approx([means[j][i] for j in range(k + 1)]) for i in range(2)]  # read up to pass k only
     assert [capture_hooks.confidence_steps(r) for r in reqs] == \
         [pytest.approx([0.1, 0.3, 0.9]), pytest.approx([0.7, 0.5, 0.2])]
+
+
+def test_confidence_steps_of_a_request_retracted_mid_flight(monkeypatch):
+    """The overlap scheduler retracts a request while choosing the next batch, after the pass just run observed it
+    and before that pass's result is processed, which then skips it (no verify step counted). Its later steps get
+    their own passes' means, not the skipped pass's (reset_for_retract, wrapped, drops that pending one)."""
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_hs.server.patches import capture_hooks
+
+    monkeypatch.setattr(capture_hooks, "_writer", object())
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "update_spec_correct_drafts_histogram",
+                        Req.update_spec_correct_drafts_histogram)
+    monkeypatch.setattr(Req, "update_spec_correct_drafts_histogram", capture_hooks._step_accepted)
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "observe_verify_step", lambda self, **kw: None)
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "reset_for_retract", lambda self: None)  # SGLang's own reset
+    req = _spec_req("retracted", 6, 0, False, pool_idx=0)
+
+    def forward(mean):
+        capture_hooks._observe_verify_step(None, reqs=[req], bs=1, confidence=torch.full((1, 3), mean))
+
+    def result(accepted):
+        req.spec_verify_ct += 1
+        req.update_spec_correct_drafts_histogram(accepted)
+
+    forward(0.1)
+    forward(0.2)  # pass 1 runs
+    result(1)  # pass 0's result
+    capture_hooks._retracted(req)  # retracted while the next batch is chosen; pass 1's result will skip it
+    forward(0.3)  # back in a batch later (re-prefilled): pass 2
+    result(0)  # pass 2's result
+    assert capture_hooks.confidence_steps(req) == pytest.approx([0.1, 0.3])

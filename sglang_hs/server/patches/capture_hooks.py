@@ -374,6 +374,18 @@ def _observe_verify_step(self, **kw) -> None:
         pending.append((means, i))
 
 
+def _retracted(self) -> None:
+    """Req.reset_for_retract: the request leaves the batch to come back later. The scheduler retracts it while
+    choosing the next batch, before it processes the result of the pass just run (overlap scheduler), and that
+    result skips a retracted request: no verify step is counted for that pass, so its pending confidence (the
+    only one not yet read: every earlier pass was processed) is dropped, or every later step would get the mean
+    of the step before."""
+    ORIGINALS["reset_for_retract"](self)
+    pending = getattr(self, "hs_confidence_pending", None)
+    if pending:
+        pending.clear()
+
+
 def _resolve_confidence(req, steps: int) -> None:
     """The means of `req`'s first `steps` verify steps, from the pending host copies (oldest first) into
     hs_draft_confidence: called once those steps' results are processed, so their copies are complete."""
@@ -591,6 +603,7 @@ def apply():
     ORIGINALS["on_idle"] = Scheduler.on_idle
     ORIGINALS["update_spec_correct_drafts_histogram"] = Req.update_spec_correct_drafts_histogram
     ORIGINALS["observe_verify_step"] = DsparkStepObservers.observe_verify_step
+    ORIGINALS["reset_for_retract"] = Req.reset_for_retract
     ModelRunner.init_routed_experts_capturer = _after_init_capturers
     BatchResultProcessor._maybe_collect_routed_experts = _after_collect
     Scheduler.ingest_requests = _ingest_requests
@@ -601,4 +614,5 @@ def apply():
     Scheduler.on_idle = _on_idle
     Req.update_spec_correct_drafts_histogram = _step_accepted
     DsparkStepObservers.observe_verify_step = _observe_verify_step
+    Req.reset_for_retract = _retracted
     return dict(ORIGINALS)
