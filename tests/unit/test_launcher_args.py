@@ -211,6 +211,24 @@ def test_prepare_capture_selection_reaches_the_server_env(tmp_path, clean_env):
     assert envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW == 1.5
     launch_server.prepare(base("e"))
     assert envs.SGLANG_HS_CAPTURE_ACCEPT_BELOW is None
+    os.environ["SGLANG_HS_CAPTURE_CONFIDENCE_BELOW"] = "0.5"  # left by a run before, or the caller's environment
+    launch_server.prepare(base("f"))
+    assert envs.SGLANG_HS_CAPTURE_CONFIDENCE_BELOW is None
+
+
+def test_every_setting_a_flag_gives_is_cleared_first():
+    """Each SGLANG_HS_* setting that prepare() sets from a --hs-* flag is removed from the environment before the
+    flags are read, so a value inherited from the caller or an earlier run never reaches a server without its flag
+    (the settings a user may give as environment variables, the timeouts and the ring size, excepted)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(launch_server)
+    set_from_flags = set(re.findall(r'env\["(SGLANG_HS_[A-Z_]+)"\] =', source))
+    cleared = set(re.search(r"for key in \((.*?)\):\n\s+env.pop\(key, None\)", source, re.S).group(1)
+                  .replace('"', "").replace(",", " ").split())
+    users = {"SGLANG_HS_RING_SIZE", "SGLANG_HS_ADMISSION_TIMEOUT", "SGLANG_HS_STARTUP_TIMEOUT", "SGLANG_HS_CPU_MODE"}
+    assert set_from_flags - users <= cleared, sorted(set_from_flags - users - cleared)
 
 
 def test_unknown_copy_strategy_is_refused_naming_the_choices(capsys):
