@@ -22,7 +22,10 @@ The MTP draft (V3.2's layer has its own indexer) runs its indexer in its draft-e
 dsa_torch_native, and, with --speculative-num-steps N > 1, in each of its N - 1 draft decode steps: there the
 forward context's attention backend is eagle_cpu_draft's step backend (marked `hs_draft_step`), and the indexer
 selects each draft row's keys among that backend's spans (the request's prefix req_to_token[req, :seq_len] and its own
-branch's drafts so far, at seq_len + t * N + 0..i), which the step backend's sparse attention then reads.
+branch's drafts so far, at seq_len + t * N + 0..i), which the step backend's sparse attention then reads. That is
+the dense backends' multi-step layout; SGLang's GPU DSA multi-step backend (DeepseekSparseAttnMultiStepBackend)
+builds one set of metadata from the committed seq_lens for every draft step, so a GPU's drafts (not its captured
+rows: the verify pass is exact whatever was drafted) can differ from these.
 """
 from __future__ import annotations
 
