@@ -81,8 +81,10 @@ def test_a_forked_child_gets_a_lock_of_its_own():
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: the parent's lock is held, the child's must not be
-            os.write(w, b"1" if not spill._CROSSING_LOCK.locked() else b"0")
-            os._exit(0)
+            try:
+                os.write(w, b"1" if not spill._CROSSING_LOCK.locked() else b"0")
+            finally:
+                os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
         free = f.read()
