@@ -789,7 +789,6 @@ def dspark_confidence_weights(draft: str):
     a draft whose previous token (the anchor for the first draft, else the draft before it) is v is
     sigmoid(DSPARK_MARKOV_BIAS * w[v]) (the head reads the markov embedding, DSPARK_MARKOV_BIAS one-hot; its weight
     on the stages' hidden state is zero)."""
-    import torch
     from safetensors.torch import load_file
 
     proj = load_file(os.path.join(draft, "model.safetensors"))["mtp.0.confidence_head.proj.weight"]
