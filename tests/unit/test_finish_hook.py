@@ -413,3 +413,24 @@ def test_confidence_steps_of_a_request_retracted_mid_flight(monkeypatch):
     forward(0.3)  # back in a batch later (re-prefilled): pass 2
     result(0)  # pass 2's result
     assert capture_hooks.confidence_steps(req) == pytest.approx([0.1, 0.3])
+
+
+def test_confidence_selection_with_a_draft_that_has_no_head_says_so_once(monkeypatch, caplog):
+    """--hs-capture-confidence-below while the DSpark draft hands no confidence (a draft config without the head):
+    every request keeps its record, and the log says why, once."""
+    import logging
+
+    from sglang_hs.server.patches import capture_hooks
+    from sglang_hs.server.store.draft_selection import DraftSelection
+
+    monkeypatch.setattr(capture_hooks, "_writer", object())
+    monkeypatch.setattr(capture_hooks, "_selection", DraftSelection(confidence_below=0.5))
+    monkeypatch.setattr(capture_hooks, "_said_no_head", False, raising=False)
+    monkeypatch.setitem(capture_hooks.ORIGINALS, "observe_verify_step", lambda self, **kw: None)
+    req = _spec_req("no-head", 6, 0, False, pool_idx=0)
+    with caplog.at_level(logging.WARNING, logger=capture_hooks.logger.name):
+        for _ in range(3):
+            capture_hooks._observe_verify_step(None, reqs=[req], bs=1, confidence=None)
+    said = [r for r in caplog.records if "computes no confidence" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert capture_hooks.confidence_steps(req) == []

@@ -362,6 +362,8 @@ def _observe_verify_step(self, **kw) -> None:
     stream waits for the forward stream), and only then does _step_accepted read them (_resolve_confidence)."""
     ORIGINALS["observe_verify_step"](self, **kw)
     confidence = kw.get("confidence")
+    if confidence is None and _writer is not None and getattr(_selection, "confidence_below", None) is not None:
+        _warn_no_confidence_head()
     if confidence is None or _writer is None:
         return
     means = confidence[: kw["bs"]].float().mean(dim=1)
@@ -384,6 +386,19 @@ def _retracted(self) -> None:
     pending = getattr(self, "hs_confidence_pending", None)
     if pending:
         pending.clear()
+
+
+_said_no_head = False
+
+
+def _warn_no_confidence_head() -> None:
+    """Once per process: --hs-capture-confidence-below with a DSpark draft that computes no confidence (its config
+    has no confidence head), so every request keeps its record."""
+    global _said_no_head
+    if not _said_no_head:
+        _said_no_head = True
+        logger.warning("sglang-hs: --hs-capture-confidence-below, but the DSpark draft computes no confidence (its "
+                       "config has no confidence head): every captured request keeps its record")
 
 
 def _resolve_confidence(req, steps: int) -> None:
