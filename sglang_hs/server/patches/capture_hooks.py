@@ -362,9 +362,11 @@ def _observe_verify_step(self, **kw) -> None:
     stream waits for the forward stream), and only then does _step_accepted read them (_resolve_confidence)."""
     ORIGINALS["observe_verify_step"](self, **kw)
     confidence = kw.get("confidence")
-    if confidence is None and _writer is not None and getattr(_selection, "confidence_below", None) is not None:
-        _warn_no_confidence_head()
-    if confidence is None or _writer is None:
+    if _writer is None:
+        return
+    if confidence is None:  # no confidence head
+        if getattr(_selection, "confidence_below", None) is not None:
+            _warn_no_confidence_head()
         return
     means = confidence[: kw["bs"]].float().mean(dim=1)
     if means.device.type != "cpu":
