@@ -451,6 +451,19 @@ def cpu_omp_wait_policy(env) -> str:
     return f"OMP_WAIT_POLICY={given} (from the environment)"
 
 
+def cpu_torch_compile(env) -> str:
+    """Give the CPU engine envs.CPU_TORCHDYNAMO_DISABLE unless the environment sets TORCHDYNAMO_DISABLE;
+    returns what was chosen and by whom, for the CPU-mode line the launcher prints."""
+    from sglang_hs import envs
+
+    given = env.get("TORCHDYNAMO_DISABLE")
+    if given is None:
+        env["TORCHDYNAMO_DISABLE"] = envs.CPU_TORCHDYNAMO_DISABLE
+        return (f"TORCHDYNAMO_DISABLE={envs.CPU_TORCHDYNAMO_DISABLE} (set by sglang-hs: SGLang's torch.compile'd "
+                "helpers run eagerly, not built at each process's first forward; TORCHDYNAMO_DISABLE=0 compiles them)")
+    return f"TORCHDYNAMO_DISABLE={given} (from the environment)"
+
+
 def text_only(argv: List[str]) -> List[str]:
     """Serve a vision-language wrapper as text only: `language_model_only` in the model config (through
     --json-model-override-args, merged with the user's). SGLang then builds no multimodal processor
@@ -738,7 +751,8 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         bind = cpu_threads_bind(sg_argv)
         if bind and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
             env["SGLANG_CPU_OMP_THREADS_BIND"] = bind  # SGLang asserts one NUMA node per rank otherwise
-        print(f"[sglang-hs] CPU mode (SGLang's CPU engine): {cpu_omp_wait_policy(env)}", file=sys.stderr)
+        print(f"[sglang-hs] CPU mode (SGLang's CPU engine): {cpu_omp_wait_policy(env)}; {cpu_torch_compile(env)}",
+              file=sys.stderr)
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 
