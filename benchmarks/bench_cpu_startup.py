@@ -1,17 +1,17 @@
 """A CPU-mode server's start-up with SGLang's torch.compile'd helpers run eagerly or compiled.
 
-On the CPU engine the launcher gives a --dtype float32 server TORCHDYNAMO_DISABLE=1 unless the environment
+On the CPU engine a server that SGLang serves in float32 runs with TORCHDYNAMO_DISABLE=1 unless the environment
 sets it (docs/cpu-mode.md#torchdynamo_disable): SGLang compiles a few helpers with torch.compile at import (the MoE
 grouped top-k among them), and without it every scheduler process traces them with dynamo and builds them
 with inductor at its first forward. This measures what that costs where the launcher's CPU mode is used (the
 demo, the tests, the benchmarks): `python -m sglang_hs.launch_server --device cpu --hs-dump-dir ...` with the
 embedded tiny DeepSeek-V3 (float32, --hs-last), started alone, one server at a time, in an order rotated
-each repetition. Ways: `eager` (TORCHDYNAMO_DISABLE unset: the launcher's default at float32) and `compile`
-(TORCHDYNAMO_DISABLE=0). Per start: seconds from launch to the ready line, CPU seconds of the server's
-processes at that moment (their reaped children, inductor's compiler among them, included), and two greedy
-requests (the first after ready; the second once nothing is left to compile), with their tokens, which must
-be the same every way. The summary gives per way the median over repetitions and the ratio compile/eager per
-repetition (median, min-max). Inductor's on-disk cache is left as it is (warm after the first compile): the
+each repetition. Ways: `eager` (TORCHDYNAMO_DISABLE unset: the default where SGLang serves float32) and
+`compile` (TORCHDYNAMO_DISABLE=0); the server's own line confirms each. Per start: seconds from launch to the
+ready line, CPU seconds of the server's processes at that moment (their reaped children, inductor's compiler
+among them, included), and two greedy requests of the same prompt (the first after ready; the second, its
+prompt cached, once nothing is left to compile), whose tokens must be the same in every start. The summary
+gives per way the median over repetitions and the ratio compile/eager per repetition (median, min-max). Inductor's on-disk cache is left as it is (warm after the first compile): the
 figures are those of a machine that has started a server before. Writes bench_cpu_startup.csv,
 bench_cpu_startup_summary.csv and bench_cpu_startup.png.
 
@@ -38,6 +38,7 @@ from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 WAYS = {"eager": None, "compile": "0"}  # TORCHDYNAMO_DISABLE given to the launcher (None: unset, its default)
 PROMPT = 24
 KEYS = ("ready_s", "cpu_s", "first_request_s", "second_request_s")
+EAGER_LINE = "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for float32"  # serve.cpu_torch_compile's line
 
 
 def generate(url: str, rid: str, new: int) -> dict:
@@ -78,6 +79,8 @@ def start(way: str, rep: int, args, work: str, logs: str, servers: Dict[str, Ser
             os.environ["TORCHDYNAMO_DISABLE"] = saved
     server.wait_ready()
     ready = time.perf_counter() - t0
+    said = EAGER_LINE if way == "eager" else "TORCHDYNAMO_DISABLE=0 (from the environment)"
+    assert said in open(server.log_path, errors="replace").read(), f"{name}: no {said!r} in {server.log_path}"
     cpu = cpu_seconds(server.pids())
     first = generate(server.url, f"startup-{name}-1", args.new)
     second = generate(server.url, f"startup-{name}-2", args.new)
@@ -86,6 +89,7 @@ def start(way: str, rep: int, args, work: str, logs: str, servers: Dict[str, Ser
     return {"machine": machine(), "way": way, "rep": rep, "tp": args.tp, "ready_s": round(ready, 2),
             "cpu_s": round(cpu, 2), "first_request_s": round(first["s"], 3),
             "second_request_s": round(second["s"], 3), "output_ids": " ".join(map(str, first["ids"])),
+            "second_output_ids": " ".join(map(str, second["ids"])),
             "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
                       f"{row['first_request_s']:.2f}s  second {row['second_request_s']:.2f}s  load {row['loadavg_1m']}",
                       flush=True)
                 write_csv(os.path.join(args.out, "bench_cpu_startup.csv"), rows)
-        outputs = {r["output_ids"] for r in rows}
+        outputs = {(r["output_ids"], r["second_output_ids"]) for r in rows}
         assert len(outputs) == 1, f"the greedy tokens differ between starts: {sorted(outputs)}"
         summary = summarise(rows)
         write_summary(args.out, "bench_cpu_startup", summary, "summary:", str)

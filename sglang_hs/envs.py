@@ -97,11 +97,12 @@ DEFAULT_SCATTER_THREADS = 4
 # default spins each worker thread after a parallel region, which on cores shared with more runnable
 # threads takes the core the next op needs (benchmarks/bench_omp_wait.py measures it).
 CPU_OMP_WAIT_POLICY = "PASSIVE"
-# TORCHDYNAMO_DISABLE the launcher gives SGLang's CPU engine at --dtype float32 when the environment does not
-# set it. A few of SGLang's helpers are torch.compile'd at import (the MoE grouped top-k among them); every
-# scheduler process would trace them with dynamo and build them with inductor at its first forward, ~6 CPU-s a
-# start. In float32 eager computes them in the same precision (benchmarks/bench_cpu_startup.py); in bfloat16
-# the compiled top-k keeps its sigmoid in float32 and eager would not, so other dtypes compile.
+# TORCHDYNAMO_DISABLE the server gives SGLang's CPU engine when SGLang serves float32 and the environment does
+# not set it (serve.cpu_torch_compile). A few of SGLang's helpers are torch.compile'd at import (the MoE grouped
+# top-k among them); every scheduler process would trace them with dynamo and build them with inductor at its
+# first forward, ~6 CPU-s a --tp 1 start. In float32 eager computes them in the same precision
+# (benchmarks/bench_cpu_startup.py); in bfloat16 the compiled top-k keeps its sigmoid in float32 and eager
+# would not, so other dtypes compile.
 CPU_TORCHDYNAMO_DISABLE = "1"
 
 env_variables: Dict[str, Callable[[], Any]] = {
@@ -197,8 +198,8 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # CPU_OMP_WAIT_POLICY for the server's processes; set empty, the launcher removes it (libgomp's default
     # spin-wait); any other value is the user's and passed on as it is.
     "OMP_WAIT_POLICY": lambda: os.environ.get("OMP_WAIT_POLICY"),
-    # Not ours but read by the launcher in CPU mode (torch's own variable): unset, the launcher sets it to
-    # CPU_TORCHDYNAMO_DISABLE for a --dtype float32 server's processes; any value of the user's is passed on
+    # Not ours but read by the server in CPU mode (torch's own variable): unset, the server sets it to
+    # CPU_TORCHDYNAMO_DISABLE for its processes when SGLang serves float32; any value of the user's is passed on
     # (torch compiles unless it is "1").
     "TORCHDYNAMO_DISABLE": lambda: os.environ.get("TORCHDYNAMO_DISABLE"),
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/server/patches).

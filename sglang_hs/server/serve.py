@@ -131,6 +131,29 @@ def check_server_args(cfg) -> None:
             raise CaptureConfigError(f"unsupported with --hs-dump-dir: {message}")
 
 
+def cpu_torch_compile(env, cfg) -> str:
+    """CPU mode: give the server's processes envs.CPU_TORCHDYNAMO_DISABLE when SGLang serves float32 (cfg: its
+    resolved view of ServerArgs, so a dtype SGLang forces, such as Mistral Large 3's bfloat16, counts) and the
+    environment sets no TORCHDYNAMO_DISABLE; returns the line the server logs. Set here, before SGLang spawns its
+    scheduler processes, which inherit it. In float32 SGLang's torch.compile'd helpers and the eager ones compute
+    in the same precision. In bfloat16 its compiled MoE top-k keeps the router's sigmoid in float32 inside its
+    kernel (as SGLang's CUDA gate does) where eager would round it to bfloat16 and pick other experts at near
+    ties, so other dtypes compile; so does a server asked for --enable-torch-compile."""
+    from sglang_hs import envs
+
+    given = env.get("TORCHDYNAMO_DISABLE")
+    if given is not None:
+        return f"TORCHDYNAMO_DISABLE={given} (from the environment)"
+    dtype = str(getattr(cfg, "dtype", None))
+    if dtype not in ("float32", "float") or getattr(cfg, "enable_torch_compile", False):
+        why = "--enable-torch-compile" if dtype in ("float32", "float") else f"dtype {dtype}"
+        return f"torch.compile on ({why}; sglang-hs runs SGLang's compiled helpers eagerly in float32 only)"
+    env["TORCHDYNAMO_DISABLE"] = envs.CPU_TORCHDYNAMO_DISABLE
+    return (f"TORCHDYNAMO_DISABLE={envs.CPU_TORCHDYNAMO_DISABLE} (set by sglang-hs for float32: SGLang's torch.compile'd "
+            "helpers run eagerly, in the same precision, not built at each process's first forward; "
+            "TORCHDYNAMO_DISABLE=0 compiles them)")
+
+
 NODE_READY = "[sglang-hs] node {node} of {nnodes}: schedulers ready"
 
 
@@ -186,6 +209,9 @@ def main(argv) -> int:
     except CaptureConfigError as e:
         print(f"sglang-hs: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if envs.SGLANG_HS_CPU_MODE:
+        print(f"[sglang-hs] CPU mode: {cpu_torch_compile(os.environ, resolving_view(server_args))}", file=sys.stderr,
+              flush=True)
     if (server_args.node_rank or 0) > 0:
         announce_node_ready(server_args)
     try:

@@ -451,25 +451,6 @@ def cpu_omp_wait_policy(env) -> str:
     return f"OMP_WAIT_POLICY={given} (from the environment)"
 
 
-def cpu_torch_compile(env, sg_argv: List[str]) -> str:
-    """Give a float32 CPU engine envs.CPU_TORCHDYNAMO_DISABLE unless the environment sets TORCHDYNAMO_DISABLE;
-    returns what was chosen and by whom, for the CPU-mode line the launcher prints. Only float32: there the
-    compiled helpers and the eager ones compute in the same precision. In bfloat16 SGLang's compiled MoE top-k
-    keeps the router's sigmoid in float32 inside its kernel (as SGLang's CUDA gate does) where eager would
-    round it to bfloat16 and pick other experts at near ties, so other dtypes are left to compile."""
-    from sglang_hs import envs
-
-    given = env.get("TORCHDYNAMO_DISABLE")
-    if given is not None:
-        return f"TORCHDYNAMO_DISABLE={given} (from the environment)"
-    if str(_flag_value(sg_argv, "--dtype")).lower() not in ("float32", "float"):
-        return "torch.compile on (sglang-hs sets TORCHDYNAMO_DISABLE=1 for --dtype float32 only)"
-    env["TORCHDYNAMO_DISABLE"] = envs.CPU_TORCHDYNAMO_DISABLE
-    return (f"TORCHDYNAMO_DISABLE={envs.CPU_TORCHDYNAMO_DISABLE} (set by sglang-hs for --dtype float32: SGLang's "
-            "torch.compile'd helpers run eagerly, in the same precision, not built at each process's first forward; "
-            "TORCHDYNAMO_DISABLE=0 compiles them)")
-
-
 def text_only(argv: List[str]) -> List[str]:
     """Serve a vision-language wrapper as text only: `language_model_only` in the model config (through
     --json-model-override-args, merged with the user's). SGLang then builds no multimodal processor
@@ -757,8 +738,7 @@ def prepare(argv: List[str]) -> Tuple[List[str], Optional[str]]:
         bind = cpu_threads_bind(sg_argv)
         if bind and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
             env["SGLANG_CPU_OMP_THREADS_BIND"] = bind  # SGLang asserts one NUMA node per rank otherwise
-        print(f"[sglang-hs] CPU mode (SGLang's CPU engine): {cpu_omp_wait_policy(env)}; {cpu_torch_compile(env, sg_argv)}",
-              file=sys.stderr)
+        print(f"[sglang-hs] CPU mode (SGLang's CPU engine): {cpu_omp_wait_policy(env)}", file=sys.stderr)
     else:
         env.pop("SGLANG_HS_CPU_MODE", None)
 

@@ -231,6 +231,10 @@ def test_checkpoint_has_the_family_shape(family):
     cfg = tiny_model.variant_config(variant)
     assert reader.manifest["layer_ids"] == LAYERS
     assert reader.manifest["dtype"] == ("bfloat16" if variant in BF16_SERVED else "float32")
+    # SGLang's torch.compile'd helpers run eagerly where SGLang serves float32 and compile where it serves bfloat16,
+    # whatever --dtype asked (every family here is asked for float32; serve.cpu_torch_compile)
+    assert ("[sglang-hs] CPU mode: torch.compile on (dtype bfloat16;" if variant in BF16_SERVED else
+            "[sglang-hs] CPU mode: TORCHDYNAMO_DISABLE=1 (set by sglang-hs for float32") in server.output
     arch = {"v2": "DeepseekV2ForCausalLM", "mistral-large-3": "MistralLarge3ForCausalLM",
             "kimi-k25": "KimiK25ForConditionalGeneration", "v32": "DeepseekV32ForCausalLM"}.get(
         variant, "DeepseekV3ForCausalLM")

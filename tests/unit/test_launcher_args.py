@@ -81,31 +81,11 @@ def test_prepare_cpu_mode_omp_wait_policy(tmp_path, clean_env, capsys, given, se
         assert len(line) == 1 and said in line[0], line
 
 
-@pytest.mark.parametrize("dtype, given, served, said", [
-    (["--dtype", "float32"], None, "1", "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for --dtype float32"),  # unset
-    (["--dtype", "float"], None, "1", "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for --dtype float32"),
-    ([], None, None, "torch.compile on (sglang-hs sets TORCHDYNAMO_DISABLE=1 for --dtype float32 only)"),  # auto
-    (["--dtype", "bfloat16"], None, None, "torch.compile on ("),
-    (["--dtype", "float32"], "0", "0", "TORCHDYNAMO_DISABLE=0 (from the environment)"),  # the user's: kept
-    (["--dtype", "float32"], "", "", "TORCHDYNAMO_DISABLE= (from the environment)"),
-    (["--dtype", "bfloat16"], "1", "1", "TORCHDYNAMO_DISABLE=1 (from the environment)"),
-])
-def test_prepare_cpu_mode_torch_compile(tmp_path, clean_env, capsys, dtype, given, served, said):
-    """A float32 CPU server runs SGLang's torch.compile'd helpers eagerly (the same precision either way;
-    benchmarks/bench_cpu_startup.py) unless the user set TORCHDYNAMO_DISABLE; other dtypes compile (in
-    bfloat16 the compiled MoE top-k keeps its sigmoid in float32, eager would not). Plain or capturing, its
-    CPU-mode line says which; a CUDA server is left as the environment has it."""
-    model = _model_dir(tmp_path)
-    for extra in ([], ["--hs-dump-dir", str(tmp_path / "hs")]):
-        os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        if given is not None:
-            os.environ["TORCHDYNAMO_DISABLE"] = given
-        launch_server.prepare(["--model-path", model, "--device", "cpu", *dtype, *extra])
-        assert os.environ.get("TORCHDYNAMO_DISABLE") == served and envs.TORCHDYNAMO_DISABLE == served
-        line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[sglang-hs] CPU mode")]
-        assert len(line) == 1 and said in line[0], line
+def test_prepare_leaves_torch_compile_to_the_server(tmp_path, clean_env):
+    """The launcher sets no TORCHDYNAMO_DISABLE: the server decides on SGLang's resolved dtype
+    (serve.cpu_torch_compile; tests/unit/test_server_arg_refusals.py)."""
     os.environ.pop("TORCHDYNAMO_DISABLE", None)
-    launch_server.prepare(["--model-path", model, "--device", "cuda", "--dtype", "float32"])
+    launch_server.prepare(["--model-path", _model_dir(tmp_path), "--device", "cpu", "--dtype", "float32"])
     assert "TORCHDYNAMO_DISABLE" not in os.environ
 
 

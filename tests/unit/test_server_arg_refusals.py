@@ -12,7 +12,7 @@ import pytest
 from sglang_hs.tools import tiny_model
 from sglang_hs.server.capture_spec import CaptureConfigError
 from sglang_hs.server.cpu import stubs_dir
-from sglang_hs.server.serve import check_server_args
+from sglang_hs.server.serve import check_server_args, cpu_torch_compile
 
 # (extra SGLang argv, the flag the refusal must name first). Flags that put KV into a slot without a
 # forward pass (the store's rows for that slot would be stale), then the older refusals.
@@ -88,9 +88,9 @@ def resolve():
     sys.path.insert(0, stubs_dir())
     model = tiny_model.ensure()
 
-    def _resolve(extra):
-        server_args = prepare_server_args(["--model-path", model, "--device", "cpu", "--max-total-tokens", "4096",
-                                           *extra])
+    def _resolve(extra, model_path=None):
+        server_args = prepare_server_args(["--model-path", model_path or model, "--device", "cpu",
+                                           "--max-total-tokens", "4096", *extra])
         server_args.resolve_once()
         return resolving_view(server_args)
 
@@ -138,3 +138,26 @@ def test_sglang_rejects_alone(resolve, extra, reason):
     """If SGLang 0.5.23 ever accepts one of these on its own, it needs a refusal of its own here."""
     with pytest.raises((ValueError, AssertionError), match=reason):
         resolve(extra)
+
+
+@pytest.mark.parametrize("variant, extra, given, served, said", [
+    ("v3", ["--dtype", "float32"], None, "1", "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for float32"),
+    ("v3", ["--dtype=float"], None, "1", "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for float32"),
+    ("v3", [], None, None, "torch.compile on (dtype bfloat16;"),  # auto: the checkpoint's bfloat16
+    ("v3", ["--dtype", "float32", "--enable-torch-compile"], None, None, "torch.compile on (--enable-torch-compile;"),
+    # SGLang serves Mistral Large 3 in bfloat16 whatever --dtype asks (arg_groups/model_override_base.py)
+    ("mistral-large-3", ["--dtype", "float32"], None, None, "torch.compile on (dtype bfloat16;"),
+    ("v3", ["--dtype", "float32"], "0", "0", "TORCHDYNAMO_DISABLE=0 (from the environment)"),  # the user's: kept
+    ("v3", ["--dtype", "float32"], "", "", "TORCHDYNAMO_DISABLE= (from the environment)"),
+    ("v3", [], "1", "1", "TORCHDYNAMO_DISABLE=1 (from the environment)"),
+])
+def test_cpu_mode_runs_compiled_helpers_eagerly_only_where_sglang_serves_float32(resolve, variant, extra, given,
+                                                                                   served, said):
+    """The server's processes get TORCHDYNAMO_DISABLE=1 when SGLang's resolved dtype is float32 and the user
+    set none (benchmarks/bench_cpu_startup.py): there eager computes SGLang's compiled helpers in the same
+    precision. Other dtypes compile (in bfloat16 the compiled MoE top-k keeps its sigmoid in float32, eager
+    would not), so does --enable-torch-compile; the dtype is SGLang's, not the flag's."""
+    cfg = resolve(extra, tiny_model.ensure(variant))
+    env = {} if given is None else {"TORCHDYNAMO_DISABLE": given}
+    line = cpu_torch_compile(env, cfg)
+    assert env.get("TORCHDYNAMO_DISABLE") == served and said in line, (env, line)
