@@ -143,7 +143,7 @@ def test_sglang_rejects_alone(resolve, extra, reason):
 @pytest.mark.parametrize("variant, extra, given, served, said", [
     ("v3", ["--dtype", "float32"], None, "1", "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for float32"),
     ("v3", ["--dtype=float"], None, "1", "TORCHDYNAMO_DISABLE=1 (set by sglang-hs for float32"),
-    ("v3", [], None, None, "torch.compile on (dtype bfloat16;"),  # auto: the checkpoint's bfloat16
+    ("v3", [], None, None, "torch.compile on (dtype auto;"),  # SGLang turns auto into float16 or bfloat16, never float32
     ("v3", ["--dtype", "float32", "--enable-torch-compile"], None, None, "torch.compile on (--enable-torch-compile;"),
     # SGLang serves Mistral Large 3 in bfloat16 whatever --dtype asks (arg_groups/model_override_base.py)
     ("mistral-large-3", ["--dtype", "float32"], None, None, "torch.compile on (dtype bfloat16;"),
