@@ -102,7 +102,8 @@ CPU_OMP_WAIT_POLICY = "PASSIVE"
 # top-k among them); every scheduler process would trace them with dynamo and build them with inductor at its
 # first forward, ~6 CPU-s a --tp 1 start. In float32 eager computes them in the same precision
 # (benchmarks/bench_cpu_startup.py); in bfloat16 the compiled top-k keeps its sigmoid in float32 and eager
-# would not, so other dtypes compile.
+# would not, so other dtypes compile. Any TORCHDYNAMO_DISABLE of the user's is passed on (torch compiles unless
+# it is "1").
 CPU_TORCHDYNAMO_DISABLE = "1"
 
 env_variables: Dict[str, Callable[[], Any]] = {
@@ -198,10 +199,6 @@ env_variables: Dict[str, Callable[[], Any]] = {
     # CPU_OMP_WAIT_POLICY for the server's processes; set empty, the launcher removes it (libgomp's default
     # spin-wait); any other value is the user's and passed on as it is.
     "OMP_WAIT_POLICY": lambda: os.environ.get("OMP_WAIT_POLICY"),
-    # Not ours but read by the server in CPU mode (torch's own variable): unset, the server sets it to
-    # CPU_TORCHDYNAMO_DISABLE for its processes when SGLang serves float32; any value of the user's is passed on
-    # (torch compiles unless it is "1").
-    "TORCHDYNAMO_DISABLE": lambda: os.environ.get("TORCHDYNAMO_DISABLE"),
     # Set by the launcher in CPU mode: the scheduler applies the CPU-engine fixes (sglang_hs/server/patches).
     "SGLANG_HS_CPU_MODE": _bool("SGLANG_HS_CPU_MODE"),
     # Set by the launcher to the server's --speculative-algorithm (upper case; unset: none). DSPARK: the CPU engine's

@@ -137,7 +137,7 @@ def cpu_torch_compile(env, cfg) -> str:
     environment sets no TORCHDYNAMO_DISABLE; returns the line the server logs. Set here, before SGLang spawns its
     scheduler processes, which inherit it. In float32 SGLang's torch.compile'd helpers and the eager ones compute
     in the same precision. In bfloat16 its compiled MoE top-k keeps the router's sigmoid in float32 inside its
-    kernel (as SGLang's CUDA gate does) where eager would round it to bfloat16 and pick other experts at near
+    kernel (as SGLang's Triton gate does) where eager would round it to bfloat16 and pick other experts at near
     ties, so other dtypes compile; so does a server asked for --enable-torch-compile."""
     from sglang_hs import envs
 
