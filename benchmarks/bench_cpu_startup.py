@@ -64,19 +64,12 @@ def cpu_seconds(pids: List[int]) -> float:
 
 
 def start(way: str, rep: int, args, work: str, logs: str, servers: Dict[str, ServerProcess]) -> dict:
-    saved = os.environ.pop("TORCHDYNAMO_DISABLE", None)
-    if WAYS[way] is not None:
-        os.environ["TORCHDYNAMO_DISABLE"] = WAYS[way]  # the launcher inherits it
-    try:
-        t0 = time.perf_counter()
-        name = f"{way}-{rep}"
-        server = servers[name] = ServerProcess(
-            ["--device", "cpu", "--dtype", "float32", "--tp", str(args.tp), "--hs-last",
-             "--hs-dump-dir", os.path.join(work, name)], log_path=os.path.join(logs, name + ".log"))
-    finally:
-        os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        if saved is not None:
-            os.environ["TORCHDYNAMO_DISABLE"] = saved
+    t0 = time.perf_counter()
+    name = f"{way}-{rep}"
+    server = servers[name] = ServerProcess(
+        ["--device", "cpu", "--dtype", "float32", "--tp", str(args.tp), "--hs-last",
+         "--hs-dump-dir", os.path.join(work, name)], log_path=os.path.join(logs, name + ".log"),
+        env={"TORCHDYNAMO_DISABLE": WAYS[way]})  # None: left out, the server's default
     server.wait_ready()
     ready = time.perf_counter() - t0
     said = EAGER_LINE if way == "eager" else "TORCHDYNAMO_DISABLE=0 (from the environment)"

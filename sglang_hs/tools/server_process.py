@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from sglang_hs.tools.supervisor import LAUNCHER_EXIT_AFTER_STOP_S
 
@@ -181,14 +181,25 @@ def scheduler_pid(pids: List[int]) -> int:
     raise RuntimeError(f"no SGLang scheduler among processes {sorted(pids)}")
 
 
+def _child_env(extra: Optional[Dict[str, Optional[str]]]) -> Dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
 class ServerStartError(RuntimeError):
     pass
 
 
 class ServerProcess:
     def __init__(self, launcher_args: List[str], log_path: Optional[str] = None, host: str = "127.0.0.1",
-                 launcher: Optional[List[str]] = None) -> None:
-        """`launcher`: the command that runs the launcher (default: this Python's -m sglang_hs.launch_server)."""
+                 launcher: Optional[List[str]] = None, env: Optional[Dict[str, Optional[str]]] = None) -> None:
+        """`launcher`: the command that runs the launcher (default: this Python's -m sglang_hs.launch_server).
+        `env`: variables the launcher gets on top of this process's environment (None: left out of it)."""
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         if log_path is None:
@@ -201,7 +212,7 @@ class ServerProcess:
                     "--host", host, "--port", str(self.port)]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env=_child_env(env))
         self._launched = start_time(self.proc.pid)  # our child, not yet waited for: this very launcher
 
     def log_tail(self, n: int = 40) -> str:
