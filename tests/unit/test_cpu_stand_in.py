@@ -1,6 +1,9 @@
 """The sgl_kernel import stand-in used in CPU mode."""
 import importlib
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -47,3 +50,32 @@ def test_mha_kv_move_copies_every_buffer_at_raw_addresses(stand_in, dtype):
         assert torch.equal(b, r)
     stand_in.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt[:0], src[:0])  # nothing to move: nothing touched
     assert all(torch.equal(b, r) for b, r in zip(bufs, ref))
+
+
+def test_cpu_mode_leaves_flashinfer_out_the_way_sglangs_cpu_install_does():
+    """In CPU mode `import flashinfer` fails with the ModuleNotFoundError SGLang's guards expect (its CPU
+    install has none), so a server process imports neither FlashInfer nor cutlass: the processes SGLang
+    spawns (HTTP server, scheduler with its model runner and speculative workers, detokenizer) import."""
+    code = textwrap.dedent("""
+        import sys
+        try:
+            import flashinfer.sampling
+        except ModuleNotFoundError as e:
+            assert e.name == "flashinfer" and "sglang-hs" in str(e), e
+        else:
+            raise AssertionError("flashinfer imported")
+        import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler
+        import sglang.srt.managers.detokenizer_manager, sglang.srt.model_executor.model_runner
+        import sglang.srt.speculative.eagle_worker_v2, sglang.srt.speculative.ngram_worker
+        import sglang.srt.speculative.dspark_components.dspark_draft
+        import sglang_hs.server.models
+        from sglang.srt.layers.quantization import fp4_utils
+        assert fp4_utils.fp4_quantize is None or "flashinfer" not in fp4_utils.fp4_quantize.__module__
+        loaded = sorted({m.split(".")[0] for m in sys.modules} & {"flashinfer", "cutlass"})
+        assert not loaded, loaded
+        print("ok")
+    """)
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_HS_CPU_MODE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (stubs_dir(), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -3,5 +3,6 @@ import os
 
 
 def stubs_dir() -> str:
-    """The folder the launcher puts first on PYTHONPATH so `import sgl_kernel` finds the stand-in."""
+    """The folder the launcher puts first on PYTHONPATH so `import sgl_kernel` and `import flashinfer` find
+    the stand-ins (stubs/sgl_kernel, stubs/flashinfer)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
