@@ -1,4 +1,4 @@
-"""Import stand-in that leaves FlashInfer out of SGLang's CPU engine (never used on a GPU).
+"""Import stand-in that leaves FlashInfer out of SGLang's CPU engine (on PYTHONPATH in CPU mode only).
 
 SGLang's own CPU install (`python/pyproject_cpu.toml`) has no flashinfer, and its CPU engine never calls
 it: every site either asks `is_flashinfer_available()` (which needs CUDA) or imports it under
