@@ -37,6 +37,7 @@ bench: setup
 	$(PY) benchmarks/bench_harvest.py --out benchmarks/results
 	$(PY) benchmarks/bench_omp_wait.py --out benchmarks/results
 	$(PY) benchmarks/bench_cpu_startup.py --out benchmarks/results
+	$(PY) benchmarks/bench_cpu_imports.py --out benchmarks/results
 	$(PY) benchmarks/bench_speculative.py --out benchmarks/results
 	$(PY) benchmarks/bench_speculative.py --algorithm EAGLE3 --out benchmarks/results
 
