@@ -1054,7 +1054,7 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
     reused. Every row of every record judged against HF float32. Which repeat in a wave hits depends on the order
     the server admits the wave's requests (one admitted first may evict another's prefix), so a wave need not
     hit: on a loaded machine none did once; the hit asserted is the pair's (the first's prefix is in the radix
-    tree from its finish, before its reply, and nothing runs in between)."""
+    tree from its finish, before its reply, and nothing runs in between), the miss asserted one LRU forces."""
     from sglang_hs.status import metrics
 
     server, reader, streams, hf = v4
@@ -1083,8 +1083,12 @@ def test_a_full_pool_evicts_and_reuses_slots(v4):
     print(f"v4-csa full pool: {len(cached)} records, {sent} tokens through {POOL} in the waves, {evicted:.0f} evicted, "
           f"cached {cached}, worst {worst:.2e}")
     assert sent > 4 * POOL and evicted >= 2 * POOL, (sent, evicted)
-    assert any(c == 0 for c in cached[3:-2]), cached  # repeats missed: evicted
-    assert cached[-2] == 0 and cached[-1] == len(again) - 1, cached  # the pair: a miss, then a hit on all but its last token
+    # prompt 2's repeat (wave 4) misses whatever the order: waves 2 and 3 cache ~400 new tokens (prompts 3, 4 and 5
+    # and their outputs) in a pool of 320, so some of them were evicted, and LRU evicts prompt 2 (last used in wave
+    # 1) before any of them; at most a first token shared by chance with another cached sequence matches
+    assert cached[9] <= 1, cached
+    # the pair: its second request has all but its last token cached (its first's may match a chance first token)
+    assert cached[-1] == len(again) - 1 > cached[-2], cached
 
 
 def test_dp_attention_rows_of_both_groups(v4):
