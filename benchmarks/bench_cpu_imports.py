@@ -1,17 +1,19 @@
 """What each of a CPU-mode server's processes spends importing SGLang, with and without the flashinfer stand-in.
 
-In CPU mode the launcher puts two import stand-ins first on PYTHONPATH (sglang_hs/server/cpu/stubs):
-`sgl_kernel`, and `flashinfer`, whose import fails as on SGLang's own CPU install, which has none
+In CPU mode the launcher puts two import stand-ins first on PYTHONPATH (sglang_hs/server/cpu/stubs): `sgl_kernel`,
+and `flashinfer`, whose import fails as on SGLang's own CPU install, which has none
 (docs/cpu-mode.md#what-the-launcher-sets). PyPI's sglang installs flashinfer-python, and without the stand-in every
-SGLang process imports FlashInfer (and cutlass through it) at start from a guarded import it never uses on the CPU
-engine. This measures each process's import the way SGLang starts it (SGLANG_USE_CPU_ENGINE=1, a fresh
-interpreter): the HTTP server's module, the scheduler's and the detokenizer's. Ways: `stand-in` (the
-launcher's stubs folder) and `flashinfer` (a copy of it holding `sgl_kernel` only, so the real FlashInfer is
-imported); each child reports whether FlashInfer and cutlass were loaded, which must match its way. Per import:
-CPU seconds of the child (user + system, interpreter start and any process it ran included) and wall seconds, in an order rotated each
-repetition. The summary gives per module the median over repetitions of each way and the ratio
-flashinfer/stand-in per repetition (median, min-max). Writes bench_cpu_imports.csv, bench_cpu_imports_summary.csv
-and bench_cpu_imports.png.
+SGLang process imports FlashInfer (and cutlass through it) at start, from a guarded import it never uses on the CPU
+engine. This measures, in a fresh interpreter with SGLANG_USE_CPU_ENGINE=1, the import of the SGLang module each of
+a --tp 1 server's processes runs from: the HTTP server's (the launcher's process), the scheduler's and the
+detokenizer's (SGLang spawns those; a spawned child also imports sglang_hs's serve.py first, the same in both
+ways). Ways: `stand-in` (the launcher's stubs folder) and `flashinfer` (a copy of it holding `sgl_kernel` only,
+so the real FlashInfer is imported); each child reports whether FlashInfer and cutlass were loaded, which must
+match its way. Per import: `cpu_s`, the child's CPU seconds (user + system, interpreter start and any process it
+ran included) right after the import, and `wall_s`, seconds from the child's launch to its exit (the parent's
+clock); the two ways alternate in an order rotated each repetition. The summary gives per process the median over
+repetitions of each way, the median saving, and the ratio flashinfer/stand-in per repetition (median, min-max).
+Writes bench_cpu_imports.csv, bench_cpu_imports_summary.csv and bench_cpu_imports.png.
 
     python benchmarks/bench_cpu_imports.py --out benchmarks/results [--reps 5]
 """
@@ -33,7 +35,7 @@ from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_su
 from sglang_hs.server.cpu import stubs_dir  # noqa: E402
 
 WAYS = ("stand-in", "flashinfer")
-MODULES = {  # the process -> the module SGLang's spawned process imports first
+MODULES = {  # a --tp 1 server's process -> the SGLang module it runs from
     "http_server": "sglang.srt.entrypoints.http_server",
     "scheduler": "sglang.srt.managers.scheduler",
     "detokenizer": "sglang.srt.managers.detokenizer_manager",

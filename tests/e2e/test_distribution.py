@@ -62,6 +62,7 @@ def test_wheel_contents(wheel):
     for n in ("sglang_hs/data/tiny_deepseek_v3/config.json", "sglang_hs/data/tiny_deepseek_v3/tokenizer.json",
               "sglang_hs/data/tiny_deepseek_v3/tokenizer_config.json",
               "sglang_hs/server/cpu/stubs/sgl_kernel/__init__.py", "sglang_hs/server/cpu/stubs/sgl_kernel/spec_ops.py",
+              "sglang_hs/server/cpu/stubs/sgl_kernel/speculative.py",
               "sglang_hs/server/cpu/stubs/flashinfer/__init__.py",
               "sglang_hs/server/models/deepseek_v2.py"):
         assert n in names, n

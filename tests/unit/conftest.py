@@ -9,8 +9,9 @@ from sglang_hs.server.cpu import stubs_dir
 
 @contextlib.contextmanager
 def _cpu_engine_imports():
-    """Import SGLang modules the way the CPU engine does (SGLANG_USE_CPU_ENGINE=1, the import
-    stand-ins, sgl_kernel and flashinfer, first on the path), then put the environment back."""
+    """Import SGLang modules the way the CPU engine does (SGLANG_USE_CPU_ENGINE=1, the sgl_kernel
+    stand-in first on the path; the flashinfer one counts only where collection has not imported FlashInfer
+    already: tests/unit/test_cpu_stand_in.py checks it in a fresh interpreter), then put the environment back."""
     saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     sys.path.insert(0, stubs_dir())

@@ -70,7 +70,7 @@ def test_cpu_mode_leaves_flashinfer_out_the_way_sglangs_cpu_install_does():
         import sglang.srt.speculative.dspark_components.dspark_draft
         import sglang_hs.server.models
         from sglang.srt.layers.quantization import fp4_utils
-        assert fp4_utils.fp4_quantize is None or "flashinfer" not in fp4_utils.fp4_quantize.__module__
+        assert fp4_utils.fp4_quantize is None  # its guarded import took the except branch
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"flashinfer", "cutlass"})
         assert not loaded, loaded
         print("ok")
