@@ -1,4 +1,4 @@
-"""The sgl_kernel import stand-in used in CPU mode."""
+"""The import stand-ins used in CPU mode: sgl_kernel (plain-torch ops) and flashinfer (left out)."""
 import importlib
 import os
 import subprocess
@@ -54,8 +54,8 @@ def test_mha_kv_move_copies_every_buffer_at_raw_addresses(stand_in, dtype):
 
 def test_cpu_mode_leaves_flashinfer_out_the_way_sglangs_cpu_install_does():
     """In CPU mode `import flashinfer` fails with the ModuleNotFoundError SGLang's guards expect (its CPU
-    install has none), so a server process imports neither FlashInfer nor cutlass: the processes SGLang
-    spawns (HTTP server, scheduler with its model runner and speculative workers, detokenizer) import."""
+    install has none), and the modules a server's processes run from (HTTP server, scheduler with its model
+    runner and speculative workers, detokenizer, our model overlays) import without FlashInfer or cutlass."""
     code = textwrap.dedent("""
         import sys
         try:
