@@ -35,6 +35,7 @@ from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write
 from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 POLICIES = {"default": "", "passive": "PASSIVE"}  # "": the launcher keeps libgomp's default
+SAID = {"default": "OMP_WAIT_POLICY unset (empty in the environment", "passive": "OMP_WAIT_POLICY=PASSIVE"}  # its line
 CONFIGS = ("plain", "capture")
 PROMPT = 32
 
@@ -124,23 +125,20 @@ def main(argv=None) -> int:
     servers: Dict[str, ServerProcess] = {}
     rows: List[dict] = []
     ok = False
-    saved = os.environ.get("OMP_WAIT_POLICY")
     try:
         for config in configs:
             for p, value in POLICIES.items():
                 way = f"{config}/{p}"
-                os.environ["OMP_WAIT_POLICY"] = value  # the launcher inherits it
                 flags = ["--device", "cpu", "--context-length", "256"]
                 if config == "capture":
                     flags += ["--hs-dump-dir", os.path.join(work, p)]
-                servers[way] = ServerProcess(flags, log_path=os.path.join(logs, way.replace("/", "-") + ".log"))
-        if saved is None:
-            os.environ.pop("OMP_WAIT_POLICY")
-        else:
-            os.environ["OMP_WAIT_POLICY"] = saved
+                servers[way] = ServerProcess(flags, log_path=os.path.join(logs, way.replace("/", "-") + ".log"),
+                                             env={"OMP_WAIT_POLICY": value})  # the launcher's, on top of ours
         t0 = time.perf_counter()
-        for s in servers.values():
+        for way, s in servers.items():
             s.wait_ready()
+            said = SAID[way.split("/")[1]]
+            assert said in open(s.log_path, errors="replace").read(), f"{way}: no {said!r} in {s.log_path}"
         print(f"{len(servers)} servers ready in {time.perf_counter() - t0:.0f}s", flush=True)
         ways = list(servers)
         for rep in range(args.reps):
