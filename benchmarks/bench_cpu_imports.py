@@ -31,7 +31,7 @@ import time
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, save_figure, write_csv, write_summary  # noqa: E402
+from benchmarks.common import _pyplot, machine, ratio_spread, save_figure, write_csv, write_summary  # noqa: E402
 from sglang_hs.server.cpu import stubs_dir  # noqa: E402
 
 WAYS = ("stand-in", "flashinfer")
@@ -82,14 +82,13 @@ def summarise(rows: List[dict]) -> List[dict]:
         if not reps:
             continue
         for key in ("cpu_s", "wall_s"):
-            ratios = [by["flashinfer"][r][key] / by["stand-in"][r][key] for r in reps]
+            ratio, low, high = ratio_spread(by["flashinfer"], by["stand-in"], key, reps)
             out.append({"process": process, "measure": key, "reps": len(reps),
                         "stand_in_median": round(statistics.median(by["stand-in"][r][key] for r in reps), 2),
                         "flashinfer_median": round(statistics.median(by["flashinfer"][r][key] for r in reps), 2),
                         "saved_median": round(statistics.median(by["flashinfer"][r][key] - by["stand-in"][r][key]
                                                                 for r in reps), 2),
-                        "ratio_flashinfer_over_stand_in_median": round(statistics.median(ratios), 3),
-                        "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)})
+                        "ratio_flashinfer_over_stand_in_median": ratio, "ratio_min": low, "ratio_max": high})
     return out
 
 

@@ -32,7 +32,7 @@ import psutil
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
+from benchmarks.common import _pyplot, machine, ratio_spread, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
 from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 WAYS = {"eager": None, "compile": "0"}  # TORCHDYNAMO_DISABLE given to the launcher (None: unset, its default)
@@ -93,12 +93,11 @@ def summarise(rows: List[dict]) -> List[dict]:
         return []
     out = []
     for key in KEYS:
-        ratios = [by["compile"][r][key] / by["eager"][r][key] for r in reps]
+        ratio, low, high = ratio_spread(by["compile"], by["eager"], key, reps)
         out.append({"measure": key, "reps": len(reps),
                     "eager_median": round(statistics.median(by["eager"][r][key] for r in reps), 3),
                     "compile_median": round(statistics.median(by["compile"][r][key] for r in reps), 3),
-                    "ratio_compile_over_eager_median": round(statistics.median(ratios), 3),
-                    "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)})
+                    "ratio_compile_over_eager_median": ratio, "ratio_min": low, "ratio_max": high})
     return out
 
 

@@ -31,7 +31,7 @@ from typing import Dict, List
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import _pyplot, machine, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
+from benchmarks.common import _pyplot, machine, ratio_spread, save_figure, stop_servers, write_csv, write_summary  # noqa: E402
 from sglang_hs.tools.server_process import ServerProcess  # noqa: E402
 
 POLICIES = {"default": "", "passive": "PASSIVE"}  # "": the launcher keeps libgomp's default
@@ -79,9 +79,8 @@ def summarise(rows: List[dict]) -> List[dict]:
         for key in ("single_s", "concurrent_s"):
             for p in POLICIES:
                 row[f"{key}_{p}_median"] = round(statistics.median(by[p][r][key] for r in reps), 3)
-            ratios = [by["default"][r][key] / by["passive"][r][key] for r in reps]
-            row[f"{key}_ratio_default_over_passive_median"] = round(statistics.median(ratios), 2)
-            row[f"{key}_ratio_min"], row[f"{key}_ratio_max"] = round(min(ratios), 2), round(max(ratios), 2)
+            (row[f"{key}_ratio_default_over_passive_median"], row[f"{key}_ratio_min"],
+             row[f"{key}_ratio_max"]) = ratio_spread(by["default"], by["passive"], key, reps, digits=2)
         out.append(row)
     return out
 

@@ -6,8 +6,9 @@ import csv
 import os
 import platform
 import shutil
+import statistics
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 def machine() -> str:
@@ -29,6 +30,14 @@ def write_csv(path: str, rows: List[dict]) -> None:
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, path)
+
+
+def ratio_spread(num: Dict[int, dict], den: Dict[int, dict], key: str, reps: List[int],
+                 digits: int = 3) -> Tuple[float, float, float]:
+    """Two ways measured in the same repetitions (rep -> row, each): the ratio num/den of `key` in each of `reps`,
+    as its median, min and max, rounded to `digits`."""
+    ratios = [num[r][key] / den[r][key] for r in reps]
+    return round(statistics.median(ratios), digits), round(min(ratios), digits), round(max(ratios), digits)
 
 
 def _pyplot():
